@@ -1,0 +1,1 @@
+from fastrlhf.version import __version__

