@@ -1,0 +1,439 @@
+"""Per-token log-probability and entropy of softmax(logits / T), without an extra [N, V] tensor.
+
+Three layers, as in Liger-Kernel's ops:
+
+* Triton kernels (built lazily by :func:`triton_kernels`, so importing this module never imports
+  triton): ``stats`` makes one pass over each row's vocabulary keeping an online max, sum of
+  exponentials and entropy accumulator, and writes three fp32 numbers per row; ``grad`` recomputes
+  the softmax block by block and writes ``dlogits`` directly.
+* A torch path doing the same work in row chunks with in-place ops (the CPU fallback).
+* :class:`LogprobEntropyFunction` / :func:`logprob_entropy`, the differentiable public op.
+
+The internal functions :func:`logprob_entropy_stats` and :func:`logprob_entropy_grad` are shared
+with ``fused_linear.py`` and ``policy_loss.py``; their ``backend`` argument is already resolved.
+The reference math is ``fastrlhf.algorithms.logprobs_from_logits`` / ``entropy_from_logits``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fastrlhf.algorithms import _check_temperature
+
+from ._backend import interpreter_enabled, resolve_backend
+
+__all__ = [
+    "LogprobEntropyFunction",
+    "default_block_v",
+    "logprob_entropy",
+    "logprob_entropy_grad",
+    "logprob_entropy_stats",
+    "triton_kernels",
+]
+
+# A log-probability below this has exp() == 0 in fp32 (the smallest subnormal is e^-103.3), so
+# clamping there changes no probability, yet keeps p * log p and g * log p finite where a logit is
+# -inf (0 * -inf would be NaN).
+_LOGP_FLOOR = -1000.0
+
+# Widest vocabulary block one Triton program loads at once. On a GPU wider blocks spill registers;
+# under the interpreter the cost is per loop iteration, nearly independent of width, so one block
+# per row is fastest. Tests lower these (or pass block_v) to exercise the multi-block loop.
+MAX_BLOCK_V_GPU = 4096
+MAX_BLOCK_V_INTERPRETER = 1 << 16
+
+# fp32 elements per torch-path chunk buffer: 4 MiB, small enough to stay mostly in cache while the
+# chunk's in-place passes run, large enough that per-op overhead is negligible.
+TORCH_CHUNK_ELEMENTS = 1 << 20
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def default_block_v(vocab_size: int, on_gpu: bool | None = None) -> int:
+    """BLOCK_V for a vocabulary: next power of two of V, capped (lower on GPU than in the interpreter)."""
+    if on_gpu is None:
+        on_gpu = not interpreter_enabled()
+    cap = MAX_BLOCK_V_GPU if on_gpu else MAX_BLOCK_V_INTERPRETER
+    return max(16, min(_next_power_of_2(vocab_size), cap))
+
+
+def _num_warps(block_v: int) -> int:
+    return 16 if block_v >= 8192 else 8 if block_v >= 2048 else 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def triton_kernels():
+    """Build the Triton kernels on first use; returns a namespace with ``stats`` and ``grad``.
+
+    Whether ``triton.jit`` makes an interpreted or a compiled kernel is fixed when the kernel is
+    defined, from TRITON_INTERPRET at that moment.
+    """
+    import types
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _logprob_entropy_stats_kernel(
+        logits_ptr,
+        stride_row,
+        labels_ptr,
+        logprobs_ptr,
+        entropy_ptr,
+        lse_ptr,
+        V,
+        inv_temperature,
+        BLOCK_V: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + row * stride_row
+        cols = tl.arange(0, BLOCK_V)
+        # Online softmax statistics of z = logits / T, relative to the running max m:
+        # s = sum exp(z - m), a = sum exp(z - m) * (z - m); then H = log s - a / s.
+        # m starts finite so that z - m never meets -inf - -inf.
+        m = tl.full((), -3.0e38, tl.float32)
+        s = tl.zeros((), tl.float32)
+        a = tl.zeros((), tl.float32)
+        for start in range(0, V, BLOCK_V):
+            idx = start + cols
+            valid = idx < V
+            z = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_temperature
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            shift = m - m_new
+            scale = tl.exp(shift)
+            d = tl.maximum(z - m_new, -1000.0)  # _LOGP_FLOOR
+            e = tl.exp(d)
+            a = scale * (a + s * shift) + tl.sum(e * d, axis=0)
+            s = s * scale + tl.sum(e, axis=0)
+            m = m_new
+        log_s = tl.log(s)
+        lse = m + log_s
+        label = tl.load(labels_ptr + row)
+        z_label = tl.load(row_ptr + label).to(tl.float32) * inv_temperature
+        tl.store(logprobs_ptr + row, z_label - lse)
+        tl.store(entropy_ptr + row, log_s - a / s)
+        tl.store(lse_ptr + row, lse)
+
+    @triton.jit
+    def _logprob_entropy_grad_kernel(
+        logits_ptr,
+        stride_row,
+        labels_ptr,
+        lse_ptr,
+        entropy_ptr,
+        grad_logprobs_ptr,
+        grad_entropy_ptr,
+        out_ptr,
+        stride_out_row,
+        V,
+        inv_temperature,
+        HAS_GRAD_LOGPROBS: tl.constexpr,
+        HAS_GRAD_ENTROPY: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        # dlogits_j = (1/T) * [g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + H)]
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + row * stride_row
+        out_row_ptr = out_ptr + row * stride_out_row
+        cols = tl.arange(0, BLOCK_V)
+        lse = tl.load(lse_ptr + row)
+        label = tl.load(labels_ptr + row)
+        if HAS_GRAD_LOGPROBS:
+            g_lp = tl.load(grad_logprobs_ptr + row).to(tl.float32)
+        else:
+            g_lp = tl.zeros((), tl.float32)
+        if HAS_GRAD_ENTROPY:
+            g_ent = tl.load(grad_entropy_ptr + row).to(tl.float32)
+            h = tl.load(entropy_ptr + row)
+        else:
+            g_ent = tl.zeros((), tl.float32)
+            h = tl.zeros((), tl.float32)
+        for start in range(0, V, BLOCK_V):
+            idx = start + cols
+            valid = idx < V
+            z = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_temperature
+            logp = tl.maximum(z - lse, -1000.0)  # _LOGP_FLOOR
+            p = tl.exp(logp)
+            coef = g_lp + g_ent * (logp + h)
+            d = tl.where(idx == label, g_lp, 0.0) - p * coef
+            d = d * inv_temperature
+            tl.store(out_row_ptr + idx, d.to(out_ptr.dtype.element_ty), mask=valid)
+
+    return types.SimpleNamespace(stats=_logprob_entropy_stats_kernel, grad=_logprob_entropy_grad_kernel)
+
+
+def _triton_stats(logits, labels, temperature, block_v):
+    n, v = logits.shape
+    logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(logprobs)
+    lse = torch.empty_like(logprobs)
+    if n:
+        block = block_v or default_block_v(v, on_gpu=logits.is_cuda)
+        triton_kernels().stats[(n,)](
+            logits, logits.stride(0), labels, logprobs, entropy, lse, v, 1.0 / temperature,
+            BLOCK_V=block, num_warps=_num_warps(block),
+        )
+    return logprobs, entropy, lse
+
+
+def _triton_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temperature, out, block_v):
+    n, v = logits.shape
+    if n:
+        block = block_v or default_block_v(v, on_gpu=logits.is_cuda)
+        # An absent gradient is a constexpr switch; the pointer passed for it is never read.
+        triton_kernels().grad[(n,)](
+            logits, logits.stride(0), labels, lse, entropy,
+            grad_logprobs if grad_logprobs is not None else lse,
+            grad_entropy if grad_entropy is not None else lse,
+            out, out.stride(0), v, 1.0 / temperature,
+            HAS_GRAD_LOGPROBS=grad_logprobs is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
+            BLOCK_V=block, num_warps=_num_warps(block),
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# torch path
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunk_rows(vocab_size: int) -> int:
+    return max(1, TORCH_CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+def _scaled_into(buf: torch.Tensor, logits_chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    # Upcast first (bf16 / T would round in bf16), and divide rather than multiply by 1/T so
+    # values match the reference's logits.float() / T bit for bit.
+    buf.copy_(logits_chunk)
+    return buf if temperature == 1.0 else buf.div_(temperature)
+
+
+def _torch_stats(logits, labels, temperature):
+    n, v = logits.shape
+    logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(logprobs)
+    lse = torch.empty_like(logprobs)
+    rows = _chunk_rows(v)
+    z_buf = torch.empty(min(rows, n), v, dtype=torch.float32, device=logits.device)
+    e_buf = torch.empty_like(z_buf)
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        z = _scaled_into(z_buf[: stop - start], logits[start:stop], temperature)
+        e = e_buf[: stop - start]
+        m = z.amax(-1, keepdim=True)
+        # A row of only -inf has no distribution; keep its shift finite so no NaN appears here.
+        m.masked_fill_(torch.isneginf(m), 0.0)
+        z.sub_(m)
+        z_label = z.gather(1, labels[start:stop].unsqueeze(1)).squeeze(1)
+        z.clamp_(min=_LOGP_FLOOR)
+        torch.exp(z, out=e)
+        s = e.sum(-1)
+        a = e.mul_(z).sum(-1)
+        log_s = s.log()
+        lse[start:stop] = m.squeeze(1) + log_s
+        logprobs[start:stop] = z_label - log_s
+        entropy[start:stop] = log_s - a / s
+    return logprobs, entropy, lse
+
+
+def _torch_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temperature, out):
+    n, v = logits.shape
+    rows = _chunk_rows(v)
+    z_buf = torch.empty(min(rows, n), v, dtype=torch.float32, device=logits.device)
+    p_buf = torch.empty_like(z_buf) if grad_entropy is not None else None
+    inv_t = 1.0 / temperature
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        z = _scaled_into(z_buf[: stop - start], logits[start:stop], temperature)
+        z.sub_(lse[start:stop].unsqueeze(1)).clamp_(min=_LOGP_FLOOR)  # log p
+        label_idx = labels[start:stop].unsqueeze(1)
+        if grad_entropy is None:
+            # -(g_lp / T) * p
+            z.exp_().mul_(grad_logprobs[start:stop].mul(-inv_t).unsqueeze(1))
+        else:
+            # -(1/T) * p * (g_ent * log p + g_ent * H + g_lp), the scalars folded per row.
+            p = torch.exp(z, out=p_buf[: stop - start])
+            g_ent = grad_entropy[start:stop]
+            offset = g_ent * entropy[start:stop]
+            if grad_logprobs is not None:
+                offset = offset + grad_logprobs[start:stop]
+            z.mul_(g_ent.mul(-inv_t).unsqueeze(1)).add_(offset.mul(-inv_t).unsqueeze(1)).mul_(p)
+        if grad_logprobs is not None:
+            z.scatter_add_(1, label_idx, grad_logprobs[start:stop].mul(inv_t).unsqueeze(1))
+        out[start:stop].copy_(z)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Internal contract (shared with fused_linear.py and policy_loss.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_logits_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    if labels.shape != logits.shape[:1]:
+        raise ValueError(
+            f"shape mismatch: logits has shape {tuple(logits.shape)} (expected labels shape + [V]) "
+            f"but labels has shape {tuple(labels.shape)}"
+        )
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.shape[0] and logits.stride(1) != 1:
+        raise ValueError(f"logits must be contiguous along the vocabulary, got strides {logits.stride()}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
+
+
+def _check_labels_in_range(labels: torch.Tensor, vocab_size: int) -> None:
+    if labels.numel() == 0:
+        return
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"labels must lie in [0, {vocab_size}) (the vocabulary size), found {bad}; "
+            "ignore indices such as -100 are not supported: mask those tokens instead"
+        )
+
+
+def logprob_entropy_stats(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    backend: str = "torch",
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprobs, entropy, lse)`` of softmax(logits / T) per row, three fp32 ``[N]`` tensors; no autograd.
+
+    ``lse`` is logsumexp(logits / T). ``block_v`` overrides the Triton block width (tests).
+    """
+    _check_temperature(temperature)
+    _check_logits_labels(logits, labels)
+    _check_labels_in_range(labels, logits.shape[1])
+    labels = labels.long()
+    with torch.no_grad():
+        if backend == "triton":
+            return _triton_stats(logits, labels, temperature, block_v)
+        if backend == "torch":
+            return _torch_stats(logits, labels, temperature)
+    raise ValueError(f"backend must be 'triton' or 'torch' (already resolved), got {backend!r}")
+
+
+def _check_row_vector(name: str, t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if t.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},) (one value per logits row), got {tuple(t.shape)}")
+    return t.float().contiguous()
+
+
+def logprob_entropy_grad(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float = 1.0,
+    backend: str = "torch",
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """``dlogits`` for upstream gradients of the per-row logprob and entropy (None means zero).
+
+    ``dlogits_j = (1/T) * [g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + H)]``. ``out`` may
+    be ``logits`` itself (each row block is read before it is overwritten) or any ``[N, V]``
+    tensor; by default a new tensor of logits' dtype. Finite where logits are -inf (p = 0 there).
+    """
+    _check_temperature(temperature)
+    _check_logits_labels(logits, labels)
+    n, v = logits.shape
+    labels = labels.long()
+    lse = _check_row_vector("lse", lse, n)
+    entropy = _check_row_vector("entropy", entropy, n)
+    grad_logprobs = _check_row_vector("grad_logprobs", grad_logprobs, n)
+    grad_entropy = _check_row_vector("grad_entropy", grad_entropy, n)
+    if out is None:
+        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    elif out.shape != logits.shape or (n and out.stride(1) != 1):
+        raise ValueError(
+            f"out must have logits' shape {tuple(logits.shape)} and be contiguous along the vocabulary, "
+            f"got shape {tuple(out.shape)} strides {out.stride()}"
+        )
+    with torch.no_grad():
+        if grad_logprobs is None and grad_entropy is None:
+            return out.zero_()
+        if backend == "triton":
+            return _triton_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temperature, out, block_v)
+        if backend == "torch":
+            return _torch_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temperature, out)
+    raise ValueError(f"backend must be 'triton' or 'torch' (already resolved), got {backend!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Public op
+# ----------------------------------------------------------------------------------------------
+
+
+def flatten_logits_labels(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., V]`` / ``[...]`` -> row-contiguous ``[N, V]`` / ``[N]`` (copies only when it must)."""
+    if logits.dim() < 1 or logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"shape mismatch: logits has shape {tuple(logits.shape)} (expected labels shape + [V]) "
+            f"but labels has shape {tuple(labels.shape)}"
+        )
+    v = logits.shape[-1]
+    if v == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension, got V = 0")
+    flat = logits.reshape(-1, v)
+    if flat.shape[0] and flat.stride(1) != 1:
+        flat = flat.contiguous()
+    return flat, labels.reshape(-1)
+
+
+class LogprobEntropyFunction(torch.autograd.Function):
+    """Autograd wrapper: forward saves logits and per-row (lse, entropy); backward writes dlogits."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, backend):
+        logprobs, entropy, lse = logprob_entropy_stats(logits, labels, temperature, backend)
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        ctx.temperature = temperature
+        ctx.backend = backend
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, labels, lse, entropy = ctx.saved_tensors
+        dlogits = logprob_entropy_grad(
+            logits, labels, lse, entropy, grad_logprobs, grad_entropy, ctx.temperature, ctx.backend
+        )
+        return dlogits, None, None, None
+
+
+def logprob_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(logprobs, entropy)`` of softmax(logits / T) in fp32, differentiable in ``logits``.
+
+    logits ``[N, V]`` or ``[B, T, V]`` (fp32/bf16/fp16), labels the matching ``[N]`` / ``[B, T]`` in
+    [0, V). Equal to ``logprobs_from_logits`` and ``entropy_from_logits`` of ``fastrlhf.algorithms``,
+    but holds no [N, V] tensor beyond the logits and, in backward, their gradient.
+    """
+    backend = resolve_backend(backend, logits)
+    flat_logits, flat_labels = flatten_logits_labels(logits, labels)
+    logprobs, entropy = LogprobEntropyFunction.apply(flat_logits, flat_labels, temperature, backend)
+    return logprobs.view(labels.shape), entropy.view(labels.shape)
