@@ -70,7 +70,7 @@ def _num_warps(block_v: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_kernels():
     """Build the Triton kernels on first use; returns a namespace with ``stats`` and ``grad``.
 

@@ -200,4 +200,4 @@ def fused_policy_loss(
         flat_logits, flat_labels, flat(old_logprobs), flat(advantages), weights, flat(ref_logprobs),
         clip_low, clip_high, dual_clip, kl_coef, kl_kind, entropy_coef, temperature, backend,
     )
-    return loss, finalize_metrics(dict(zip(METRIC_SUM_KEYS, sums)))
+    return loss, finalize_metrics(dict(zip(METRIC_SUM_KEYS, sums, strict=True)))
