@@ -10,7 +10,7 @@ masked position (-inf logprobs of padding, NaN values) can never leak into a res
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -98,27 +98,35 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return torch.where(_keep(mask), whitened, torch.zeros((), dtype=whitened.dtype, device=whitened.device))
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 -> fp32 for the softmax math; fp64 stays fp64 (gradchecks need it)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature) gathered at ``labels``, in fp32. logits ``[..., V]``, labels ``[...]``."""
+    """log softmax(logits / temperature) gathered at ``labels``, in fp32 (fp64 stays fp64).
+
+    logits ``[..., V]``, labels ``[...]``.
+    """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"shape mismatch: logits has shape {tuple(logits.shape)} (expected labels shape + [V]) "
             f"but labels has shape {tuple(labels.shape)}"
         )
     _check_temperature(temperature)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = torch.log_softmax(_upcast(logits) / temperature, dim=-1)
     return logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) in fp32; stays finite when some logits are -inf."""
     _check_temperature(temperature)
-    z = logits.float() / temperature
+    z = _upcast(logits) / temperature
     p = torch.softmax(z, dim=-1)
     # H = lse(z) - sum p*z. A -inf logit has p == 0: zero its z so 0 * -inf never makes a NaN
     # (in the value or in the gradient).
@@ -220,13 +228,14 @@ def compute_grpo_advantages(
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, inverse, torch.ones_like(scores))
-    total = torch.zeros_like(count).index_add_(0, inverse, scores)
+    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(scores))
+    total = zeros.index_add(0, inverse, scores)
     mean = total / count
     centered = scores - mean[inverse]
     adv = centered
     if scale_by_std:
-        sq = torch.zeros_like(count).index_add_(0, inverse, centered.square())
+        sq = zeros.index_add(0, inverse, centered.square())
         std = (sq / (count - 1).clamp(min=1)).sqrt()
         adv = centered / (std[inverse] + eps)
     return torch.where(count[inverse] > 1, adv, torch.zeros_like(adv))

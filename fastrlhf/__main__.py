@@ -1,0 +1,5 @@
+import sys
+
+from fastrlhf.cli import main
+
+sys.exit(main())
