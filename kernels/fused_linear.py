@@ -1,0 +1,392 @@
+"""LM head + logprob / entropy / policy loss, chunked over tokens so the [N, V] logits never exist.
+
+``logits = hidden @ weight.T (+ bias)`` is only ever built ``chunk_size`` tokens at a time, into one
+reused ``[chunk_size, V]`` buffer of the input dtype. Per chunk the softmax statistics and the
+``dlogits`` come from the shared primitives of ``logprob_entropy.py`` (Triton kernels or the
+in-place torch path), ``dlogits`` overwrites the chunk's logits in place, and the three GEMMs of the
+head run in the input dtype (bf16 inputs: bf16 GEMMs, fp32 softmax math, like the peers).
+
+Two ops, two gradient strategies:
+
+* :func:`fused_linear_policy_loss` returns a scalar whose per-token weights are known up front
+  (``aggregation_weights(mask, agg)``), so each chunk's gradients are computed DURING THE FORWARD
+  pass right after its loss: 3 GEMMs in all, and backward only scales the stored ``grad_hidden`` /
+  ``grad_weight`` / ``grad_bias`` by ``grad_output``. Chunks where every token is masked are skipped
+  (no GEMM; their gradient is zero and they count in no metric).
+* :func:`fused_linear_logprob_entropy` returns per-token outputs whose upstream gradient is unknown
+  until backward: forward keeps three fp32 numbers per token (logprob, entropy, lse), backward
+  recomputes each chunk's logits (one extra GEMM, 4 in all), writes ``dlogits`` in place and
+  accumulates the head's gradients.
+
+``grad_weight`` is accumulated over chunks in one fp32 ``[V, H]`` buffer (``addmm_`` straight into
+it for fp32; for bf16/fp16 each chunk's bf16 GEMM lands in a scratch of the weight's dtype that is
+then added into the fp32 buffer) and returned in the weight's dtype; ``grad_hidden`` rows are
+written per chunk in the hidden dtype.
+
+Chunk size: by default the number of tokens whose logits fill :data:`DEFAULT_CHUNK_BYTES` in fp32
+(``DEFAULT_CHUNK_BYTES // (4 * V)``), rounded down to a multiple of 8 and clamped to
+``[MIN_CHUNK_TOKENS, N]``; see :func:`default_chunk_size`. With the default 64 MiB that is 512
+tokens at V=32k and 104 at V=152k. Extra memory is then about one chunk buffer plus the fp32
+``grad_weight`` accumulator (and its scratch for bf16), instead of several ``[N, V]`` tensors.
+
+Value semantics equal the from-logits reference in ``fastrlhf.algorithms`` (``logprobs_from_logits``,
+``entropy_from_logits``, ``policy_loss`` + KL + entropy terms, as :func:`fused_policy_loss`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastrlhf.algorithms import _check_temperature, aggregation_weights
+
+from ._backend import resolve_backend
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MIN_CHUNK_TOKENS",
+    "default_chunk_size",
+    "fused_linear_logprob_entropy",
+    "fused_linear_policy_loss",
+]
+
+# Bytes of fp32 logits one chunk may hold. 64 MiB is 512 tokens at V=32k: on CPU the GEMMs are
+# already at full speed there and the chunk's elementwise work is a small share of the time
+# (measured in benchmarks/), while the buffer stays a small fraction of the [N, V] logits.
+DEFAULT_CHUNK_BYTES = 64 << 20
+# Below this many rows a GEMM against the whole [V, H] head is far from peak speed.
+MIN_CHUNK_TOKENS = 16
+
+
+def default_chunk_size(num_tokens: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk so that a chunk's fp32 logits fit ``budget_bytes`` (multiple of 8, >= 16, <= N)."""
+    rows = budget_bytes // (4 * max(1, vocab_size))
+    rows = max(MIN_CHUNK_TOKENS, rows // 8 * 8)
+    return max(1, min(rows, num_tokens))
+
+
+def _primitives():
+    # Imported on use: the sibling modules pull in nothing heavy, but keeping the import here lets
+    # this module load (and report a clear error) even while a sibling is being edited.
+    from .logprob_entropy import logprob_entropy_grad, logprob_entropy_stats
+
+    return logprob_entropy_stats, logprob_entropy_grad
+
+
+def _loss_primitives():
+    from .policy_loss import METRIC_SUM_KEYS, finalize_metrics, policy_loss_from_token_stats
+
+    return policy_loss_from_token_stats, finalize_metrics, METRIC_SUM_KEYS
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks and flattening
+# ----------------------------------------------------------------------------------------------
+
+
+def _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size):
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
+        shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(f"hidden must be a [N, H] or [B, T, H] tensor, got {shape}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have a non-empty vocabulary dimension, got V = 0")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"shape mismatch: hidden has shape {tuple(hidden.shape)} (expected labels shape + [H]) "
+            f"but labels has shape {tuple(labels.shape)}"
+        )
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
+    if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden and weight must share one floating dtype, got hidden {hidden.dtype} and weight {weight.dtype}"
+        )
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
+        raise ValueError(
+            f"bias must be [V] = ({weight.shape[0]},) of weight's dtype {weight.dtype}, "
+            f"got shape {tuple(bias.shape)} dtype {bias.dtype}"
+        )
+    _check_temperature(temperature)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None (automatic), got {chunk_size!r}")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1).long()
+    n = flat_hidden.shape[0]
+    if chunk_size is None:
+        chunk_size = default_chunk_size(n, weight.shape[0])
+    return flat_hidden, flat_labels, max(1, min(chunk_size, n))
+
+
+def _flat_token_tensor(name: str, t: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.shape != shape:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must have the labels' shape {tuple(shape)}, got {got}")
+    return t.detach().reshape(-1).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# The chunk loop
+# ----------------------------------------------------------------------------------------------
+
+
+class _HeadGrads:
+    """Per-chunk GEMMs of the head's backward, accumulated into preallocated buffers."""
+
+    def __init__(self, hidden, weight, bias, need_hidden, need_weight, need_bias, chunk_size):
+        self.weight = weight
+        self.grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
+        self.grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        )
+        # A bf16 GEMM cannot write into an fp32 buffer on every backend: land it in a scratch first.
+        self._weight_scratch = (
+            torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            if need_weight and weight.dtype != torch.float32
+            else None
+        )
+        self.grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        self.any = need_hidden or need_weight or need_bias
+
+    def add_chunk(self, start, stop, hidden_chunk, dlogits):
+        if self.grad_hidden is not None:
+            torch.mm(dlogits, self.weight, out=self.grad_hidden[start:stop])
+        if self.grad_weight is not None:
+            if self._weight_scratch is None:
+                self.grad_weight.addmm_(dlogits.t(), hidden_chunk)
+            else:
+                self.grad_weight.add_(torch.mm(dlogits.t(), hidden_chunk, out=self._weight_scratch))
+        if self.grad_bias is not None:
+            self.grad_bias.add_(dlogits.sum(0, dtype=torch.float32))
+
+    def finish(self, hidden_dtype, weight_dtype):
+        """Drop scratch, cast the fp32 accumulators to the input dtypes; returns (hidden, weight, bias) grads."""
+        self._weight_scratch = None
+        grad_weight = self.grad_weight
+        if grad_weight is not None and grad_weight.dtype != weight_dtype:
+            grad_weight = grad_weight.to(weight_dtype)
+        grad_bias = self.grad_bias
+        if grad_bias is not None and grad_bias.dtype != weight_dtype:
+            grad_bias = grad_bias.to(weight_dtype)
+        return self.grad_hidden, grad_weight, grad_bias
+
+
+def _logits_into(buf, hidden_chunk, weight, bias):
+    if bias is None:
+        return torch.mm(hidden_chunk, weight.t(), out=buf)
+    return torch.addmm(bias, hidden_chunk, weight.t(), out=buf)
+
+
+def _chunks(n, chunk_size):
+    for start in range(0, n, chunk_size):
+        yield start, min(start + chunk_size, n)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-token logprob + entropy
+# ----------------------------------------------------------------------------------------------
+
+
+class _FusedLinearLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, backend):
+        stats, _ = _primitives()
+        n, vocab = hidden.shape[0], weight.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logprobs)
+        lse = torch.empty_like(logprobs)
+        buf = torch.empty(min(chunk_size, n), vocab, dtype=hidden.dtype, device=hidden.device)
+        for start, stop in _chunks(n, chunk_size):
+            logits = _logits_into(buf[: stop - start], hidden[start:stop], weight, bias)
+            lp, ent, ls = stats(logits, labels[start:stop], temperature, backend)
+            logprobs[start:stop], entropy[start:stop], lse[start:stop] = lp, ent, ls
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.temperature, ctx.chunk_size, ctx.backend = temperature, chunk_size, backend
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 7
+        _, grad_fn = _primitives()
+        n, vocab = hidden.shape[0], weight.shape[0]
+        grads = _HeadGrads(hidden, weight, bias, need_hidden, need_weight, need_bias and bias is not None,
+                           ctx.chunk_size)
+        buf = torch.empty(min(ctx.chunk_size, n), vocab, dtype=hidden.dtype, device=hidden.device)
+        for start, stop in _chunks(n, ctx.chunk_size):
+            h = hidden[start:stop]
+            logits = _logits_into(buf[: stop - start], h, weight, bias)
+            dlogits = grad_fn(
+                logits, labels[start:stop], lse[start:stop], entropy[start:stop],
+                None if grad_logprobs is None else grad_logprobs[start:stop],
+                None if grad_entropy is None else grad_entropy[start:stop],
+                ctx.temperature, ctx.backend, out=logits,
+            )
+            grads.add_chunk(start, stop, h, dlogits)
+        del buf
+        grad_hidden, grad_weight, grad_bias = grads.finish(hidden.dtype, weight.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def fused_linear_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp32 ``(logprobs, entropy)`` of ``softmax((hidden @ weight.T + bias) / T)`` at ``labels``.
+
+    hidden ``[N, H]`` or ``[B, T, H]``, weight ``[V, H]``, labels ``[N]`` / ``[B, T]`` in [0, V), bias
+    ``[V]`` or None. Differentiable in hidden, weight and bias; the logits exist only
+    ``chunk_size`` tokens at a time (default: :func:`default_chunk_size`). Backward recomputes each
+    chunk's logits once. Equal to ``logprobs_from_logits`` / ``entropy_from_logits`` of the
+    materialised logits.
+    """
+    backend = resolve_backend(backend, hidden)
+    flat_hidden, flat_labels, chunk_size = _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size)
+    if flat_hidden.shape[0] == 0:
+        empty = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
+        return empty, empty.clone()
+    logprobs, entropy = _FusedLinearLogprobEntropy.apply(
+        flat_hidden, weight, bias, flat_labels, float(temperature), chunk_size, backend
+    )
+    return logprobs.view(labels.shape), entropy.view(labels.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scalar policy loss, gradients computed during the forward pass
+# ----------------------------------------------------------------------------------------------
+
+
+class _FusedLinearPolicyLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, old_logprobs, advantages, weights, ref_logprobs, loss_kwargs,
+                temperature, chunk_size, backend, grad_enabled):
+        stats, grad_fn = _primitives()
+        loss_fn, _, metric_keys = _loss_primitives()
+        n, vocab = hidden.shape[0], weight.shape[0]
+        need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
+        grads = _HeadGrads(hidden, weight, bias, need_hidden, need_weight, need_bias and bias is not None,
+                           chunk_size)
+        with_entropy_grad = loss_kwargs["entropy_coef"] != 0.0
+
+        # One host sync up front instead of one per chunk: which chunks hold any kept token.
+        n_chunks = -(-n // chunk_size)
+        kept = torch.zeros(n_chunks * chunk_size, dtype=torch.bool, device=weights.device)
+        kept[:n] = weights > 0
+        chunk_has_tokens = kept.view(n_chunks, chunk_size).any(1).tolist()
+
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        sums = {k: torch.zeros((), dtype=torch.float32, device=hidden.device) for k in metric_keys}
+        buf = torch.empty(min(chunk_size, n), vocab, dtype=hidden.dtype, device=hidden.device)
+        for index, (start, stop) in enumerate(_chunks(n, chunk_size)):
+            if not chunk_has_tokens[index]:
+                # Every token masked: no loss, no metric, zero gradient; skip the GEMMs.
+                if grads.grad_hidden is not None:
+                    grads.grad_hidden[start:stop].zero_()
+                continue
+            h, lab = hidden[start:stop], labels[start:stop]
+            logits = _logits_into(buf[: stop - start], h, weight, bias)
+            lp, ent, lse = stats(logits, lab, temperature, backend)
+            chunk_loss, grad_lp, grad_ent, chunk_sums = loss_fn(
+                lp, ent, old_logprobs[start:stop], advantages[start:stop], weights[start:stop],
+                None if ref_logprobs is None else ref_logprobs[start:stop], **loss_kwargs,
+            )
+            loss += chunk_loss
+            for k in metric_keys:
+                sums[k] += chunk_sums[k]
+            if grads.any:
+                dlogits = grad_fn(logits, lab, lse, ent, grad_lp, grad_ent if with_entropy_grad else None,
+                                  temperature, backend, out=logits)
+                grads.add_chunk(start, stop, h, dlogits)
+        del buf
+        ctx.head_grads = grads.finish(hidden.dtype, weight.dtype) if grads.any else (None, None, None)
+        metric_values = tuple(sums[k] for k in metric_keys)
+        ctx.mark_non_differentiable(*metric_values)
+        return (loss,) + metric_values
+
+    @staticmethod
+    def backward(ctx, grad_output, *_metric_grads):
+        if ctx.head_grads is None:
+            raise RuntimeError(
+                "fused_linear_policy_loss: backward ran twice through the same graph; its gradients are "
+                "computed in forward and released by the first backward, so call the op again instead"
+            )
+        grad_hidden, grad_weight, grad_bias = ctx.head_grads
+        ctx.head_grads = None
+        # The stored gradients are ours alone (released above), so scale them in place; the loss
+        # is usually backpropagated with grad_output == 1, where a CPU check skips the work.
+        if grad_output.is_cuda or float(grad_output) != 1.0:
+            for g in (grad_hidden, grad_weight, grad_bias):
+                if g is not None:
+                    g.mul_(grad_output.to(g.dtype))
+        return (grad_hidden, grad_weight, grad_bias) + (None,) * 10
+
+
+def fused_linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+    entropy_coef: float = 0.0,
+    temperature: float = 1.0,
+    agg: str = "token-mean",
+    bias: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped policy loss (+ KL penalty, - entropy bonus) from hidden states and the LM head.
+
+    Equal to :func:`fastrlhf.kernels.fused_policy_loss` of ``logits = hidden @ weight.T + bias``
+    (itself ``policy_loss + kl_coef * agg(kl_penalty) - entropy_coef * agg(entropy)`` of
+    ``fastrlhf.algorithms``), without ever holding those logits: hidden ``[N, H]`` or ``[B, T, H]``,
+    weight ``[V, H]``, bias ``[V]`` or None; labels, old_logprobs, advantages, mask and ref_logprobs
+    all of labels' shape (``[B, T]`` for the ``seq-mean-*`` aggregations). Returns the fp32 scalar loss,
+    differentiable in hidden, weight and bias, and detached metrics ``clipfrac``, ``approx_kl``,
+    ``entropy``, ``kl`` (masked means; ``kl`` is 0 without ref_logprobs).
+
+    The gradients are computed chunk by chunk during this call and held until backward, which
+    only scales them by ``grad_output``; so backward can run once per call (not with
+    ``retain_graph`` twice), and a call made with grad enabled holds ``grad_weight`` (fp32 ``[V, H]``)
+    until then.
+    """
+    backend = resolve_backend(backend, hidden)
+    flat_hidden, flat_labels, chunk_size = _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size)
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")
+    flat = {
+        name: _flat_token_tensor(name, t, labels.shape)
+        for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask),
+                        ("ref_logprobs", ref_logprobs))
+    }
+    weights = aggregation_weights(mask.detach(), agg).reshape(-1).float()
+    _, finalize_metrics, metric_keys = _loss_primitives()
+    if flat_hidden.shape[0] == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        loss = (flat_hidden.sum() * 0 + weight.sum() * 0).float() if torch.is_grad_enabled() else zero
+        return loss, finalize_metrics({k: zero for k in metric_keys})
+    loss_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
+                       kl_kind=kl_kind, entropy_coef=entropy_coef)
+    loss, *sums = _FusedLinearPolicyLoss.apply(
+        flat_hidden, weight, bias, flat_labels, flat["old_logprobs"], flat["advantages"], weights,
+        flat["ref_logprobs"], loss_kwargs, float(temperature), chunk_size, backend, torch.is_grad_enabled(),
+    )
+    return loss, finalize_metrics(dict(zip(metric_keys, sums, strict=True)))
