@@ -17,6 +17,8 @@ The reference math is ``fastrlhf.algorithms.logprobs_from_logits`` / ``entropy_f
 from __future__ import annotations
 
 import functools
+import sys
+import types
 
 import torch
 
@@ -77,8 +79,6 @@ def triton_kernels():
     Whether ``triton.jit`` makes an interpreted or a compiled kernel is fixed when the kernel is
     defined, from TRITON_INTERPRET at that moment.
     """
-    import types
-
     import triton
     import triton.language as tl
 
@@ -166,6 +166,7 @@ def triton_kernels():
             coef = g_lp + g_ent * (logp + h)
             d = tl.where(idx == label, g_lp, 0.0) - p * coef
             d = d * inv_temperature
+            # (The interpreter truncates fp32 -> bf16 here; GPUs round to nearest even.)
             tl.store(out_row_ptr + idx, d.to(out_ptr.dtype.element_ty), mask=valid)
 
     return types.SimpleNamespace(stats=_logprob_entropy_stats_kernel, grad=_logprob_entropy_grad_kernel)
@@ -437,3 +438,16 @@ def logprob_entropy(
     flat_logits, flat_labels = flatten_logits_labels(logits, labels)
     logprobs, entropy = LogprobEntropyFunction.apply(flat_logits, flat_labels, temperature, backend)
     return logprobs.view(labels.shape), entropy.view(labels.shape)
+
+
+class _CallableModule(types.ModuleType):
+    """This module shares its name with its public function. Importing the submodule sets the
+    package attribute ``fastrlhf.kernels.logprob_entropy`` to the module (shadowing the package's
+    lazy export), so ``from fastrlhf.kernels import logprob_entropy`` can hand back this module,
+    depending on import order. Making the module callable keeps that spelling working either way."""
+
+    def __call__(self, *args, **kwargs):
+        return logprob_entropy(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,102 @@
+"""Ahead-of-time compilation of the Triton kernels for real GPUs, without a GPU.
+
+The interpreter (TRITON_INTERPRET=1) runs kernels as numpy code and never lowers them, so a kernel
+that passes every CPU test can still fail to compile for a GPU (an op with no lowering, a dtype
+mix the backend rejects). ``triton.compile`` with an explicit ``GPUTarget`` runs the whole
+pipeline down to PTX and cubin with no device present; CI does that for every kernel here.
+
+It must run in a process where TRITON_INTERPRET was off when the kernels were defined (the
+interpreter turns ``triton.jit`` into a different object that ``ASTSource`` cannot lower); the
+tests therefore run ``python -m fastrlhf.kernels._triton_aot`` in a subprocess. Other kernel
+modules can reuse :func:`compile_for_target`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["TARGET_CAPABILITIES", "compile_for_target", "kernel_specs", "compile_all"]
+
+TARGET_CAPABILITIES = (80, 90)
+
+# torch dtype name -> Triton signature type of a pointer to it.
+_POINTER = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
+
+
+def compile_for_target(fn, signature: dict, constexprs: dict, capability: int, num_warps: int = 4) -> dict:
+    """Compile a ``@triton.jit`` function for ``sm_<capability>``; returns sizes of the artefacts."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError(
+            f"{getattr(fn, '__name__', fn)!r} is not a compilable JITFunction (was TRITON_INTERPRET set "
+            "when the kernels were defined?); run AOT compilation with TRITON_INTERPRET=0"
+        )
+    full_signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    src = triton.compiler.ASTSource(fn=fn, signature=full_signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+    return {
+        "ptx_chars": len(compiled.asm.get("ptx", "")),
+        "cubin_bytes": len(compiled.asm.get("cubin", b"")),
+        "shared_bytes": int(getattr(compiled.metadata, "shared", 0)),
+    }
+
+
+def kernel_specs(logits_dtype: str, block_v: int):
+    """(label, kernel, signature, constexprs, num_warps) for every kernel variant the ops launch."""
+    from .logprob_entropy import _num_warps, triton_kernels
+
+    k = triton_kernels()
+    ptr = _POINTER[logits_dtype]
+    warps = _num_warps(block_v)
+    stats_sig = {
+        "logits_ptr": ptr, "stride_row": "i64", "labels_ptr": "*i64", "logprobs_ptr": "*fp32",
+        "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "V": "i32", "inv_temperature": "fp32",
+    }
+    specs = [(f"stats[{logits_dtype}]", k.stats, stats_sig, {"BLOCK_V": block_v}, warps)]
+    # The gradient goes to logits' dtype (the default and the in-place case) or to an fp32 buffer.
+    for out_dtype in sorted({logits_dtype, "float32"}):
+        for has_lp, has_ent in ((True, True), (True, False), (False, True)):
+            grad_sig = {
+                "logits_ptr": ptr, "stride_row": "i64", "labels_ptr": "*i64", "lse_ptr": "*fp32",
+                "entropy_ptr": "*fp32", "grad_logprobs_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
+                "out_ptr": _POINTER[out_dtype], "stride_out_row": "i64", "V": "i32", "inv_temperature": "fp32",
+            }
+            constexprs = {"HAS_GRAD_LOGPROBS": has_lp, "HAS_GRAD_ENTROPY": has_ent, "BLOCK_V": block_v}
+            label = f"grad[{logits_dtype}->{out_dtype}, lp={has_lp}, ent={has_ent}]"
+            specs.append((label, k.grad, grad_sig, constexprs, warps))
+    return specs
+
+
+def compile_all(
+    capabilities=TARGET_CAPABILITIES,
+    logits_dtypes=("float32", "bfloat16", "float16"),
+    block_sizes=(4096, 1024),
+) -> list[dict]:
+    """Compile every kernel variant for every target; one result row each (raises on the first failure)."""
+    results = []
+    for capability in capabilities:
+        for dtype in logits_dtypes:
+            for block_v in block_sizes:
+                for label, fn, sig, constexprs, warps in kernel_specs(dtype, block_v):
+                    info = compile_for_target(fn, sig, constexprs, capability, warps)
+                    results.append({"kernel": label, "sm": capability, "block_v": block_v, **info})
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="AOT-compile the fastrlhf Triton kernels for GPU targets")
+    parser.add_argument("--sm", type=int, nargs="+", default=list(TARGET_CAPABILITIES))
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "float16"], choices=sorted(_POINTER))
+    parser.add_argument("--block", type=int, nargs="+", default=[4096, 1024])
+    args = parser.parse_args(argv)
+    json.dump(compile_all(args.sm, args.dtype, args.block), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""logprob_entropy and its internal stats/grad functions against fastrlhf.algorithms, both backends.
+
+The Triton backend runs under TRITON_INTERPRET=1 (tests/conftest.py); interpreter cost is per
+program and loop iteration, so N stays small and the block covers V unless a test wants the loop.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from fastrlhf.kernels.logprob_entropy import (
+    default_block_v,
+    logprob_entropy,
+    logprob_entropy_grad,
+    logprob_entropy_stats,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastrlhf.algorithms import entropy_from_logits, logprobs_from_logits
+
+le_module = importlib.import_module("fastrlhf.kernels.logprob_entropy")
+
+BACKENDS = ["torch", "triton"]
+
+
+def make_logits(shape, dtype=torch.float32, seed=0, neg_inf_rows=()):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, generator=g) * 3
+    flat = logits.view(-1, shape[-1])
+    for r in neg_inf_rows:
+        flat[r, : shape[-1] // 2] = float("-inf")
+    labels = torch.randint(0, shape[-1], shape[:-1], generator=g)
+    # A label on a finite logit in the -inf rows (their upper half is finite).
+    for r in neg_inf_rows:
+        labels.view(-1)[r] = shape[-1] - 1
+    return logits.to(dtype), labels
+
+
+def reference(logits, labels, temperature, g_lp, g_ent):
+    """(logprobs, entropy, dlogits) from the reference math with autograd."""
+    x = logits.detach().clone().requires_grad_()
+    lp = logprobs_from_logits(x, labels, temperature)
+    ent = entropy_from_logits(x, temperature)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    return lp.detach(), ent.detach(), x.grad
+
+
+def assert_grad_close(actual, expected, dtype):
+    assert actual.dtype == expected.dtype == dtype
+    assert torch.isfinite(actual).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    else:
+        # Both are the fp32 gradient rounded once to 16 bits; allow a couple of ulps of the largest entry.
+        scale = expected.float().abs().max().item()
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+def check_against_reference(logits, labels, temperature, backend, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    g_lp = torch.randn(labels.shape, generator=g)
+    g_ent = torch.randn(labels.shape, generator=g)
+    lp_ref, ent_ref, grad_ref = reference(logits, labels, temperature, g_lp, g_ent)
+    x = logits.detach().clone().requires_grad_()
+    lp, ent = logprob_entropy(x, labels, temperature, backend=backend)
+    assert lp.dtype == ent.dtype == torch.float32
+    assert lp.shape == ent.shape == labels.shape
+    assert torch.isfinite(ent).all()
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    # Values are fp32 math on the same inputs whatever the logits dtype.
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=2e-5)
+    assert_grad_close(x.grad, grad_ref, logits.dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("vocab", [7, 1000, 4097, 32003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference_across_vocab_sizes(backend, vocab, dtype):
+    n = 3 if vocab > 5000 else 6
+    logits, labels = make_logits((n, vocab), dtype, seed=vocab, neg_inf_rows=(1,))
+    check_against_reference(logits, labels, 0.7, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+def test_batched_shape_and_fp16(backend, temperature):
+    logits, labels = make_logits((2, 3, 50), torch.float16, seed=3)
+    check_against_reference(logits, labels, temperature, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_row(backend):
+    logits, labels = make_logits((1, 33), seed=4)
+    check_against_reference(logits, labels, 1.0, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    logits = torch.randn(0, 11, requires_grad=True)
+    lp, ent = logprob_entropy(logits, torch.zeros(0, dtype=torch.long), backend=backend)
+    assert lp.shape == ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert logits.grad.shape == (0, 11)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_neg_inf_logits_keep_entropy_and_gradient_finite(backend):
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")], [float("-inf")] * 3 + [2.0]])
+    labels = torch.tensor([2, 3])
+    x = logits.clone().requires_grad_()
+    lp, ent = logprob_entropy(x, labels, backend=backend)
+    (lp.sum() + ent.sum()).backward()
+    torch.testing.assert_close(ent, entropy_from_logits(logits))
+    assert ent[1].item() == 0.0 and lp[1].item() == 0.0  # one finite logit: a point mass
+    assert torch.isfinite(x.grad).all()
+    assert (x.grad[torch.isneginf(logits)] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_multi_block_loop_with_ragged_tail(dtype):
+    """V not a multiple of the block: the online max/sum crosses blocks and the tail is masked."""
+    logits, labels = make_logits((4, 1000), dtype, seed=5, neg_inf_rows=(2,))
+    lse_ref = torch.logsumexp(logits.float() / 0.9, -1)
+    g_lp, g_ent = torch.randn(4), torch.randn(4)
+    lp_ref, ent_ref, grad_ref = reference(logits, labels, 0.9, g_lp, g_ent)
+    lp, ent, lse = logprob_entropy_stats(logits, labels, 0.9, "triton", block_v=128)
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=2e-5)
+    grad = logprob_entropy_grad(logits, labels, lse, ent, g_lp, g_ent, 0.9, "triton", block_v=128)
+    assert_grad_close(grad, grad_ref, dtype)
+
+
+def test_public_op_uses_capped_block(monkeypatch):
+    monkeypatch.setattr(le_module, "MAX_BLOCK_V_INTERPRETER", 64)
+    assert default_block_v(4097, on_gpu=False) == 64
+    assert default_block_v(4097, on_gpu=True) == le_module.MAX_BLOCK_V_GPU
+    logits, labels = make_logits((3, 301), seed=6)
+    check_against_reference(logits, labels, 1.0, "triton")
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3])
+def test_torch_path_across_chunks(monkeypatch, chunk_rows):
+    """Several row chunks, the last one short: buffers are reused and sliced correctly."""
+    monkeypatch.setattr(le_module, "TORCH_CHUNK_ELEMENTS", chunk_rows * 40)
+    logits, labels = make_logits((7, 40), seed=7, neg_inf_rows=(3,))
+    check_against_reference(logits, labels, 0.8, "torch")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ["both", "logprobs", "entropy"])
+def test_grad_in_place_and_partial_upstream(backend, which):
+    logits, labels = make_logits((5, 70), torch.bfloat16, seed=8, neg_inf_rows=(0,))
+    g_lp = torch.randn(5) if which in ("both", "logprobs") else None
+    g_ent = torch.randn(5) if which in ("both", "entropy") else None
+    _, _, grad_ref = reference(logits, labels, 1.1, g_lp if g_lp is not None else 0.0,
+                               g_ent if g_ent is not None else 0.0)
+    _, ent, lse = logprob_entropy_stats(logits, labels, 1.1, backend)
+    separate = logprob_entropy_grad(logits, labels, lse, ent, g_lp, g_ent, 1.1, backend)
+    fp32_out = torch.empty(5, 70)
+    logprob_entropy_grad(logits, labels, lse, ent, g_lp, g_ent, 1.1, backend, out=fp32_out)
+    in_place = logits.clone()
+    returned = logprob_entropy_grad(in_place, labels, lse, ent, g_lp, g_ent, 1.1, backend, out=in_place)
+    assert returned.data_ptr() == in_place.data_ptr()
+    assert_grad_close(separate, grad_ref, torch.bfloat16)
+    torch.testing.assert_close(in_place, separate, rtol=0, atol=0)
+    # An fp32 out holds the unrounded fp32 gradient of the same (bf16-valued) logits.
+    _, _, grad_ref_fp32 = reference(logits.float(), labels, 1.1, g_lp if g_lp is not None else 0.0,
+                                    g_ent if g_ent is not None else 0.0)
+    torch.testing.assert_close(fp32_out, grad_ref_fp32, rtol=1e-5, atol=1e-5)
+    # The Triton interpreter truncates fp32 -> bf16 where a GPU rounds to nearest: one ulp apart at most.
+    ulp = 0 if backend == "torch" else 2.0**-7
+    torch.testing.assert_close(fp32_out.bfloat16(), separate, rtol=ulp, atol=1e-30 if ulp else 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_upstream_gradient_gives_zeros(backend):
+    logits, labels = make_logits((2, 9), seed=9)
+    _, ent, lse = logprob_entropy_stats(logits, labels, 1.0, backend)
+    out = torch.full_like(logits, 5.0)
+    logprob_entropy_grad(logits, labels, lse, ent, None, None, 1.0, backend, out=out)
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_rows(backend):
+    """A row stride larger than V (a slice of a wider buffer) is read without a copy."""
+    wide = torch.randn(4, 64)
+    logits = wide[:, :50]
+    labels = torch.randint(0, 50, (4,))
+    lp, ent, _ = logprob_entropy_stats(logits, labels, 1.0, backend)
+    torch.testing.assert_close(lp, logprobs_from_logits(logits, labels))
+    torch.testing.assert_close(ent, entropy_from_logits(logits))
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    n=st.integers(1, 5),
+    vocab=st.integers(1, 300),
+    temperature=st.sampled_from([0.5, 1.0, 2.0]),
+    backend=st.sampled_from(BACKENDS),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_shapes(n, vocab, temperature, backend, seed):
+    logits, labels = make_logits((n, vocab), seed=seed)
+    check_against_reference(logits, labels, temperature, backend, seed=seed + 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [-1, -100, 10])
+def test_labels_out_of_range_raise(backend, bad):
+    logits = torch.randn(3, 10)
+    labels = torch.tensor([0, bad, 2])
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 10\)"):
+        logprob_entropy(logits, labels, backend=backend)
+
+
+def test_shape_and_argument_errors():
+    with pytest.raises(ValueError, match="shape mismatch"):
+        logprob_entropy(torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        logprob_entropy(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="labels must be an integer tensor"):
+        logprob_entropy(torch.randn(2, 5), torch.zeros(2))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        logprob_entropy(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), backend="cuda")
+    logits, labels = torch.randn(2, 5), torch.zeros(2, dtype=torch.long)
+    _, ent, lse = logprob_entropy_stats(logits, labels)
+    with pytest.raises(ValueError, match=r"grad_logprobs must have shape \(2,\)"):
+        logprob_entropy_grad(logits, labels, lse, ent, torch.ones(3), None)
+    with pytest.raises(ValueError, match="out must have logits' shape"):
+        logprob_entropy_grad(logits, labels, lse, ent, torch.ones(2), None, out=torch.empty(2, 6))
+
+
+def test_triton_backend_on_cpu_without_interpreter_raises():
+    # Also checks, in a fresh process, that the package export is callable although the
+    # submodule of the same name gets imported on the way.
+    code = (
+        "import torch\n"
+        "from fastrlhf.kernels import logprob_entropy\n"
+        "try:\n"
+        "    logprob_entropy(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), backend='triton')\n"
+        "except RuntimeError as e:\n"
+        "    print('RAISED', e)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "RAISED backend='triton' needs CUDA tensors" in proc.stdout
