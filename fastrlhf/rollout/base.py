@@ -1,0 +1,81 @@
+"""The interface every rollout engine implements, and the prompt checks they share."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from fastrlhf.rollout.sampling import Completion, SamplingConfig
+
+__all__ = ["RolloutEngine", "validate_prompts"]
+
+
+def validate_prompts(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[list[int]]:
+    """Check a batch of token-id prompts before any work starts; return it as a list of int lists.
+
+    Raises a ValueError naming the prompt index for: an empty batch, an empty prompt, a token id
+    outside ``[0, vocab_size)``, or a prompt that leaves no room for a new token within
+    ``max_model_len``.
+    """
+    if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+        raise ValueError(f"prompt_token_ids must be a list of token-id lists, got {type(prompt_token_ids).__name__}")
+    if len(prompt_token_ids) == 0:
+        raise ValueError("prompt_token_ids is empty: expected at least one prompt")
+    prompts = []
+    for i, prompt in enumerate(prompt_token_ids):
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"prompt_token_ids[{i}] must be a list of ints, got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise ValueError(f"prompt_token_ids[{i}] is empty: expected at least one token id")
+        prompt = [int(t) for t in prompt]
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids[{i}] has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        if len(prompt) >= max_model_len:
+            raise ValueError(
+                f"prompt_token_ids[{i}] has {len(prompt)} tokens: expected fewer than max_model_len={max_model_len} "
+                "to leave room for at least one new token"
+            )
+        prompts.append(prompt)
+    return prompts
+
+
+class RolloutEngine(abc.ABC):
+    """Generates completions from token-id prompts and takes new weights from the trainer."""
+
+    #: "vllm" or "hf", the name ``choose_engine_kind`` returns.
+    kind: str = ""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype the engine holds weights in (what a weight sync converts to)."""
+        return None
+
+    @abc.abstractmethod
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        """One list per prompt (in order) of ``sampling.n`` completions (in sample order)."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors; the next ``generate`` uses only the new weights (no stale cache)."""
+
+    def close(self) -> None:
+        """Release the engine's resources (the trainer's process group survives)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

