@@ -39,8 +39,11 @@ def compile_for_target(fn, signature: dict, constexprs: dict, capability: int, n
     full_signature = {**signature, **{name: "constexpr" for name in constexprs}}
     src = triton.compiler.ASTSource(fn=fn, signature=full_signature, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+    ptx = compiled.asm.get("ptx", "")
+    target = next((line.split()[1] for line in ptx.splitlines() if line.startswith(".target")), None)
     return {
-        "ptx_chars": len(compiled.asm.get("ptx", "")),
+        "ptx_target": target,
+        "ptx_chars": len(ptx),
         "cubin_bytes": len(compiled.asm.get("cubin", b"")),
         "shared_bytes": int(getattr(compiled.metadata, "shared", 0)),
     }
