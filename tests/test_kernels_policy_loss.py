@@ -1,0 +1,254 @@
+"""fused_policy_loss and policy_loss_from_token_stats against the composition of fastrlhf.algorithms."""
+
+import itertools
+
+import pytest
+import torch
+from fastrlhf.kernels import fused_policy_loss
+from fastrlhf.kernels.policy_loss import finalize_metrics, policy_loss_from_token_stats
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastrlhf.algorithms import (
+    AGG_MODES,
+    aggregate_loss,
+    aggregation_weights,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    policy_loss,
+)
+
+BACKENDS = ["torch", "triton"]
+KL_SETTINGS = [(0.0, "k3"), (0.1, "k1"), (0.2, "k2"), (0.1, "abs"), (0.3, "k3")]
+
+
+def make_batch(shape=(3, 5), vocab=37, dtype=torch.float32, seed=0, masked_row=True):
+    """Logits and per-token data; masked positions hold NaN / -inf to prove they cannot leak."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*shape, vocab, generator=g) * 2).to(dtype)
+    labels = torch.randint(0, vocab, shape, generator=g)
+    lp = logprobs_from_logits(logits, labels)
+    old = lp + 0.4 * torch.randn(shape, generator=g)
+    ref = lp + 0.3 * torch.randn(shape, generator=g)
+    adv = torch.randn(shape, generator=g)
+    mask = (torch.rand(shape, generator=g) > 0.3).float()
+    mask.view(-1)[0] = 1.0
+    if masked_row and len(shape) == 2 and shape[0] > 1:
+        mask[1] = 0.0
+    masked = mask == 0
+    old[masked] = float("nan")
+    adv[masked] = float("nan")
+    ref[masked] = float("-inf")
+    return logits, labels, old, adv, mask, ref
+
+
+def reference_loss(logits, labels, old, adv, mask, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind,
+                   entropy_coef, temperature, agg):
+    """Loss, metrics and dlogits (for upstream gradient 1) from the reference math with autograd.
+
+    Masked entries are zeroed first: the reference keeps them out of values, but a -inf there
+    still makes a NaN gradient through it (0 * inf in the KL's backward).
+    """
+    zero = torch.zeros(())
+    old, adv = torch.where(mask > 0, old, zero), torch.where(mask > 0, adv, zero)
+    ref = torch.where(mask > 0, ref, zero) if ref is not None else None
+    x = logits.detach().clone().requires_grad_()
+    lp = logprobs_from_logits(x, labels, temperature)
+    ent = entropy_from_logits(x, temperature)
+    loss, metrics = policy_loss(lp, old, adv, mask, clip_low, clip_high, dual_clip, agg)
+    if kl_coef:
+        loss = loss + kl_coef * aggregate_loss(kl_penalty(lp, ref, kl_kind), mask, agg)
+    if entropy_coef:
+        loss = loss - entropy_coef * aggregate_loss(ent, mask, agg)
+    loss.backward()
+    metrics["entropy"] = masked_mean(ent.detach(), mask)
+    metrics["kl"] = masked_mean(kl_penalty(lp.detach(), ref, kl_kind), mask) if ref is not None else None
+    return loss.detach(), metrics, x.grad
+
+
+def check_case(backend, agg, kl_coef, kl_kind, dual_clip, entropy_coef, temperature=0.8, dtype=torch.float32,
+               shape=(3, 5), vocab=37, seed=0, grad_scale=2.0):
+    logits, labels, old, adv, mask, ref = make_batch(shape, vocab, dtype, seed)
+    args = (0.2, 0.28, dual_clip, kl_coef, kl_kind, entropy_coef, temperature, agg)
+    loss_ref, metrics_ref, grad_ref = reference_loss(logits, labels, old, adv, mask, ref, *args)
+    x = logits.detach().clone().requires_grad_()
+    loss, metrics = fused_policy_loss(x, labels, old, adv, mask, ref, *args, backend=backend)
+    (grad_scale * loss).backward()
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+    expected = grad_scale * grad_ref.float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(x.grad.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    # Masked tokens get no gradient at all although their data is NaN / -inf.
+    assert (x.grad[mask == 0] == 0).all()
+    assert set(metrics) == {"clipfrac", "approx_kl", "entropy", "kl"}
+    for key in metrics:
+        assert not metrics[key].requires_grad
+        torch.testing.assert_close(metrics[key], metrics_ref[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize(("kl_coef", "kl_kind"), KL_SETTINGS)
+def test_matches_reference_every_agg_and_kl(backend, agg, kl_coef, kl_kind):
+    # Dual clip and the entropy bonus alternate across cases so every pairing is exercised.
+    index = AGG_MODES.index(agg) + KL_SETTINGS.index((kl_coef, kl_kind))
+    dual_clip = 3.0 if index % 2 else None
+    entropy_coef = 0.01 if index % 3 else 0.0
+    check_case(backend, agg, kl_coef, kl_kind, dual_clip, entropy_coef)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("dual_clip", "entropy_coef"), list(itertools.product([None, 2.0], [0.0, 0.05])))
+def test_dual_clip_and_entropy_bonus(backend, dual_clip, entropy_coef):
+    check_case(backend, "seq-mean-token-mean", 0.1, "k3", dual_clip, entropy_coef, temperature=1.0, seed=3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("vocab", [7, 1000, 4097, 32003])
+def test_bf16_logits_across_vocab_sizes(backend, vocab):
+    shape = (2, 2) if vocab > 5000 else (3, 4)
+    check_case(backend, "token-mean", 0.1, "k3", 3.0, 0.01, dtype=torch.bfloat16, shape=shape, vocab=vocab,
+               seed=vocab)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(6,), (1,)])
+def test_flat_token_shape(backend, shape):
+    check_case(backend, "token-mean", 0.2, "k2", None, 0.01, shape=shape, seed=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_batch_gives_zero_loss_and_gradient(backend):
+    logits, labels, old, adv, mask, ref = make_batch(seed=5)
+    mask.zero_()
+    x = logits.clone().requires_grad_()
+    loss, metrics = fused_policy_loss(x, labels, old, adv, mask, ref, kl_coef=0.1, entropy_coef=0.1,
+                                      backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert (x.grad == 0).all()
+    assert all(v.item() == 0.0 for v in metrics.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_neg_inf_logits(backend):
+    logits, labels, old, adv, mask, ref = make_batch(vocab=20, seed=6)
+    logits[..., :10] = float("-inf")
+    labels.clamp_(min=10)
+    loss_ref, _, grad_ref = reference_loss(logits, labels, old, adv, mask, ref, 0.2, 0.2, None, 0.1, "k1", 0.01,
+                                           1.0, "token-mean")
+    x = logits.clone().requires_grad_()
+    loss, metrics = fused_policy_loss(x, labels, old, adv, mask, ref, kl_coef=0.1, kl_kind="k1",
+                                      entropy_coef=0.01, backend=backend)
+    loss.backward()
+    torch.testing.assert_close(loss, loss_ref)
+    torch.testing.assert_close(x.grad, grad_ref, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(metrics["entropy"])
+
+
+def test_logits_without_grad_and_kl_metric_without_ref():
+    logits, labels, old, adv, mask, _ = make_batch(seed=7)
+    loss, metrics = fused_policy_loss(logits, labels, old, adv, mask, backend="torch")
+    assert not loss.requires_grad
+    assert metrics["kl"].item() == 0.0
+    loss_ref, metrics_ref, _ = reference_loss(logits, labels, old, adv, mask, None, 0.2, 0.2, None, 0.0, "k3", 0.0,
+                                              1.0, "token-mean")
+    torch.testing.assert_close(loss, loss_ref)
+    torch.testing.assert_close(metrics["clipfrac"], metrics_ref["clipfrac"])
+
+
+def test_token_stats_chunks_add_up_and_ignore_masked_garbage():
+    """Chunked callers: per-chunk losses and metric sums add up to the whole; masked NaNs stay out."""
+    logits, labels, old, adv, mask, ref = make_batch(shape=(4, 6), seed=8)
+    lp = logprobs_from_logits(logits, labels).reshape(-1)
+    ent = entropy_from_logits(logits).reshape(-1)
+    weights = aggregation_weights(mask, "seq-mean-token-sum").reshape(-1)
+    lp[weights == 0] = float("nan")
+    ent[weights == 0] = float("-inf")
+    flat = [t.reshape(-1) for t in (old, adv)]
+    kwargs = dict(ref_logprobs=ref.reshape(-1), dual_clip=3.0, kl_coef=0.1, kl_kind="k3", entropy_coef=0.02)
+    whole = policy_loss_from_token_stats(lp, ent, *flat, weights, **kwargs)
+    total_loss, sums = 0.0, None
+    grads_lp, grads_ent = [], []
+    for sl in (slice(0, 7), slice(7, 24)):
+        loss, g_lp, g_ent, part = policy_loss_from_token_stats(
+            lp[sl], ent[sl], flat[0][sl], flat[1][sl], weights[sl],
+            ref_logprobs=ref.reshape(-1)[sl], dual_clip=3.0, kl_coef=0.1, kl_kind="k3", entropy_coef=0.02,
+        )
+        total_loss = total_loss + loss
+        sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
+        grads_lp.append(g_lp)
+        grads_ent.append(g_ent)
+    torch.testing.assert_close(total_loss, whole[0])
+    torch.testing.assert_close(torch.cat(grads_lp), whole[1])
+    torch.testing.assert_close(torch.cat(grads_ent), whole[2])
+    masked = weights == 0
+    assert masked.any() and (whole[1][masked] == 0).all() and (whole[2][masked] == 0).all()
+    assert torch.isfinite(whole[1]).all() and torch.isfinite(whole[2]).all()
+    assert torch.isfinite(whole[0])
+    # Entropy gradient is -entropy_coef * weight on kept tokens.
+    torch.testing.assert_close(whole[2][~masked], -0.02 * weights[~masked])
+    final = finalize_metrics(sums)
+    assert final["entropy"].item() == pytest.approx(masked_mean(ent.nan_to_num(neginf=0.0), (~masked).float()).item())
+    assert sums["count"].item() == (~masked).sum().item()
+
+
+def test_token_stats_gradient_matches_autograd():
+    g = torch.Generator().manual_seed(9)
+    lp, ent, old, adv = (torch.randn(10, generator=g) for _ in range(4))
+    ref = lp + 0.2 * torch.randn(10, generator=g)
+    weights = torch.rand(10, generator=g)
+    lp_r, ent_r = lp.clone().requires_grad_(), ent.clone().requires_grad_()
+    from fastrlhf.algorithms import clipped_surrogate
+
+    loss_mat, _ = clipped_surrogate(lp_r, old, adv, 0.1, 0.3, 2.5)
+    loss_r = (weights * (loss_mat + 0.5 * kl_penalty(lp_r, ref, "abs") - 0.1 * ent_r)).sum()
+    loss_r.backward()
+    loss, g_lp, g_ent, _ = policy_loss_from_token_stats(lp, ent, old, adv, weights, ref, 0.1, 0.3, 2.5, 0.5, "abs",
+                                                        0.1)
+    torch.testing.assert_close(loss, loss_r.detach())
+    torch.testing.assert_close(g_lp, lp_r.grad)
+    torch.testing.assert_close(g_ent, ent_r.grad)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 4),
+    vocab=st.integers(2, 200),
+    agg=st.sampled_from(AGG_MODES),
+    backend=st.sampled_from(BACKENDS),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_shapes(batch, seq, vocab, agg, backend, seed):
+    check_case(backend, agg, 0.1, "k3", 3.0, 0.01, temperature=1.2, shape=(batch, seq), vocab=vocab, seed=seed)
+
+
+def test_errors():
+    logits, labels, old, adv, mask, ref = make_batch(seed=10)
+    with pytest.raises(ValueError, match="shape mismatch: labels has shape .* but advantages has shape"):
+        fused_policy_loss(logits, labels, old, adv[:, :-1], mask)
+    with pytest.raises(ValueError, match="shape mismatch: labels has shape .* but ref_logprobs has shape"):
+        fused_policy_loss(logits, labels, old, adv, mask, ref[:1])
+    with pytest.raises(ValueError, match="shape mismatch: logits has shape"):
+        fused_policy_loss(logits[:, :-1], labels, old, adv, mask)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 37\)"):
+        fused_policy_loss(logits, labels + 37, old, adv, mask)
+    with pytest.raises(ValueError, match="kl_coef is 0.1 but ref_logprobs is None"):
+        fused_policy_loss(logits, labels, old, adv, mask, kl_coef=0.1)
+    with pytest.raises(ValueError, match="unknown loss aggregation mode"):
+        fused_policy_loss(logits, labels, old, adv, mask, agg="sum")
+    with pytest.raises(ValueError, match="needs \\[B, T\\] tensors"):
+        fused_policy_loss(logits[0], labels[0], old[0], adv[0], mask[0], agg="seq-mean-token-mean")
+    with pytest.raises(ValueError, match="unknown KL kind"):
+        fused_policy_loss(logits, labels, old, adv, mask, ref, kl_coef=0.1, kl_kind="k4")
+    with pytest.raises(ValueError, match="dual_clip must be > 1.0"):
+        fused_policy_loss(logits, labels, old, adv, mask, dual_clip=0.5)
+    with pytest.raises(ValueError, match="logprobs must be 1-D"):
+        policy_loss_from_token_stats(old, old, old, adv, mask)
