@@ -1,0 +1,91 @@
+"""The RL step's hyperparameters: a flat frozen dataclass, built from the run config or by hand (tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from fastrlhf.algorithms import AGG_MODES
+
+__all__ = ["RLHParams"]
+
+
+@dataclass(frozen=True)
+class RLHParams:
+    algorithm: str = "grpo"  # grpo | ppo
+    seed: int = 0
+    # rollout (temperature is also the training temperature: logprobs are of the sampled distribution)
+    n: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 32
+    stop_token_ids: tuple = ()
+    sync_bucket_bytes: int = 256 << 20
+    # update
+    prompts_per_step: int = 8
+    minibatch_size: int = 0  # sequences per optimizer step on each rank; 0 = the whole rank batch
+    ppo_epochs: int = 1
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    agg: str = "token-mean"
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    kl_in_reward: bool = False  # PPO: KL shaped into token rewards; GRPO: always in the loss
+    gamma: float = 1.0
+    lam: float = 0.95
+    vf_clip: float = 0.2
+    vf_coef: float = 1.0
+    whiten_advantages: bool = True
+    scale_by_std: bool = True  # false = Dr.GRPO
+    tis_cap: float | None = None
+    loss_chunk_size: int | None = None
+    fused_loss: bool = True
+    forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None = micro-batch
+
+    def __post_init__(self):
+        if self.algorithm not in ("grpo", "ppo"):
+            raise ValueError(f"algorithm must be 'grpo' or 'ppo', got {self.algorithm!r}")
+        if self.agg not in AGG_MODES:
+            raise ValueError(f"trainer.agg must be one of {', '.join(AGG_MODES)}, got {self.agg!r}")
+        if self.ppo_epochs < 1 or self.grad_accum < 1:
+            raise ValueError(f"ppo_epochs and grad_accum must be >= 1, got {self.ppo_epochs} and {self.grad_accum}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"trainer.tis_cap must be > 0 or null, got {self.tis_cap}")
+        if self.algorithm == "grpo" and self.n < 2:
+            raise ValueError(f"GRPO needs rollout.n >= 2 completions per prompt (a group of one has no baseline), "
+                             f"got n={self.n}")
+
+    @classmethod
+    def from_config(cls, config) -> RLHParams:
+        """From the run config (``config.trainer``/``config.rollout`` sections); unknown names are ignored."""
+        names = {f.name for f in fields(cls)}
+        values = {"algorithm": config.algorithm, "seed": getattr(config, "seed", 0)}
+        for section in (getattr(config, "rollout", None), getattr(config, "trainer", None)):
+            if section is None:
+                continue
+            items = section.items() if isinstance(section, dict) else vars(section).items()
+            for key, value in items:
+                if key in names and key not in ("algorithm", "seed"):
+                    values[key] = value
+        if values.get("tis_cap") in (0, 0.0):
+            values["tis_cap"] = None
+        if values.get("stop_token_ids") is not None:
+            values["stop_token_ids"] = tuple(values["stop_token_ids"])
+        else:
+            values.pop("stop_token_ids", None)
+        return cls(**values)
+
+    def micro_batch_size(self, rank_batch: int) -> int:
+        """Sequences per micro-batch given this rank's batch size; raises on uneven splits."""
+        minibatch = self.minibatch_size or rank_batch
+        if rank_batch % minibatch:
+            raise ValueError(f"each rank has {rank_batch} sequences per step (prompts_per_step * n / world_size), "
+                             f"not a multiple of trainer.minibatch_size={minibatch}")
+        if minibatch % self.grad_accum:
+            raise ValueError(f"trainer.minibatch_size={minibatch} is not a multiple of trainer.grad_accum="
+                             f"{self.grad_accum}")
+        return minibatch // self.grad_accum

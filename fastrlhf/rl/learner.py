@@ -1,0 +1,112 @@
+"""One interface over "a model that learns": a DeepSpeed engine, or a plain module + torch optimizer.
+
+The update loop calls, per micro-batch, ``backward(loss)`` then ``step()`` (DeepSpeed's contract:
+the loss is divided by the accumulation count, and only every ``grad_accum``-th ``step()`` runs the
+optimizer, after gradient clipping). :class:`TorchLearner` implements the same contract for plain
+modules, so the RL step runs unchanged single-process without DeepSpeed (tests, debugging).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TorchLearner", "DeepSpeedLearner", "as_learner", "any_rank_true"]
+
+
+def any_rank_true(flag: bool) -> bool:
+    """``flag`` OR-ed over all ranks (a collective when a process group exists)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+    return bool(flag)
+
+
+class TorchLearner:
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_accum: int = 1,
+                 max_grad_norm: float = 0.0, scheduler=None):
+        self.module = module
+        self.optimizer = optimizer
+        self.grad_accum = int(grad_accum)
+        self.max_grad_norm = float(max_grad_norm or 0.0)
+        self.scheduler = scheduler
+        self.micro_steps = 0
+        self.last_grad_norm: float | None = None
+
+    def is_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.grad_accum == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.grad_accum).backward()
+
+    def step(self) -> bool:
+        """Count a micro-batch; at the accumulation boundary clip, step and zero. True if it stepped."""
+        stepped = self.is_boundary()
+        if stepped:
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            max_norm = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
+            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.micro_steps += 1
+        return stepped
+
+    def discard_micro_batches(self, count: int) -> None:
+        """Drop the gradients accumulated so far and skip ``count`` micro-batches without stepping."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro_steps += count
+
+    def grad_norm(self) -> float | None:
+        return self.last_grad_norm
+
+
+class DeepSpeedLearner:
+    """A DeepSpeed engine configured with ``gradient_accumulation_steps = grad_accum``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.module = engine.module
+        self.grad_accum = engine.gradient_accumulation_steps()
+
+    def is_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> bool:
+        stepped = self.engine.is_gradient_accumulation_boundary()
+        self.engine.step()
+        return stepped
+
+    def discard_micro_batches(self, count: int) -> None:
+        # Accumulated (possibly NaN) gradients must not reach the optimizer: clear them the way
+        # DeepSpeed's own overflow path does, and advance the micro-step counter past the skipped
+        # micro-batches so the next minibatch starts on an accumulation boundary.
+        optimizer = self.engine.optimizer
+        try:
+            optimizer.zero_grad(set_to_none=True)
+        except TypeError:
+            optimizer.zero_grad()
+        self.engine.zero_grad()
+        self.engine.micro_steps += count
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+
+def as_learner(obj, optimizer=None, grad_accum: int = 1, max_grad_norm: float = 0.0):
+    """Wrap a DeepSpeed engine, or a module + optimizer, in the learner interface (learners pass through)."""
+    if isinstance(obj, (TorchLearner, DeepSpeedLearner)):
+        return obj
+    if any(cls.__name__ == "DeepSpeedEngine" for cls in type(obj).__mro__):
+        return DeepSpeedLearner(obj)
+    if optimizer is None:
+        raise ValueError("a plain module needs an optimizer to learn")
+    return TorchLearner(obj, optimizer, grad_accum, max_grad_norm)

@@ -1,0 +1,70 @@
+"""The optimisation part of a step: epochs x minibatches x accumulated micro-batches, NaN-guarded.
+
+``run_updates`` is shared by the actor (policy loss) and the critic (value loss). Before each
+backward the loss is checked on every rank together; a non-finite loss anywhere drops the
+gradients accumulated for the current minibatch on all ranks, and the rest of the update, so no
+optimizer step ever sees a NaN (the step is then reported as skipped).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from fastrlhf.rl.experience import Experience, split_batch
+from fastrlhf.rl.learner import any_rank_true
+
+__all__ = ["UpdateResult", "minibatch_order", "run_updates"]
+
+
+class UpdateResult(dict):
+    """Mean metrics over micro-batches, plus ``grad_norm`` (mean over optimizer steps), ``optimizer_steps``
+    and ``aborted`` (a non-finite loss stopped the update)."""
+
+
+def minibatch_order(batch_size: int, micro_batch: int, grad_accum: int, epochs: int,
+                    generator: torch.Generator) -> list[list[torch.Tensor]]:
+    """For each optimizer step, the row indices of its ``grad_accum`` micro-batches (reshuffled each epoch)."""
+    minibatch = micro_batch * grad_accum
+    steps = []
+    for _ in range(epochs):
+        for rows in split_batch(batch_size, batch_size // minibatch, generator, shuffle=True):
+            steps.append(list(rows.view(grad_accum, micro_batch)))
+    return steps
+
+
+def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[list[torch.Tensor]]) -> UpdateResult:
+    """``loss_fn(module, micro_exp) -> (loss, metrics)``; one optimizer step per entry of ``order``."""
+    sums: dict[str, float] = defaultdict(float)
+    micro_count = 0
+    grad_norms = []
+    optimizer_steps = 0
+    aborted = False
+    for micro_rows in order:
+        for k, rows in enumerate(micro_rows):
+            loss, metrics = loss_fn(learner.module, exp.select(rows))
+            if any_rank_true(not bool(torch.isfinite(loss.detach()).all())):
+                # Collective decision: every rank drops this minibatch and stops here.
+                learner.discard_micro_batches(len(micro_rows) - k)
+                aborted = True
+                break
+            learner.backward(loss)
+            stepped = learner.step()
+            sums["loss"] += float(loss.detach())
+            for name, value in metrics.items():
+                sums[name] += float(value)
+            micro_count += 1
+            if stepped:
+                optimizer_steps += 1
+                norm = learner.grad_norm()
+                if norm is not None:
+                    grad_norms.append(norm)
+        if aborted:
+            break
+    result = UpdateResult({k: v / max(1, micro_count) for k, v in sums.items()})
+    result["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    result["optimizer_steps"] = float(optimizer_steps)
+    result["aborted"] = aborted
+    return result
