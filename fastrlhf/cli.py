@@ -1,11 +1,25 @@
-"""Command line: ``fastrlhf <command>`` or, under the launcher, ``deepspeed -m fastrlhf <command>``."""
+"""Command line: ``fastrlhf <command>`` or, under the launcher, ``deepspeed -m fastrlhf <command>``.
+
+The config is read and validated before anything heavy is imported, so a bad config fails in a
+fraction of a second with one line and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fastrlhf.version import __version__
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+COMMANDS = {
+    "train": "PPO or GRPO on DeepSpeed ZeRO with vLLM or HF rollouts",
+    "sft": "supervised fine-tuning (loss on response tokens)",
+    "rm": "reward model: pairwise Bradley-Terry or classifier",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,8 +29,54 @@ def build_parser() -> argparse.ArgumentParser:
         "reward-model training.",
     )
     parser.add_argument("--version", action="version", version=f"fastrlhf {__version__}")
-    parser.add_subparsers(dest="command", metavar="command")
+    # The deepspeed launcher passes --local_rank=N before the command; LOCAL_RANK in the environment says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--config", required=True, help="run config (YAML)")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set trainer.lr=1e-5 (repeatable; YAML scalars)")
+        p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+        p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _error(prefix: str, message: str) -> None:
+    if _is_main_process():
+        print(f"{prefix}: {message}", file=sys.stderr)
+
+
+def _dispatch(command: str, config, resume: bool):
+    if command == "sft":
+        from fastrlhf.sft import run
+
+        return run(config, resume=resume)
+    if command == "rm":
+        from fastrlhf.reward_model import run
+
+        return run(config, resume=resume)
+    try:
+        from fastrlhf.rl.trainer import run
+    except ImportError as exc:
+        if exc.name is not None and exc.name.startswith("fastrlhf.rl"):
+            raise NotImplementedError("fastrlhf train needs fastrlhf.rl.trainer.run, which is not available in "
+                                      f"this build ({exc})") from None
+        raise
+    return run(config, resume=resume) if _accepts_resume(run) else run(config)
+
+
+def _accepts_resume(fn) -> bool:
+    import inspect
+
+    try:
+        return "resume" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +85,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+
+    from fastrlhf.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.command, args.overrides)
+    except ConfigError as exc:
+        _error("config error", str(exc))
+        return EXIT_BAD_INPUT
+
+    from fastrlhf.data import DataError
+    from fastrlhf.guards import TooManySkippedSteps
+
+    try:
+        _dispatch(args.command, config, args.resume)
+    except ConfigError as exc:  # checks that need the launched world (e.g. batch size vs ranks)
+        _error("config error", str(exc))
+        return EXIT_BAD_INPUT
+    except DataError as exc:
+        _error("data error", str(exc).replace("\n", "\ndata error: "))
+        return EXIT_BAD_INPUT
+    except TooManySkippedSteps as exc:
+        _error("error", f"{exc} (a checkpoint was saved; fix and rerun with --resume)")
+        return EXIT_FAILED
+    except NotImplementedError as exc:
+        _error("error", str(exc))
+        return EXIT_FAILED
     return 0
 
 

@@ -1,0 +1,173 @@
+"""Process group set-up, rank helpers, and DeepSpeed engines built from a run config.
+
+Works the same under ``deepspeed``/``torchrun`` (which set RANK, WORLD_SIZE, ...) and as a bare
+``python -m fastrlhf`` (one rank; the rendezvous variables are filled in here).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from datetime import timedelta
+
+__all__ = [
+    "init_distributed",
+    "rank",
+    "world_size",
+    "local_rank",
+    "is_main",
+    "barrier",
+    "all_reduce_min",
+    "deepspeed_config",
+    "build_train_engine",
+    "build_frozen_engine",
+    "deep_merge",
+]
+
+# Long enough for real runs; tests set FASTRLHF_DIST_TIMEOUT to turn a rank mismatch into a quick error.
+DEFAULT_TIMEOUT_S = 1800
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float | None = None) -> None:
+    """Join (or, alone, create) the default process group; idempotent."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("FASTRLHF_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    import deepspeed
+
+    deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    dist = _dist()
+    return dist.get_world_size() if dist else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    dist = _dist()
+    if dist and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_min(flag: bool) -> bool:
+    """True only if ``flag`` is true on every rank (so all ranks take the same branch)."""
+    dist = _dist()
+    if not dist or dist.get_world_size() == 1:
+        return bool(flag)
+    import torch
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    """``base`` updated by ``extra``, recursing into nested mappings (``extra`` wins)."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def deepspeed_config(ds, micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float | None = None,
+                     zero_stage: int | None = None, trainable: bool = True) -> dict:
+    """The DeepSpeed config dict for one engine, from the ``deepspeed:`` section (``extra`` merged last)."""
+    stage = ds.zero_stage if zero_stage is None else zero_stage
+    zero: dict = {"stage": stage}
+    if trainable and ds.offload_optimizer and stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if ds.offload_param and stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum if trainable else 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bool(ds.bf16)},
+        # Our optimizer is a torch AdamW (no 30-45 s C++ compile); DeepSpeed refuses it under offload unless told.
+        "zero_force_ds_cpu_optimizer": False,
+        # GuardedAdamW is torch AdamW plus a skip check; DeepSpeed only whitelists the exact AdamW class.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if trainable and max_grad_norm:
+        config["gradient_clipping"] = float(max_grad_norm)
+    return deep_merge(config, ds.extra or {})
+
+
+def _warmup(warmup_steps: int):
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+    return factor
+
+
+def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_steps: int = 0,
+                       micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float | None = None,
+                       guard=None):
+    """A trainable DeepSpeed engine (ZeRO ``ds.zero_stage``) with a guarded torch AdamW and linear warmup."""
+    import deepspeed
+    import torch
+
+    from fastrlhf.guards import GuardedAdamW
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, guard=guard)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(warmup_steps))
+    config = deepspeed_config(ds, micro_batch_size, grad_accum, max_grad_norm, trainable=True)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    return engine
+
+
+def build_frozen_engine(model, ds, actor_zero_stage: int | None = None):
+    """A frozen model (reference, reward) for inference.
+
+    ZeRO-3 inference when the actor is at stage 3 (the memory the actor saves would be wasted on a
+    full replica); otherwise stage 0, since stages 1 and 2 only partition optimizer state.
+    """
+    import deepspeed
+
+    model.requires_grad_(False)
+    model.eval()
+    stage = 3 if (actor_zero_stage if actor_zero_stage is not None else ds.zero_stage) == 3 else 0
+    config = deepspeed_config(ds, zero_stage=stage, trainable=False)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine

@@ -1,0 +1,124 @@
+"""Per-step metrics: ``output_dir/metrics.jsonl`` (one flushed JSON object per step), a tqdm bar on
+rank 0, and optional TensorBoard / W&B (offline) when those packages are installed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable
+
+__all__ = ["MetricsLogger", "read_metrics", "truncate_metrics"]
+
+
+def _plain(value):
+    """JSON-safe scalar: tensors become floats, NaN/inf become strings (JSON has no literal for them)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: str, last_step: int) -> None:
+    """Drop records after ``last_step`` (written after the checkpoint a run resumes from) and any torn line."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line torn by a kill: everything after it is suspect
+            if record.get("step", -1) <= last_step:
+                kept.append(json.dumps(record) + "\n")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes only on the main rank; other ranks get a silent logger, so callers need no rank checks."""
+
+    def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, bar_keys: Iterable[str] = ("loss",),
+                 enabled: bool | None = None, tensorboard: bool = False, wandb: bool = False,
+                 run_config: dict | None = None, resume: bool = False):
+        from fastrlhf import distributed as D
+
+        self.enabled = D.is_main() if enabled is None else enabled
+        self.bar_keys = tuple(bar_keys)
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self._file = self._bar = self._tb = self._wandb = None
+        if not self.enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if resume:
+            truncate_metrics(self.path, start_step)
+        self._file = open(self.path, "a" if resume else "w", encoding="utf-8")
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
+                         disable=os.environ.get("FASTRLHF_NO_PROGRESS") == "1")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            except ImportError:
+                print("warning: trainer.tensorboard is on but the tensorboard package is not installed; skipping it",
+                      file=sys.stderr)
+        if wandb:
+            try:
+                import wandb as wandb_module
+
+                self._wandb = wandb_module.init(mode="offline", dir=output_dir, config=run_config or {})
+            except ImportError:
+                print("warning: trainer.wandb is on but the wandb package is not installed; skipping it",
+                      file=sys.stderr)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._bar is not None:
+            shown = {k: record[k] for k in self.bar_keys if k in record}
+            self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()},
+                                  refresh=False)
+            self._bar.n = step
+            self._bar.refresh()
+        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for key, value in numeric.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def message(self, text: str) -> None:
+        """A line that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._file = self._bar = self._tb = self._wandb = None

@@ -1,0 +1,195 @@
+"""Models from local folders (``from_pretrained``), optional LoRA, and export back to HF safetensors.
+
+The exported folder is a plain Hugging Face model (LoRA merged, ZeRO-3 shards gathered) that
+``from_pretrained`` and vLLM load directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+import torch
+from torch import nn
+
+__all__ = [
+    "torch_dtype",
+    "load_causal_lm",
+    "load_sequence_classifier",
+    "CausalLMWithValueHead",
+    "load_value_model",
+    "apply_lora",
+    "unwrap",
+    "base_model",
+    "vocab_size",
+    "export_hf",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                    "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def apply_lora(model, model_cfg, task_type: str = "CAUSAL_LM"):
+    """Wrap ``model`` in a PEFT LoRA adapter when ``model_cfg.lora_r > 0`` (only the adapter trains)."""
+    if model_cfg.lora_r <= 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha, lora_dropout=model_cfg.lora_dropout,
+                      target_modules=list(model_cfg.lora_targets), task_type=task_type)
+    return get_peft_model(model, lora)
+
+
+def _finish(model, model_cfg, task_type: str):
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return apply_lora(model, model_cfg, task_type)
+
+
+def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True):
+    """``AutoModelForCausalLM`` from ``path`` (default ``model_cfg.path``); LoRA applied only if trainable."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path or model_cfg.path, dtype=torch_dtype(model_cfg.dtype))
+    if not trainable:
+        return model.eval().requires_grad_(False)
+    return _finish(model.train(), model_cfg, "CAUSAL_LM")
+
+
+def load_sequence_classifier(model_cfg, num_labels: int, path: str | None = None, trainable: bool = True):
+    """``AutoModelForSequenceClassification`` (a fresh score head over a causal LM folder is fine)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path or model_cfg.path, num_labels=num_labels,
+                                                               dtype=torch_dtype(model_cfg.dtype))
+    if model.config.pad_token_id is None:
+        # The classifier pools the last non-pad token; without a pad id it refuses batches larger than 1.
+        model.config.pad_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else 0
+    if not trainable:
+        return model.eval().requires_grad_(False)
+    return _finish(model.train(), model_cfg, "SEQ_CLS")
+
+
+class CausalLMWithValueHead(nn.Module):
+    """A causal LM backbone with a scalar value per token (the PPO critic)."""
+
+    def __init__(self, lm, value_head: nn.Linear | None = None):
+        super().__init__()
+        self.lm = lm
+        hidden = base_model(lm).config.hidden_size
+        self.v_head = value_head if value_head is not None else nn.Linear(hidden, 1)
+        if value_head is None:
+            # Small init: the first value estimates start near zero instead of swamping the returns.
+            nn.init.normal_(self.v_head.weight, std=1.0 / (hidden + 1))
+            nn.init.zeros_(self.v_head.bias)
+        self.v_head.to(next(lm.parameters()).dtype)
+
+    def forward(self, input_ids, attention_mask=None):
+        decoder = base_model(self.lm).get_decoder()
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.v_head(hidden).squeeze(-1).float()
+
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def load_value_model(model_cfg, path: str | None = None, trainable: bool = True) -> CausalLMWithValueHead:
+    """Critic from ``path``: a saved value head (``value_head.safetensors``) is reused, else a fresh one."""
+    path = path or model_cfg.path
+    lm = load_causal_lm(model_cfg, path, trainable=trainable)
+    head = None
+    head_file = os.path.join(path, VALUE_HEAD_FILE)
+    if os.path.exists(head_file):
+        from safetensors.torch import load_file
+
+        state = load_file(head_file)
+        head = nn.Linear(state["weight"].shape[1], 1)
+        head.load_state_dict(state)
+    model = CausalLMWithValueHead(lm, head)
+    model.v_head.requires_grad_(trainable)
+    return model
+
+
+def unwrap(model_or_engine):
+    """The nn.Module inside a DeepSpeed engine (or the module itself)."""
+    return getattr(model_or_engine, "module", model_or_engine)
+
+
+def base_model(model):
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def vocab_size(path: str) -> int | None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return getattr(config, "vocab_size", None)
+
+
+def _gathered_state_dict(model, zero_stage: int) -> dict | None:
+    """Full state dict on rank 0 (None elsewhere); collective under ZeRO-3."""
+    from fastrlhf import distributed as D
+
+    context = contextlib.nullcontext()
+    if zero_stage == 3:
+        import deepspeed
+
+        context = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+    with context:
+        if not D.is_main():
+            return None
+        return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+
+
+def _plain_hf_model(model, state: dict):
+    """A fresh, unsharded transformers model holding ``state`` with any LoRA adapter merged in."""
+    if hasattr(model, "get_base_model"):
+        from peft import get_peft_model
+
+        base = base_model(model)
+        fresh = get_peft_model(type(base)(base.config), model.peft_config["default"])
+        fresh.load_state_dict(state, strict=True)
+        return fresh.merge_and_unload()
+    fresh = type(model)(model.config)
+    fresh.load_state_dict(state, strict=True)
+    return fresh
+
+
+def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from: str | None = None) -> str:
+    """Save a Hugging Face folder (safetensors) that transformers and vLLM load; collective, atomic.
+
+    A :class:`CausalLMWithValueHead` exports the LM plus ``value_head.safetensors``.
+    """
+    from fastrlhf import distributed as D
+
+    model = unwrap(model_or_engine)
+    state = _gathered_state_dict(model, zero_stage)
+    if D.is_main():
+        tmp = f"{out_dir.rstrip(os.sep)}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(model, CausalLMWithValueHead):
+            from safetensors.torch import save_file
+
+            lm_state = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
+            head_state = {k[len("v_head."):]: v.contiguous() for k, v in state.items() if k.startswith("v_head.")}
+            _plain_hf_model(model.lm, lm_state).save_pretrained(tmp, safe_serialization=True)
+            save_file(head_state, os.path.join(tmp, VALUE_HEAD_FILE))
+        else:
+            _plain_hf_model(model, state).save_pretrained(tmp, safe_serialization=True)
+        if tokenizer_from:
+            for name in _TOKENIZER_FILES:
+                src = os.path.join(tokenizer_from, name)
+                if os.path.exists(src):
+                    shutil.copy2(src, os.path.join(tmp, name))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(tmp, out_dir)
+    D.barrier()
+    return out_dir
