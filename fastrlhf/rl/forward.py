@@ -159,9 +159,19 @@ def policy_loss_from_model(model, mb: Experience, *, clip_low: float, clip_high:
     return loss, metrics
 
 
+def _accepts_position_ids(model) -> bool:
+    import inspect
+
+    params = inspect.signature(unwrap(model).forward).parameters
+    return "position_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def _per_token_outputs(model, input_ids, attention_mask, position_ids) -> torch.Tensor:
     """[B, L] scalar output per position of a critic / value-head model."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask)
+    if _accepts_position_ids(model):
+        kwargs["position_ids"] = position_ids
+    out = model(**kwargs)
     if isinstance(out, torch.Tensor):
         v = out
     elif getattr(out, "logits", None) is not None:

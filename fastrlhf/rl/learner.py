@@ -35,6 +35,7 @@ class TorchLearner:
         self.scheduler = scheduler
         self.micro_steps = 0
         self.last_grad_norm: float | None = None
+        self._poisoned = False
 
     def is_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0
@@ -45,7 +46,13 @@ class TorchLearner:
     def step(self) -> bool:
         """Count a micro-batch; at the accumulation boundary clip, step and zero. True if it stepped."""
         stepped = self.is_boundary()
-        if stepped:
+        if stepped and self._poisoned:
+            # A non-finite loss in this minibatch: drop its gradients, leave the parameters alone.
+            self.optimizer.zero_grad(set_to_none=True)
+            self._poisoned = False
+            self.last_grad_norm = None
+            stepped = False
+        elif stepped:
             params = [p for p in self.module.parameters() if p.grad is not None]
             max_norm = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
             self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
@@ -56,10 +63,9 @@ class TorchLearner:
         self.micro_steps += 1
         return stepped
 
-    def discard_micro_batches(self, count: int) -> None:
-        """Drop the gradients accumulated so far and skip ``count`` micro-batches without stepping."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.micro_steps += count
+    def note_bad_loss(self) -> None:
+        """A micro-batch of the current minibatch had a non-finite loss (on some rank): skip its update."""
+        self._poisoned = True
 
     def grad_norm(self) -> float | None:
         return self.last_grad_norm
@@ -68,8 +74,9 @@ class TorchLearner:
 class DeepSpeedLearner:
     """A DeepSpeed engine configured with ``gradient_accumulation_steps = grad_accum``."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, guard=None):
         self.engine = engine
+        self.guard = guard if guard is not None else getattr(engine.optimizer, "guard", None)
         self.module = engine.module
         self.grad_accum = engine.gradient_accumulation_steps()
 
@@ -84,29 +91,26 @@ class DeepSpeedLearner:
         self.engine.step()
         return stepped
 
-    def discard_micro_batches(self, count: int) -> None:
-        # Accumulated (possibly NaN) gradients must not reach the optimizer: clear them the way
-        # DeepSpeed's own overflow path does, and advance the micro-step counter past the skipped
-        # micro-batches so the next minibatch starts on an accumulation boundary.
-        optimizer = self.engine.optimizer
-        try:
-            optimizer.zero_grad(set_to_none=True)
-        except TypeError:
-            optimizer.zero_grad()
-        self.engine.zero_grad()
-        self.engine.micro_steps += count
+    def note_bad_loss(self) -> None:
+        # The engine's optimizer must be a GuardedAdamW with ``guard`` (fastrlhf.distributed
+        # builds it so): it then skips the update at the boundary on every rank and drops the
+        # gradients, under every ZeRO stage.
+        if self.guard is None:
+            raise RuntimeError("a non-finite loss reached a DeepSpeed engine built without a StepGuard; "
+                               "build it with fastrlhf.distributed.build_train_engine(..., guard=...)")
+        self.guard.check_loss(float("nan"))  # the guard's public way to say "this step's loss was bad"
 
     def grad_norm(self) -> float | None:
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
 
 
-def as_learner(obj, optimizer=None, grad_accum: int = 1, max_grad_norm: float = 0.0):
+def as_learner(obj, optimizer=None, grad_accum: int = 1, max_grad_norm: float = 0.0, guard=None):
     """Wrap a DeepSpeed engine, or a module + optimizer, in the learner interface (learners pass through)."""
     if isinstance(obj, (TorchLearner, DeepSpeedLearner)):
         return obj
     if any(cls.__name__ == "DeepSpeedEngine" for cls in type(obj).__mro__):
-        return DeepSpeedLearner(obj)
+        return DeepSpeedLearner(obj, guard)
     if optimizer is None:
         raise ValueError("a plain module needs an optimizer to learn")
     return TorchLearner(obj, optimizer, grad_accum, max_grad_norm)

@@ -57,14 +57,15 @@ class RLStep:
 
     def __init__(self, hp: RLHParams, actor, rollout, scorer, reference=None, critic=None, actor_optimizer=None,
                  critic_optimizer=None, pad_token_id: int = 0, rollout_shares_actor: bool = False,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", guard=None):
         self.hp = hp
-        self.actor = as_learner(actor, actor_optimizer, hp.grad_accum, hp.max_grad_norm)
+        self.guard = guard  # fastrlhf.guards.StepGuard shared by the actor's and critic's optimizers
+        self.actor = as_learner(actor, actor_optimizer, hp.grad_accum, hp.max_grad_norm, guard)
         self.critic = None
         if hp.algorithm == "ppo":
             if critic is None:
                 raise ValueError("PPO needs a critic (critic.path, or the actor's path for a fresh value head)")
-            self.critic = as_learner(critic, critic_optimizer, hp.grad_accum, hp.max_grad_norm)
+            self.critic = as_learner(critic, critic_optimizer, hp.grad_accum, hp.max_grad_norm, guard)
         self.rollout = rollout
         self.scorer = scorer
         self.reference = reference
@@ -214,6 +215,11 @@ class RLStep:
             train = self.train(exp, step)
         timings["train"] = time.perf_counter() - t0
         skipped = bool(train.pop("aborted"))
+        if self.guard is not None:
+            if bad_inputs:
+                self.guard.mark_skipped()
+            # Raises TooManySkippedSteps after trainer.max_skipped_steps bad steps in a row.
+            skipped = self.guard.end_step(step) or skipped
         if skipped:
             self.skipped_steps += 1
 
@@ -242,6 +248,7 @@ class RLStep:
         step_time = sum(metrics[f"time/{k}"] for k in ("generate", "score", "train", "sync"))
         metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total[3],
                        tokens_per_second=total[3] / metrics["time/generate"] if metrics["time/generate"] > 0 else 0.0,
-                       step_time=step_time, skipped=float(skipped), skipped_steps=float(self.skipped_steps),
+                       step_time=step_time, skipped=float(skipped),
+                       skipped_steps=float(self.guard.skipped_total if self.guard is not None else self.skipped_steps),
                        mean_response_length=total[3] / max(1, exp.batch_size * world))
         return metrics

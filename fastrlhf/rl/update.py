@@ -1,9 +1,9 @@
 """The optimisation part of a step: epochs x minibatches x accumulated micro-batches, NaN-guarded.
 
 ``run_updates`` is shared by the actor (policy loss) and the critic (value loss). Before each
-backward the loss is checked on every rank together; a non-finite loss anywhere drops the
-gradients accumulated for the current minibatch on all ranks, and the rest of the update, so no
-optimizer step ever sees a NaN (the step is then reported as skipped).
+backward the loss is checked on every rank together; a non-finite loss anywhere makes the learner
+skip the current minibatch's optimizer step on all ranks (gradients dropped, parameters and
+optimizer moments untouched) and stops the update there; the step is reported as skipped.
 """
 
 from __future__ import annotations
@@ -43,15 +43,18 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[list[to
     optimizer_steps = 0
     aborted = False
     for micro_rows in order:
-        for k, rows in enumerate(micro_rows):
+        for rows in micro_rows:
             loss, metrics = loss_fn(learner.module, exp.select(rows))
-            if any_rank_true(not bool(torch.isfinite(loss.detach()).all())):
-                # Collective decision: every rank drops this minibatch and stops here.
-                learner.discard_micro_batches(len(micro_rows) - k)
+            if not aborted and any_rank_true(not bool(torch.isfinite(loss.detach()).all())):
+                # Decided by all ranks together: this minibatch's update is skipped everywhere.
+                # Its remaining micro-batches still run (DeepSpeed's accumulation counters and
+                # ZeRO's gradient reductions stay in step); later minibatches are not run.
+                learner.note_bad_loss()
                 aborted = True
-                break
             learner.backward(loss)
             stepped = learner.step()
+            if aborted:
+                continue
             sums["loss"] += float(loss.detach())
             for name, value in metrics.items():
                 sums[name] += float(value)

@@ -1,0 +1,190 @@
+"""``fastrlhf train``: the PPO / GRPO run loop, from a validated config to a trained HF folder.
+
+Every rank: loads the models, builds DeepSpeed engines (actor, critic) at the configured ZeRO
+stage, its own rollout engine, and then, each step, takes its shard of the step's prompts (GRPO
+groups stay on the rank that sampled them), runs :class:`fastrlhf.rl.step.RLStep` and logs the
+rank-reduced metrics. Checkpoints hold the engines, the prompt sampler's position and the guard;
+the sampling seeds and minibatch shuffles derive from (seed, step), so a resumed run continues as
+the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+__all__ = ["run", "build_rl_step"]
+
+
+def _per_rank_hparams(config, world: int):
+    from fastrlhf.config import ConfigError
+    from fastrlhf.rl.hparams import RLHParams
+
+    t = config.trainer
+    if t.prompts_per_step % world:
+        raise ConfigError("trainer.prompts_per_step", f"{t.prompts_per_step} does not split over {world} ranks "
+                          "(each rank samples whole groups for its own prompts)")
+    if t.minibatch_size % world or (t.minibatch_size // world) % t.grad_accum:
+        raise ConfigError("trainer.minibatch_size", f"{t.minibatch_size} sequences per optimizer step do not split "
+                          f"over {world} ranks x trainer.grad_accum {t.grad_accum}")
+    hp = RLHParams.from_config(config)
+    from dataclasses import replace
+
+    # The config's minibatch_size counts sequences over all ranks; RLStep works per rank.
+    return replace(hp, minibatch_size=t.minibatch_size // world)
+
+
+def _pad_token_id(model) -> int:
+    config = model.config
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _build_rollout(config, actor_engine, actor_module, num_params: int):
+    """(engine, shares_actor): HF generates with the actor's own module when it holds whole weights."""
+    from fastrlhf.config import ConfigError
+    from fastrlhf.modeling import load_causal_lm
+    from fastrlhf.rollout import HFEngine, VLLMEngine, choose_engine_kind
+
+    ro, ds = config.rollout, config.deepspeed
+    lora = config.model.lora_r > 0
+    kind = ro.engine if ro.engine != "auto" else choose_engine_kind(num_params, "cpu" if not torch.cuda.is_available()
+                                                                     else "cuda")
+    max_len = config.data.max_prompt_len + ro.max_new_tokens
+    if kind == "hf":
+        if ds.zero_stage < 3:
+            # Same module, same weights: generation sees every update at once, no sync needed.
+            return HFEngine(actor_module, max_model_len=max_len), True
+        if lora:
+            raise ConfigError("model.lora_r", "LoRA with deepspeed.zero_stage 3 needs merged-weight sync, which is "
+                              "not supported yet; use zero_stage <= 2")
+        return HFEngine(load_causal_lm(config.model, trainable=False), max_model_len=max_len), False
+    if lora:
+        raise ConfigError("rollout.engine", "LoRA actors generate with the HF engine (rollout.engine: hf); vLLM "
+                          "needs merged-weight sync, not supported yet")
+    from fastrlhf import distributed as D
+
+    engine = VLLMEngine(config.model.path, dtype=config.model.dtype, max_model_len=max_len,
+                        kv_cache_bytes=ro.kv_cache_bytes, seed=config.seed + D.rank())
+    return engine, False
+
+
+def build_rl_step(config, guard):
+    """Load models, build engines; returns ``(rl_step, stateful objects for checkpoints)``."""
+    from fastrlhf import distributed as D
+    from fastrlhf.distributed import build_frozen_engine, build_train_engine
+    from fastrlhf.modeling import load_causal_lm, load_value_model
+    from fastrlhf.models import count_parameters
+    from fastrlhf.rl.rewards import RewardScorer
+    from fastrlhf.rl.step import RLStep
+
+    t, ds = config.trainer, config.deepspeed
+    hp = _per_rank_hparams(config, D.world_size())
+    micro = hp.micro_batch_size(config.rollout_batch_size // D.world_size())
+
+    actor = load_causal_lm(config.model)
+    pad_id = _pad_token_id(actor)
+    num_params = count_parameters(actor)
+    actor_engine = build_train_engine(actor, ds, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
+                                      micro_batch_size=micro, grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm,
+                                      guard=guard)
+    stateful = {"actor": actor_engine}
+
+    reference = None
+    if t.kl_coef != 0.0 and config.model.lora_r == 0:
+        ref_model = load_causal_lm(config.model, config.reference.path or config.model.path, trainable=False)
+        # ZeRO-3 actor: a ZeRO-3 reference too (a full replica would waste what the actor saves).
+        reference = build_frozen_engine(ref_model, ds) if ds.zero_stage == 3 else ref_model
+
+    critic = None
+    if config.algorithm == "ppo":
+        critic_model = load_value_model(config.model, config.critic.path)
+        critic = build_train_engine(critic_model, ds, lr=config.critic.lr, weight_decay=t.weight_decay,
+                                    warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
+                                    max_grad_norm=t.max_grad_norm, guard=guard)
+        stateful["critic"] = critic
+
+    reward_model = None
+    if config.reward.model_path:
+        from transformers import AutoModelForSequenceClassification
+
+        from fastrlhf.modeling import torch_dtype
+
+        reward_model = AutoModelForSequenceClassification.from_pretrained(
+            config.reward.model_path, dtype=torch_dtype(config.model.dtype)).eval().requires_grad_(False)
+    scorer = RewardScorer(config.reward.function, reward_model, config.reward.model_kind, config.reward.label_index,
+                          micro_batch=micro)
+
+    rollout, shares = _build_rollout(config, actor_engine, actor_engine.module, num_params)
+    step = RLStep(hp, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,
+                  rollout_shares_actor=shares, guard=guard)
+    return step, stateful
+
+
+def run(config, resume: bool = False) -> dict:
+    """Train for ``trainer.max_steps`` steps; returns the last step's metrics (collective)."""
+    from fastrlhf import distributed as D
+    from fastrlhf.checkpoint import load_latest, save_checkpoint
+    from fastrlhf.config import config_to_dict
+    from fastrlhf.data import EpochSampler, load_prompts, shard
+    from fastrlhf.guards import StepGuard, TooManySkippedSteps
+    from fastrlhf.metrics import MetricsLogger
+    from fastrlhf.modeling import export_hf, vocab_size
+    from fastrlhf.supervised import seed_everything
+
+    D.init_distributed()
+    seed_everything(config.seed)
+    t = config.trainer
+    examples = load_prompts(config.data.prompts, config.data.prompt_field, config.data.max_prompt_len,
+                            vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path)
+    guard = StepGuard(t.max_skipped_steps)
+    rl_step, stateful = build_rl_step(config, guard)
+    sampler = EpochSampler(len(examples), seed=config.seed)
+    stateful.update(sampler=sampler, guard=guard)
+
+    start_step = 0
+    if resume:
+        restored = load_latest(config.output_dir, stateful)
+        if restored is None:
+            if D.is_main():
+                print(f"note: --resume given but {config.output_dir} has no checkpoint; starting at step 0")
+        else:
+            start_step = restored["step"]
+            rl_step.sync()  # the rollout engine must generate with the restored weights
+    logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=("reward_mean", "kl", "policy_loss"),
+                           tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config), resume=resume)
+    metrics: dict = {}
+    step = start_step
+    try:
+        for step in range(start_step + 1, t.max_steps + 1):
+            started = time.perf_counter()
+            local = shard(sampler.next_indices(t.prompts_per_step), D.rank(), D.world_size())
+            batch = [examples[i] for i in local]
+            metrics = rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step)
+            metrics["lr"] = rl_step.actor.engine.get_lr()[0]
+            metrics["wall_time"] = time.perf_counter() - started
+            if step % t.log_every == 0 or step == t.max_steps:
+                logger.log(step, metrics)
+            if metrics["skipped"]:
+                logger.message(f"step {step}: non-finite reward, loss or gradient, update skipped "
+                               f"({guard.skipped_in_row} in a row, {guard.skipped_total} in all)")
+            if t.save_every and step % t.save_every == 0 and step < t.max_steps:
+                save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
+    except TooManySkippedSteps:
+        save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
+        logger.close()
+        raise
+    finally:
+        rl_step.rollout.close()
+    logger.close()
+    save_checkpoint(config.output_dir, t.max_steps, stateful, keep_last=t.keep_checkpoints)
+    export_hf(stateful["actor"], os.path.join(config.output_dir, "final"), zero_stage=config.deepspeed.zero_stage,
+              tokenizer_from=config.model.path)
+    return metrics

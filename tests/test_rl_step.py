@@ -1,0 +1,349 @@
+"""The RL step against a hand-written, unfused, single-process version of the same step.
+
+Both sides get the same prompts, the same fixed completions (with engine logprobs that differ from
+the model's, so the truncated importance weights matter) and the same rewards. The hand-written
+side pads by hand, materialises full logits, uses ``fastrlhf.algorithms`` and a plain AdamW; the
+RLStep side runs the fused-linear kernels through the model body + LM head. Losses and every
+updated parameter must agree.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from fastrlhf.algorithms import (
+    aggregate_loss,
+    clipped_surrogate,
+    compute_gae,
+    compute_grpo_advantages,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_whiten,
+    shape_rewards,
+    value_loss,
+)
+from fastrlhf.models import make_tiny_llama
+from fastrlhf.rl.experience import build_experience
+from fastrlhf.rl.hparams import RLHParams
+from fastrlhf.rl.step import RLStep
+from fastrlhf.rollout import Completion
+
+PAD = 2
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+N = 4
+
+
+def tiny_actor(seed=0):
+    return make_tiny_llama(seed=seed, vocab_size=96, hidden_size=32, num_layers=2, num_heads=1).train()
+
+
+def tiny_critic():
+    from fastrlhf.modeling import CausalLMWithValueHead
+
+    torch.manual_seed(3)
+    return CausalLMWithValueHead(tiny_actor(seed=5)).train()
+
+
+def fixed_completions(actor, temperature):
+    """Random completions of lengths 1..7 (one ends in the pad id, a real token here) with engine
+    logprobs = the model's own logprobs + noise (what a bf16 or stale engine would report)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _prompt in PROMPTS:
+        samples = []
+        for _ in range(N):
+            length = int(torch.randint(1, 8, (1,), generator=g))
+            tokens = torch.randint(3, 96, (length,), generator=g).tolist()
+            samples.append(Completion(tokens, [0.0] * length, "length"))
+        out.append(samples)
+    out[0][1].token_ids[-1] = PAD
+    exp = build_experience(PROMPTS, out, PAD)
+    with torch.no_grad():
+        logits = actor(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
+                       position_ids=exp.position_ids).logits[:, exp.response_slice()]
+        lp = logprobs_from_logits(logits, exp.labels, temperature)
+    noise = 0.3 * torch.randn(lp.shape, generator=g)
+    rows = [c for samples in out for c in samples]
+    for b, c in enumerate(rows):
+        c.logprobs = (lp[b, : len(c.token_ids)] + noise[b, : len(c.token_ids)]).tolist()
+    return out
+
+
+SCORES = torch.tensor([0.1, 0.9, 0.4, 0.4, 1.0, 0.0, 0.5, 0.2, -0.3, 0.7, 0.7, 0.1])
+
+
+class FixedScorer:
+    def __init__(self, scores):
+        self.scores = scores
+
+    def __call__(self, exp, prompts, completions, metas):
+        return self.scores.clone()
+
+
+# ----------------------------------------------------------------------------------------------
+# The hand-written step
+# ----------------------------------------------------------------------------------------------
+
+
+def hand_written_step(hp, actor, ref, opt, completions, scores, step, critic=None, critic_opt=None):
+    rows = [(i, p, c) for i, p in enumerate(PROMPTS) for c in completions[i]]
+    B = len(rows)
+    P = max(len(p) for _, p, _ in rows)
+    T = max(len(c.token_ids) for _, _, c in rows)
+    ids = torch.full((B, P + T), PAD)
+    attn = torch.zeros((B, P + T), dtype=torch.long)
+    mask = torch.zeros((B, T))
+    engine_lp = torch.zeros((B, T))
+    for b, (_, p, c) in enumerate(rows):
+        n = len(c.token_ids)
+        ids[b, P - len(p):P] = torch.tensor(p)
+        ids[b, P:P + n] = torch.tensor(c.token_ids)
+        attn[b, P - len(p):P + n] = 1
+        mask[b, :n] = 1
+        engine_lp[b, :n] = torch.tensor(c.logprobs)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    groups = torch.tensor([i for i, _, _ in rows])
+    labels = ids[:, P:]
+
+    def logits_of(model, r):
+        return model(input_ids=ids[r], attention_mask=attn[r], position_ids=pos[r]).logits[:, P - 1:P - 1 + T]
+
+    def values_of(r):
+        return critic(input_ids=ids[r], attention_mask=attn[r])[:, P - 1:P - 1 + T].float()
+
+    every = torch.arange(B)
+    with torch.no_grad():
+        old = logprobs_from_logits(logits_of(actor, every), labels, hp.temperature) * mask
+        ref_lp = logprobs_from_logits(logits_of(ref, every), labels, hp.temperature) * mask
+        weights = torch.ones_like(mask)
+        if hp.tis_cap:
+            weights = torch.exp(old - engine_lp).clamp(max=hp.tis_cap) * mask
+        if hp.algorithm == "grpo":
+            adv = compute_grpo_advantages(scores, groups, scale_by_std=hp.scale_by_std)[:, None] * mask
+        else:
+            old_values = values_of(every) * mask
+            kl_coef = hp.kl_coef if hp.kl_in_reward else 0.0
+            token_rewards = shape_rewards(scores, old, ref_lp, mask, kl_coef, hp.kl_kind)
+            adv, returns = compute_gae(token_rewards, old_values, mask, hp.gamma, hp.lam)
+            adv = masked_whiten(adv, mask)
+
+    loss_kl = hp.kl_coef if (hp.algorithm == "grpo" or not hp.kl_in_reward) else 0.0
+    g = torch.Generator().manual_seed(hp.seed * 7919 + step)
+    minibatch = hp.minibatch_size
+    micro = minibatch // hp.grad_accum
+    plan = []
+    for _ in range(hp.ppo_epochs):
+        perm = torch.randperm(B, generator=g)
+        plan += [perm[s:s + minibatch] for s in range(0, B, minibatch)]
+
+    def optimise(model, optimizer, loss_of):
+        losses = []
+        for mb in plan:
+            for r in mb.view(hp.grad_accum, micro):
+                loss = loss_of(r)
+                (loss / hp.grad_accum).backward()
+                losses.append(float(loss.detach()))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+        return sum(losses) / len(losses)
+
+    def actor_loss(r):
+        logits = logits_of(actor, r)
+        lp = logprobs_from_logits(logits, labels[r], hp.temperature)
+        m = mask[r]
+        loss_mat, _ = clipped_surrogate(lp, old[r], adv[r] * weights[r], hp.clip_low, hp.clip_high, hp.dual_clip)
+        loss = aggregate_loss(loss_mat, m, hp.agg)
+        if loss_kl:
+            loss = loss + loss_kl * aggregate_loss(kl_penalty(lp, ref_lp[r], hp.kl_kind), m, hp.agg)
+        if hp.entropy_coef:
+            loss = loss - hp.entropy_coef * aggregate_loss(entropy_from_logits(logits, hp.temperature), m, hp.agg)
+        return loss
+
+    result = {"policy_loss": optimise(actor, opt, actor_loss)}
+    if critic is not None:
+        def critic_loss(r):
+            loss, _ = value_loss(values_of(r), old_values[r], returns[r], mask[r], hp.vf_clip, hp.agg)
+            return hp.vf_coef * loss
+
+        result["value_loss"] = optimise(critic, critic_opt, critic_loss) / hp.vf_coef
+    return result
+
+
+def assert_same_params(a, b, atol=2e-5):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.allclose(pa, pb, atol=atol, rtol=1e-4), f"{name}: max diff {(pa - pb).abs().max():.3g}"
+
+
+def changed(a, b):
+    return max(float((pa - pb).abs().max()) for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
+
+
+GRPO = dict(algorithm="grpo", n=N, temperature=0.8, minibatch_size=6, grad_accum=2, ppo_epochs=2, lr_=0,
+            clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean", entropy_coef=0.01, kl_coef=0.1, kl_kind="k3",
+            tis_cap=1.5, max_grad_norm=0.5)
+PPO = dict(algorithm="ppo", n=N, temperature=1.0, minibatch_size=4, grad_accum=2, ppo_epochs=2, dual_clip=3.0,
+           agg="token-mean", kl_coef=0.05, kl_kind="k1", kl_in_reward=True, gamma=0.99, lam=0.9, vf_clip=0.2,
+           vf_coef=0.5, max_grad_norm=1.0)
+
+
+def make_hp(spec, **over):
+    spec = {k: v for k, v in {**spec, **over}.items() if k != "lr_"}
+    return RLHParams(**spec)
+
+
+@pytest.mark.parametrize("case", ["grpo", "grpo-drgrpo-tokensum", "ppo"])
+def test_step_matches_hand_written_unfused_step(case):
+    torch.manual_seed(0)
+    if case == "grpo":
+        hp = make_hp(GRPO)
+    elif case == "grpo-drgrpo-tokensum":
+        hp = make_hp(GRPO, scale_by_std=False, agg="seq-mean-token-sum-norm", tis_cap=None, grad_accum=3,
+                     minibatch_size=12, loss_chunk_size=5)
+    else:
+        hp = make_hp(PPO)
+    actor, ref = tiny_actor(), tiny_actor().eval()
+    completions = fixed_completions(actor, hp.temperature)
+    actor_ref_copy = copy.deepcopy(actor)
+    lr = 5e-3
+    opt = torch.optim.AdamW(actor.parameters(), lr=lr, weight_decay=0.01)
+    opt_h = torch.optim.AdamW(actor_ref_copy.parameters(), lr=lr, weight_decay=0.01)
+    critic = critic_h = copt = copt_h = None
+    if hp.algorithm == "ppo":
+        critic = tiny_critic()
+        critic_h = copy.deepcopy(critic)
+        copt = torch.optim.AdamW(critic.parameters(), lr=lr)
+        copt_h = torch.optim.AdamW(critic_h.parameters(), lr=lr)
+    before = copy.deepcopy(actor)
+
+    rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=ref, critic=critic,
+                actor_optimizer=opt, critic_optimizer=copt, pad_token_id=PAD, rollout_shares_actor=True)
+    metrics = rl(PROMPTS, None, step=3, completions=completions)
+    expected = hand_written_step(hp, actor_ref_copy, ref, opt_h, completions, SCORES, 3, critic_h, copt_h)
+
+    assert metrics["skipped"] == 0.0
+    assert metrics["optimizer_steps"] == hp.ppo_epochs * 12 // hp.minibatch_size
+    assert math.isclose(metrics["policy_loss"], expected["policy_loss"], rel_tol=1e-4, abs_tol=1e-6)
+    assert changed(before, actor) > 1e-3  # the step really moved the weights
+    assert_same_params(actor, actor_ref_copy)
+    if critic is not None:
+        assert math.isclose(metrics["value_loss"], expected["value_loss"], rel_tol=1e-4, abs_tol=1e-6)
+        assert_same_params(critic, critic_h)
+    # The engine logprobs were given noise of std 0.3: the mismatch metric must see it.
+    assert 0.1 < metrics["logprob_mismatch_mean"] < 0.5 and metrics["logprob_mismatch_max"] > 0.5
+    for key in ("reward_mean", "reward_std", "entropy", "clipfrac", "approx_kl", "grad_norm", "kl"):
+        assert math.isfinite(metrics[key]), key
+    assert math.isclose(metrics["reward_mean"], float(SCORES.mean()), rel_tol=1e-6)
+    assert metrics["generated_tokens"] == sum(len(c.token_ids) for s in completions for c in s)
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN guard
+# ----------------------------------------------------------------------------------------------
+
+
+def _guarded_step(hp):
+    actor = tiny_actor()
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=tiny_actor().eval(),
+                actor_optimizer=opt, pad_token_id=PAD, rollout_shares_actor=True)
+    return rl, actor, opt
+
+
+def test_nan_reward_skips_step_and_keeps_parameters():
+    hp = make_hp(GRPO)
+    rl, actor, opt = _guarded_step(hp)
+    before = copy.deepcopy(actor)
+    completions = fixed_completions(actor, hp.temperature)
+    bad = SCORES.clone()
+    bad[4] = float("nan")
+    rl.scorer = FixedScorer(bad)
+    metrics = rl(PROMPTS, None, step=0, completions=completions)
+    assert metrics["skipped"] == 1.0 and metrics["skipped_steps"] == 1.0
+    assert changed(before, actor) == 0.0
+    assert not opt.state  # the optimizer never stepped
+    rl.scorer = FixedScorer(SCORES)
+    metrics = rl(PROMPTS, None, step=1, completions=completions)
+    assert metrics["skipped"] == 0.0 and metrics["skipped_steps"] == 1.0
+    assert changed(before, actor) > 1e-3
+
+
+def test_nan_loss_skips_update_and_keeps_parameters(monkeypatch):
+    import fastrlhf.rl.step as step_module
+
+    hp = make_hp(GRPO)
+    rl, actor, opt = _guarded_step(hp)
+    before = copy.deepcopy(actor)
+    completions = fixed_completions(actor, hp.temperature)
+    real = step_module.policy_loss_from_model
+
+    def poisoned(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(step_module, "policy_loss_from_model", poisoned)
+    metrics = rl(PROMPTS, None, step=0, completions=completions)
+    assert metrics["skipped"] == 1.0 and metrics["skipped_steps"] == 1.0
+    assert changed(before, actor) == 0.0
+    assert all(p.grad is None for p in actor.parameters())
+    monkeypatch.setattr(step_module, "policy_loss_from_model", real)
+    metrics = rl(PROMPTS, None, step=1, completions=completions)
+    assert metrics["skipped"] == 0.0 and changed(before, actor) > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces
+# ----------------------------------------------------------------------------------------------
+
+
+def test_reward_function_registry_and_module_path():
+    from fastrlhf.rl.rewards import resolve_reward_function
+
+    assert resolve_reward_function("target_token")([1], [3, 3, 4, 5], {}) == 0.5
+    assert resolve_reward_function("fastrlhf.rl.rewards:length_reward")([1], [1, 2], {"max_len": 4}) == 0.5
+    with pytest.raises(ValueError, match="unknown reward function 'nope'"):
+        resolve_reward_function("nope")
+    with pytest.raises(ValueError, match="has no callable 'missing'"):
+        resolve_reward_function("fastrlhf.rl.rewards:missing")
+
+
+def test_reward_model_scores_at_last_real_token():
+    from transformers import LlamaForSequenceClassification
+
+    from fastrlhf.models import tiny_llama_config
+    from fastrlhf.rl.forward import reward_model_scores
+
+    torch.manual_seed(0)
+    rm = LlamaForSequenceClassification(tiny_llama_config(vocab_size=96, hidden_size=32, num_heads=1,
+                                                          num_labels=2)).eval()
+    completions = [[Completion([20, 21, 22], [0.0] * 3, "length"), Completion([PAD], [0.0], "length")]]
+    exp = build_experience([[5, 6]], completions, PAD)
+    scores = reward_model_scores(rm, exp, label_index=1)
+    with torch.no_grad():  # each sequence alone, unpadded
+        alone = [rm(input_ids=torch.tensor([[5, 6, 20, 21, 22]])).logits[0, 1],
+                 rm.model(input_ids=torch.tensor([[5, 6, PAD]])).last_hidden_state[0, -1] @ rm.score.weight[1]]
+    assert torch.allclose(scores, torch.stack(alone).float(), atol=1e-5)
+
+
+def test_experience_layout():
+    completions = [[Completion([7, 8], [-1.0, -2.0], "stop")], [Completion([], [], "length")]]
+    exp = build_experience([[1, 2, 3], [4]], completions, PAD)
+    assert exp.input_ids.tolist() == [[1, 2, 3, 7, 8], [PAD, PAD, 4, PAD, PAD]]
+    assert exp.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
+    assert exp.response_mask.tolist() == [[1, 1], [0, 0]]
+    assert exp.engine_logprobs.tolist() == [[-1.0, -2.0], [0.0, 0.0]]
+    assert exp.group_ids.tolist() == [0, 1]
+
+
+def test_hparams_from_config_maps_names():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(algorithm="ppo", seed=3, rollout=SimpleNamespace(n=2, temperature=0.7, stop_token_ids=[1]),
+                          trainer=SimpleNamespace(kl_kind="low-var", vf_clip=None, tis_cap=2.0, max_steps=5))
+    hp = RLHParams.from_config(cfg)
+    assert (hp.kl_kind, hp.vf_clip, hp.tis_cap, hp.n, hp.stop_token_ids, hp.seed) == ("k3", math.inf, 2.0, 2, (1,), 3)
+    with pytest.raises(ValueError, match="GRPO needs rollout.n >= 2"):
+        RLHParams(algorithm="grpo", n=1)
