@@ -9,7 +9,7 @@ import torch
 
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 
-__all__ = ["RolloutEngine", "validate_prompts"]
+__all__ = ["RolloutEngine", "stop_token_ids_for", "validate_prompts"]
 
 
 def validate_prompts(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[list[int]]:
@@ -44,6 +44,12 @@ def validate_prompts(prompt_token_ids, vocab_size: int, max_model_len: int) -> l
     return prompts
 
 
+def stop_token_ids_for(sampling: SamplingConfig, eos_token_ids: Sequence[int]) -> list[int]:
+    """The model's eos ids (unless ``ignore_eos``) then ``sampling.stop_token_ids``, without repeats."""
+    eos = [] if sampling.ignore_eos else list(eos_token_ids)
+    return list(dict.fromkeys(eos + list(sampling.stop_token_ids)))
+
+
 class RolloutEngine(abc.ABC):
     """Generates completions from token-id prompts and takes new weights from the trainer."""
 
@@ -71,7 +77,7 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; the next ``generate`` uses only the new weights (no stale cache)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (engines without resources need nothing here)
         """Release the engine's resources (the trainer's process group survives)."""
 
     def __enter__(self):

@@ -11,7 +11,7 @@ CPU_VLLM_CROSSOVER_PARAMS = 4_000_000
 
 
 def choose_engine_kind(num_params: int, device) -> str:
-    """"vllm" or "hf" for a model of ``num_params`` parameters on ``device`` ("cpu", "cuda", torch.device)."""
+    """ "vllm" or "hf" for a model of ``num_params`` parameters on ``device`` ("cpu", "cuda", torch.device)."""
     if not isinstance(num_params, int) or num_params <= 0:
         raise ValueError(f"num_params must be a positive int, got {num_params!r}")
     device_type = getattr(device, "type", None) or str(device).split(":")[0]

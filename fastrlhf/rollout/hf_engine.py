@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-from fastrlhf.rollout.base import RolloutEngine, validate_prompts
+from fastrlhf.rollout.base import RolloutEngine, stop_token_ids_for, validate_prompts
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 
 __all__ = ["HFEngine", "apply_sampling_filters"]
@@ -90,7 +90,9 @@ class HFEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, eos_token_id=None):
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "generate"):
-            raise ValueError(f"HFEngine needs a transformers model with .config and .generate, got {type(model).__name__}")
+            raise ValueError(
+                f"HFEngine needs a transformers model with .config and .generate, got {type(model).__name__}"
+            )
         self.model = model
         self._vocab_size = int(config.vocab_size)
         self._max_model_len = int(max_model_len or config.max_position_embeddings)
@@ -125,15 +127,15 @@ class HFEngine(RolloutEngine):
             raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         prompts = validate_prompts(prompt_token_ids, self.vocab_size, self.max_model_len)
         limits = [min(sampling.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
-        stop_ids = list(dict.fromkeys(([] if sampling.ignore_eos else self.eos_token_ids) + list(sampling.stop_token_ids)))
+        stop_ids = stop_token_ids_for(sampling, self.eos_token_ids)
 
         device = self._device()
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention_mask[i, width - len(p):] = 1
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, width - len(p) :] = 1
 
         recorder = _SampledTokenLogprobs(sampling)
         sample_kwargs = dict(temperature=1.0, top_k=0, top_p=1.0) if not sampling.greedy else {}

@@ -36,10 +36,14 @@ class SamplingConfig:
     def __post_init__(self):
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"SamplingConfig.n must be an int >= 1, got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not (
-            self.temperature >= 0 and self.temperature != float("inf")
+        if (
+            not isinstance(self.temperature, (int, float))
+            or isinstance(self.temperature, bool)
+            or not (self.temperature >= 0 and self.temperature != float("inf"))
         ):
-            raise ValueError(f"SamplingConfig.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise ValueError(
+                f"SamplingConfig.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not (0 < self.top_p <= 1):
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
@@ -53,7 +57,9 @@ class SamplingConfig:
                 f"SamplingConfig.stop_token_ids must be a sequence of ints >= 0, got {self.stop_token_ids!r}"
             ) from None
         if not all(_is_int(t) and t >= 0 for t in stop):
-            raise ValueError(f"SamplingConfig.stop_token_ids must be a sequence of ints >= 0, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"SamplingConfig.stop_token_ids must be a sequence of ints >= 0, got {self.stop_token_ids!r}"
+            )
         object.__setattr__(self, "stop_token_ids", stop)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"SamplingConfig.seed must be an int or None, got {self.seed!r}")

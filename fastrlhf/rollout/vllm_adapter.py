@@ -110,7 +110,7 @@ def run_generate(llm, prompts: list[list[int]], params) -> list[list[tuple[list[
         samples = []
         for c in sorted(out.outputs, key=lambda c: c.index):
             token_ids = list(c.token_ids)
-            logprobs = [step[t].logprob for t, step in zip(token_ids, c.logprobs)]
+            logprobs = [step[t].logprob for t, step in zip(token_ids, c.logprobs, strict=True)]
             if c.finish_reason not in VLLM_FINISH_REASONS:
                 raise RuntimeError(f"vLLM returned finish_reason={c.finish_reason!r} (expected 'stop' or 'length')")
             samples.append((token_ids, logprobs, VLLM_FINISH_REASONS[c.finish_reason]))
@@ -127,6 +127,24 @@ def reload_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> No
     bucketed ZeRO-3 gather) never holds more than a bucket plus one partly loaded layer.
     """
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True})
+    llm.collective_rpc(_refresh_tied_lm_head)
+
+
+def _refresh_tied_lm_head(worker) -> None:
+    """Redo the tied lm_head's post-load processing after a reload.
+
+    With tied embeddings the checkpoint has no lm_head.weight, so reload_weights never processes
+    lm_head; on CPU that processing made a packed copy of the weight for the logits GEMM, which
+    would keep computing logits with the old embedding. (On CUDA it is a no-op.)
+    """
+    model = worker.model_runner.model
+    lm_head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    if lm_head is None or not getattr(config, "tie_word_embeddings", False):
+        return
+    method = getattr(lm_head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(lm_head)
 
 
 def reset_prefix_cache(llm) -> None:

@@ -11,22 +11,30 @@ from collections.abc import Iterable
 import torch
 
 from fastrlhf.rollout import vllm_adapter
-from fastrlhf.rollout.base import RolloutEngine, validate_prompts
+from fastrlhf.rollout.base import RolloutEngine, stop_token_ids_for, validate_prompts
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 
 __all__ = ["VLLMEngine", "read_model_config", "check_cpu_head_size"]
 
 _DTYPES = {
-    "float32": "float32", "fp32": "float32", torch.float32: "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16", torch.bfloat16: "bfloat16",
-    "float16": "float16", "fp16": "float16", torch.float16: "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    torch.float32: "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    torch.bfloat16: "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    torch.float16: "float16",
 }
 
 
 def read_model_config(model_path: str) -> dict:
     path = os.path.join(str(model_path), "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"VLLMEngine model_path must be a folder with a config.json (save_pretrained), got {model_path!r}")
+        raise ValueError(
+            f"VLLMEngine model_path must be a folder with a config.json (save_pretrained), got {model_path!r}"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -150,7 +158,7 @@ class VLLMEngine(RolloutEngine):
         if not isinstance(sampling, SamplingConfig):
             raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         prompts = validate_prompts(prompt_token_ids, self.vocab_size, self.max_model_len)
-        stop_ids = list(dict.fromkeys(([] if sampling.ignore_eos else self.eos_token_ids) + list(sampling.stop_token_ids)))
+        stop_ids = stop_token_ids_for(sampling, self.eos_token_ids)
         limits = [min(sampling.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
         if len(set(limits)) == 1:
             params = vllm_adapter.make_sampling_params(sampling, limits[0], stop_ids)

@@ -49,7 +49,9 @@ def unwrap_model(source) -> torch.nn.Module:
     """The HF module inside a DeepSpeed engine (or the module itself)."""
     module = getattr(source, "module", source)
     if not isinstance(module, torch.nn.Module):
-        raise ValueError(f"weight sync source must be a torch module or a DeepSpeed engine, got {type(source).__name__}")
+        raise ValueError(
+            f"weight sync source must be a torch module or a DeepSpeed engine, got {type(source).__name__}"
+        )
     return module
 
 
@@ -94,8 +96,10 @@ def iter_bucketed_weights(
     module = unwrap_model(source)
     stats = stats if stats is not None else SyncStats()
     stats.bucket_bytes = bucket_bytes
-    named = [(n[len(name_prefix):] if name_prefix and n.startswith(name_prefix) else n, p)
-             for n, p in module.named_parameters()]
+    named = [
+        (n[len(name_prefix) :] if name_prefix and n.startswith(name_prefix) else n, p)
+        for n, p in module.named_parameters()
+    ]
     stats.zero3 = any(_is_zero3(p) for _, p in named)
     for bucket, size in _buckets(named, bucket_bytes, dtype):
         t0 = time.perf_counter()
