@@ -1,0 +1,171 @@
+"""Run configs: every class of bad config fails with one line naming the key; examples parse."""
+
+import glob
+import os
+
+import pytest
+import yaml
+
+from fastrlhf.config import ConfigError, TrainConfig, load_config, parse_config
+
+DROP = "<drop>"
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+@pytest.fixture
+def paths(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    return {"model": str(model), "prompts": str(prompts), "out": str(tmp_path / "out")}
+
+
+def grpo(paths, **sections):
+    raw = {
+        "algorithm": "grpo",
+        "output_dir": paths["out"],
+        "model": {"path": paths["model"]},
+        "reward": {"function": "length"},
+        "data": {"prompts": paths["prompts"]},
+        "rollout": {"n": 4},
+        "trainer": {"max_steps": 10, "prompts_per_step": 4, "minibatch_size": 8},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {k: v for k, v in {**raw[key], **value}.items() if v != DROP}
+        elif value == DROP:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    return raw
+
+
+def error_of(raw, command="train") -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw, command)
+    message = str(info.value)
+    assert "\n" not in message
+    return info.value
+
+
+def test_valid_grpo_config_has_defaults(paths):
+    config = parse_config(grpo(paths))
+    assert isinstance(config, TrainConfig)
+    assert config.rollout_batch_size == 16
+    assert config.trainer.lr == 1.0e-6 and config.trainer.kl_kind == "k3"
+    assert config.deepspeed.zero_stage == 2 and config.critic is None
+    with pytest.raises(AttributeError):
+        config.trainer.lr = 1.0  # frozen
+
+
+@pytest.mark.parametrize(
+    "sections, key, phrase",
+    [
+        ({"algorithm": "ppo"}, "critic", "needs a critic section"),
+        ({"trainer": {"minibatch_size": 3}}, "trainer.minibatch_size",
+         "3 does not divide the rollout batch of 16 (trainer.prompts_per_step x rollout.n)"),
+        ({"rollout": {"n": 1}}, "rollout.n", "rollout.n >= 2"),
+        ({"reward": {"function": None}}, "reward", "neither"),
+        ({"reward": {"function": "length", "model_path": "x"}}, "reward", "both"),
+        ({"deepspeed": {"zero_stage": 4}}, "deepspeed.zero_stage", "0, 1, 2 or 3"),
+        ({"trainer": {"lr": 0.0}}, "trainer.lr", "> 0"),
+        ({"trainer": {"lr": -1e-5}}, "trainer.lr", "> 0"),
+        ({"rollout": {"temperature": -0.5}}, "rollout.temperature", ">= 0"),
+        ({"output_dir": DROP}, "output_dir", "missing required key"),
+        ({"trainer": {"max_steps": DROP}}, "trainer.max_steps", "missing required key"),
+        ({"trainer": {"max_steps": None}}, "trainer.max_steps", "expected an integer"),
+        ({"model": {"path": "/nonexistent/model"}}, "model.path", "does not exist"),
+        ({"data": {"prompts": "/nonexistent/p.jsonl"}}, "data.prompts", "does not exist"),
+        ({"trainer": {"learning_rate": 1e-5}}, "trainer.learning_rate", "unknown key"),
+        ({"trainer": {"lr": "fast"}}, "trainer.lr", "expected a number"),
+        ({"trainer": {"max_steps": 2.5}}, "trainer.max_steps", "expected an integer"),
+        ({"algorithm": "dpo"}, "algorithm", "'grpo' | 'ppo'"),
+        ({"deepspeed": {"offload_param": True}}, "deepspeed.offload_param", "zero_stage 3"),
+        ({"model": {"lora_targets": "q_proj"}}, "model.lora_targets", "a list of a string"),
+        ({"trainer": {"dual_clip": 0.5}}, "trainer.dual_clip", "> 1"),
+    ],
+)
+def test_impossible_train_configs_name_the_key(paths, sections, key, phrase):
+    err = error_of(grpo(paths, **sections))
+    assert err.key == key, str(err)
+    assert str(err).startswith(f"{key}: ") and phrase in str(err), str(err)
+
+
+def test_ppo_with_critic_section_is_valid(paths):
+    config = parse_config(grpo(paths, algorithm="ppo", critic={"lr": 2e-5}, rollout={"n": 1},
+                               trainer={"minibatch_size": 4}))
+    assert config.critic.path is None and config.critic.lr == 2e-5
+    # An empty `critic:` means all defaults.
+    assert parse_config(grpo(paths, algorithm="ppo", critic=None)).critic is not None
+
+
+def write_yaml(path, raw):
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_set_overrides_parse_yaml_scalars(paths, tmp_path):
+    path = write_yaml(tmp_path / "run.yaml", grpo(paths))
+    config = load_config(path, "train", ["trainer.lr=1e-5", "rollout.n=8", "trainer.tis_cap=null",
+                                         "trainer.minibatch_size=16", "deepspeed.bf16=true"])
+    assert config.trainer.lr == 1e-5 and config.rollout.n == 8 and config.trainer.tis_cap is None
+    assert config.deepspeed.bf16 is True
+    with pytest.raises(ConfigError, match=r"^trainer\.lrr: unknown key"):
+        load_config(path, "train", ["trainer.lrr=1"])
+    with pytest.raises(ConfigError, match=r"^--set: expected key=value"):
+        load_config(path, "train", ["trainer.lr"])
+    with pytest.raises(ConfigError, match=r"^rollout.n: is 4, not a section"):
+        load_config(path, "train", ["rollout.n.x=1"])
+
+
+def test_yaml_floats_without_dot(paths, tmp_path):
+    raw_text = yaml.safe_dump(grpo(paths)).replace("minibatch_size: 8", "minibatch_size: 8\n  lr: 3e-6")
+    path = tmp_path / "run.yaml"
+    path.write_text(raw_text)
+    assert load_config(str(path)).trainer.lr == 3e-6
+
+
+def test_bad_yaml_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("algorithm: grpo\ntrainer: {max_steps: 1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:\d+: invalid YAML"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_sft_and_rm_schemas(paths):
+    sft = {"output_dir": paths["out"], "model": {"path": paths["model"]}, "data": {"path": paths["prompts"]},
+           "trainer": {"max_steps": 3, "batch_size": 4}}
+    assert parse_config(sft, "sft").trainer.batch_size == 4
+    assert error_of({**sft, "trainer": {"max_steps": 3, "batch_size": 4, "grad_accum": 3}}, "sft").key == \
+        "trainer.grad_accum"
+    assert error_of({**sft, "data": {"path": "/none"}}, "sft").key == "data.path"
+    assert error_of({k: v for k, v in sft.items() if k != "output_dir"}, "sft").key == "output_dir"
+    rm = {**sft, "kind": "classifier"}
+    assert parse_config(rm, "rm").resolved_num_labels == 2
+    assert parse_config({**sft}, "rm").resolved_num_labels == 1
+    assert error_of({**rm, "kind": "pairwise", "num_labels": 3}, "rm").key == "num_labels"
+    assert error_of({**rm, "kind": "ranking"}, "rm").key == "kind"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(EXAMPLES, "*.yaml"))))
+def test_examples_parse(path, paths):
+    command = {"grpo": "train", "ppo": "train", "sft": "sft", "rm": "rm"}[os.path.basename(path)[:-5]]
+    overrides = [f"model.path={paths['model']}", f"output_dir={paths['out']}"]
+    if os.path.basename(path) == "ppo.yaml":
+        overrides.append(f"reward.model_path={paths['model']}")
+    cwd = os.getcwd()
+    os.chdir(os.path.join(EXAMPLES, ".."))  # the examples' data paths are relative to the checkout root
+    try:
+        config = load_config(path, command, overrides)
+    finally:
+        os.chdir(cwd)
+    assert config.output_dir == paths["out"]
+
+
+def test_example_count():
+    names = {os.path.basename(p) for p in glob.glob(os.path.join(EXAMPLES, "*.yaml"))}
+    assert {"grpo.yaml", "ppo.yaml", "sft.yaml", "rm.yaml"} <= names

@@ -1,0 +1,225 @@
+"""SFT and reward-model training on DeepSpeed engines (CPU, gloo): loss, accuracy, export, exact resume,
+the step guard inside an engine, and a 2-rank run under the deepspeed launcher."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from fastrlhf.metrics import read_metrics
+from fastrlhf.models import save_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 64
+ENV = {**os.environ, "FASTRLHF_DIST_TIMEOUT": "60", "FASTRLHF_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1"}
+DETERMINISTIC_KEYS = ("loss", "grad_norm", "lr", "response_tokens", "skipped_total")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_rm")
+    save_tiny_llama(root / "model", vocab_size=VOCAB, hidden_size=64, num_layers=1)
+    rng = random.Random(0)
+    with open(root / "sft.jsonl", "w") as f:
+        for _ in range(8):
+            prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 6))]
+            f.write(json.dumps({"prompt_ids": prompt, "response_ids": [(t * 7) % 61 + 3 for t in prompt]}) + "\n")
+    with open(root / "pairs.jsonl", "w") as f:  # chosen: low token ids, rejected: high ones
+        for _ in range(16):
+            f.write(json.dumps({"prompt_ids": [rng.randrange(3, VOCAB) for _ in range(3)],
+                                "chosen_ids": [rng.randrange(3, 20) for _ in range(4)],
+                                "rejected_ids": [rng.randrange(44, VOCAB) for _ in range(4)]}) + "\n")
+    with open(root / "cls.jsonl", "w") as f:
+        for i in range(16):
+            lo, hi = (3, 20) if i % 2 == 0 else (44, VOCAB)
+            f.write(json.dumps({"input_ids": [rng.randrange(lo, hi) for _ in range(5)], "label": i % 2}) + "\n")
+    return root
+
+
+def write_config(workdir, name, **sections):
+    raw = {"output_dir": str(workdir / name), "model": {"path": str(workdir / "model")},
+           "data": {"path": str(workdir / "sft.jsonl"), "max_len": 32},
+           "trainer": {"max_steps": 8, "batch_size": 8, "lr": 1.0e-2}, "deepspeed": {"zero_stage": 2}}
+    for key, value in sections.items():
+        raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) else value
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def cli(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "fastrlhf", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def losses(output_dir):
+    return [r["loss"] for r in read_metrics(os.path.join(output_dir, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def sft_run(workdir):
+    """An uninterrupted SFT run, the reference the resume test compares against."""
+    config = write_config(workdir, "sft_full", trainer={"max_steps": 24, "save_every": 4, "batch_size": 4,
+                                                        "lr": 3.0e-3})
+    result = cli("sft", "--config", config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir / "sft_full", config
+
+
+def test_sft_lowers_the_loss_and_exports_a_loadable_model(sft_run, workdir):
+    from transformers import AutoModelForCausalLM
+
+    out, _ = sft_run
+    records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, 25))
+    first, last = sum(losses(out)[:4]) / 4, sum(losses(out)[-4:]) / 4
+    assert last < first - 0.5, (first, last)  # every 4 steps cover the 8 examples twice: comparable windows
+    assert all(r["skipped_total"] == 0 for r in records)
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    initial = AutoModelForCausalLM.from_pretrained(workdir / "model")
+    assert set(model.state_dict()) == set(initial.state_dict())
+    assert not torch.equal(model.lm_head.weight, initial.lm_head.weight)
+    assert os.path.exists(out / "final" / "model.safetensors")
+
+
+def test_sft_killed_and_resumed_reproduces_the_metrics(sft_run, workdir):
+    reference, _ = sft_run
+    config = write_config(workdir, "sft_killed", trainer={"max_steps": 24, "save_every": 4, "batch_size": 4,
+                                                          "lr": 3.0e-3})
+    out = workdir / "sft_killed"
+    metrics = out / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "fastrlhf", "sft", "--config", config], cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and any(r["step"] >= 6 for r in _safe_read(metrics)):
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert os.path.exists(out / "checkpoints" / "step-4")
+    assert not os.path.exists(out / "final")
+
+    result = cli("sft", "--config", config, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = read_metrics(os.path.join(reference, "metrics.jsonl"))
+    got = read_metrics(metrics)
+    assert [r["step"] for r in got] == list(range(1, 25))
+    for a, b in zip(want, got, strict=True):
+        assert {k: a.get(k) for k in DETERMINISTIC_KEYS} == {k: b.get(k) for k in DETERMINISTIC_KEYS}, a["step"]
+
+
+def _safe_read(path):
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _run_in_process(command, config_path):
+    from fastrlhf.config import load_config
+
+    config = load_config(config_path, command)
+    if command == "sft":
+        from fastrlhf.sft import run
+    else:
+        from fastrlhf.reward_model import run
+    os.environ.setdefault("FASTRLHF_DIST_TIMEOUT", "60")
+    return run(config), config
+
+
+def test_pairwise_reward_model_separates_a_toy_set(workdir):
+    from transformers import AutoModelForSequenceClassification
+
+    config = write_config(workdir, "rm_pairwise", data={"path": str(workdir / "pairs.jsonl")},
+                          trainer={"max_steps": 12, "lr": 1.0e-2})
+    os.environ["FASTRLHF_NO_PROGRESS"] = "1"
+    last, cfg = _run_in_process("rm", config)
+    records = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    assert sum(r["accuracy"] for r in records[-3:]) / 3 >= 0.9, records[-3:]
+    assert records[-1]["loss"] < records[0]["loss"]
+    model = AutoModelForSequenceClassification.from_pretrained(os.path.join(cfg.output_dir, "final"))
+    assert model.config.num_labels == 1
+    chosen = torch.tensor([[5, 6, 7, 8, 9]])
+    rejected = torch.tensor([[50, 51, 52, 53, 54]])
+    with torch.no_grad():
+        assert model(chosen).logits[0, 0] > model(rejected).logits[0, 0]
+
+
+def test_classifier_reward_model_separates_a_toy_set(workdir):
+    config = write_config(workdir, "rm_cls", kind="classifier", data={"path": str(workdir / "cls.jsonl")},
+                          trainer={"max_steps": 12, "lr": 1.0e-2}, deepspeed={"zero_stage": 1})
+    last, cfg = _run_in_process("rm", config)
+    records = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    assert sum(r["accuracy"] for r in records[-3:]) / 3 >= 0.9, records[-3:]
+
+
+def test_guard_inside_a_zero2_engine_skips_the_update(workdir):
+    from fastrlhf import distributed as D
+    from fastrlhf.config import DeepSpeedConfig
+    from fastrlhf.guards import StepGuard
+    from fastrlhf.models import make_tiny_llama
+
+    D.init_distributed(timeout_s=60)
+    guard = StepGuard(3)
+    engine = D.build_train_engine(make_tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=1).train(),
+                                  DeepSpeedConfig(zero_stage=2), lr=1e-2, max_grad_norm=1.0, guard=guard)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+    loss = engine(input_ids=ids, labels=ids).loss * float("nan")
+    guard.check_loss(loss)
+    engine.backward(loss)
+    engine.step()
+    assert guard.end_step(1) and guard.skipped_total == 1
+    assert all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+
+    loss = engine(input_ids=ids, labels=ids).loss
+    guard.check_loss(loss)
+    engine.backward(loss)
+    engine.step()
+    assert not guard.end_step(2) and guard.skipped_in_row == 0
+    assert not torch.equal(before["lm_head.weight"], engine.module.lm_head.weight)
+
+
+def test_two_ranks_under_the_deepspeed_launcher_zero3(workdir):
+    from transformers import AutoModelForCausalLM
+
+    config = write_config(workdir, "sft_2rank", trainer={"max_steps": 3, "save_every": 2},
+                          deepspeed={"zero_stage": 3})
+    port = _free_port()
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    result = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(port), "--module", "fastrlhf", "sft",
+                             "--config", config], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    out = workdir / "sft_2rank"
+    assert [r["step"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
+    assert sorted(os.listdir(out / "checkpoints" / "step-2")) == ["model", "rank-0.pt", "rank-1.pt"]
+    model = AutoModelForCausalLM.from_pretrained(out / "final")  # ZeRO-3 shards gathered into a full model
+    assert model.lm_head.weight.shape == (VOCAB, 64)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
