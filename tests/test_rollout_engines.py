@@ -128,9 +128,11 @@ def test_seeded_sampling_is_reproducible_and_grouped(models, vllm_engine, engine
     assert len({tuple(c.token_ids) for c in a[0]}) == 3  # n samples, not one sample repeated
     other = engine.generate(PROMPTS[:2], SamplingConfig(n=3, temperature=1.0, max_new_tokens=12, seed=8))
     assert _tokens(other) != _tokens(a)
-    # Grouping: prompt i's samples stay with prompt i when the batch order changes.
-    swapped = engine.generate([PROMPTS[1]], sampling)
-    assert _tokens(swapped)[0] == _tokens(a)[1] or engine_kind == "hf"  # HF's RNG stream is batch-wide
+    if engine_kind == "vllm":
+        # vLLM seeds each request: prompt i's samples do not depend on the rest of the batch.
+        # (HF draws from one batch-wide stream, so there only the whole batch is reproducible.)
+        alone = engine.generate([PROMPTS[1]], sampling)
+        assert _tokens(alone)[0] == _tokens(a)[1]
 
 
 @pytest.mark.parametrize("engine_kind", ["vllm", "hf"])

@@ -1,0 +1,166 @@
+"""Rollout throughput (VLLMEngine vs HFEngine) across model sizes, and weight-sync cost.
+
+Workload: 64 prompts of 16 tokens x n=4 x 64 new tokens (16,384 generated tokens per round),
+fp32, temperature 1, eos ignored so every round generates the same number of tokens.
+Targets on the 2-core CPU dev machine (asserted): vLLM >= 2x HF tokens/s at ~20M parameters;
+a weight sync into vLLM <= 3x a plain ``copy_`` of the same state dict. The per-size ratios also
+give the crossover behind ``fastrlhf.rollout.CPU_VLLM_CROSSOVER_PARAMS``.
+"""
+
+import gc
+import os
+import time
+
+import pytest
+import torch
+
+from fastrlhf.models import count_parameters, save_tiny_llama
+from fastrlhf.rollout import CPU_VLLM_CROSSOVER_PARAMS, HFEngine, SamplingConfig, sync_weights
+
+NUM_PROMPTS, PROMPT_LEN, N, NEW_TOKENS = 64, 16, 4, 64
+SAMPLING = SamplingConfig(n=N, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0, ignore_eos=True)
+ROUNDS = 2
+
+# name -> tiny_llama_config kwargs (head size >= 32 for the vLLM CPU backend)
+SIZES = {
+    "0.2M": dict(vocab_size=512, hidden_size=64, num_layers=4, num_heads=2),
+    "1M": dict(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4),
+    "4M": dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=8),
+    "20M": dict(vocab_size=4096, hidden_size=512, num_layers=6, num_heads=8),
+}
+TARGET_SIZE = "20M"
+MIN_VLLM_SPEEDUP = 2.0
+MAX_SYNC_OVER_COPY = 3.0
+
+_tokens_per_s: dict[tuple[str, str], float] = {}
+_state: dict = {}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_rollout")
+    dirs, models = {}, {}
+    for name, kw in SIZES.items():
+        dirs[name] = root / name
+        models[name] = save_tiny_llama(dirs[name], seed=0, max_position_embeddings=256, **kw)
+    return dirs, models
+
+
+def _prompts(vocab):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, vocab, (NUM_PROMPTS, PROMPT_LEN), generator=g).tolist()
+
+
+def _vllm_engine(dirs, size):
+    """One vLLM engine at a time in this process: the previous size's is closed first."""
+    current = _state.get("engine")
+    if current is not None and _state.get("engine_size") == size:
+        return current
+    if current is not None:
+        current.close()
+        _state["engine"] = None
+        gc.collect()
+    os.environ.pop("TRITON_INTERPRET", None)
+    from fastrlhf.rollout import VLLMEngine
+
+    engine = VLLMEngine(str(dirs[size]), dtype="float32", max_model_len=256, kv_cache_bytes=512 << 20)
+    _state.update(engine=engine, engine_size=size)
+    return engine
+
+
+def _generated(results):
+    return sum(len(c.token_ids) for samples in results for c in samples)
+
+
+CASES = [(size, "hf") for size in SIZES] + [(size, "vllm") for size in SIZES]
+
+
+@pytest.mark.parametrize("size,engine_kind", CASES, ids=[f"{s}-{e}" for s, e in CASES])
+def test_generate_tokens_per_second(benchmark, model_dirs, size, engine_kind):
+    dirs, models = model_dirs
+    if engine_kind == "vllm":
+        pytest.importorskip("vllm")
+        engine = _vllm_engine(dirs, size)
+    else:
+        torch.set_num_threads(os.cpu_count() or 1)
+        engine = HFEngine(models[size])
+    prompts = _prompts(SIZES[size]["vocab_size"])
+    engine.generate(prompts[:4], SAMPLING)  # warm-up
+    results = benchmark.pedantic(engine.generate, args=(prompts, SAMPLING), rounds=ROUNDS, iterations=1)
+    tokens = _generated(results)
+    assert tokens == NUM_PROMPTS * N * NEW_TOKENS
+    tps = tokens / benchmark.stats.stats.median
+    _tokens_per_s[(size, engine_kind)] = tps
+    benchmark.extra_info.update(
+        engine=engine_kind,
+        size=size,
+        num_params=count_parameters(models[size]),
+        tokens_per_round=tokens,
+        tokens_per_s=round(tps, 1),
+    )
+    if engine_kind == "vllm" and (size, "hf") in _tokens_per_s:
+        ratio = tps / _tokens_per_s[(size, "hf")]
+        benchmark.extra_info["hf_tokens_per_s"] = round(_tokens_per_s[(size, "hf")], 1)
+        benchmark.extra_info["vllm_over_hf"] = round(ratio, 3)
+        if size == TARGET_SIZE:
+            assert ratio >= MIN_VLLM_SPEEDUP, f"vLLM is {ratio:.2f}x HF at {size}, target >= {MIN_VLLM_SPEEDUP}x"
+
+
+def test_crossover_matches_the_engine_choice_constant(benchmark, model_dirs):
+    """The smallest measured size where vLLM beats HF; the constant must sit between it and the size below."""
+    _, models = model_dirs
+    measured = [s for s in SIZES if (s, "hf") in _tokens_per_s and (s, "vllm") in _tokens_per_s]
+    if len(measured) != len(SIZES):
+        pytest.skip("needs every test_generate_tokens_per_second case of this run")
+    ratios = {s: _tokens_per_s[(s, "vllm")] / _tokens_per_s[(s, "hf")] for s in SIZES}
+    params = {s: count_parameters(models[s]) for s in SIZES}
+    faster = [s for s in SIZES if ratios[s] > 1.0]
+    benchmark.extra_info.update({f"vllm_over_hf_{s}": round(r, 3) for s, r in ratios.items()})
+    benchmark.extra_info.update({f"params_{s}": params[s] for s in SIZES})
+    benchmark.extra_info["crossover_constant"] = CPU_VLLM_CROSSOVER_PARAMS
+    benchmark.pedantic(lambda: None, rounds=1)
+    assert faster, f"vLLM never beat HF: {ratios}"
+    first = faster[0]
+    benchmark.extra_info["first_size_vllm_wins"] = first
+    below = [params[s] for s in SIZES if params[s] < params[first]]
+    assert (max(below) if below else 0) < CPU_VLLM_CROSSOVER_PARAMS <= params[first], (
+        f"CPU_VLLM_CROSSOVER_PARAMS={CPU_VLLM_CROSSOVER_PARAMS} disagrees with this run: ratios {ratios}, "
+        f"params {params}"
+    )
+
+
+def test_weight_sync_vs_plain_copy(benchmark, model_dirs):
+    pytest.importorskip("vllm")
+    dirs, models = model_dirs
+    engine = _vllm_engine(dirs, TARGET_SIZE)
+    source = models[TARGET_SIZE]
+    src = {k: v.detach() for k, v in source.state_dict().items()}
+    dst = {k: v.clone() for k, v in src.items()}
+
+    def plain_copy():
+        for k, v in src.items():
+            dst[k].copy_(v)
+
+    plain_copy()
+    copy_times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        plain_copy()
+        copy_times.append(time.perf_counter() - t0)
+    copy_s = sorted(copy_times)[len(copy_times) // 2]
+
+    sync_weights(source, engine)  # warm-up
+    stats = benchmark.pedantic(sync_weights, args=(source, engine), rounds=5, iterations=1)
+    sync_s = benchmark.stats.stats.median
+    ratio = sync_s / copy_s
+    benchmark.extra_info.update(
+        size=TARGET_SIZE,
+        bytes_per_sync=stats.bytes,
+        num_buckets=stats.num_buckets,
+        sync_ms=round(sync_s * 1e3, 2),
+        plain_copy_ms=round(copy_s * 1e3, 2),
+        sync_over_copy=round(ratio, 3),
+    )
+    assert ratio <= MAX_SYNC_OVER_COPY, f"sync takes {ratio:.2f}x a plain copy_ (target <= {MAX_SYNC_OVER_COPY}x)"
+    engine.close()
+    _state.clear()
