@@ -1,0 +1,113 @@
+"""The command line: help, one-line config errors with exit code 2 in well under a second, data errors
+with line numbers, and dispatch of ``train`` to the RL trainer."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import yaml
+
+from fastrlhf import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "FASTRLHF_DIST_TIMEOUT": "60", "FASTRLHF_NO_PROGRESS": "1"}
+
+
+def run_cli(*args, timeout=120):
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "fastrlhf", *args], cwd=ROOT, env=ENV, capture_output=True,
+                            text=True, timeout=timeout)
+    return result, time.monotonic() - started
+
+
+@pytest.fixture
+def train_yaml(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [3, 4]}\n')
+    raw = {"algorithm": "grpo", "output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path / "model")},
+           "reward": {"function": "length"}, "data": {"prompts": str(tmp_path / "prompts.jsonl")},
+           "rollout": {"n": 4}, "trainer": {"max_steps": 2, "prompts_per_step": 4, "minibatch_size": 8}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_help_lists_the_commands():
+    result, _ = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("train", "sft", "rm"):
+        assert command in result.stdout
+    sub, _ = run_cli("sft", "--help")
+    assert "--config" in sub.stdout and "--set" in sub.stdout and "--resume" in sub.stdout
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("trainer.minibatch_size=3", "config error: trainer.minibatch_size: 3 does not divide the rollout batch of 16 "
+                                 "(trainer.prompts_per_step x rollout.n)"),
+    ("rollout.n=1", "config error: rollout.n: grpo compares completions"),
+    ("trainer.bogus=1", "config error: trainer.bogus: unknown key"),
+])
+def test_config_errors_are_one_line_exit_2_and_fast(train_yaml, override, expected):
+    # --local_rank=0 first, as the deepspeed launcher passes it.
+    result, elapsed = run_cli("--local_rank=0", "train", "--config", train_yaml, "--set", override)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
+    assert "Traceback" not in result.stderr
+    assert elapsed < 3.0  # includes interpreter start-up; the check itself takes milliseconds
+
+
+def test_config_error_in_process_is_fast(train_yaml, capsys):
+    started = time.monotonic()
+    assert cli.main(["train", "--config", train_yaml, "--set", "deepspeed.zero_stage=5"]) == 2
+    assert time.monotonic() - started < 1.0
+    assert capsys.readouterr().err.strip() == "config error: deepspeed.zero_stage: must be 0, 1, 2 or 3, got 5"
+
+
+def test_missing_config_file(tmp_path, capsys):
+    assert cli.main(["sft", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "config error: --config: cannot read" in capsys.readouterr().err
+
+
+def test_train_dispatches_to_the_rl_trainer(train_yaml, monkeypatch):
+    seen = {}
+    fake = types.ModuleType("fastrlhf.rl.trainer")
+
+    def run(config, resume=False):
+        seen.update(config=config, resume=resume)
+
+    fake.run = run
+    monkeypatch.setitem(sys.modules, "fastrlhf.rl.trainer", fake)
+    assert cli.main(["train", "--config", train_yaml, "--set", "trainer.lr=2e-6", "--resume"]) == 0
+    assert seen["config"].trainer.lr == 2e-6 and seen["resume"] is True
+
+
+def test_train_without_the_rl_trainer_says_so(train_yaml, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastrlhf.rl.trainer", None)  # makes the import fail
+    assert cli.main(["train", "--config", train_yaml]) == 1
+    assert "fastrlhf train needs fastrlhf.rl.trainer.run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bad_data_lines_are_reported_before_training(tmp_path):
+    from fastrlhf.models import save_tiny_llama
+
+    save_tiny_llama(tmp_path / "model", vocab_size=32, hidden_size=64, num_layers=1)
+    lines = [{"prompt_ids": [3], "response_ids": [4]}, "{oops", {"prompt_ids": [], "response_ids": [4]},
+             {"prompt_ids": [3], "response_ids": [40]}]
+    (tmp_path / "sft.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    raw = {"output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path / "model")},
+           "data": {"path": str(tmp_path / "sft.jsonl")}, "trainer": {"max_steps": 1, "batch_size": 1}}
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(raw))
+    result, _ = run_cli("sft", "--config", str(tmp_path / "sft.yaml"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("data error:")]
+    assert errors[0].startswith("data error: sft.jsonl:2: invalid JSON")
+    assert errors[1] == "data error: sft.jsonl:3: empty prompt"
+    assert errors[2] == "data error: sft.jsonl:4: token id 40 in response is outside the vocabulary [0, 32)"
+    assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")
