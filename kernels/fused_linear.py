@@ -150,8 +150,8 @@ class _ChunkMath:
     ``logprob_entropy._torch_stats`` + ``_torch_grad`` on this 2-core CPU, whose 4 MiB sub-chunks
     and ~17 elementwise passes cost more than the LM-head GEMMs; it belongs in ``logprob_entropy.py``,
     see the report of the fused-linear work). Three whole-chunk ops make the statistics:
-    ``p = softmax(z)`` into a reused buffer, ``lse = z_max - log p_max`` (p_max >= 1/V, so exact
-    enough) and ``H = lse - <p, z>`` (a batched dot, no temporary). ``grad`` then writes
+    ``z -= max(z)`` in place, ``p = softmax(z)`` into a reused buffer, ``lse = max - log p_max``
+    (p_max >= 1/V, so exact enough) and ``H = (lse - max) - <p, z>`` (a batched dot, no temporary). ``grad`` then writes
     ``dlogits = p * (a + b*z) + (g_lp/T) onehot`` with per-row ``a = -(g_lp + g_ent (H - lse))/T`` and
     ``b = -g_ent/T`` (the contract's formula with log p = z - lse), in two passes, reusing ``p``
     when the chunk's stats were just computed (the policy loss) instead of recomputing it. A chunk
@@ -159,15 +159,24 @@ class _ChunkMath:
     shared primitives, which handle it.
     """
 
-    def __init__(self, backend, rows, vocab, dtype, device, temperature):
+    def __init__(self, backend, rows, vocab, dtype, device, temperature, careful=False):
         self.backend, self.temperature = backend, temperature
         self.stats_fn, self.grad_fn = _primitives()
-        self._careful = False
+        # careful=True: every chunk through the shared primitives (a backward whose forward met a
+        # non-finite logit). any_careful records whether some chunk went that way.
+        self._always_careful = careful
+        self._careful = careful
+        self.any_careful = careful
         if backend == "torch":
             self._p = torch.empty(rows, vocab, dtype=torch.float32, device=device)
             # softmax works on fp32 z = logits / T; a separate buffer only when that is not logits itself.
             self._z = None if dtype == torch.float32 and temperature == 1.0 else torch.empty_like(self._p)
             self._probs_of = None  # (start, stop) whose probabilities self._p holds
+
+    @property
+    def exact_rows(self):
+        """Whether the last ``stats`` left ``shift`` / ``lse_shifted`` for its chunk."""
+        return self.backend == "torch" and not self._careful
 
     def _scaled(self, logits):
         n = logits.shape[0]
@@ -177,31 +186,47 @@ class _ChunkMath:
 
     def stats(self, logits, labels, start):
         """``(logprobs, entropy, lse)`` fp32 [n] of the chunk's logits (left unchanged)."""
-        self._careful = False
-        if self.backend != "torch":
+        self._careful = self._always_careful
+        if self.backend != "torch" or self._careful:
             return self.stats_fn(logits, labels, self.temperature, self.backend)
         n = logits.shape[0]
         z, p = self._scaled(logits), self._p[:n]
+        # Shift each row by its max (in place: the chunk buffer is ours) so that <p, z> sums small
+        # terms where p is large; unshifted, lse - <p, z> loses ~1e-5 to cancellation.
+        shift, top = z.max(-1, keepdim=True)
+        z.sub_(shift)
         torch._softmax(z, -1, False, out=p)
-        top = z.argmax(-1, keepdim=True)
-        lse = (z.gather(1, top) - p.gather(1, top).log_()).squeeze(1)
-        entropy = lse - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(n)
-        logprobs = z.gather(1, labels.unsqueeze(1)).squeeze(1).sub_(lse)
+        lse_shifted = p.gather(1, top).log_().neg_().squeeze(1)
+        entropy = lse_shifted - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(n)
+        logprobs = z.gather(1, labels.unsqueeze(1)).squeeze(1).sub_(lse_shifted)
         if not bool(torch.isfinite(entropy).all()):
-            self._careful = True
+            self._careful = self.any_careful = True
             self._probs_of = None
+            z.add_(shift)
             return self.stats_fn(logits, labels, self.temperature, self.backend)
         self._probs_of = start
-        return logprobs, entropy, lse
+        self.shift, self.lse_shifted = shift.squeeze(1), lse_shifted
+        return logprobs, entropy, lse_shifted + self.shift
 
-    def grad(self, logits, labels, lse, entropy, grad_logprobs, grad_entropy, start):
-        """Overwrite ``logits`` with dlogits (None upstream gradient means zero); returns it."""
+    def grad(self, logits, labels, lse, entropy, grad_logprobs, grad_entropy, start, shift=None, lse_shifted=None):
+        """Overwrite ``logits`` with dlogits (None upstream gradient means zero); returns it.
+
+        Right after ``stats`` of the same chunk its probabilities are reused; otherwise (torch
+        backend) ``shift`` and ``lse_shifted``, the ``self.shift`` / ``self.lse_shifted`` that ``stats``
+        left for this chunk, rebuild log p = (z - shift) - lse_shifted without the cancellation
+        that z - lse would suffer on a near-deterministic row.
+        """
         if self.backend != "torch" or self._careful or not bool(torch.isfinite(lse).all()):
             return self.grad_fn(logits, labels, lse, entropy, grad_logprobs, grad_entropy, self.temperature,
                                 self.backend, out=logits)
         n, inv_t = logits.shape[0], 1.0 / self.temperature
-        z, p = self._scaled(logits), self._p[:n]
-        if self._probs_of != start:  # backward of the per-token op: recompute p from the saved lse
+        p = self._p[:n]
+        if self._probs_of == start:  # right after this chunk's stats: z is shifted, p is ready
+            z = logits if self._z is None else self._z[:n]
+            lse = self.lse_shifted
+        else:  # backward of the per-token op: recompute p
+            z = self._scaled(logits).sub_(shift.unsqueeze(1))
+            lse = lse_shifted
             torch.sub(z, lse.unsqueeze(1), out=p).exp_()
         self._probs_of = None
         g_lp = grad_logprobs if grad_logprobs is not None else torch.zeros_like(lse)
@@ -293,25 +318,31 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs)
         lse = torch.empty_like(logprobs)
+        # Row max and lse relative to it (torch backend): backward rebuilds log p from these exactly.
+        shift = torch.zeros_like(logprobs)
+        lse_shifted = torch.empty_like(logprobs)
         buf = torch.empty(rows, vocab, dtype=hidden.dtype, device=hidden.device)
         for start, stop in _chunks(n, chunk_size):
             logits = _logits_into(buf[: stop - start], hidden[start:stop], weight, bias)
             lp, ent, ls = math.stats(logits, labels[start:stop], start)
             logprobs[start:stop], entropy[start:stop], lse[start:stop] = lp, ent, ls
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+            if math.exact_rows:
+                shift[start:stop], lse_shifted[start:stop] = math.shift, math.lse_shifted
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy, shift, lse_shifted)
         ctx.temperature, ctx.chunk_size, ctx.backend = temperature, chunk_size, backend
+        ctx.careful = math.any_careful
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropy, shift, lse_shifted = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 7
         n, vocab = hidden.shape[0], weight.shape[0]
         rows = min(ctx.chunk_size, n)
-        math = _ChunkMath(ctx.backend, rows, vocab, hidden.dtype, hidden.device, ctx.temperature)
+        math = _ChunkMath(ctx.backend, rows, vocab, hidden.dtype, hidden.device, ctx.temperature, ctx.careful)
         grads = _HeadGrads(hidden, weight, bias, need_hidden, need_weight, need_bias and bias is not None)
         buf = torch.empty(rows, vocab, dtype=hidden.dtype, device=hidden.device)
         for start, stop in _chunks(n, ctx.chunk_size):
@@ -321,6 +352,7 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
                 logits, labels[start:stop], lse[start:stop], entropy[start:stop],
                 None if grad_logprobs is None else grad_logprobs[start:stop],
                 None if grad_entropy is None else grad_entropy[start:stop], start,
+                shift[start:stop], lse_shifted[start:stop],
             )
             grads.add_chunk(start, stop, h, dlogits)
         del buf, math

@@ -1,0 +1,328 @@
+"""fused_linear_logprob_entropy / fused_linear_policy_loss against materialised logits + fastrlhf.algorithms.
+
+Both backends: "torch" (the whole-chunk CPU path) and "triton" (the shared Triton primitives run
+by TRITON_INTERPRET=1, see tests/conftest.py; interpreter cost grows with tokens, so those cases
+stay at a dozen tokens). The reference builds ``logits = hidden @ weight.T + bias`` in the input
+dtype and differentiates the reference math with autograd.
+"""
+
+import pytest
+import torch
+from fastrlhf.kernels.fused_linear import (
+    DEFAULT_CHUNK_BYTES,
+    default_chunk_size,
+    fused_linear_logprob_entropy,
+    fused_linear_policy_loss,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastrlhf import algorithms as A
+
+BACKENDS = ["torch", "triton"]
+
+
+def make_inputs(shape, h, v, dtype=torch.float32, bias=True, seed=0, weight_grad=True, hidden_grad=True):
+    """hidden ``shape + [h]``, weight ``[v, h]``, bias ``[v]``, labels and per-token data of ``shape``."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, h, generator=g).to(dtype).requires_grad_(hidden_grad)
+    weight = (torch.randn(v, h, generator=g) * 2 / h**0.5).to(dtype).requires_grad_(weight_grad)
+    b = (torch.randn(v, generator=g) * 0.5).to(dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, v, shape, generator=g)
+    data = dict(
+        old_logprobs=-torch.rand(*shape, generator=g) * 6,
+        ref_logprobs=-torch.rand(*shape, generator=g) * 6,
+        advantages=torch.randn(*shape, generator=g),
+        mask=(torch.rand(*shape, generator=g) > 0.25).float(),
+    )
+    return hidden, weight, b, labels, data
+
+
+def leaves(hidden, weight, bias):
+    return [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
+
+
+def reference_copies(dtype, *tensors):
+    """Inputs for the reference: fp32 cases run it in float64 (fp32 cancellation in the reference's
+    entropy would otherwise dominate the comparison on near-deterministic rows); bf16 cases in bf16,
+    so that both sides round the same GEMM outputs."""
+    if dtype != torch.float32:
+        return tensors
+    return tuple(
+        None if t is None else t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t
+        for t in tensors
+    )
+
+
+def as_dtype(tensors, dtype):
+    return [t.to(dtype) for t in tensors]
+
+
+def grads_of(out, inputs):
+    """Gradients of the scalar ``out`` for ``inputs`` (then cleared so the next call starts clean)."""
+    out.backward()
+    result = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    return result
+
+
+def ref_logits(hidden, weight, bias):
+    logits = hidden @ weight.t()
+    return logits + bias if bias is not None else logits
+
+
+def ref_lp_ent(hidden, weight, bias, labels, temperature):
+    logits = ref_logits(hidden, weight, bias)
+    return A.logprobs_from_logits(logits, labels, temperature), A.entropy_from_logits(logits, temperature)
+
+
+def ref_policy_loss(lp, ent, d, clip_low, clip_high, dual_clip, kl_coef, kl_kind, entropy_coef, agg):
+    mask = d["mask"]
+    loss, metrics = A.policy_loss(lp, d["old_logprobs"], d["advantages"], mask, clip_low, clip_high, dual_clip, agg)
+    kl = A.kl_penalty(lp, d["ref_logprobs"], kl_kind)
+    loss = loss + kl_coef * A.aggregate_loss(kl, mask, agg) - entropy_coef * A.aggregate_loss(ent, mask, agg)
+    metrics = dict(metrics, entropy=A.masked_mean(ent, mask).detach(), kl=A.masked_mean(kl, mask).detach())
+    return loss, metrics
+
+
+def assert_close(actual, expected, dtype, what):
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert torch.isfinite(actual).all(), f"{what} is not finite"
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+    else:
+        scale = expected.float().abs().max().item()
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=3e-2, atol=3e-2 * scale,
+                                   msg=lambda m: f"{what}: {m}")
+
+
+def check_logprob_entropy(shape, h, v, backend, dtype=torch.float32, bias=True, temperature=1.0, chunk_size=4,
+                          weight_grad=True, hidden_grad=True, seed=0):
+    hidden, weight, b, labels, _ = make_inputs(shape, h, v, dtype, bias, seed, weight_grad, hidden_grad)
+    g = torch.Generator().manual_seed(seed + 1)
+    g_lp, g_ent = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    inputs = leaves(hidden, weight, b)
+
+    lp, ent = fused_linear_logprob_entropy(hidden, weight, labels, bias=b, temperature=temperature,
+                                           chunk_size=chunk_size, backend=backend)
+    assert lp.shape == ent.shape == labels.shape and lp.dtype == ent.dtype == torch.float32
+    got = grads_of((lp * g_lp).sum() + (ent * g_ent).sum(), inputs)
+
+    rh, rw, rb, rg_lp, rg_ent = reference_copies(dtype, hidden, weight, b, g_lp, g_ent)
+    lp_ref, ent_ref = ref_lp_ent(rh, rw, rb, labels, temperature)
+    want = as_dtype(grads_of((lp_ref * rg_lp).sum() + (ent_ref * rg_ent).sum(), leaves(rh, rw, rb)), dtype)
+    assert_close(lp.detach(), lp_ref.detach().float(), dtype, "logprobs")
+    assert_close(ent.detach(), ent_ref.detach().float(), dtype, "entropy")
+    for name, a, e in zip(("first input", "second input", "third input")[: len(got)], got, want, strict=True):
+        assert a.dtype == e.dtype == dtype
+        assert_close(a, e, dtype, f"grad of the {name}")
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_linear_logprob_entropy
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "shape,v,bias,temperature,chunk_size",
+    [
+        ((13,), 7, True, 1.0, 4),  # N not a multiple of the chunk, tiny vocabulary
+        ((2, 5), 1000, False, 0.7, 3),  # [B, T], temperature
+        ((1,), 4097, True, 1.3, None),  # N = 1, V one past a power of two, default chunk size
+        ((11,), 1000, True, 1.0, 16),  # one chunk larger than N
+    ],
+)
+def test_logprob_entropy_matches_reference_fp32(backend, shape, v, bias, temperature, chunk_size):
+    check_logprob_entropy(shape, 24, v, backend, bias=bias, temperature=temperature, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logprob_entropy_matches_reference_bf16(backend):
+    check_logprob_entropy((2, 6), 32, 1000, backend, dtype=torch.bfloat16, temperature=0.8, chunk_size=5)
+
+
+@pytest.mark.parametrize("weight_grad,hidden_grad", [(False, True), (True, False)])
+def test_logprob_entropy_frozen_head_or_hidden(weight_grad, hidden_grad):
+    check_logprob_entropy((9,), 16, 100, "torch", weight_grad=weight_grad, hidden_grad=hidden_grad)
+
+
+def test_logprob_entropy_one_output_used_and_noncontiguous_inputs():
+    hidden_t, weight_t, _, labels, _ = make_inputs((16,), 10, 50, bias=False)
+    # hidden as a strided view [N, H] of a [H, N] tensor, weight as the transpose of a [H, V] tensor.
+    hidden = hidden_t.detach().t().contiguous().t().requires_grad_()
+    weight = weight_t.detach().t().contiguous().t().requires_grad_()
+    assert not hidden.is_contiguous() and not weight.is_contiguous()
+    _, ent = fused_linear_logprob_entropy(hidden, weight, labels, chunk_size=5, backend="torch")
+    got = grads_of(ent.sum(), [hidden, weight])
+    rh, rw = reference_copies(torch.float32, hidden, weight)
+    want = as_dtype(grads_of(A.entropy_from_logits(rh @ rw.t()).sum(), [rh, rw]), torch.float32)
+    for a, e in zip(got, want, strict=True):
+        assert_close(a, e, torch.float32, "entropy-only grad")
+
+
+def test_logprob_entropy_minus_inf_bias_entry_stays_finite():
+    """A -inf logit (a banned token via the bias) takes the careful path of the shared primitives."""
+    hidden, weight, b, labels, _ = make_inputs((7,), 8, 20)
+    with torch.no_grad():
+        b[3] = float("-inf")
+    labels[labels == 3] = 4
+    lp, ent = fused_linear_logprob_entropy(hidden, weight, labels, bias=b, chunk_size=3, backend="torch")
+    got = grads_of((lp + ent).sum(), [hidden, weight])
+    rh, rw, rb = reference_copies(torch.float32, hidden, weight, b)
+    lp_ref, ent_ref = ref_lp_ent(rh, rw, rb, labels, 1.0)
+    want = as_dtype(grads_of((lp_ref + ent_ref).sum(), [rh, rw]), torch.float32)
+    assert_close(ent.detach(), ent_ref.detach().float(), torch.float32, "entropy")
+    for a, e in zip(got, want, strict=True):
+        assert_close(a, e, torch.float32, "grad")
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_linear_policy_loss
+# ----------------------------------------------------------------------------------------------
+
+LOSS_DEFAULTS = dict(clip_low=0.2, clip_high=0.28, dual_clip=None, kl_coef=0.0, kl_kind="k3", entropy_coef=0.0,
+                     agg="token-mean")
+
+
+def check_policy_loss(backend, shape=(3, 7), h=16, v=300, dtype=torch.float32, bias=True, temperature=1.0,
+                      chunk_size=4, seed=0, grad_scale=1.0, mask_edit=None, weight_grad=True, **loss_kw):
+    kw = dict(LOSS_DEFAULTS, **loss_kw)
+    hidden, weight, b, labels, d = make_inputs(shape, h, v, dtype, bias, seed, weight_grad)
+    if mask_edit is not None:
+        mask_edit(d["mask"])
+    inputs = leaves(hidden, weight, b)
+
+    loss, metrics = fused_linear_policy_loss(
+        hidden, weight, labels, d["old_logprobs"], d["advantages"], d["mask"], ref_logprobs=d["ref_logprobs"],
+        temperature=temperature, bias=b, chunk_size=chunk_size, backend=backend, **kw,
+    )
+    assert loss.shape == () and loss.dtype == torch.float32
+    got = grads_of(loss * grad_scale, inputs)
+
+    rh, rw, rb = reference_copies(dtype, hidden, weight, b)
+    rd = dict(zip(d, reference_copies(dtype, *d.values()), strict=True))
+    lp, ent = ref_lp_ent(rh, rw, rb, labels, temperature)
+    loss_ref, metrics_ref = ref_policy_loss(lp, ent, rd, **kw)
+    want = as_dtype(grads_of(loss_ref * grad_scale, leaves(rh, rw, rb)), dtype)
+    assert_close(loss.detach(), loss_ref.detach().float(), dtype, "loss")
+    assert set(metrics) == {"clipfrac", "approx_kl", "entropy", "kl"}
+    for k in metrics:
+        assert_close(metrics[k], metrics_ref[k].float(), dtype, f"metric {k}")
+    for a, e in zip(got, want, strict=True):
+        assert a.dtype == e.dtype == dtype
+        assert_close(a, e, dtype, "grad")
+    return loss, metrics
+
+
+@pytest.mark.parametrize("agg", A.AGG_MODES)
+def test_policy_loss_every_aggregation(agg):
+    check_policy_loss("torch", agg=agg, kl_coef=0.1, entropy_coef=0.01)
+
+
+@pytest.mark.parametrize(
+    "dual_clip,kl_coef,kl_kind,entropy_coef",
+    [(None, 0.0, "k3", 0.0), (3.0, 0.0, "k3", 0.0), (None, 0.2, "k1", 0.0), (3.0, 0.1, "k3", 0.05),
+     (None, 0.0, "k2", 0.03)],
+)
+def test_policy_loss_terms(dual_clip, kl_coef, kl_kind, entropy_coef):
+    check_policy_loss("torch", dual_clip=dual_clip, kl_coef=kl_coef, kl_kind=kl_kind, entropy_coef=entropy_coef,
+                      temperature=0.9, agg="seq-mean-token-sum")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_policy_loss_both_backends_with_masked_row_and_chunk(backend):
+    # Row 1 (tokens 7..13) fully masked: with chunk_size 7 one whole chunk is skipped.
+    def edit(mask):
+        mask[1] = 0.0
+
+    check_policy_loss(backend, shape=(2, 7), v=257, chunk_size=7, mask_edit=edit, dual_clip=2.5, kl_coef=0.1,
+                      entropy_coef=0.02, temperature=1.2, agg="seq-mean-token-mean")
+
+
+def test_policy_loss_bf16_no_bias_flat_tokens():
+    check_policy_loss("torch", shape=(21,), dtype=torch.bfloat16, bias=False, chunk_size=8, kl_coef=0.1,
+                      entropy_coef=0.01, h=32, v=4097)
+
+
+def test_policy_loss_frozen_weight_and_grad_scale():
+    check_policy_loss("torch", weight_grad=False, grad_scale=-2.5, entropy_coef=0.01)
+
+
+def test_policy_loss_all_masked_is_zero_with_zero_grads():
+    hidden, weight, b, labels, d = make_inputs((2, 5), 8, 40)
+    loss, metrics = fused_linear_policy_loss(hidden, weight, labels, d["old_logprobs"], d["advantages"],
+                                             torch.zeros(2, 5), bias=b, chunk_size=3, backend="torch")
+    loss.backward()
+    assert loss.item() == 0.0 and all(m.item() == 0.0 for m in metrics.values())
+    for t in (hidden, weight, b):
+        assert t.grad is not None and not t.grad.any()
+
+
+def test_policy_loss_backward_twice_raises_and_no_grad_forward_matches():
+    hidden, weight, b, labels, d = make_inputs((12,), 8, 40)
+    args = (hidden, weight, labels, d["old_logprobs"], d["advantages"], d["mask"])
+    loss, _ = fused_linear_policy_loss(*args, bias=b, chunk_size=5, backend="torch")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+    with torch.no_grad():
+        loss_ng, _ = fused_linear_policy_loss(*args, bias=b, chunk_size=5, backend="torch")
+    assert not loss_ng.requires_grad
+    torch.testing.assert_close(loss_ng, loss.detach())
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments, chunk size, property test
+# ----------------------------------------------------------------------------------------------
+
+
+def test_default_chunk_size_follows_the_memory_budget():
+    assert default_chunk_size(4096, 32768) == DEFAULT_CHUNK_BYTES // (4 * 32768)
+    assert default_chunk_size(4096, 151936) * 151936 * 4 <= DEFAULT_CHUNK_BYTES
+    assert default_chunk_size(4096, 151936) % 8 == 0
+    assert default_chunk_size(10, 7) == 10  # never more than N
+    assert default_chunk_size(4096, 10**9) == 16  # never below the GEMM-efficiency floor
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(labels=torch.tensor([0, 1, 40])), r"labels must lie in \[0, 40\)"),
+        (dict(labels=torch.tensor([0, 1])), "shape mismatch"),
+        (dict(weight=torch.randn(40, 5)), "weight must be"),
+        (dict(chunk_size=0), "chunk_size must be a positive int"),
+        (dict(temperature=0.0), "temperature must be > 0"),
+        (dict(bias=torch.randn(39)), "bias must be"),
+        (dict(backend="cuda"), "backend must be one of"),
+    ],
+)
+def test_logprob_entropy_argument_errors(change, match):
+    args = dict(hidden=torch.randn(3, 8), weight=torch.randn(40, 8), labels=torch.tensor([0, 1, 2]))
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        fused_linear_logprob_entropy(**args)
+
+
+def test_policy_loss_argument_errors():
+    hidden, weight, _, labels, d = make_inputs((2, 3), 8, 40)
+    args = (hidden, weight, labels, d["old_logprobs"], d["advantages"])
+    with pytest.raises(ValueError, match="ref_logprobs is None"):
+        fused_linear_policy_loss(*args, d["mask"], kl_coef=0.1)
+    with pytest.raises(ValueError, match="mask must have the labels' shape"):
+        fused_linear_policy_loss(*args, d["mask"].view(-1))
+    with pytest.raises(ValueError, match="needs \\[B, T\\]"):
+        fused_linear_policy_loss(hidden.view(6, 8), weight, labels.view(6), d["old_logprobs"].view(6),
+                                 d["advantages"].view(6), d["mask"].view(6), agg="seq-mean-token-sum")
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    n=st.integers(1, 20), h=st.integers(1, 12), v=st.integers(2, 70), chunk=st.integers(1, 9),
+    bias=st.booleans(), temperature=st.sampled_from([0.5, 1.0, 2.0]), seed=st.integers(0, 1000),
+)
+def test_property_random_shapes(n, h, v, chunk, bias, temperature, seed):
+    check_logprob_entropy((n,), h, v, "torch", bias=bias, temperature=temperature, chunk_size=chunk, seed=seed)
+    check_policy_loss("torch", shape=(n,), h=h, v=v, bias=bias, temperature=temperature, chunk_size=chunk,
+                      seed=seed, kl_coef=0.1, entropy_coef=0.01)
