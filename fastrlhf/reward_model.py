@@ -52,7 +52,6 @@ def classifier_loss(engine, examples, pad_id: int):
 
 
 def run(config: RMConfig, resume: bool = False) -> dict:
-    D.init_distributed()
     seed_everything(config.seed)
     vocab = vocab_size(config.model.path)
     if config.kind == "pairwise":
@@ -60,6 +59,7 @@ def run(config: RMConfig, resume: bool = False) -> dict:
     else:
         examples = load_classification_examples(config.data.path, config.data.max_len, config.resolved_num_labels,
                                                 vocab, config.model.path)
+    D.init_distributed()  # after the data checks: bad data fails without starting a process group
     model = load_sequence_classifier(config.model, config.resolved_num_labels)
     pad_id = base_model(model).config.pad_token_id
     loss = pairwise_loss if config.kind == "pairwise" else classifier_loss

@@ -57,10 +57,10 @@ def sft_loss(engine, batch: dict, use_fused: bool = True, chunk_size=None) -> to
 
 
 def run(config: SFTConfig, resume: bool = False) -> dict:
-    D.init_distributed()
     seed_everything(config.seed)
     examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
                                  vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path)
+    D.init_distributed()  # after the data checks: bad data fails without starting a process group
     model = load_causal_lm(config.model)
     pad_id = base_model(model).config.pad_token_id
     pad_id = 0 if pad_id is None else pad_id

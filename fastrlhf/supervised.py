@@ -94,7 +94,10 @@ def run_supervised(config, task: Task, resume: bool = False) -> dict:
                 engine.step()
                 for key, value in {"loss": loss.item(), **stats}.items():
                     sums[key] = sums.get(key, 0.0) + value / t.grad_accum
-            skipped = guard.end_step(step)
+            try:
+                skipped, stop = guard.end_step(step), None
+            except TooManySkippedSteps as exc:  # log this step first, then stop
+                skipped, stop = True, exc
             metrics = _mean_over_ranks(sums)
             grad_norm = engine.get_global_grad_norm()
             metrics.update(lr=engine.get_lr()[0], skipped=int(skipped), skipped_total=guard.skipped_total,
@@ -106,6 +109,8 @@ def run_supervised(config, task: Task, resume: bool = False) -> dict:
             if skipped:
                 logger.message(f"step {step}: non-finite loss or gradient, update skipped "
                                f"({guard.skipped_in_row} in a row, {guard.skipped_total} in all)")
+            if stop is not None:
+                raise stop
             if t.save_every and step % t.save_every == 0 and step < t.max_steps:
                 save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
     except TooManySkippedSteps:

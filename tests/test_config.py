@@ -80,6 +80,7 @@ def test_valid_grpo_config_has_defaults(paths):
         ({"data": {"prompts": "/nonexistent/p.jsonl"}}, "data.prompts", "does not exist"),
         ({"trainer": {"learning_rate": 1e-5}}, "trainer.learning_rate", "unknown key"),
         ({"trainer": {"lr": "fast"}}, "trainer.lr", "expected a number"),
+        ({"trainer": {"lr": float("inf")}}, "trainer.lr", "expected a finite number"),
         ({"trainer": {"max_steps": 2.5}}, "trainer.max_steps", "expected an integer"),
         ({"algorithm": "dpo"}, "algorithm", "'grpo' | 'ppo'"),
         ({"deepspeed": {"offload_param": True}}, "deepspeed.offload_param", "zero_stage 3"),

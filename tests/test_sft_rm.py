@@ -68,7 +68,7 @@ def losses(output_dir):
 @pytest.fixture(scope="module")
 def sft_run(workdir):
     """An uninterrupted SFT run, the reference the resume test compares against."""
-    config = write_config(workdir, "sft_full", trainer={"max_steps": 24, "save_every": 4, "batch_size": 4,
+    config = write_config(workdir, "sft_full", trainer={"max_steps": 12, "save_every": 3, "batch_size": 4,
                                                         "lr": 3.0e-3})
     result = cli("sft", "--config", config)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -80,9 +80,9 @@ def test_sft_lowers_the_loss_and_exports_a_loadable_model(sft_run, workdir):
 
     out, _ = sft_run
     records = read_metrics(os.path.join(out, "metrics.jsonl"))
-    assert [r["step"] for r in records] == list(range(1, 25))
+    assert [r["step"] for r in records] == list(range(1, 13))
     first, last = sum(losses(out)[:4]) / 4, sum(losses(out)[-4:]) / 4
-    assert last < first - 0.5, (first, last)  # every 4 steps cover the 8 examples twice: comparable windows
+    assert last < first - 0.3, (first, last)  # every 4 steps cover the 8 examples twice: comparable windows
     assert all(r["skipped_total"] == 0 for r in records)
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")
@@ -94,7 +94,7 @@ def test_sft_lowers_the_loss_and_exports_a_loadable_model(sft_run, workdir):
 
 def test_sft_killed_and_resumed_reproduces_the_metrics(sft_run, workdir):
     reference, _ = sft_run
-    config = write_config(workdir, "sft_killed", trainer={"max_steps": 24, "save_every": 4, "batch_size": 4,
+    config = write_config(workdir, "sft_killed", trainer={"max_steps": 12, "save_every": 3, "batch_size": 4,
                                                           "lr": 3.0e-3})
     out = workdir / "sft_killed"
     metrics = out / "metrics.jsonl"
@@ -103,7 +103,7 @@ def test_sft_killed_and_resumed_reproduces_the_metrics(sft_run, workdir):
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and any(r["step"] >= 6 for r in _safe_read(metrics)):
+            if metrics.exists() and any(r["step"] >= 5 for r in _safe_read(metrics)):
                 break
             time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)
@@ -112,14 +112,14 @@ def test_sft_killed_and_resumed_reproduces_the_metrics(sft_run, workdir):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    assert os.path.exists(out / "checkpoints" / "step-4")
+    assert os.path.exists(out / "checkpoints" / "step-3")
     assert not os.path.exists(out / "final")
 
     result = cli("sft", "--config", config, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     want = read_metrics(os.path.join(reference, "metrics.jsonl"))
     got = read_metrics(metrics)
-    assert [r["step"] for r in got] == list(range(1, 25))
+    assert [r["step"] for r in got] == list(range(1, 13))
     for a, b in zip(want, got, strict=True):
         assert {k: a.get(k) for k in DETERMINISTIC_KEYS} == {k: b.get(k) for k in DETERMINISTIC_KEYS}, a["step"]
 
@@ -223,3 +223,37 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_sft_with_lora_exports_merged_weights(workdir):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    config = write_config(workdir, "sft_lora", model={"lora_r": 4, "lora_alpha": 8},
+                          trainer={"max_steps": 3, "lr": 5.0e-2}, deepspeed={"zero_stage": 0})
+    _run_in_process("sft", config)
+    final = workdir / "sft_lora" / "final"
+    with safe_open(str(final / "model.safetensors"), "pt") as f:
+        assert not any("lora" in key for key in f.keys())
+    model = AutoModelForCausalLM.from_pretrained(final)
+    initial = AutoModelForCausalLM.from_pretrained(workdir / "model")
+    q_new = model.model.layers[0].self_attn.q_proj.weight
+    q_old = initial.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(q_new, q_old)  # the adapter was merged into the targeted projections
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, initial.model.layers[0].mlp.up_proj.weight)
+
+
+def test_too_many_skipped_steps_stop_sft_with_a_checkpoint(workdir, capsys):
+    from fastrlhf import cli
+
+    # An absurd learning rate: the first update blows the weights up, later losses are not finite.
+    config = write_config(workdir, "sft_diverge", trainer={"max_steps": 8, "lr": 1.0e30, "max_grad_norm": 1.0e30,
+                                                           "max_skipped_steps": 2})
+    assert cli.main(["sft", "--config", config]) == 1
+    err = capsys.readouterr().err
+    assert "steps in a row had a non-finite loss or gradient" in err and "a checkpoint was saved" in err
+    records = read_metrics(os.path.join(workdir / "sft_diverge", "metrics.jsonl"))
+    assert records[-1]["skipped"] == 1 and records[-2]["skipped"] == 1 and records[-1]["skipped_total"] >= 2
+    latest = (workdir / "sft_diverge" / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{records[-1]['step']}"
+    assert not os.path.exists(workdir / "sft_diverge" / "final")
