@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import time
 
-import torch
-
 __all__ = ["run", "build_rl_step"]
 
 
@@ -47,7 +45,7 @@ def _pad_token_id(model) -> int:
     return 0
 
 
-def _build_rollout(config, actor_engine, actor_module, num_params: int):
+def _build_rollout(config, actor_module, num_params: int, device):
     """(engine, shares_actor): HF generates with the actor's own module when it holds whole weights."""
     from fastrlhf.config import ConfigError
     from fastrlhf.modeling import load_causal_lm
@@ -55,8 +53,7 @@ def _build_rollout(config, actor_engine, actor_module, num_params: int):
 
     ro, ds = config.rollout, config.deepspeed
     lora = config.model.lora_r > 0
-    kind = ro.engine if ro.engine != "auto" else choose_engine_kind(num_params, "cpu" if not torch.cuda.is_available()
-                                                                     else "cuda")
+    kind = ro.engine if ro.engine != "auto" else choose_engine_kind(num_params, device)
     max_len = config.data.max_prompt_len + ro.max_new_tokens
     if kind == "hf":
         if ds.zero_stage < 3:
@@ -65,7 +62,8 @@ def _build_rollout(config, actor_engine, actor_module, num_params: int):
         if lora:
             raise ConfigError("model.lora_r", "LoRA with deepspeed.zero_stage 3 needs merged-weight sync, which is "
                               "not supported yet; use zero_stage <= 2")
-        return HFEngine(load_causal_lm(config.model, trainable=False), max_model_len=max_len), False
+        rollout_model = load_causal_lm(config.model, trainable=False).to(device)
+        return HFEngine(rollout_model, max_model_len=max_len), False
     if lora:
         raise ConfigError("rollout.engine", "LoRA actors generate with the HF engine (rollout.engine: hf); vLLM "
                           "needs merged-weight sync, not supported yet")
@@ -96,12 +94,13 @@ def build_rl_step(config, guard):
                                       micro_batch_size=micro, grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm,
                                       guard=guard)
     stateful = {"actor": actor_engine}
+    device = actor_engine.device  # where DeepSpeed put the actor: every batch tensor lives there
 
     reference = None
     if t.kl_coef != 0.0 and config.model.lora_r == 0:
         ref_model = load_causal_lm(config.model, config.reference.path or config.model.path, trainable=False)
         # ZeRO-3 actor: a ZeRO-3 reference too (a full replica would waste what the actor saves).
-        reference = build_frozen_engine(ref_model, ds) if ds.zero_stage == 3 else ref_model
+        reference = build_frozen_engine(ref_model, ds) if ds.zero_stage == 3 else ref_model.to(device)
 
     critic = None
     if config.algorithm == "ppo":
@@ -118,13 +117,13 @@ def build_rl_step(config, guard):
         from fastrlhf.modeling import torch_dtype
 
         reward_model = AutoModelForSequenceClassification.from_pretrained(
-            config.reward.model_path, dtype=torch_dtype(config.model.dtype)).eval().requires_grad_(False)
+            config.reward.model_path, dtype=torch_dtype(config.model.dtype)).eval().requires_grad_(False).to(device)
     scorer = RewardScorer(config.reward.function, reward_model, config.reward.model_kind, config.reward.label_index,
                           micro_batch=micro)
 
-    rollout, shares = _build_rollout(config, actor_engine, actor_engine.module, num_params)
+    rollout, shares = _build_rollout(config, actor_engine.module, num_params, device)
     step = RLStep(hp, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,
-                  rollout_shares_actor=shares, guard=guard)
+                  rollout_shares_actor=shares, device=device, guard=guard)
     return step, stateful
 
 

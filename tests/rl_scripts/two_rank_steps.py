@@ -1,0 +1,91 @@
+"""Run under ``deepspeed --num_gpus 2``: a few PPO and GRPO steps at ZeRO-2 and ZeRO-3 in one launch.
+
+argv: <model dir> <prompts.jsonl> <out dir> <case>... where a case is ``algo:zero_stage:engine``.
+Each rank writes ``<out>/<case>-rank<r>.json``: the per-step metrics, whether every parameter of
+its rollout engine equals the (gathered) actor parameter after the final sync, and a checksum of
+the actor's weights (all ranks must agree).
+"""
+
+import json
+import math
+import os
+import sys
+
+import torch
+
+
+def gathered_actor_state(engine, zero3):
+    import deepspeed
+
+    params = list(engine.module.named_parameters())
+    if zero3:
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            return {n: p.detach().clone() for n, p in params}
+    return {n: p.detach().clone() for n, p in params}
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    model_dir, prompts, out_dir, *cases = args
+    from fastrlhf import distributed as D
+    from fastrlhf.config import parse_config
+    from fastrlhf.data import EpochSampler, load_prompts, shard
+    from fastrlhf.guards import StepGuard
+    from fastrlhf.rl.trainer import build_rl_step
+
+    D.init_distributed()
+    examples = load_prompts(prompts)
+    for case in cases:
+        algo, stage, engine_kind = case.split(":")
+        raw = {
+            "algorithm": algo, "output_dir": os.path.join(out_dir, case.replace(":", "-")), "seed": 1,
+            "model": {"path": model_dir},
+            "reward": {"function": "target_token"},
+            "data": {"prompts": prompts, "max_prompt_len": 16},
+            "rollout": {"engine": engine_kind, "n": 2, "max_new_tokens": 6, "kv_cache_bytes": 64 << 20},
+            "trainer": {"max_steps": 2, "prompts_per_step": 4, "minibatch_size": 4, "grad_accum": 2, "lr": 1e-3,
+                        "kl_coef": 0.05, "kl_in_reward": algo == "ppo", "tis_cap": 2.0},
+            "deepspeed": {"zero_stage": int(stage), "extra": {"zero_optimization": {
+                "stage3_param_persistence_threshold": 0}} if stage == "3" else {}},
+        }
+        if algo == "ppo":
+            raw["critic"] = {"lr": 1e-3}
+        config = parse_config(raw)
+        guard = StepGuard(3)
+        rl_step, stateful = build_rl_step(config, guard)
+        sampler = EpochSampler(len(examples), seed=1)
+        history = []
+        for step in range(1, 3):
+            local = shard(sampler.next_indices(4), D.rank(), D.world_size())
+            batch = [examples[i] for i in local]
+            history.append(rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step))
+        actor = gathered_actor_state(stateful["actor"], int(stage) == 3)
+        engine_model = getattr(rl_step.rollout, "model", None)
+        if engine_model is not None:  # HF engine: compare its weights with the actor's
+            engine_state = dict(engine_model.named_parameters())
+            synced = all(torch.equal(engine_state[n].detach(), t) for n, t in actor.items())
+        else:  # vLLM: generate greedily with the engine and with the gathered actor weights, compare tokens
+            from fastrlhf.modeling import load_causal_lm
+            from fastrlhf.rollout import HFEngine, SamplingConfig
+
+            plain = load_causal_lm(config.model, trainable=False)
+            plain.load_state_dict(actor, strict=False)
+            greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True)
+            prompts_ = [examples[0].prompt_ids, examples[1].prompt_ids]
+            a = [c[0].token_ids for c in rl_step.rollout.generate(prompts_, greedy)]
+            b = [c[0].token_ids for c in HFEngine(plain).generate(prompts_, greedy)]
+            synced = a == b
+        result = {
+            "metrics": history,
+            "synced": synced,
+            "checksum": float(sum(t.double().sum() for t in actor.values())),
+            "finite": all(math.isfinite(v) for m in history for v in m.values() if isinstance(v, float)),
+        }
+        rl_step.rollout.close()
+        with open(os.path.join(out_dir, f"{case.replace(':', '-')}-rank{D.rank()}.json"), "w") as f:
+            json.dump(result, f)
+        D.barrier()
+
+
+if __name__ == "__main__":
+    main()
