@@ -257,3 +257,35 @@ def test_too_many_skipped_steps_stop_sft_with_a_checkpoint(workdir, capsys):
     latest = (workdir / "sft_diverge" / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step-{records[-1]['step']}"
     assert not os.path.exists(workdir / "sft_diverge" / "final")
+
+
+def test_value_model_export_roundtrip_and_frozen_engines(workdir):
+    from fastrlhf import distributed as D
+    from fastrlhf.config import DeepSpeedConfig, ModelConfig
+    from fastrlhf.modeling import export_hf, load_causal_lm, load_value_model
+
+    D.init_distributed(timeout_s=60)
+    model_cfg = ModelConfig(path=str(workdir / "model"))
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+
+    critic = D.build_train_engine(load_value_model(model_cfg), DeepSpeedConfig(zero_stage=2), lr=1e-2)
+    values = critic(ids)
+    assert values.shape == (1, 5) and values.dtype == torch.float32
+    critic.backward(((values - 1.0) ** 2).mean())
+    critic.step()
+    export_hf(critic, str(workdir / "critic_export"), zero_stage=2)
+    assert (workdir / "critic_export" / "value_head.safetensors").exists()
+    reloaded = load_value_model(model_cfg, path=str(workdir / "critic_export"), trainable=False)
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids), critic.module(ids), atol=1e-6)
+    assert not any(p.requires_grad for p in reloaded.parameters())
+
+    plain = load_causal_lm(model_cfg, trainable=False)
+    with torch.no_grad():
+        want = plain(ids).logits
+    for actor_stage in (2, 3):  # stage 0 replica beside a ZeRO-1/2 actor, ZeRO-3 inference beside a ZeRO-3 one
+        frozen = D.build_frozen_engine(load_causal_lm(model_cfg, trainable=False), DeepSpeedConfig(zero_stage=2),
+                                       actor_zero_stage=actor_stage)
+        assert frozen.zero_optimization_stage() == (3 if actor_stage == 3 else 0)
+        with torch.no_grad():
+            assert torch.allclose(frozen(ids).logits, want, atol=1e-5)
