@@ -59,12 +59,14 @@ def run(cmd, timeout=300, **kw):
     return proc.returncode, out
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(560)
 def test_two_ranks_zero2_zero3_ppo_grpo(tiny):
-    cases = ["grpo:2:hf", "grpo:3:hf", "ppo:2:hf", "ppo:3:hf"]
+    # HF engines for the tiny model (faster than vLLM below ~4M parameters on CPU), plus one vLLM-backed
+    # case whose weights reach vLLM through the ZeRO-3 bucketed gather.
+    cases = ["grpo:2:hf", "grpo:3:hf", "ppo:2:hf", "ppo:3:hf", "grpo:3:vllm"]
     rc, out = run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()),
                    os.path.join(SCRIPTS, "two_rank_steps.py"), str(tiny / "model"), str(tiny / "prompts.jsonl"),
-                   str(tiny), *cases], timeout=400, env=env())
+                   str(tiny), *cases], timeout=540, env=env())
     assert rc == 0, out[-4000:]
     for case in cases:
         ranks = [json.load(open(tiny / f"{case.replace(':', '-')}-rank{r}.json")) for r in range(2)]
@@ -77,7 +79,7 @@ def test_two_ranks_zero2_zero3_ppo_grpo(tiny):
         assert ranks[0]["checksum"] == ranks[1]["checksum"], case
         last = ranks[0]["metrics"][-1]
         # ZeRO-3 generates with a separate copy that is synced (bucketed); ZeRO-2 shares the module.
-        assert (last["sync_bytes"] > 0) == case.startswith(("grpo:3", "ppo:3")), (case, last["sync_bytes"])
+        assert (last["sync_bytes"] > 0) == (":3:" in case or case.endswith("vllm")), (case, last["sync_bytes"])
         assert last["generated_tokens"] > 0 and last["tokens_per_second"] > 0
         if case.startswith("ppo"):
             assert last["value_loss"] >= 0.0
