@@ -21,7 +21,18 @@ from fastrlhf.algorithms import (
 )
 
 from ._backend import resolve_backend
-from .logprob_entropy import flatten_logits_labels, logprob_entropy_grad, logprob_entropy_stats
+from .logprob_entropy import (
+    _LOGP_FLOOR,
+    _check_labels_in_range,
+    _check_logits_labels,
+    _check_temperature,
+    _chunk_rows,
+    _scaled_into,
+    _torch_stats_robust,
+    flatten_logits_labels,
+    logprob_entropy_grad,
+    logprob_entropy_stats,
+)
 
 __all__ = [
     "FusedPolicyLossFunction",
@@ -127,27 +138,118 @@ def finalize_metrics(metric_sums: dict[str, torch.Tensor]) -> dict[str, torch.Te
     }
 
 
+def _add_sums(total: dict | None, part: dict) -> dict:
+    return dict(part) if total is None else {k: total[k] + part[k] for k in total}
+
+
+def _torch_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_logprobs, loss_kwargs,
+                         temperature, need_grad):
+    """The CPU path: loss, metric sums and (if ``need_grad``) dlogits in ONE pass over the logits.
+
+    Each token's loss gradient is known as soon as its logprob and entropy are, so each row chunk's
+    dlogits is written while its softmax is still in the two chunk buffers: no recompute in
+    backward, and the logits are read once. With p = softmax, q = p * log p:
+    ``dlogits = (1/T) * [g_lp * onehot - (g_lp + g_ent * H) * p - g_ent * q]``.
+    """
+    _check_temperature(temperature)
+    _check_logits_labels(logits, labels)
+    n, v = logits.shape
+    _check_labels_in_range(labels, v)
+    labels = labels.long()
+    rows = _chunk_rows(n, v)
+    p_buf = torch.empty(min(rows, n), v, dtype=torch.float32, device=logits.device)
+    q_buf = torch.empty_like(p_buf)
+    dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format) if need_grad else None
+    direct = logits.dtype == torch.float32 and temperature == 1.0
+    inv_t = 1.0 / temperature
+    loss, sums = torch.zeros((), dtype=torch.float32, device=logits.device), None
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        k, chunk = stop - start, slice(start, stop)
+        z = logits[chunk] if direct else _scaled_into(p_buf[:k], logits[chunk], temperature)
+        logp = torch._log_softmax(z, -1, False, out=q_buf[:k])
+        label_idx = labels[chunk].unsqueeze(1)
+        lp = logp.gather(1, label_idx).squeeze(1)
+        p = torch.exp(logp, out=p_buf[:k])
+        q = logp.mul_(p)
+        ent = q.sum(-1).neg_()
+        bad = ~torch.isfinite(ent)
+        if bad.any():
+            # -inf logits: 0 * -inf made NaNs in q. Redo those rows with log p floored (rare).
+            idx = bad.nonzero().squeeze(1)
+            lp[idx], ent[idx], lse = _torch_stats_robust(logits[chunk][idx], labels[chunk][idx], temperature)
+            logp_rows = _scaled_into(torch.empty(len(idx), v, device=logits.device), logits[chunk][idx], temperature)
+            logp_rows.sub_(lse.unsqueeze(1)).clamp_(min=_LOGP_FLOOR)
+            p[idx] = p_rows = logp_rows.exp()
+            q[idx] = p_rows.mul_(logp_rows)
+        ref = ref_logprobs[chunk] if ref_logprobs is not None else None
+        part_loss, g_lp, g_ent, part_sums = policy_loss_from_token_stats(
+            lp, ent, old_logprobs[chunk], advantages[chunk], weights[chunk], ref, **loss_kwargs
+        )
+        loss = loss + part_loss
+        sums = _add_sums(sums, part_sums)
+        if not need_grad:
+            continue
+        write_direct = dlogits.dtype == torch.float32
+        target = dlogits[chunk] if write_direct else p
+        p_coef = (g_lp + g_ent * ent).mul_(-inv_t).unsqueeze(1)
+        if loss_kwargs["entropy_coef"] == 0.0:
+            torch.mul(p, p_coef, out=target)
+        else:
+            torch.addcmul(p.mul_(p_coef), q, g_ent.mul(-inv_t).unsqueeze(1), out=target)
+        # The one-hot term, added in fp32 before any rounding to the logits' dtype.
+        target.scatter_add_(1, label_idx, g_lp.mul(inv_t).unsqueeze(1))
+        if not write_direct:
+            dlogits[chunk].copy_(target)
+    if sums is None:  # no tokens at all
+        sums = policy_loss_from_token_stats(*(torch.zeros(0, device=logits.device),) * 5, **loss_kwargs)[3]
+    return loss, sums, dlogits
+
+
 class FusedPolicyLossFunction(torch.autograd.Function):
-    """Forward computes the loss and the per-token gradients; backward is one dlogits pass."""
+    """Forward computes the loss and the per-token gradients; backward is one dlogits pass.
+
+    On the torch backend the dlogits pass runs in forward too (see :func:`_torch_loss_and_grad`)
+    and backward only scales it; that gradient is handed over, not kept, so the graph can be
+    backpropagated once (no ``retain_graph`` re-use).
+    """
 
     @staticmethod
     def forward(ctx, logits, labels, old_logprobs, advantages, weights, ref_logprobs, clip_low, clip_high,
                 dual_clip, kl_coef, kl_kind, entropy_coef, temperature, backend):
-        logprobs, entropy, lse = logprob_entropy_stats(logits, labels, temperature, backend)
-        loss, grad_lp, grad_ent, metric_sums = policy_loss_from_token_stats(
-            logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs,
-            clip_low, clip_high, dual_clip, kl_coef, kl_kind, entropy_coef,
-        )
-        ctx.save_for_backward(logits, labels, lse, entropy, grad_lp, grad_ent)
-        ctx.temperature = temperature
+        loss_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
+                           kl_kind=kl_kind, entropy_coef=entropy_coef)
         ctx.backend = backend
-        ctx.has_entropy_grad = entropy_coef != 0.0
+        if backend == "torch":
+            loss, metric_sums, ctx.dlogits = _torch_loss_and_grad(
+                logits, labels, old_logprobs, advantages, weights, ref_logprobs, loss_kwargs, temperature,
+                need_grad=ctx.needs_input_grad[0],
+            )
+        else:
+            logprobs, entropy, lse = logprob_entropy_stats(logits, labels, temperature, backend)
+            loss, grad_lp, grad_ent, metric_sums = policy_loss_from_token_stats(
+                logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs, **loss_kwargs
+            )
+            ctx.save_for_backward(logits, labels, lse, entropy, grad_lp, grad_ent)
+            ctx.temperature = temperature
+            ctx.has_entropy_grad = entropy_coef != 0.0
         sums = tuple(metric_sums[k] for k in METRIC_SUM_KEYS)
         ctx.mark_non_differentiable(*sums)
         return (loss,) + sums
 
     @staticmethod
     def backward(ctx, grad_output, *_metric_grads):
+        if ctx.backend == "torch":
+            dlogits, ctx.dlogits = ctx.dlogits, None
+            if dlogits is None:
+                raise RuntimeError(
+                    "fused_policy_loss (torch backend) hands its precomputed gradient to the first backward; "
+                    "backpropagating through the same loss twice (retain_graph) is not supported"
+                )
+            # Dropping ctx's reference lets autograd adopt this tensor as logits.grad without a copy.
+            if grad_output.item() != 1.0:
+                dlogits.mul_(grad_output.to(dlogits.dtype))
+            return (dlogits,) + (None,) * 13
         logits, labels, lse, entropy, grad_lp, grad_ent = ctx.saved_tensors
         scale = grad_output.float()
         dlogits = logprob_entropy_grad(

@@ -1,5 +1,6 @@
 """fused_policy_loss and policy_loss_from_token_stats against the composition of fastrlhf.algorithms."""
 
+import importlib
 import itertools
 
 import pytest
@@ -252,3 +253,47 @@ def test_errors():
         fused_policy_loss(logits, labels, old, adv, mask, dual_clip=0.5)
     with pytest.raises(ValueError, match="logprobs must be 1-D"):
         policy_loss_from_token_stats(old, old, old, adv, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [1, 4])
+def test_torch_path_across_chunks_with_neg_inf_rows(monkeypatch, dtype, chunk_rows):
+    """The torch path writes dlogits chunk by chunk in forward; -inf rows take the careful redo."""
+    le_module = importlib.import_module("fastrlhf.kernels.logprob_entropy")
+    monkeypatch.setattr(le_module, "TORCH_CHUNK_ELEMENTS", chunk_rows * 37)
+    monkeypatch.setattr(le_module, "TORCH_MAX_CHUNKS", 1000)
+    logits, labels, old, adv, mask, ref = make_batch(shape=(3, 5), dtype=dtype, seed=11)
+    logits[0, 1, :20] = float("-inf")
+    logits[2, 4, 3:] = float("-inf")
+    labels[0, 1], labels[2, 4] = 30, 2
+    args = (0.2, 0.28, 3.0, 0.1, "k3", 0.01, 1.0 if dtype == torch.float32 else 0.9, "seq-mean-token-sum")
+    loss_ref, metrics_ref, grad_ref = reference_loss(logits, labels, old, adv, mask, ref, *args)
+    x = logits.clone().requires_grad_()
+    loss, metrics = fused_policy_loss(x, labels, old, adv, mask, ref, *args, backend="torch")
+    (0.5 * loss).backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["entropy"], metrics_ref["entropy"], rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(x.grad).all()
+    scale = grad_ref.float().abs().max().item()
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2 * scale)
+    torch.testing.assert_close(x.grad.float(), 0.5 * grad_ref.float(), **tol)
+
+
+def test_torch_path_backward_twice_raises_clearly():
+    logits, labels, old, adv, mask, _ = make_batch(seed=12)
+    x = logits.clone().requires_grad_()
+    loss, _ = fused_policy_loss(x, labels, old, adv, mask, backend="torch")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagating through the same loss twice"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens(backend):
+    x = torch.randn(0, 4, 9, requires_grad=True)
+    labels = torch.zeros(0, 4, dtype=torch.long)
+    zeros = torch.zeros(0, 4)
+    loss, metrics = fused_policy_loss(x, labels, zeros, zeros, zeros, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0 and x.grad.shape == x.shape
+    assert metrics["clipfrac"].item() == 0.0
