@@ -131,3 +131,16 @@ def test_disabled_logger_writes_nothing(tmp_path):
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_optional_tensorboard_and_wandb_degrade_to_a_warning(tmp_path, capsys):
+    import importlib.util
+
+    logger = MetricsLogger(str(tmp_path), total_steps=1, enabled=True, tensorboard=True, wandb=True)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    err = capsys.readouterr().err
+    for name in ("tensorboard", "wandb"):
+        installed = importlib.util.find_spec(name) is not None
+        assert (f"trainer.{name} is on but the {name} package is not installed" in err) != installed
+    assert read_metrics(os.path.join(tmp_path, "metrics.jsonl")) == [{"step": 1, "loss": 1.0}]
