@@ -119,9 +119,15 @@ class VLLMEngine(RolloutEngine):
 
         import torch.distributed as dist
 
-        under_launcher = dist.is_available() and (dist.is_initialized() or "WORLD_SIZE" in os.environ)
-        # external_launcher asserts in-process mode and takes rank/world from the launcher's env.
-        self._owns_group = not (dist.is_available() and dist.is_initialized())
+        initialized = dist.is_available() and dist.is_initialized()
+        under_launcher = initialized or (dist.is_available() and "WORLD_SIZE" in os.environ)
+        if initialized:
+            # external_launcher reads its rank from the environment; a group made by mp.spawn or by
+            # hand has none there.
+            os.environ.setdefault("RANK", str(dist.get_rank()))
+            os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        # vLLM only destroys the default group on close if it created it.
+        self._owns_group = not initialized
         t0 = time.perf_counter()
         self.llm = vllm_adapter.make_llm(
             self.model_path,
