@@ -347,3 +347,33 @@ def test_hparams_from_config_maps_names():
     assert (hp.kl_kind, hp.vf_clip, hp.tis_cap, hp.n, hp.stop_token_ids, hp.seed) == ("k3", math.inf, 2.0, 2, (1,), 3)
     with pytest.raises(ValueError, match="GRPO needs rollout.n >= 2"):
         RLHParams(algorithm="grpo", n=1)
+
+
+def test_lora_actor_uses_disabled_adapter_as_reference():
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_actor()
+    plain = copy.deepcopy(base).eval()
+    actor = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # a non-zero adapter, so the adapted policy differs from the base
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    hp = make_hp(GRPO, tis_cap=None)
+    opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-2)
+    rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=None, actor_optimizer=opt,
+                pad_token_id=PAD, rollout_shares_actor=True)
+    completions = fixed_completions(plain, hp.temperature)
+    exp = build_experience(PROMPTS, completions, PAD)
+    exp.scores = SCORES.clone()
+    rl.prepare(exp)
+    with torch.no_grad():
+        logits = plain(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
+                       position_ids=exp.position_ids).logits[:, exp.response_slice()]
+    base_lp = logprobs_from_logits(logits, exp.labels, hp.temperature) * exp.response_mask
+    assert torch.allclose(exp.ref_logprobs, base_lp, atol=1e-5)
+    assert (exp.old_logprobs - base_lp).abs().max() > 1e-3  # the adapter is active for the actor
+    frozen = {n: p.clone() for n, p in actor.named_parameters() if not p.requires_grad}
+    metrics = rl(PROMPTS, None, step=0, completions=completions)
+    assert metrics["skipped"] == 0.0
+    assert all(torch.equal(p, frozen[n]) for n, p in actor.named_parameters() if not p.requires_grad)
