@@ -23,7 +23,14 @@ import torch
 
 from fastrlhf import distributed as D
 
-__all__ = ["save_checkpoint", "load_latest", "latest_checkpoint", "capture_rng", "restore_rng", "checkpoint_root"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_latest", "latest_checkpoint", "capture_rng", "restore_rng",
+           "checkpoint_root"]
+
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from (other world size, missing state); one-line message."""
+
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _DS_TAG = "state"
@@ -156,21 +163,21 @@ def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states:
         return None
     rank_file = os.path.join(path, f"rank-{D.rank()}.pt")
     if not os.path.exists(rank_file):
-        raise RuntimeError(f"{path} has no state for rank {D.rank()}: resume with the world size it was saved with")
+        raise CheckpointError(f"{path} has no state for rank {D.rank()}: resume with the world size it was saved with")
     # weights_only=False: the RNG states hold numpy arrays and Python tuples; these files are our own.
     state = torch.load(rank_file, map_location="cpu", weights_only=False)
     if state["world_size"] != D.world_size():
-        raise RuntimeError(f"{path} was saved by {state['world_size']} ranks, this run has {D.world_size()}")
+        raise CheckpointError(f"{path} was saved by {state['world_size']} ranks, this run has {D.world_size()}")
     for name, obj in engines.items():
         if _is_engine(obj):
             load_path, _ = obj.load_checkpoint(os.path.join(path, name), tag=_DS_TAG,
                                                load_optimizer_states=load_optimizer_states,
                                                load_lr_scheduler_states=load_optimizer_states)
             if load_path is None:
-                raise RuntimeError(f"{path}: engine {name!r} could not be loaded")
+                raise CheckpointError(f"{path}: engine {name!r} could not be loaded")
         elif name in state["objects"]:
             obj.load_state_dict(state["objects"][name])
         else:
-            raise RuntimeError(f"{path} holds no state for {name!r}")
+            raise CheckpointError(f"{path} holds no state for {name!r}")
     restore_rng(state["rng"])
     return {"step": state["step"], "extra_state": state["extra_state"], "path": path}

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         _error("config error", str(exc))
         return EXIT_BAD_INPUT
 
+    from fastrlhf.checkpoint import CheckpointError
     from fastrlhf.data import DataError
     from fastrlhf.guards import TooManySkippedSteps
 
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except DataError as exc:
         _error("data error", str(exc).replace("\n", "\ndata error: "))
+        return EXIT_BAD_INPUT
+    except CheckpointError as exc:
+        _error("checkpoint error", str(exc))
         return EXIT_BAD_INPUT
     except TooManySkippedSteps as exc:
         _error("error", f"{exc} (a checkpoint was saved; fix and rerun with --resume)")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastrlhf.checkpoint import checkpoint_root, latest_checkpoint, load_latest, save_checkpoint
+from fastrlhf.checkpoint import CheckpointError, checkpoint_root, latest_checkpoint, load_latest, save_checkpoint
 from fastrlhf.data import EpochSampler
 from fastrlhf.guards import GuardedAdamW, StepGuard, TooManySkippedSteps
 from fastrlhf.metrics import MetricsLogger, read_metrics, truncate_metrics
@@ -72,8 +72,18 @@ def test_layout_latest_pointer_and_crash_leftovers(tmp_path):
     assert latest_checkpoint(out).endswith("step-4")
     save_checkpoint(out, 6, {"model": model}, keep_last=2)
     assert sorted(os.listdir(root)) == ["latest", "step-4", "step-6"]
-    with pytest.raises(RuntimeError, match="no state for 'optimizer'"):
+    with pytest.raises(CheckpointError, match="no state for 'optimizer'"):
         load_latest(out, {"model": model, "optimizer": opt})
+
+
+def test_resuming_with_another_world_size_is_refused(tmp_path, monkeypatch):
+    from fastrlhf import distributed
+
+    model, _, _ = make_training()
+    save_checkpoint(str(tmp_path), 1, {"model": model})
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(CheckpointError, match=r"step-1 was saved by 1 ranks, this run has 2"):
+        load_latest(str(tmp_path), {"model": model})
 
 
 def test_guard_skips_non_finite_steps_without_touching_weights():
