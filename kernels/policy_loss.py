@@ -1,11 +1,15 @@
 """Fused PPO/GRPO policy loss from logits: logprob, entropy, ratio, clipping, KL in one pass.
 
-Forward runs the per-row statistics kernel of ``logprob_entropy.py`` once (no [N, V] tensor is
-created), then :func:`policy_loss_from_token_stats` evaluates the loss on the per-token vectors
-through ``fastrlhf.algorithms`` with autograd, which yields the loss together with its gradient
-with respect to each token's logprob and entropy. Backward is then a single ``dlogits`` pass of
-the gradient kernel, scaled by ``grad_output``. The per-token math therefore has one home
-(``fastrlhf.algorithms``); this module only wires it to the vocabulary-sized kernels.
+The loss is evaluated on per-token vectors by :func:`policy_loss_from_token_stats`, through
+``fastrlhf.algorithms`` with autograd, which yields the loss together with its gradient in each
+token's logprob and entropy; the per-token math therefore has one home. Around it, no [N, V]
+tensor is created besides the gradient:
+
+* Triton backend: forward runs the per-row statistics kernel of ``logprob_entropy.py``; backward
+  is one pass of its dlogits kernel, with the per-token gradients scaled by ``grad_output``.
+* torch backend (CPU): a row chunk's softmax is still in cache when its tokens' gradients become
+  known, so forward writes that chunk's dlogits at once (the logits are read once, nothing is
+  recomputed) and backward only scales the finished gradient.
 """
 
 from __future__ import annotations
