@@ -252,3 +252,16 @@ def test_triton_backend_on_cpu_without_interpreter_raises():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "RAISED backend='triton' needs CUDA tensors" in proc.stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("use", ["logprobs", "entropy"])
+def test_backward_through_one_output(backend, use):
+    logits, labels = make_logits((4, 30), seed=10, neg_inf_rows=(2,))
+    x = logits.clone().requires_grad_()
+    lp, ent = logprob_entropy(x, labels, 1.2, backend=backend)
+    (lp if use == "logprobs" else ent).sum().backward()
+    x_ref = logits.clone().requires_grad_()
+    ref = logprobs_from_logits(x_ref, labels, 1.2) if use == "logprobs" else entropy_from_logits(x_ref, 1.2)
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
