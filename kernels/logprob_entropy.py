@@ -6,7 +6,9 @@ Three layers, as in Liger-Kernel's ops:
   triton): ``stats`` makes one pass over each row's vocabulary keeping an online max, sum of
   exponentials and entropy accumulator, and writes three fp32 numbers per row; ``grad`` recomputes
   the softmax block by block and writes ``dlogits`` directly.
-* A torch path doing the same work in row chunks with in-place ops (the CPU fallback).
+* A torch path (the CPU fallback) doing the same work in row chunks with two reused fp32 buffers:
+  ATen's fused log-softmax, then in-place exp / products, so a few passes per chunk and no
+  [N, V] temporary; rows holding -inf logits are redone with a floored log p (0 * -inf is NaN).
 * :class:`LogprobEntropyFunction` / :func:`logprob_entropy`, the differentiable public op.
 
 The internal functions :func:`logprob_entropy_stats` and :func:`logprob_entropy_grad` are shared
