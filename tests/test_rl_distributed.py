@@ -83,6 +83,12 @@ def test_two_ranks_zero2_zero3_ppo_grpo(tiny):
         assert last["generated_tokens"] > 0 and last["tokens_per_second"] > 0
         if case.startswith("ppo"):
             assert last["value_loss"] >= 0.0
+        if case.startswith("grpo") and case.endswith("hf"):
+            # A NaN reward, then a NaN loss, on rank 1 only: both ranks skip both updates.
+            for r, result in enumerate(ranks):
+                assert result["guard"] == {"nan_reward_skipped": 1.0, "nan_loss_skipped": 1.0, "skipped_steps": 2.0,
+                                           "unchanged_after_nan_reward": True,
+                                           "unchanged_after_nan_loss": True}, (case, r, result["guard"])
 
 
 def _resume_config(tiny, out_dir):

@@ -24,6 +24,48 @@ def gathered_actor_state(engine, zero3):
     return {n: p.detach().clone() for n, p in params}
 
 
+def nan_guard_steps(rl_step, stateful, examples, sampler, zero3, before):
+    """Step 3: NaN reward on rank 1 only; step 4: NaN loss on rank 1 only. Both ranks must skip both
+    updates and keep their weights (the guard's decision is collective)."""
+    import fastrlhf.rl.step as step_module
+    from fastrlhf import distributed as D
+    from fastrlhf.data import shard
+
+    def batch():
+        local = shard(sampler.next_indices(4), D.rank(), D.world_size())
+        return [examples[i].prompt_ids for i in local], [examples[i].meta for i in local]
+
+    scorer = rl_step.scorer
+
+    def nan_on_rank1(exp, *args):
+        scores = scorer(exp, *args)
+        if D.rank() == 1:
+            scores[0] = float("nan")
+        return scores
+
+    rl_step.scorer = nan_on_rank1
+    reward_metrics = rl_step(*batch(), 3)
+    rl_step.scorer = scorer
+    after_reward = gathered_actor_state(stateful["actor"], zero3)
+
+    real = step_module.policy_loss_from_model
+
+    def nan_loss_on_rank1(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return (loss * float("nan") if D.rank() == 1 else loss), metrics
+
+    step_module.policy_loss_from_model = nan_loss_on_rank1
+    loss_metrics = rl_step(*batch(), 4)
+    step_module.policy_loss_from_model = real
+    after_loss = gathered_actor_state(stateful["actor"], zero3)
+    return {
+        "nan_reward_skipped": reward_metrics["skipped"], "nan_loss_skipped": loss_metrics["skipped"],
+        "skipped_steps": loss_metrics["skipped_steps"],
+        "unchanged_after_nan_reward": all(torch.equal(after_reward[n], t) for n, t in before.items()),
+        "unchanged_after_nan_loss": all(torch.equal(after_loss[n], t) for n, t in before.items()),
+    }
+
+
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     model_dir, prompts, out_dir, *cases = args
@@ -60,6 +102,9 @@ def main():
             batch = [examples[i] for i in local]
             history.append(rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step))
         actor = gathered_actor_state(stateful["actor"], int(stage) == 3)
+        guard_checks = {}
+        if algo == "grpo" and engine_kind == "hf":
+            guard_checks = nan_guard_steps(rl_step, stateful, examples, sampler, int(stage) == 3, actor)
         engine_model = getattr(rl_step.rollout, "model", None)
         if engine_model is not None:  # HF engine: compare its weights with the actor's
             engine_state = dict(engine_model.named_parameters())
@@ -79,6 +124,7 @@ def main():
             "metrics": history,
             "synced": synced,
             "checksum": float(sum(t.double().sum() for t in actor.values())),
+            "guard": guard_checks,
             "finite": all(math.isfinite(v) for m in history for v in m.values() if isinstance(v, float)),
         }
         rl_step.rollout.close()
