@@ -289,3 +289,23 @@ def test_value_model_export_roundtrip_and_frozen_engines(workdir):
         assert frozen.zero_optimization_stage() == (3 if actor_stage == 3 else 0)
         with torch.no_grad():
             assert torch.allclose(frozen(ids).logits, want, atol=1e-5)
+
+
+def test_fused_sft_loss_matches_the_plain_cross_entropy(workdir):
+    from fastrlhf import distributed as D
+    from fastrlhf.config import DeepSpeedConfig
+    from fastrlhf.data import SFTExample
+    from fastrlhf.models import make_tiny_llama
+    from fastrlhf.sft import collate_sft, sft_loss
+
+    D.init_distributed(timeout_s=60)
+    engine = D.build_train_engine(make_tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=1).train(),
+                                  DeepSpeedConfig(zero_stage=0), lr=1e-3)
+    batch = collate_sft([SFTExample([3, 4, 5], [6, 7]), SFTExample([8], [9, 10, 11, 12])], pad_id=2)
+    fused = sft_loss(engine, batch, use_fused=True, chunk_size=3)
+    plain = sft_loss(engine, batch, use_fused=False)
+    assert torch.allclose(fused, plain, atol=1e-5), (fused, plain)
+    # The mask covers response tokens only: 2 + 4 of them, none of the prompt's.
+    assert batch["loss_mask"].sum() == 6 and batch["loss_mask"][0, :3].sum() == 0
+    fused.backward()
+    assert engine.module.lm_head.weight.grad is not None
