@@ -26,7 +26,8 @@ written per chunk in the hidden dtype.
 Chunk size: by default the number of tokens whose logits fill :data:`DEFAULT_CHUNK_BYTES` in fp32
 (``DEFAULT_CHUNK_BYTES // (4 * V)``), rounded down to a multiple of 8 and clamped to
 ``[MIN_CHUNK_TOKENS, N]``; see :func:`default_chunk_size`. With the default 64 MiB that is 512
-tokens at V=32k and 104 at V=152k. Extra memory is then about one chunk buffer plus the fp32
+tokens at V=32k and 104 at V=152k. Extra memory is then two chunk buffers (the logits and, on
+the torch path, their fp32 probabilities; a third fp32 one for bf16 inputs or T != 1) plus the fp32
 ``grad_weight`` accumulator (and its scratch for bf16), instead of several ``[N, V]`` tensors.
 
 Value semantics equal the from-logits reference in ``fastrlhf.algorithms`` (``logprobs_from_logits``,
@@ -151,9 +152,10 @@ class _ChunkMath:
     and ~17 elementwise passes cost more than the LM-head GEMMs; it belongs in ``logprob_entropy.py``,
     see the report of the fused-linear work). Three whole-chunk ops make the statistics:
     ``z -= max(z)`` in place, ``p = softmax(z)`` into a reused buffer, ``lse = max - log p_max``
-    (p_max >= 1/V, so exact enough) and ``H = (lse - max) - <p, z>`` (a batched dot, no temporary). ``grad`` then writes
-    ``dlogits = p * (a + b*z) + (g_lp/T) onehot`` with per-row ``a = -(g_lp + g_ent (H - lse))/T`` and
-    ``b = -g_ent/T`` (the contract's formula with log p = z - lse), in two passes, reusing ``p``
+    (p_max >= 1/V, so exact enough) and ``H = (lse - max) - <p, z>`` (a batched dot, no temporary).
+    ``grad`` then writes ``dlogits = p * (a + b*z) + (g_lp/T) onehot`` with per-row
+    ``a = -(g_lp + g_ent (H - lse))/T`` and ``b = -g_ent/T`` (the contract's formula with
+    log p = z - lse, z and lse both relative to the row max), in two passes, reusing ``p``
     when the chunk's stats were just computed (the policy loss) instead of recomputing it. A chunk
     with a non-finite logit (a -inf bias entry, say) would make 0 * inf there: it is redone with the
     shared primitives, which handle it.
@@ -185,7 +187,10 @@ class _ChunkMath:
         return torch.div(logits, self.temperature, out=self._z[:n])
 
     def stats(self, logits, labels, start):
-        """``(logprobs, entropy, lse)`` fp32 [n] of the chunk's logits (left unchanged)."""
+        """``(logprobs, entropy, lse)`` fp32 [n] of the chunk's logits.
+
+        The torch path shifts an fp32 chunk in place by each row's max (the buffer is the loop's own).
+        """
         self._careful = self._always_careful
         if self.backend != "torch" or self._careful:
             return self.stats_fn(logits, labels, self.temperature, self.backend)
@@ -240,11 +245,6 @@ class _ChunkMath:
         if z.data_ptr() != logits.data_ptr():
             logits.copy_(z)
         return logits
-
-
-# ----------------------------------------------------------------------------------------------
-# The chunk loop
-# ----------------------------------------------------------------------------------------------
 
 
 # ----------------------------------------------------------------------------------------------
