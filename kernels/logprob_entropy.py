@@ -30,10 +30,13 @@ from ._backend import interpreter_enabled, resolve_backend
 
 __all__ = [
     "LogprobEntropyFunction",
+    "blockwise_grad",
+    "blockwise_stats",
     "default_block_v",
     "logprob_entropy",
     "logprob_entropy_grad",
     "logprob_entropy_stats",
+    "row_blocks",
     "triton_kernels",
 ]
 
@@ -425,8 +428,14 @@ def logprob_entropy_grad(
 # ----------------------------------------------------------------------------------------------
 
 
-def flatten_logits_labels(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., V]`` / ``[...]`` -> row-contiguous ``[N, V]`` / ``[N]`` (copies only when it must)."""
+def row_blocks(logits: torch.Tensor, labels: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Split ``[..., V]`` logits / ``[...]`` labels into ``(token_offset, [rows, V], [rows])`` blocks.
+
+    Every block is a view (no copy) whose rows share one stride: a single block when the leading
+    dimensions flatten to a view (``[N, V]``, a contiguous ``[B, T, V]``), otherwise one block per
+    sequence of a ``[B, T, V]`` slice such as ``logits[:, :-1]`` (which no [N, V] view can hold, and
+    a copy would be one more [N, V] tensor). Offsets index the flattened tokens (B-major).
+    """
     if logits.dim() < 1 or logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"shape mismatch: logits has shape {tuple(logits.shape)} (expected labels shape + [V]) "
@@ -435,10 +444,43 @@ def flatten_logits_labels(logits: torch.Tensor, labels: torch.Tensor) -> tuple[t
     v = logits.shape[-1]
     if v == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension, got V = 0")
-    flat = logits.reshape(-1, v)
-    if flat.shape[0] and flat.stride(1) != 1:
-        flat = flat.contiguous()
-    return flat, labels.reshape(-1)
+    if logits.numel() and logits.stride(-1) != 1:
+        logits = logits.contiguous()  # the kernels need unit stride along the vocabulary
+    flat_labels = labels.reshape(-1)
+    try:
+        return [(0, logits.view(-1, v), flat_labels)]
+    except RuntimeError:
+        pass
+    if logits.dim() == 3:
+        t = logits.shape[1]
+        return [(b * t, logits[b], flat_labels[b * t : (b + 1) * t]) for b in range(logits.shape[0])]
+    return [(0, logits.reshape(-1, v), flat_labels)]
+
+
+def blockwise_stats(blocks, temperature: float, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`logprob_entropy_stats` of each :func:`row_blocks` block, joined into ``[N]`` tensors."""
+    parts = [logprob_entropy_stats(block, block_labels, temperature, backend) for _, block, block_labels in blocks]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(columns) for columns in zip(*parts, strict=True))
+
+
+def _slice(t: torch.Tensor | None, start: int, rows: int) -> torch.Tensor | None:
+    return None if t is None else t[start : start + rows]
+
+
+def blockwise_grad(logits, blocks, lse, entropy, grad_logprobs, grad_entropy, temperature, backend):
+    """dlogits of ``logits`` (a new contiguous tensor of its shape), written block by block."""
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    flat_out = dlogits.view(-1, logits.shape[-1])
+    for start, block, block_labels in blocks:
+        rows = block.shape[0]
+        logprob_entropy_grad(
+            block, block_labels, lse[start : start + rows], entropy[start : start + rows],
+            _slice(grad_logprobs, start, rows), _slice(grad_entropy, start, rows), temperature, backend,
+            out=flat_out[start : start + rows],
+        )
+    return dlogits
 
 
 class LogprobEntropyFunction(torch.autograd.Function):
@@ -446,19 +488,24 @@ class LogprobEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, temperature, backend):
-        logprobs, entropy, lse = logprob_entropy_stats(logits, labels, temperature, backend)
+        logprobs, entropy, lse = blockwise_stats(row_blocks(logits, labels), temperature, backend)
         ctx.save_for_backward(logits, labels, lse, entropy)
         ctx.temperature = temperature
         ctx.backend = backend
         # An output nobody differentiates arrives as None (not zeros) and its term is skipped.
         ctx.set_materialize_grads(False)
-        return logprobs, entropy
+        return logprobs.view(labels.shape), entropy.view(labels.shape)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, labels, lse, entropy = ctx.saved_tensors
-        dlogits = logprob_entropy_grad(
-            logits, labels, lse, entropy, grad_logprobs, grad_entropy, ctx.temperature, ctx.backend
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None
+        dlogits = blockwise_grad(
+            logits, row_blocks(logits, labels), lse, entropy,
+            None if grad_logprobs is None else grad_logprobs.reshape(-1),
+            None if grad_entropy is None else grad_entropy.reshape(-1),
+            ctx.temperature, ctx.backend,
         )
         return dlogits, None, None, None
 
@@ -471,14 +518,14 @@ def logprob_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token ``(logprobs, entropy)`` of softmax(logits / T) in fp32, differentiable in ``logits``.
 
-    logits ``[N, V]`` or ``[B, T, V]`` (fp32/bf16/fp16), labels the matching ``[N]`` / ``[B, T]`` in
-    [0, V). Equal to ``logprobs_from_logits`` and ``entropy_from_logits`` of ``fastrlhf.algorithms``,
-    but holds no [N, V] tensor beyond the logits and, in backward, their gradient.
+    logits ``[N, V]`` or ``[B, T, V]`` (fp32/bf16/fp16; a strided slice such as ``logits[:, :-1]``
+    is read in place), labels the matching ``[N]`` / ``[B, T]`` in [0, V). Equal to
+    ``logprobs_from_logits`` and ``entropy_from_logits`` of ``fastrlhf.algorithms``, but holds no
+    [N, V] tensor beyond the logits and, in backward, their gradient.
     """
     backend = resolve_backend(backend, logits)
-    flat_logits, flat_labels = flatten_logits_labels(logits, labels)
-    logprobs, entropy = LogprobEntropyFunction.apply(flat_logits, flat_labels, temperature, backend)
-    return logprobs.view(labels.shape), entropy.view(labels.shape)
+    row_blocks(logits, labels)  # shape errors now, not inside autograd
+    return LogprobEntropyFunction.apply(logits, labels, temperature, backend)
 
 
 class _CallableModule(types.ModuleType):

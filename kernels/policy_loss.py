@@ -33,9 +33,9 @@ from .logprob_entropy import (
     _chunk_rows,
     _scaled_into,
     _torch_stats_robust,
-    flatten_logits_labels,
-    logprob_entropy_grad,
-    logprob_entropy_stats,
+    blockwise_grad,
+    blockwise_stats,
+    row_blocks,
 )
 
 __all__ = [
@@ -147,8 +147,9 @@ def _add_sums(total: dict | None, part: dict) -> dict:
 
 
 def _torch_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_logprobs, loss_kwargs,
-                         temperature, need_grad):
-    """The CPU path: loss, metric sums and (if ``need_grad``) dlogits in ONE pass over the logits.
+                         temperature, dlogits):
+    """The CPU path for one [rows, V] block: loss and metric sums, and dlogits written into
+    ``dlogits`` (unless it is None), in ONE pass over the logits.
 
     Each token's loss gradient is known as soon as its logprob and entropy are, so each row chunk's
     dlogits is written while its softmax is still in the two chunk buffers: no recompute in
@@ -163,7 +164,6 @@ def _torch_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_
     rows = _chunk_rows(n, v)
     p_buf = torch.empty(min(rows, n), v, dtype=torch.float32, device=logits.device)
     q_buf = torch.empty_like(p_buf)
-    dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format) if need_grad else None
     direct = logits.dtype == torch.float32 and temperature == 1.0
     inv_t = 1.0 / temperature
     loss, sums = torch.zeros((), dtype=torch.float32, device=logits.device), None
@@ -192,7 +192,7 @@ def _torch_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_
         )
         loss = loss + part_loss
         sums = _add_sums(sums, part_sums)
-        if not need_grad:
+        if dlogits is None:
             continue
         write_direct = dlogits.dtype == torch.float32
         target = dlogits[chunk] if write_direct else p
@@ -207,7 +207,7 @@ def _torch_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_
             dlogits[chunk].copy_(target)
     if sums is None:  # no tokens at all
         sums = policy_loss_from_token_stats(*(torch.zeros(0, device=logits.device),) * 5, **loss_kwargs)[3]
-    return loss, sums, dlogits
+    return loss, sums
 
 
 class FusedPolicyLossFunction(torch.autograd.Function):
@@ -224,13 +224,24 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         loss_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
                            kl_kind=kl_kind, entropy_coef=entropy_coef)
         ctx.backend = backend
+        blocks = row_blocks(logits, labels)
         if backend == "torch":
-            loss, metric_sums, ctx.dlogits = _torch_loss_and_grad(
-                logits, labels, old_logprobs, advantages, weights, ref_logprobs, loss_kwargs, temperature,
-                need_grad=ctx.needs_input_grad[0],
-            )
+            ctx.dlogits = None
+            if ctx.needs_input_grad[0]:
+                ctx.dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            flat_out = ctx.dlogits.view(-1, logits.shape[-1]) if ctx.dlogits is not None else None
+            loss, metric_sums = torch.zeros((), dtype=torch.float32, device=logits.device), None
+            for start, block, block_labels in blocks:
+                sl = slice(start, start + block.shape[0])
+                part_loss, part_sums = _torch_loss_and_grad(
+                    block, block_labels, old_logprobs[sl], advantages[sl], weights[sl],
+                    ref_logprobs[sl] if ref_logprobs is not None else None, loss_kwargs, temperature,
+                    flat_out[sl] if flat_out is not None else None,
+                )
+                loss = loss + part_loss
+                metric_sums = _add_sums(metric_sums, part_sums)
         else:
-            logprobs, entropy, lse = logprob_entropy_stats(logits, labels, temperature, backend)
+            logprobs, entropy, lse = blockwise_stats(blocks, temperature, backend)
             loss, grad_lp, grad_ent, metric_sums = policy_loss_from_token_stats(
                 logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs, **loss_kwargs
             )
@@ -256,10 +267,9 @@ class FusedPolicyLossFunction(torch.autograd.Function):
             return (dlogits,) + (None,) * 13
         logits, labels, lse, entropy, grad_lp, grad_ent = ctx.saved_tensors
         scale = grad_output.float()
-        dlogits = logprob_entropy_grad(
-            logits, labels, lse, entropy, grad_lp * scale,
-            grad_ent * scale if ctx.has_entropy_grad else None,
-            ctx.temperature, ctx.backend,
+        dlogits = blockwise_grad(
+            logits, row_blocks(logits, labels), lse, entropy, grad_lp * scale,
+            grad_ent * scale if ctx.has_entropy_grad else None, ctx.temperature, ctx.backend,
         )
         return (dlogits,) + (None,) * 13
 
@@ -286,7 +296,8 @@ def fused_policy_loss(
     Equal to ``policy_loss(lp, old_logprobs, advantages, mask, ...)[0]
     + kl_coef * aggregate_loss(kl_penalty(lp, ref_logprobs, kl_kind), mask, agg)
     - entropy_coef * aggregate_loss(entropy, mask, agg)`` of ``fastrlhf.algorithms``, with lp and
-    entropy those of softmax(logits / temperature). logits ``[N, V]`` or ``[B, T, V]``; every
+    entropy those of softmax(logits / temperature). logits ``[N, V]`` or ``[B, T, V]`` (a strided
+    slice such as ``logits[:, :-1]`` is read in place); every
     per-token tensor has labels' shape. Only ``logits`` receives a gradient (the others are data).
     Metrics ``clipfrac``, ``approx_kl``, ``entropy``, ``kl`` are detached masked means (``kl`` is 0
     without ``ref_logprobs``).
@@ -296,14 +307,14 @@ def fused_policy_loss(
     if ref_logprobs is not None:
         per_token["ref_logprobs"] = ref_logprobs
     check_same_shape(**per_token)
-    flat_logits, flat_labels = flatten_logits_labels(logits, labels)
+    row_blocks(logits, labels)  # shape errors now, not inside autograd
     weights = aggregation_weights(mask, agg).reshape(-1)
 
     def flat(t):
         return t.detach().reshape(-1) if t is not None else None
 
     loss, *sums = FusedPolicyLossFunction.apply(
-        flat_logits, flat_labels, flat(old_logprobs), flat(advantages), weights, flat(ref_logprobs),
+        logits, labels, flat(old_logprobs), flat(advantages), weights, flat(ref_logprobs),
         clip_low, clip_high, dual_clip, kl_coef, kl_kind, entropy_coef, temperature, backend,
     )
     return loss, finalize_metrics(dict(zip(METRIC_SUM_KEYS, sums, strict=True)))

@@ -265,3 +265,15 @@ def test_backward_through_one_output(backend, use):
     ref = logprobs_from_logits(x_ref, labels, 1.2) if use == "logprobs" else entropy_from_logits(x_ref, 1.2)
     ref.sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliced_batch_logits_are_read_in_place(backend):
+    """logits[:, :-1] (no [N, V] view exists) is split per sequence instead of copied."""
+    full, labels_full = make_logits((3, 6, 40), seed=11)
+    logits, labels = full[:, :-1], labels_full[:, 1:]
+    blocks = le_module.row_blocks(logits, labels)
+    assert len(blocks) == 3
+    assert all(b.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() for _, b, _ in blocks)
+    assert len(le_module.row_blocks(full, labels_full)) == 1
+    check_against_reference(logits, labels, 0.9, backend)

@@ -297,3 +297,18 @@ def test_no_tokens(backend):
     loss.backward()
     assert loss.item() == 0.0 and x.grad.shape == x.shape
     assert metrics["clipfrac"].item() == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliced_batch_logits(backend):
+    """A [B, T, V] slice of a longer sequence (as logits[:, :-1]) is read in place, per sequence."""
+    logits, labels, old, adv, mask, ref = make_batch(shape=(3, 6), seed=13)
+    base = torch.cat([logits, logits[:, :1]], dim=1).requires_grad_()
+    assert not base[:, :-1].is_contiguous()
+    args = (0.2, 0.2, None, 0.1, "k2", 0.01, 1.0, "seq-mean-token-mean")
+    loss_ref, _, grad_ref = reference_loss(logits, labels, old, adv, mask, ref, *args)
+    loss, _ = fused_policy_loss(base[:, :-1], labels, old, adv, mask, ref, *args, backend=backend)
+    loss.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(base.grad[:, :-1], grad_ref, rtol=1e-5, atol=1e-6)
+    assert (base.grad[:, -1] == 0).all()
