@@ -220,14 +220,14 @@ class FusedPolicyLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, old_logprobs, advantages, weights, ref_logprobs, clip_low, clip_high,
-                dual_clip, kl_coef, kl_kind, entropy_coef, temperature, backend):
+                dual_clip, kl_coef, kl_kind, entropy_coef, temperature, backend, need_grad):
         loss_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
                            kl_kind=kl_kind, entropy_coef=entropy_coef)
         ctx.backend = backend
         blocks = row_blocks(logits, labels)
         if backend == "torch":
             ctx.dlogits = None
-            if ctx.needs_input_grad[0]:
+            if need_grad:
                 ctx.dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             flat_out = ctx.dlogits.view(-1, logits.shape[-1]) if ctx.dlogits is not None else None
             loss, metric_sums = torch.zeros((), dtype=torch.float32, device=logits.device), None
@@ -264,14 +264,14 @@ class FusedPolicyLossFunction(torch.autograd.Function):
             # Dropping ctx's reference lets autograd adopt this tensor as logits.grad without a copy.
             if grad_output.item() != 1.0:
                 dlogits.mul_(grad_output.to(dlogits.dtype))
-            return (dlogits,) + (None,) * 13
+            return (dlogits,) + (None,) * 14
         logits, labels, lse, entropy, grad_lp, grad_ent = ctx.saved_tensors
         scale = grad_output.float()
         dlogits = blockwise_grad(
             logits, row_blocks(logits, labels), lse, entropy, grad_lp * scale,
             grad_ent * scale if ctx.has_entropy_grad else None, ctx.temperature, ctx.backend,
         )
-        return (dlogits,) + (None,) * 13
+        return (dlogits,) + (None,) * 14
 
 
 def fused_policy_loss(
@@ -316,5 +316,7 @@ def fused_policy_loss(
     loss, *sums = FusedPolicyLossFunction.apply(
         logits, labels, flat(old_logprobs), flat(advantages), weights, flat(ref_logprobs),
         clip_low, clip_high, dual_clip, kl_coef, kl_kind, entropy_coef, temperature, backend,
+        # Decided here: inside forward grad mode is always off, and needs_input_grad ignores no_grad().
+        torch.is_grad_enabled() and logits.requires_grad,
     )
     return loss, finalize_metrics(dict(zip(METRIC_SUM_KEYS, sums, strict=True)))

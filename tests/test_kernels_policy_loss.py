@@ -312,3 +312,24 @@ def test_sliced_batch_logits(backend):
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(base.grad[:, :-1], grad_ref, rtol=1e-5, atol=1e-6)
     assert (base.grad[:, -1] == 0).all()
+
+
+def test_no_grad_mode_skips_the_gradient(monkeypatch):
+    """Under torch.no_grad() (evaluation) the torch path writes no dlogits at all."""
+    policy_module = importlib.import_module("fastrlhf.kernels.policy_loss")
+    calls = []
+    real = policy_module._torch_loss_and_grad
+
+    def spy(*args):
+        calls.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(policy_module, "_torch_loss_and_grad", spy)
+    logits, labels, old, adv, mask, _ = make_batch(seed=14)
+    x = logits.clone().requires_grad_()
+    with torch.no_grad():
+        loss, _ = fused_policy_loss(x, labels, old, adv, mask, backend="torch")
+    assert calls == [None] and not loss.requires_grad
+    loss_grad, _ = fused_policy_loss(x, labels, old, adv, mask, backend="torch")
+    assert calls[-1] is not None
+    torch.testing.assert_close(loss, loss_grad.detach())
