@@ -15,6 +15,7 @@ from torch import nn
 
 __all__ = [
     "torch_dtype",
+    "zero3_loading",
     "load_causal_lm",
     "load_sequence_classifier",
     "CausalLMWithValueHead",
@@ -53,22 +54,48 @@ def _finish(model, model_cfg, task_type: str):
     return apply_lora(model, model_cfg, task_type)
 
 
-def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True):
-    """``AutoModelForCausalLM`` from ``path`` (default ``model_cfg.path``); LoRA applied only if trainable."""
+@contextlib.contextmanager
+def zero3_loading(ds_config: dict | None):
+    """Inside, ``from_pretrained`` loads straight into ZeRO-3 partitions (no full replica per rank).
+
+    Only for a ``ds_config`` at stage 3 (the dict given to the engine that will own the model);
+    otherwise a no-op. Weights missing from the folder (a new score head) get HF's ZeRO-3 init.
+    """
+    if not ds_config or ds_config.get("zero_optimization", {}).get("stage") != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    keep_alive = HfDeepSpeedConfig(ds_config)  # transformers holds only a weak reference to it
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del keep_alive
+
+
+def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True, zero3_config: dict | None = None):
+    """``AutoModelForCausalLM`` from ``path`` (default ``model_cfg.path``); LoRA applied only if trainable.
+
+    ``zero3_config``: the stage-3 DeepSpeed config of the engine to come, to load partitioned.
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path or model_cfg.path, dtype=torch_dtype(model_cfg.dtype))
+    with zero3_loading(zero3_config):
+        model = AutoModelForCausalLM.from_pretrained(path or model_cfg.path, dtype=torch_dtype(model_cfg.dtype))
     if not trainable:
         return model.eval().requires_grad_(False)
     return _finish(model.train(), model_cfg, "CAUSAL_LM")
 
 
-def load_sequence_classifier(model_cfg, num_labels: int, path: str | None = None, trainable: bool = True):
+def load_sequence_classifier(model_cfg, num_labels: int, path: str | None = None, trainable: bool = True,
+                             zero3_config: dict | None = None):
     """``AutoModelForSequenceClassification`` (a fresh score head over a causal LM folder is fine)."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path or model_cfg.path, num_labels=num_labels,
-                                                               dtype=torch_dtype(model_cfg.dtype))
+    with zero3_loading(zero3_config):
+        model = AutoModelForSequenceClassification.from_pretrained(path or model_cfg.path, num_labels=num_labels,
+                                                                   dtype=torch_dtype(model_cfg.dtype))
     if model.config.pad_token_id is None:
         # The classifier pools the last non-pad token; without a pad id it refuses batches larger than 1.
         model.config.pad_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else 0

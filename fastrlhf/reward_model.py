@@ -13,7 +13,7 @@ from fastrlhf import distributed as D
 from fastrlhf.config import RMConfig
 from fastrlhf.data import load_classification_examples, load_pairwise_examples
 from fastrlhf.modeling import base_model, load_sequence_classifier, vocab_size
-from fastrlhf.supervised import Task, run_supervised, seed_everything
+from fastrlhf.supervised import Task, engine_config, run_supervised, seed_everything
 
 __all__ = ["pad_batch", "pairwise_loss", "classifier_loss", "run"]
 
@@ -60,7 +60,7 @@ def run(config: RMConfig, resume: bool = False) -> dict:
         examples = load_classification_examples(config.data.path, config.data.max_len, config.resolved_num_labels,
                                                 vocab, config.model.path)
     D.init_distributed()  # after the data checks: bad data fails without starting a process group
-    model = load_sequence_classifier(config.model, config.resolved_num_labels)
+    model = load_sequence_classifier(config.model, config.resolved_num_labels, zero3_config=engine_config(config))
     pad_id = base_model(model).config.pad_token_id
     loss = pairwise_loss if config.kind == "pairwise" else classifier_loss
 

@@ -8,7 +8,7 @@ from fastrlhf import distributed as D
 from fastrlhf.config import SFTConfig
 from fastrlhf.data import SFTExample, load_sft_examples
 from fastrlhf.modeling import base_model, load_causal_lm, vocab_size
-from fastrlhf.supervised import Task, run_supervised, seed_everything
+from fastrlhf.supervised import Task, engine_config, run_supervised, seed_everything
 
 __all__ = ["collate_sft", "sft_loss", "run"]
 
@@ -61,7 +61,7 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
     examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
                                  vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path)
     D.init_distributed()  # after the data checks: bad data fails without starting a process group
-    model = load_causal_lm(config.model)
+    model = load_causal_lm(config.model, zero3_config=engine_config(config))
     pad_id = base_model(model).config.pad_token_id
     pad_id = 0 if pad_id is None else pad_id
     use_fused = config.trainer.use_fused_loss and config.deepspeed.zero_stage != 3

@@ -23,7 +23,7 @@ from fastrlhf.guards import StepGuard, TooManySkippedSteps
 from fastrlhf.metrics import MetricsLogger
 from fastrlhf.modeling import export_hf
 
-__all__ = ["Task", "run_supervised", "seed_everything"]
+__all__ = ["Task", "run_supervised", "seed_everything", "engine_config", "micro_batch_size"]
 
 
 @dataclass
@@ -54,14 +54,26 @@ def _mean_over_ranks(values: dict) -> dict:
     return {k: (t[i] / D.world_size()).item() for i, k in enumerate(keys)}
 
 
+def micro_batch_size(config) -> int:
+    """Examples per rank per micro-step; the global batch must split evenly over ranks x grad_accum."""
+    t, world = config.trainer, D.world_size()
+    if t.batch_size % (world * t.grad_accum):
+        raise ConfigError("trainer.batch_size", f"{t.batch_size} does not split over {world} ranks x "
+                          f"trainer.grad_accum {t.grad_accum}")
+    return t.batch_size // (world * t.grad_accum)
+
+
+def engine_config(config) -> dict:
+    """The DeepSpeed config the training engine will get (models load partitioned from it under ZeRO-3)."""
+    t = config.trainer
+    return D.deepspeed_config(config.deepspeed, micro_batch_size(config), t.grad_accum, t.max_grad_norm)
+
+
 def run_supervised(config, task: Task, resume: bool = False) -> dict:
     """Train ``task`` for ``config.trainer.max_steps`` optimizer steps; returns the last step's metrics."""
     t = config.trainer
     world = D.world_size()
-    if t.batch_size % (world * t.grad_accum):
-        raise ConfigError("trainer.batch_size", f"{t.batch_size} does not split over {world} ranks x "
-                          f"trainer.grad_accum {t.grad_accum}")
-    micro = t.batch_size // (world * t.grad_accum)
+    micro = micro_batch_size(config)
 
     guard = StepGuard(t.max_skipped_steps)
     engine = build_train_engine(task.model, config.deepspeed, lr=t.lr, weight_decay=t.weight_decay,

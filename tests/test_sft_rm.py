@@ -309,3 +309,23 @@ def test_fused_sft_loss_matches_the_plain_cross_entropy(workdir):
     assert batch["loss_mask"].sum() == 6 and batch["loss_mask"][0, :3].sum() == 0
     fused.backward()
     assert engine.module.lm_head.weight.grad is not None
+
+
+def test_zero3_loading_partitions_at_load_time(workdir):
+    import deepspeed
+
+    from fastrlhf import distributed as D
+    from fastrlhf.config import DeepSpeedConfig, ModelConfig
+    from fastrlhf.modeling import load_causal_lm, load_sequence_classifier
+
+    D.init_distributed(timeout_s=60)
+    model_cfg = ModelConfig(path=str(workdir / "model"))
+    stage3 = D.deepspeed_config(DeepSpeedConfig(zero_stage=3), micro_batch_size=1)
+    model = load_causal_lm(model_cfg, zero3_config=stage3)
+    plain = load_causal_lm(model_cfg)  # outside the context: an ordinary model again
+    assert hasattr(model.lm_head.weight, "ds_id") and not hasattr(plain.lm_head.weight, "ds_id")
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        assert torch.equal(model.lm_head.weight, plain.lm_head.weight)
+    classifier = load_sequence_classifier(model_cfg, 2, zero3_config=stage3)
+    with deepspeed.zero.GatheredParameters([classifier.score.weight]):
+        assert 0.005 < classifier.score.weight.std().item() < 0.05  # HF init, not zero.Init's std ~1
