@@ -56,9 +56,21 @@ def write_config(workdir, name, **sections):
     return str(path)
 
 
+def run_group(argv, timeout):
+    """Run a command in its own process group; on timeout the whole group (launcher and ranks) is killed."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
 def cli(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "fastrlhf", *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_group([sys.executable, "-m", "fastrlhf", *args], timeout)
 
 
 def losses(output_dir):
@@ -207,8 +219,8 @@ def test_two_ranks_under_the_deepspeed_launcher_zero3(workdir):
                           deepspeed={"zero_stage": 3})
     port = _free_port()
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    result = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(port), "--module", "fastrlhf", "sft",
-                             "--config", config], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    result = run_group([launcher, "--num_gpus", "2", "--master_port", str(port), "--module", "fastrlhf", "sft",
+                        "--config", config], timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     out = workdir / "sft_2rank"
     assert [r["step"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
