@@ -195,7 +195,7 @@ def make_hp(spec, **over):
     return RLHParams(**spec)
 
 
-@pytest.mark.parametrize("case", ["grpo", "grpo-drgrpo-tokensum", "ppo"])
+@pytest.mark.parametrize("case", ["grpo", "grpo-drgrpo-tokensum", "grpo-unfused", "ppo"])
 def test_step_matches_hand_written_unfused_step(case):
     torch.manual_seed(0)
     if case == "grpo":
@@ -203,6 +203,8 @@ def test_step_matches_hand_written_unfused_step(case):
     elif case == "grpo-drgrpo-tokensum":
         hp = make_hp(GRPO, scale_by_std=False, agg="seq-mean-token-sum-norm", tis_cap=None, grad_accum=3,
                      minibatch_size=12, loss_chunk_size=5)
+    elif case == "grpo-unfused":
+        hp = make_hp(GRPO, fused_loss=False, entropy_coef=0.05)
     else:
         hp = make_hp(PPO)
     actor, ref = tiny_actor(), tiny_actor().eval()

@@ -13,7 +13,14 @@ import contextlib
 
 import torch
 
-from fastrlhf.algorithms import entropy_from_logits, logprobs_from_logits, policy_loss
+from fastrlhf.algorithms import (
+    aggregate_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    policy_loss,
+)
 from fastrlhf.rl.experience import Experience
 
 __all__ = [
@@ -139,15 +146,11 @@ def policy_loss_from_model(model, mb: Experience, *, clip_low: float, clip_high:
         args = (hidden, mb.labels, mb.old_logprobs, advantages, mb.response_mask) + ((ref,) if ref is not None else ())
         with _head_forward(head, head_fn):
             return head(*args)
-    # Unfused path (debugging / tiny vocabularies): the same math on materialised logits.
-    from fastrlhf.algorithms import aggregate_loss, kl_penalty
-
+    # Unfused path (trainer.fused_loss: false, for debugging): the same math on materialised logits.
     logits = head(hidden)
     lp = logprobs_from_logits(logits, mb.labels, temperature)
     ent = entropy_from_logits(logits, temperature)
     loss, metrics = policy_loss(lp, mb.old_logprobs, advantages, mb.response_mask, clip_low, clip_high, dual_clip, agg)
-    from fastrlhf.algorithms import masked_mean
-
     metrics["entropy"] = masked_mean(ent, mb.response_mask).detach()
     metrics["kl"] = torch.zeros(())
     if ref is not None:

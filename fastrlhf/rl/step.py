@@ -4,6 +4,14 @@
 launchers (``fastrlhf.rl.trainer`` builds it from a config). Models come in as DeepSpeed engines
 or as plain modules with torch optimizers (see ``fastrlhf.rl.learner``), so a single process
 without DeepSpeed runs exactly the same step.
+
+Metrics of a step (reduced over ranks: means, except times and ``*_max`` which take the slowest /
+largest rank, and token counts which are summed): reward_mean/std, kl (rollout KL of the old policy
+to the reference, ``kl_kind``), entropy (policy entropy during the update), policy_loss, value_loss,
+clipfrac, approx_kl, logprob_mismatch_mean/max (|actor recomputed - engine| over completion tokens),
+tis_weight_mean, grad_norm, generated_tokens, tokens_per_second (generated tokens / generate time),
+time/generate, time/score (rewards + old/ref logprobs + values), time/reward, time/train, time/sync,
+step_time, sync_bytes, skipped (this step) and skipped_steps (total).
 """
 
 from __future__ import annotations
