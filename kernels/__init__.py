@@ -2,27 +2,15 @@
 
 This folder is installed as ``fastrlhf.kernels`` (see setup.py). Run from a checkout's root it is
 also reachable as a top-level ``kernels`` package, where transformers probes for Hugging Face's
-own ``kernels`` package; so this file stays free of side effects and imports nothing until an
-attribute is asked for (PEP 562), and carries no ``__version__`` for that probe to mistake.
+own ``kernels`` package; it carries no ``__version__`` for that probe to mistake, and importing it
+costs torch alone: triton is imported only when a Triton backend runs.
+
+The public functions are bound here after their modules are imported, because importing a
+submodule sets the package attribute of the same name (``logprob_entropy``) to the module.
 """
 
-import importlib
+from .fused_linear import fused_linear_logprob_entropy, fused_linear_policy_loss
+from .logprob_entropy import logprob_entropy
+from .policy_loss import fused_policy_loss
 
-_EXPORTS = {
-    "logprob_entropy": ".logprob_entropy",
-    "fused_policy_loss": ".policy_loss",
-    "fused_linear_logprob_entropy": ".fused_linear",
-    "fused_linear_policy_loss": ".fused_linear",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__all__ = ["fused_linear_logprob_entropy", "fused_linear_policy_loss", "fused_policy_loss", "logprob_entropy"]

@@ -19,7 +19,6 @@ The reference math is ``fastrlhf.algorithms.logprobs_from_logits`` / ``entropy_f
 from __future__ import annotations
 
 import functools
-import sys
 import types
 
 import torch
@@ -527,15 +526,3 @@ def logprob_entropy(
     row_blocks(logits, labels)  # shape errors now, not inside autograd
     return LogprobEntropyFunction.apply(logits, labels, temperature, backend)
 
-
-class _CallableModule(types.ModuleType):
-    """This module shares its name with its public function. Importing the submodule sets the
-    package attribute ``fastrlhf.kernels.logprob_entropy`` to the module (shadowing the package's
-    lazy export), so ``from fastrlhf.kernels import logprob_entropy`` can hand back this module,
-    depending on import order. Making the module callable keeps that spelling working either way."""
-
-    def __call__(self, *args, **kwargs):
-        return logprob_entropy(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
