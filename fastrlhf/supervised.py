@@ -69,6 +69,17 @@ def engine_config(config) -> dict:
     return D.deepspeed_config(config.deepspeed, micro_batch_size(config), t.grad_accum, t.max_grad_norm)
 
 
+def _write_run_config(config) -> None:
+    """The fully resolved config (defaults and --set applied) beside the run's outputs."""
+    import yaml
+
+    os.makedirs(config.output_dir, exist_ok=True)
+    path = os.path.join(config.output_dir, "config.yaml")
+    with open(f"{path}.tmp", "w") as f:
+        yaml.safe_dump(config_to_dict(config), f, sort_keys=False)
+    os.replace(f"{path}.tmp", path)
+
+
 def run_supervised(config, task: Task, resume: bool = False) -> dict:
     """Train ``task`` for ``config.trainer.max_steps`` optimizer steps; returns the last step's metrics."""
     t = config.trainer
@@ -89,6 +100,8 @@ def run_supervised(config, task: Task, resume: bool = False) -> dict:
             print(f"note: --resume given but {config.output_dir} has no checkpoint; starting at step 0")
         else:
             start_step = restored["step"]
+    if D.is_main():
+        _write_run_config(config)
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=task.bar_keys,
                            tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config),
                            resume=resume)

@@ -96,6 +96,8 @@ def test_sft_lowers_the_loss_and_exports_a_loadable_model(sft_run, workdir):
     first, last = sum(losses(out)[:4]) / 4, sum(losses(out)[-4:]) / 4
     assert last < first - 0.3, (first, last)  # every 4 steps cover the 8 examples twice: comparable windows
     assert all(r["skipped_total"] == 0 for r in records)
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["trainer"]["max_steps"] == 12 and resolved["trainer"]["weight_decay"] == 0.0  # defaults filled
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     initial = AutoModelForCausalLM.from_pretrained(workdir / "model")
