@@ -77,9 +77,8 @@ def _build_rollout(config, actor_module, num_params: int, device):
 def build_rl_step(config, guard):
     """Load models, build engines; returns ``(rl_step, stateful objects for checkpoints)``."""
     from fastrlhf import distributed as D
-    from fastrlhf.distributed import build_frozen_engine, build_train_engine
+    from fastrlhf.distributed import build_frozen_engine, build_train_engine, deepspeed_config
     from fastrlhf.modeling import load_causal_lm, load_value_model
-    from fastrlhf.models import count_parameters
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep
 
@@ -87,9 +86,12 @@ def build_rl_step(config, guard):
     hp = _per_rank_hparams(config, D.world_size())
     micro = hp.micro_batch_size(config.rollout_batch_size // D.world_size())
 
-    actor = load_causal_lm(config.model)
+    # ZeRO-3: load straight into partitions (no full replica per rank), with the engines' own configs.
+    actor_ds = deepspeed_config(ds, micro, t.grad_accum, t.max_grad_norm) if ds.zero_stage == 3 else None
+    actor = load_causal_lm(config.model, zero3_config=actor_ds)
     pad_id = _pad_token_id(actor)
-    num_params = count_parameters(actor)
+    # A ZeRO-3 partitioned parameter reports numel() 0; ds_numel is its full size.
+    num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in {id(p): p for p in actor.parameters()}.values())
     actor_engine = build_train_engine(actor, ds, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
                                       micro_batch_size=micro, grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm,
                                       guard=guard)
@@ -98,7 +100,9 @@ def build_rl_step(config, guard):
 
     reference = None
     if t.kl_coef != 0.0 and config.model.lora_r == 0:
-        ref_model = load_causal_lm(config.model, config.reference.path or config.model.path, trainable=False)
+        ref_ds = deepspeed_config(ds, zero_stage=3, trainable=False) if ds.zero_stage == 3 else None
+        ref_model = load_causal_lm(config.model, config.reference.path or config.model.path, trainable=False,
+                                   zero3_config=ref_ds)
         # ZeRO-3 actor: a ZeRO-3 reference too (a full replica would waste what the actor saves).
         reference = build_frozen_engine(ref_model, ds) if ds.zero_stage == 3 else ref_model.to(device)
 
