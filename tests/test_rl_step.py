@@ -379,3 +379,22 @@ def test_lora_actor_uses_disabled_adapter_as_reference():
     metrics = rl(PROMPTS, None, step=0, completions=completions)
     assert metrics["skipped"] == 0.0
     assert all(torch.equal(p, frozen[n]) for n, p in actor.named_parameters() if not p.requires_grad)
+
+
+def test_lora_actor_syncs_merged_weights_into_a_separate_engine():
+    from peft import LoraConfig, get_peft_model
+
+    from fastrlhf.rollout import HFEngine
+
+    actor = get_peft_model(tiny_actor(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    engine_model = tiny_actor().eval()
+    hp = make_hp(GRPO, tis_cap=None)
+    opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-2)
+    rl = RLStep(hp, actor, rollout=HFEngine(engine_model), scorer=FixedScorer(SCORES), reference=None,
+                actor_optimizer=opt, pad_token_id=PAD, rollout_shares_actor=False)
+    metrics = rl(PROMPTS, None, step=0, completions=fixed_completions(tiny_actor(), hp.temperature))
+    assert metrics["skipped"] == 0.0 and metrics["sync_bytes"] > 0
+    merged = copy.deepcopy(actor).merge_and_unload()
+    assert changed(merged, tiny_actor()) > 1e-3  # the adapter learned something, so the merge matters
+    for (name, p), (_, q) in zip(merged.named_parameters(), engine_model.named_parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), name

@@ -180,10 +180,14 @@ class RLStep:
     def sync(self) -> dict[str, float]:
         if self.rollout_shares_actor:
             return {"sync_bytes": 0.0}
+        from fastrlhf.rl.lora_sync import is_peft_model, sync_lora_weights
         from fastrlhf.rollout.weight_sync import sync_weights
 
         source = getattr(self.actor, "engine", self.actor.module)
-        stats = sync_weights(source, self.rollout, bucket_bytes=self.hp.sync_bucket_bytes)
+        if is_peft_model(unwrap(self.actor.module)):
+            stats = sync_lora_weights(source, self.rollout, self.hp.sync_bucket_bytes)
+        else:
+            stats = sync_weights(source, self.rollout, bucket_bytes=self.hp.sync_bucket_bytes)
         return {"sync_bytes": float(stats.bytes), "sync_buckets": float(stats.num_buckets)}
 
     # ------------------------------------------------------------------ the whole step

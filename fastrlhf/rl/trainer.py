@@ -46,27 +46,23 @@ def _pad_token_id(model) -> int:
 
 
 def _build_rollout(config, actor_module, num_params: int, device):
-    """(engine, shares_actor): HF generates with the actor's own module when it holds whole weights."""
-    from fastrlhf.config import ConfigError
+    """(engine, shares_actor): HF generates with the actor's own module when it holds whole weights.
+
+    Otherwise (ZeRO-3, or vLLM) the engine holds its own plain copy, synced after every step (LoRA
+    actors: with the adapter merged, see ``fastrlhf.rl.lora_sync``).
+    """
     from fastrlhf.modeling import load_causal_lm
     from fastrlhf.rollout import HFEngine, VLLMEngine, choose_engine_kind
 
     ro, ds = config.rollout, config.deepspeed
-    lora = config.model.lora_r > 0
     kind = ro.engine if ro.engine != "auto" else choose_engine_kind(num_params, device)
     max_len = config.data.max_prompt_len + ro.max_new_tokens
     if kind == "hf":
         if ds.zero_stage < 3:
             # Same module, same weights: generation sees every update at once, no sync needed.
             return HFEngine(actor_module, max_model_len=max_len), True
-        if lora:
-            raise ConfigError("model.lora_r", "LoRA with deepspeed.zero_stage 3 needs merged-weight sync, which is "
-                              "not supported yet; use zero_stage <= 2")
         rollout_model = load_causal_lm(config.model, trainable=False).to(device)
         return HFEngine(rollout_model, max_model_len=max_len), False
-    if lora:
-        raise ConfigError("rollout.engine", "LoRA actors generate with the HF engine (rollout.engine: hf); vLLM "
-                          "needs merged-weight sync, not supported yet")
     from fastrlhf import distributed as D
 
     engine = VLLMEngine(config.model.path, dtype=config.model.dtype, max_model_len=max_len,
