@@ -1,4 +1,4 @@
-"""Command line: ``fastrlhf <command>`` or, under the launcher, ``deepspeed -m fastrlhf <command>``.
+"""Command line: ``fastrlhf <command>`` or, under the launcher, ``deepspeed --module fastrlhf <command>``.
 
 The config is read and validated before anything heavy is imported, so a bad config fails in a
 fraction of a second with one line and exit code 2.

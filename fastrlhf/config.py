@@ -77,7 +77,7 @@ class CriticConfig:
 class RewardConfig:
     function: str | None = None  # registered name or "module:function"
     model_path: str | None = None
-    model_kind: Literal["classifier"] = "classifier"
+    model_kind: Literal["classifier", "value_head"] = "classifier"
     label_index: int = 0
 
 
@@ -118,7 +118,7 @@ class TrainerConfig:
     agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: float = 0.0
     kl_coef: float = 0.001
-    kl_kind: Literal["k1", "k2", "k3", "low-var"] = "k3"
+    kl_kind: Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"] = "k3"  # verl's names accepted
     kl_in_reward: bool = False
     gamma: float = 1.0
     lam: float = 0.95
@@ -128,6 +128,8 @@ class TrainerConfig:
     scale_by_std: bool = True
     tis_cap: float | None = None
     loss_chunk_size: int | None = None
+    fused_loss: bool = True  # false: the same loss on materialised logits (for debugging)
+    forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None: minibatch share
     save_every: int = 0
     keep_checkpoints: int = 0  # 0 keeps all
     max_skipped_steps: int = 3

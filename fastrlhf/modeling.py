@@ -118,9 +118,9 @@ class CausalLMWithValueHead(nn.Module):
             nn.init.zeros_(self.v_head.bias)
         self.v_head.to(next(lm.parameters()).dtype)
 
-    def forward(self, input_ids, attention_mask=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
         decoder = base_model(self.lm).get_decoder()
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
         return self.v_head(hidden).squeeze(-1).float()
 
 

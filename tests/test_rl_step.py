@@ -112,7 +112,7 @@ def hand_written_step(hp, actor, ref, opt, completions, scores, step, critic=Non
         return model(input_ids=ids[r], attention_mask=attn[r], position_ids=pos[r]).logits[:, P - 1:P - 1 + T]
 
     def values_of(r):
-        return critic(input_ids=ids[r], attention_mask=attn[r])[:, P - 1:P - 1 + T].float()
+        return critic(input_ids=ids[r], attention_mask=attn[r], position_ids=pos[r])[:, P - 1:P - 1 + T].float()
 
     every = torch.arange(B)
     with torch.no_grad():
@@ -344,9 +344,9 @@ def test_hparams_from_config_maps_names():
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(algorithm="ppo", seed=3, rollout=SimpleNamespace(n=2, temperature=0.7, stop_token_ids=[1]),
-                          trainer=SimpleNamespace(kl_kind="low-var", vf_clip=None, tis_cap=2.0, max_steps=5))
+                          trainer=SimpleNamespace(kl_kind="low_var_kl", vf_clip=None, tis_cap=2.0, max_steps=5))
     hp = RLHParams.from_config(cfg)
-    assert (hp.kl_kind, hp.vf_clip, hp.tis_cap, hp.n, hp.stop_token_ids, hp.seed) == ("k3", math.inf, 2.0, 2, (1,), 3)
+    assert (hp.kl_kind, hp.vf_clip, hp.tis_cap, hp.n, hp.stop_token_ids, hp.seed) == ("low_var_kl", math.inf, 2.0, 2, (1,), 3)
     with pytest.raises(ValueError, match="GRPO needs rollout.n >= 2"):
         RLHParams(algorithm="grpo", n=1)
 

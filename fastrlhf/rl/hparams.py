@@ -71,8 +71,6 @@ class RLHParams:
             for key, value in items:
                 if key in names and key not in ("algorithm", "seed"):
                     values[key] = value
-        if values.get("kl_kind") == "low-var":  # the config's name for k3
-            values["kl_kind"] = "k3"
         if "vf_clip" in values and values["vf_clip"] is None:
             values["vf_clip"] = float("inf")
         if values.get("tis_cap") in (0, 0.0):
