@@ -120,7 +120,8 @@ class CausalLMWithValueHead(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         decoder = base_model(self.lm).get_decoder()
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        hidden = out.last_hidden_state
         return self.v_head(hidden).squeeze(-1).float()
 
 

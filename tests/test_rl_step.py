@@ -346,7 +346,8 @@ def test_hparams_from_config_maps_names():
     cfg = SimpleNamespace(algorithm="ppo", seed=3, rollout=SimpleNamespace(n=2, temperature=0.7, stop_token_ids=[1]),
                           trainer=SimpleNamespace(kl_kind="low_var_kl", vf_clip=None, tis_cap=2.0, max_steps=5))
     hp = RLHParams.from_config(cfg)
-    assert (hp.kl_kind, hp.vf_clip, hp.tis_cap, hp.n, hp.stop_token_ids, hp.seed) == ("low_var_kl", math.inf, 2.0, 2, (1,), 3)
+    expected = ("low_var_kl", math.inf, 2.0, 2, (1,), 3)
+    assert (hp.kl_kind, hp.vf_clip, hp.tis_cap, hp.n, hp.stop_token_ids, hp.seed) == expected
     with pytest.raises(ValueError, match="GRPO needs rollout.n >= 2"):
         RLHParams(algorithm="grpo", n=1)
 
