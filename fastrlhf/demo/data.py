@@ -1,0 +1,105 @@
+"""Data files and the initial model of the demo, all generated locally (no downloads).
+
+Numbers are split once: ``EVAL_SIZE`` numbers are held out for evaluation and never appear in
+pretraining, reward-model or RL data, so the accuracy is measured on unseen prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+from fastrlhf.tasks import script_doubling as task
+
+__all__ = ["MODEL_SHAPE", "SCRIPT_LABELS", "split_numbers", "write_data", "make_initial_model"]
+
+# Head size 32 (128 / 4): the smallest the vLLM CPU attention backend runs, so the folder works with
+# either rollout engine. 0.34M parameters: small enough for 2 CPU cores, big enough to learn doubling.
+MODEL_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, max_position_embeddings=32)
+# Classifier labels of the learned reward model: index = label.
+SCRIPT_LABELS = list(task.SCRIPTS)  # ["digits", "lower", "upper"]
+EVAL_SIZE = 1000
+
+
+def split_numbers(seed: int = 1234) -> tuple[list[int], list[int]]:
+    """(train numbers, held-out eval numbers), disjoint, covering 1000-9999."""
+    numbers = list(range(1000, 10000))
+    random.Random(seed).shuffle(numbers)
+    return sorted(numbers[EVAL_SIZE:]), numbers[:EVAL_SIZE]
+
+
+def _write_jsonl(path: str, rows) -> int:
+    tmp = f"{path}.tmp"
+    count = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            count += 1
+    os.replace(tmp, path)
+    return count
+
+
+def _prompt(number: int, prefix: str) -> str:
+    return f"{task.BOS}{prefix}:{number}x2="
+
+
+def write_data(data_dir: str, rl_prompts: int = 4000, classifier_examples: int = 6000, seed: int = 0) -> dict:
+    """Write the demo's JSONL files into ``data_dir``; returns {name: path}.
+
+    - ``pretrain.jsonl``: every train number in every script, unprefixed (``S__:``): SFT pairs.
+    - ``rl_prompts.jsonl``: prefixed prompts for RL, ``meta.script`` / ``meta.label`` = the requested script.
+    - ``eval.jsonl``: the held-out prefixed prompts with their expected completions.
+    - ``classifier.jsonl``: ``S`` + an answer, labelled with its script (the learned reward model's data).
+    """
+    os.makedirs(data_dir, exist_ok=True)
+    rng = random.Random(seed)
+    train, held_out = split_numbers()
+    paths = {name: os.path.join(data_dir, f"{name}.jsonl")
+             for name in ("pretrain", "rl_prompts", "eval", "classifier")}
+
+    pretrain = [(n, s) for n in train for s in task.SCRIPTS]
+    rng.shuffle(pretrain)
+    _write_jsonl(paths["pretrain"], (
+        {"prompt_ids": task.encode(_prompt(n, task.UNPREFIXED)), "response_ids": task.encode(task.answer(n, s)),
+         "text": _prompt(n, task.UNPREFIXED) + task.answer(n, s)} for n, s in pretrain))
+
+    def prefixed(numbers, k):
+        for n in (rng.choice(numbers) for _ in range(k)) if k else numbers:
+            script = rng.choice(SCRIPT_LABELS)
+            prompt = _prompt(n, task.PREFIXES[script])
+            yield {"prompt_ids": task.encode(prompt), "text": prompt,
+                   "meta": {"script": script, "label": SCRIPT_LABELS.index(script),
+                            "expected": task.expected_completion(prompt)}}
+
+    _write_jsonl(paths["rl_prompts"], prefixed(train, rl_prompts))
+    _write_jsonl(paths["eval"], prefixed(held_out, 0))
+    _write_jsonl(paths["classifier"], (
+        {"input_ids": task.encode(task.BOS + task.answer(n, s)), "label": SCRIPT_LABELS.index(s),
+         "text": task.BOS + task.answer(n, s)}
+        for n, s in ((rng.choice(train), rng.choice(SCRIPT_LABELS)) for _ in range(classifier_examples))))
+    return paths
+
+
+def make_initial_model(out_dir: str, seed: int = 0, **shape) -> int:
+    """A random-init Llama with the task's tokenizer, saved as a standard HF folder; returns its parameter count."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(task.VOCAB), tie_word_embeddings=False, bos_token_id=task.BOS_ID,
+                         eos_token_id=task.EOS_ID, pad_token_id=task.PAD_ID, **{**MODEL_SHAPE, **shape})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=task.BOS_ID, eos_token_id=task.EOS_ID,
+                                               pad_token_id=task.PAD_ID)
+    tmp = f"{out_dir.rstrip(os.sep)}.tmp"
+    model.save_pretrained(tmp, safe_serialization=True)
+    task.build_tokenizer().save_pretrained(tmp)
+    if os.path.exists(out_dir):
+        import shutil
+
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return sum(p.numel() for p in model.parameters())

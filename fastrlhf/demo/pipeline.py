@@ -1,0 +1,349 @@
+"""The demo pipeline: every stage runs the real trainer commands, on CPU, from a bare checkout.
+
+1. data + tokenizer + a random-init Llama (``fastrlhf.demo.data``)
+2. pretrain with ``fastrlhf sft`` on unprefixed data (``examples/demo/pretrain.yaml``)
+3. prepare the pretrained model for prefixed prompts (new-token embedding init, see ``prepare_for_prefixes``)
+4. (``--reward model``) train the script classifier with ``fastrlhf rm`` (``examples/demo/rm.yaml``)
+5. evaluate: greedy exact-match accuracy on 1000 held-out prefixed prompts
+6. RL with ``deepspeed --num_gpus 2 --module fastrlhf train`` (``examples/demo/{grpo,ppo}.yaml``)
+7. evaluate again, write ``report.md`` / ``report.json`` and PNG plots
+
+Stages 1-4 are cached under the work directory (a stamp records the configs they came from), so a
+second run goes straight to RL; ``--fresh`` redoes everything. Child processes write their logs to
+``<workdir>/logs/``; the progress bars here follow their ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from fastrlhf.demo import data as demo_data
+
+__all__ = ["DemoOptions", "run_demo", "prepare_for_prefixes"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG_DIR = os.path.join(ROOT, "examples", "demo")
+
+
+@dataclass
+class DemoOptions:
+    algo: str = "grpo"  # grpo | ppo
+    reward: str = "rule"  # rule | model
+    fresh: bool = False
+    workdir: str = "runs/demo"
+    # Extra ``--set key=value`` for the stages (tests use these to shrink the run).
+    pretrain_set: list[str] = field(default_factory=list)
+    rm_set: list[str] = field(default_factory=list)
+    rl_set: list[str] = field(default_factory=list)
+    model_shape: dict = field(default_factory=dict)  # overrides of data.MODEL_SHAPE
+    ranks: int = 2
+    progress: bool = True
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(**extra) -> dict:
+    env = dict(os.environ)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    # One thread per process: on a small shared CPU machine, several OpenMP threads per rank spin
+    # against each other and the other ranks (measured: 2 threads were up to 6x slower under load).
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", FASTRLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p))
+    env.update(extra)
+    return env
+
+
+def _read_last_step(metrics_path: str) -> int:
+    try:
+        with open(metrics_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = [line for line in f.read().splitlines() if line.strip()]
+        for line in reversed(lines):
+            try:
+                return int(json.loads(line)["step"])
+            except (ValueError, KeyError):
+                continue
+    except OSError:
+        pass
+    return 0
+
+
+def _run_stage(name: str, cmd: list[str], log_path: str, metrics_path: str | None, total: int | None,
+               progress: bool, env: dict | None = None) -> float:
+    """Run ``cmd`` with output to ``log_path``, a tqdm bar following ``metrics_path``; returns wall seconds."""
+    from tqdm import tqdm
+
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    if metrics_path and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=os.getcwd(), stdout=log, stderr=subprocess.STDOUT, env=env or _child_env(),
+                                start_new_session=True)
+        bar = tqdm(total=total, desc=name, unit="step", disable=not progress, dynamic_ncols=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                if metrics_path:
+                    done = min(_read_last_step(metrics_path), total or 0)
+                    if done > bar.n:
+                        bar.update(done - bar.n)
+            if metrics_path and proc.returncode == 0:
+                bar.update(max(0, _read_last_step(metrics_path) - bar.n))
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
+        finally:
+            bar.close()
+    if proc.returncode != 0:
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-3000:]
+        raise StageFailed(f"stage {name!r} failed (exit {proc.returncode}); log: {log_path}\n{tail}")
+    return time.perf_counter() - started
+
+
+def _config(name: str) -> str:
+    return os.path.join(CONFIG_DIR, name)
+
+
+def _stamp_key(*parts) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, str) and os.path.isfile(part):
+            with open(part, "rb") as f:
+                h.update(f.read())
+        else:
+            h.update(json.dumps(part, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def _cached(folder: str, key: str) -> bool:
+    try:
+        with open(os.path.join(folder, "demo_stamp.json")) as f:
+            return json.load(f)["key"] == key
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _write_stamp(folder: str, key: str, **info) -> None:
+    with open(os.path.join(folder, "demo_stamp.json"), "w") as f:
+        json.dump({"key": key, **info}, f, indent=1)
+
+
+def _say(opts: DemoOptions, text: str) -> None:
+    if opts.progress:
+        from tqdm import tqdm
+
+        tqdm.write(text)
+    else:
+        print(text, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- stages
+
+
+def prepare_for_prefixes(src: str, dst: str) -> None:
+    """Copy the pretrained model ``src`` to ``dst`` with the prefix characters' embeddings set to ``_``'s.
+
+    Why: pretraining only ever shows the prefix ``__``, so the characters of the real prefixes
+    (数 字 小 写 大) never occur and their input embeddings are still random. A prompt holding them
+    is out of distribution and derails the model (it then gets the number wrong a third of the time).
+    The standard fix when a model meets new tokens is to initialise their embeddings from a known
+    token's; ``_`` is the token they stand in for. The model then treats prefixed prompts like
+    unprefixed ones (right number, random script), and RL separates the prefix embeddings through
+    the different gradients they receive.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fastrlhf.tasks import script_doubling as task
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    emb = model.get_input_embeddings().weight
+    with torch.no_grad():
+        for ch in sorted(set("".join(task.PREFIXES.values()))):
+            emb[task.TOKEN_ID[ch]] = emb[task.TOKEN_ID["_"]]
+    tmp = f"{dst.rstrip(os.sep)}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for name in os.listdir(src):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+
+
+def _set_value(overrides: list[str], key: str, default):
+    for item in overrides:
+        if item.split("=", 1)[0].strip() == key:
+            import yaml
+
+            return yaml.safe_load(item.split("=", 1)[1])
+    return default
+
+
+def _yaml_value(path: str, dotted: str):
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        node = yaml.safe_load(f)
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def run_demo(opts: DemoOptions) -> dict:
+    """Run the whole demo; returns the report dict (also written to ``<workdir>/<run>/report.json``)."""
+    if opts.algo not in ("grpo", "ppo"):
+        raise ValueError(f"--algo must be grpo or ppo, got {opts.algo!r}")
+    if opts.reward not in ("rule", "model"):
+        raise ValueError(f"--reward must be rule or model, got {opts.reward!r}")
+    try:  # our own bars only: not one per from_pretrained / save_pretrained
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    w = opts.workdir
+    os.makedirs(w, exist_ok=True)
+    py = sys.executable
+    paths = {
+        "data": os.path.join(w, "data"), "init": os.path.join(w, "init"), "pretrain": os.path.join(w, "pretrain"),
+        "pretrained": os.path.join(w, "pretrained"), "rm": os.path.join(w, "rm"), "logs": os.path.join(w, "logs"),
+    }
+    run_name = f"{opts.algo}-{opts.reward}"
+    run_dir = os.path.join(w, run_name)
+    times: dict[str, float] = {}
+    stages = ["data + model init", "pretrain (fastrlhf sft)", "prepare for prefixed prompts"]
+    if opts.reward == "model":
+        stages.append("reward model (fastrlhf rm)")
+    stages += ["evaluate before RL", f"RL: {opts.algo.upper()} (deepspeed, {opts.ranks} ranks)", "evaluate after RL",
+               "report"]
+    stage_no = iter(range(1, len(stages) + 1))
+
+    def announce(name: str, note: str = ""):
+        _say(opts, f"[{next(stage_no)}/{len(stages)}] {name}{note}")
+
+    # ---- 1-3: data, init, pretrain, prepare (cached together)
+    pretrain_cfg = _config("pretrain.yaml")
+    pre_key = _stamp_key(pretrain_cfg, opts.pretrain_set, opts.model_shape, demo_data.MODEL_SHAPE, "v1")
+    if not opts.fresh and _cached(paths["pretrained"], pre_key):
+        for name in stages[:3]:
+            announce(name, f": cached in {paths['pretrained']} (make demo FRESH=1 redoes it)")
+    else:
+        announce(stages[0])
+        t0 = time.perf_counter()
+        demo_data.write_data(paths["data"])
+        num_params = demo_data.make_initial_model(paths["init"], **opts.model_shape)
+        times["data"] = time.perf_counter() - t0
+        _say(opts, f"    Llama {num_params / 1e6:.2f}M parameters, character tokenizer -> {paths['init']}")
+
+        announce(stages[1])
+        pre_steps = _set_value(opts.pretrain_set, "trainer.max_steps", _yaml_value(pretrain_cfg, "trainer.max_steps"))
+        sets = [f"output_dir={paths['pretrain']}", f"model.path={paths['init']}",
+                f"data.path={os.path.join(paths['data'], 'pretrain.jsonl')}", *opts.pretrain_set]
+        cmd = [py, "-m", "fastrlhf", "sft", "--config", pretrain_cfg, *(a for s in sets for a in ("--set", s))]
+        times["pretrain"] = _run_stage("pretrain", cmd, os.path.join(paths["logs"], "pretrain.log"),
+                                       os.path.join(paths["pretrain"], "metrics.jsonl"), pre_steps, opts.progress)
+
+        announce(stages[2])
+        t0 = time.perf_counter()
+        prepare_for_prefixes(os.path.join(paths["pretrain"], "final"), paths["pretrained"])
+        times["prepare"] = time.perf_counter() - t0
+        _write_stamp(paths["pretrained"], pre_key, pretrain_seconds=times["pretrain"])
+    data_file = {name: os.path.join(paths["data"], f"{name}.jsonl") for name in ("rl_prompts", "eval", "classifier")}
+
+    # ---- 4: the learned reward (cached on the pretrained model's stamp)
+    env_extra = {}
+    if opts.reward == "model":
+        rm_cfg = _config("rm.yaml")
+        rm_key = _stamp_key(pre_key, rm_cfg, opts.rm_set)
+        rm_final = os.path.join(paths["rm"], "final")
+        if not opts.fresh and _cached(rm_final, rm_key):
+            announce(stages[3], f": cached in {rm_final}")
+        else:
+            announce(stages[3])
+            rm_steps = _set_value(opts.rm_set, "trainer.max_steps", _yaml_value(rm_cfg, "trainer.max_steps"))
+            sets = [f"output_dir={paths['rm']}", f"model.path={paths['pretrained']}",
+                    f"data.path={data_file['classifier']}", *opts.rm_set]
+            cmd = [py, "-m", "fastrlhf", "rm", "--config", rm_cfg, *(a for s in sets for a in ("--set", s))]
+            times["reward_model"] = _run_stage("reward model", cmd, os.path.join(paths["logs"], "rm.log"),
+                                               os.path.join(paths["rm"], "metrics.jsonl"), rm_steps, opts.progress)
+            _write_stamp(rm_final, rm_key)
+        env_extra["FASTRLHF_DEMO_CLASSIFIER"] = os.path.abspath(rm_final)
+
+    # ---- 5: evaluate before
+    from fastrlhf.demo.evaluate import evaluate
+
+    announce(stages[-4])
+    t0 = time.perf_counter()
+    before = evaluate(paths["pretrained"], data_file["eval"], progress=opts.progress, desc="evaluate (before)")
+    times["evaluate_before"] = time.perf_counter() - t0
+    _say(opts, f"    accuracy before RL: {before['accuracy']:.1%} exact match "
+               f"(right number in some script: {before['right_number']:.1%})")
+
+    # ---- 6: RL
+    announce(stages[-3])
+    rl_cfg = _config(f"{opts.algo}.yaml")
+    rl_steps = _set_value(opts.rl_set, "trainer.max_steps", _yaml_value(rl_cfg, "trainer.max_steps"))
+    sets = [f"output_dir={run_dir}", f"model.path={paths['pretrained']}", f"data.prompts={data_file['rl_prompts']}"]
+    shutil.rmtree(run_dir, ignore_errors=True)  # a new run, not a continuation of the last one
+    os.makedirs(run_dir)
+    exact_log = os.path.join(run_dir, "exact_match.log")
+    if opts.reward == "model":
+        sets += ["reward.function=fastrlhf.demo.rewards:script_classifier"]
+        env_extra["FASTRLHF_DEMO_EXACT_LOG"] = os.path.abspath(exact_log)
+    sets += opts.rl_set
+    deepspeed = os.path.join(os.path.dirname(py), "deepspeed")
+    cmd = [deepspeed, "--num_gpus", str(opts.ranks), "--master_port", str(_free_port()), "--module", "fastrlhf",
+           "train", "--config", rl_cfg, *(a for s in sets for a in ("--set", s))]
+    times["rl"] = _run_stage(f"RL {opts.algo}", cmd, os.path.join(paths["logs"], f"{run_name}.log"),
+                             os.path.join(run_dir, "metrics.jsonl"), rl_steps, opts.progress,
+                             env=_child_env(**env_extra))
+
+    # ---- 7: evaluate after
+    announce(stages[-2])
+    t0 = time.perf_counter()
+    after = evaluate(os.path.join(run_dir, "final"), data_file["eval"], progress=opts.progress,
+                     desc="evaluate (after)")
+    times["evaluate_after"] = time.perf_counter() - t0
+
+    # ---- 8: report
+    announce(stages[-1])
+    from fastrlhf.demo.report import write_report
+
+    per_rank_calls = None
+    if opts.reward == "model":
+        prompts_per_step = _set_value(opts.rl_set, "trainer.prompts_per_step",
+                                      _yaml_value(rl_cfg, "trainer.prompts_per_step"))
+        n = _set_value(opts.rl_set, "rollout.n", _yaml_value(rl_cfg, "rollout.n"))
+        per_rank_calls = prompts_per_step * n // opts.ranks
+    report = write_report(run_dir, algo=opts.algo, reward=opts.reward, before=before, after=after,
+                          stage_seconds=times, exact_log=exact_log if opts.reward == "model" else None,
+                          exact_calls_per_step=per_rank_calls, ranks=opts.ranks)
+    return report

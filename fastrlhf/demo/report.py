@@ -1,0 +1,173 @@
+"""``report.md`` / ``report.json`` and PNG plots (reward, accuracy, KL, entropy against step) of a demo run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+__all__ = ["write_report", "PLOTS"]
+
+# file name -> (title, y label)
+PLOTS = {
+    "reward.png": ("Mean reward of the sampled completions", "reward"),
+    "accuracy.png": ("Exact-match accuracy", "accuracy"),
+    "kl.png": ("KL(policy || reference), rollout tokens", "KL"),
+    "entropy.png": ("Policy entropy per token", "entropy (nats)"),
+}
+
+
+def _num(value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+    return value
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for r in records:
+        if key in r and math.isfinite(_num(r[key])):
+            steps.append(int(r["step"]))
+            values.append(_num(r[key]))
+    return steps, values
+
+
+def _exact_match_per_step(exact_log: str, calls_per_step: int, ranks: int) -> tuple[list[int], list[float]]:
+    """Training exact-match rate per step from the learned-reward adapter's per-rank logs."""
+    per_rank = []
+    for r in range(ranks):
+        path = f"{exact_log}.rank{r}"
+        if not os.path.exists(path):
+            return [], []
+        with open(path) as f:
+            per_rank.append([int(line) for line in f if line.strip()])
+    steps = min(len(v) for v in per_rank) // calls_per_step
+    xs, ys = [], []
+    for s in range(steps):
+        chunk = [x for v in per_rank for x in v[s * calls_per_step:(s + 1) * calls_per_step]]
+        xs.append(s + 1)
+        ys.append(sum(chunk) / len(chunk))
+    return xs, ys
+
+
+def _plot(path: str, title: str, ylabel: str, lines: list[tuple[str, list, list, dict]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    for label, xs, ys, style in lines:
+        if xs:
+            ax.plot(xs, ys, label=label, **style)
+    ax.set_title(title)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if len(lines) > 1:
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict, stage_seconds: dict,
+                 exact_log: str | None = None, exact_calls_per_step: int | None = None, ranks: int = 2) -> dict:
+    from fastrlhf.metrics import read_metrics
+
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    last = records[-1] if records else {}
+    steps = int(last.get("step", 0))
+    split = {k: sum(_num(r.get(f"time/{k}", 0.0)) for r in records) for k in ("generate", "score", "train", "sync")}
+    tokens = sum(_num(r.get("generated_tokens", 0.0)) for r in records)
+    tokens_per_second = tokens / split["generate"] if split["generate"] > 0 else 0.0
+
+    reward_x, reward_y = _series(records, "reward_mean")
+    if reward == "rule":
+        acc_x, acc_y = reward_x, reward_y  # the rule reward is the exact-match indicator
+        acc_label = "sampled completions (T=1), = reward"
+    else:
+        acc_x, acc_y = _exact_match_per_step(exact_log, exact_calls_per_step, ranks) if exact_log else ([], [])
+        acc_label = "sampled completions (T=1)"
+    eval_x = [0, steps]
+    eval_y = [before["accuracy"], after["accuracy"]]
+    plots = {}
+    plot_lines = {
+        "reward.png": [("reward_mean", reward_x, reward_y, {})],
+        "accuracy.png": [(acc_label, acc_x, acc_y, {}),
+                         ("held-out greedy (1000 prompts)", eval_x, eval_y, {"marker": "o", "linestyle": "--"})],
+        "kl.png": [("kl", *_series(records, "kl"), {})],
+        "entropy.png": [("update (actor)", *_series(records, "entropy"), {}),
+                        ("rollout", *_series(records, "rollout_entropy"), {"alpha": 0.6})],
+    }
+    for name, lines in plot_lines.items():
+        title, ylabel = PLOTS[name]
+        _plot(os.path.join(run_dir, name), f"{title} ({algo.upper()}, {reward} reward)", ylabel, lines)
+        plots[name.removesuffix(".png")] = name
+
+    rl_wall = stage_seconds.get("rl", 0.0)
+    report = {
+        "algorithm": algo,
+        "reward": reward,
+        "accuracy_before": before["accuracy"],
+        "accuracy_after": after["accuracy"],
+        "right_number_before": before["right_number"],
+        "right_number_after": after["right_number"],
+        "scripts_before": before["scripts"],
+        "scripts_after": after["scripts"],
+        "eval_prompts": before["n"],
+        "steps": steps,
+        "wall_time": {**{k: round(v, 2) for k, v in split.items()},
+                      "rl_stage_total": round(rl_wall, 2),
+                      "rl_startup_and_export": round(max(0.0, rl_wall - sum(split.values())), 2),
+                      "stages": {k: round(v, 2) for k, v in stage_seconds.items()}},
+        "generated_tokens": tokens,
+        "tokens_per_second": round(tokens_per_second, 1),
+        "final_reward_mean": last.get("reward_mean"),
+        "final_kl": last.get("kl"),
+        "samples_before": before["samples"],
+        "samples_after": after["samples"],
+        "plots": plots,
+    }
+    with open(os.path.join(run_dir, "report.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1, ensure_ascii=False)
+    with open(os.path.join(run_dir, "report.md"), "w", encoding="utf-8") as f:
+        f.write(_markdown(report))
+    return report
+
+
+def _markdown(r: dict) -> str:
+    wt = r["wall_time"]
+    lines = [
+        f"# fastrlhf demo: {r['algorithm'].upper()} with the {r['reward']} reward",
+        "",
+        "Task: `S` + prefix + `:` + a number + `x2=`, answer twice the number in the script the prefix asks for "
+        "(`数字` digits, `小写` lower-case, `大写` upper-case numerals), then `E`.",
+        "",
+        f"| exact-match accuracy on {r['eval_prompts']} held-out prompts (greedy) | before RL | after RL |",
+        "|---|---|---|",
+        f"| answer exactly right | {r['accuracy_before']:.1%} | {r['accuracy_after']:.1%} |",
+        f"| right number, any script | {r['right_number_before']:.1%} | {r['right_number_after']:.1%} |",
+        "",
+        f"RL: {r['steps']} steps, {r['generated_tokens']:.0f} generated tokens, "
+        f"{r['tokens_per_second']:.0f} tokens/s while generating.",
+        "",
+        "| time (s) | generate | score | train | sync | RL stage total (incl. start-up, export) |",
+        "|---|---|---|---|---|---|",
+        f"| | {wt['generate']:.1f} | {wt['score']:.1f} | {wt['train']:.1f} | {wt['sync']:.1f} | "
+        f"{wt['rl_stage_total']:.1f} |",
+        "",
+        "Stages (s): " + ", ".join(f"{k} {v:.1f}" for k, v in wt["stages"].items()),
+        "",
+        "## Plots",
+        "",
+    ]
+    lines += [f"![{name}]({file})" for name, file in r["plots"].items()]
+    for when in ("before", "after"):
+        lines += ["", f"## Sample completions {when} RL", "", "| prompt | completion | expected | ok |",
+                  "|---|---|---|---|"]
+        lines += [f"| `{s['prompt']}` | `{s['completion']}` | `{s['expected']}` | {'yes' if s['correct'] else 'no'} |"
+                  for s in r[f"samples_{when}"]]
+    return "\n".join(lines) + "\n"
