@@ -1,0 +1,112 @@
+"""Child script: fastrlhf's GRPO trainer (``fastrlhf.rl.trainer.run``) on one workload; prints E2E_RESULT.
+
+``python benchmarks/e2e_ours.py '<json spec>'`` (see ``test_bench_e2e.py``). Single rank, ZeRO
+stage 0 (one rank has nothing to partition), fp32, fused loss, ``rollout.engine`` from the spec
+(``auto`` by default: it picks what a user gets). One optimizer step per RL step (minibatch = the
+whole rollout batch), constant learning rate, k3 KL in the loss, token-mean aggregation.
+
+Timing: ``metrics.jsonl``'s ``time/*`` keys per step; the actor's old-logprob and the reference's
+logprob passes are split out of ``time/score`` by timing ``sequence_logprobs`` (called twice per
+step: actor, then reference). Checkpointing and the final HF export are switched off: they are not
+part of a step and TRL's run does neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.e2e_common import child_setup, emit, peak_rss_bytes, read_spec, summarize  # noqa: E402
+
+
+def main(spec: dict) -> dict:
+    child_setup(spec["threads"])
+    import fastrlhf.checkpoint
+    import fastrlhf.modeling
+    import fastrlhf.rl.step as step_module
+    from fastrlhf.config import parse_config
+    from fastrlhf.rl import trainer
+
+    fastrlhf.checkpoint.save_checkpoint = lambda *a, **k: None
+    fastrlhf.modeling.export_hf = lambda *a, **k: None
+
+    logprob_times: list[float] = []
+    original = step_module.sequence_logprobs
+
+    def timed_sequence_logprobs(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        logprob_times.append(time.perf_counter() - t0)
+        return out
+
+    step_module.sequence_logprobs = timed_sequence_logprobs
+
+    engine_kind = {}
+    original_build = trainer._build_rollout
+
+    def build_rollout(config, module, num_params, device):
+        engine, shares = original_build(config, module, num_params, device)
+        engine_kind["kind"] = type(engine).__name__
+        engine_kind["num_params"] = num_params
+        return engine, shares
+
+    trainer._build_rollout = build_rollout
+
+    batch = spec["prompts_per_step"] * spec["n"]
+    reward = {"doubling": "benchmarks.e2e_common:doubling_reward",
+              "llama32k": "benchmarks.e2e_common:even_fraction_reward"}[spec["model"]]
+    total_steps = spec["warmup"] + spec["steps"]
+    raw = {
+        "algorithm": "grpo", "output_dir": spec["out_dir"], "seed": 0,
+        "model": {"path": spec["model_dir"], "dtype": "float32"},
+        "reward": {"function": reward},
+        "data": {"prompts": spec["prompts"], "max_prompt_len": max(spec["prompt_len"], 16)},
+        "rollout": {"engine": spec.get("engine", "auto"), "n": spec["n"], "temperature": 1.0,
+                    "max_new_tokens": spec["max_new_tokens"], "kv_cache_bytes": 256 << 20},
+        "trainer": {"max_steps": total_steps, "prompts_per_step": spec["prompts_per_step"], "minibatch_size": batch,
+                    "lr": spec["lr"], "warmup_steps": 0, "kl_coef": spec["kl_coef"], "kl_kind": "k3",
+                    "agg": "token-mean", "max_grad_norm": 1.0, "fused_loss": True, "log_every": 1},
+        "deepspeed": {"zero_stage": 0},
+    }
+    config = parse_config(raw, "train")
+    t0 = time.perf_counter()
+    trainer.run(config)
+    run_s = time.perf_counter() - t0
+    peak = peak_rss_bytes()
+
+    with open(os.path.join(spec["out_dir"], "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if "time/generate" in r]
+    steps = []
+    for i, r in enumerate(rows):
+        old_s, ref_s = (logprob_times[2 * i], logprob_times[2 * i + 1]) if len(logprob_times) >= 2 * (i + 1) else (0, 0)
+        tokens = r["generated_tokens"]
+        wall = r.get("wall_time", r["step_time"])
+        steps.append({
+            "step_s": wall,
+            "generate_s": r["time/generate"],
+            "reward_s": r["time/reward"],
+            "old_logprob_s": old_s,
+            "reference_s": ref_s,
+            "score_s": r["time/score"] - old_s - ref_s,  # rewards + advantages (+ the experience batch)
+            "train_s": r["time/train"],
+            "sync_s": r["time/sync"],
+            "generated_tokens": tokens,
+            "trained_tokens": tokens,  # GRPO trains on every completion token
+            "generated_tokens_per_s": tokens / r["time/generate"] if r["time/generate"] else 0.0,
+            "trained_tokens_per_s": tokens / wall,
+            "reward": r["reward_mean"],
+        })
+    return {
+        "trainer": "fastrlhf", "engine": engine_kind.get("kind"), "num_params": engine_kind.get("num_params"),
+        "steps": steps, "median": summarize(steps, spec["warmup"]), "final_reward": steps[-1]["reward"],
+        "peak_rss_bytes": peak, "run_s": run_s, "threads": spec["threads"],
+    }
+
+
+if __name__ == "__main__":
+    emit(main(read_spec()))
