@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from fastrlhf.algorithms import compute_gae, masked_whiten, shape_rewards, value_loss
 from fastrlhf.rl.experience import Experience
 from fastrlhf.rl.forward import token_values
 from fastrlhf.rl.hparams import RLHParams
 
-__all__ = ["compute_ppo_advantages", "critic_loss"]
+__all__ = ["compute_ppo_advantages", "critic_loss", "whiten_across_ranks"]
 
 
 def compute_ppo_advantages(exp: Experience, hp: RLHParams) -> None:
@@ -17,7 +18,7 @@ def compute_ppo_advantages(exp: Experience, hp: RLHParams) -> None:
 
     With ``kl_in_reward`` the per-token reward is ``-kl_coef * KL(old || ref)`` plus the score at the
     last token (the loss then carries no KL term); otherwise only the score. Advantages are whitened
-    over this rank's tokens when ``whiten_advantages``; returns are not.
+    over the whole batch, every rank's tokens together, when ``whiten_advantages``; returns are not.
     """
     mask = exp.response_mask
     if hp.kl_in_reward and hp.kl_coef != 0.0:
@@ -26,10 +27,31 @@ def compute_ppo_advantages(exp: Experience, hp: RLHParams) -> None:
         zeros = torch.zeros_like(exp.old_logprobs)
         token_rewards = shape_rewards(exp.scores, zeros, zeros, mask, 0.0, "k1")
     advantages, returns = compute_gae(token_rewards, exp.values, mask, hp.gamma, hp.lam)
-    if hp.whiten_advantages and int((mask > 0).sum()) > 1:
-        advantages = masked_whiten(advantages, mask)
+    if hp.whiten_advantages:
+        advantages = whiten_across_ranks(advantages, mask)
     exp.advantages, exp.returns = advantages.detach(), returns.detach()
     exp.meta["token_rewards"] = token_rewards
+
+
+def whiten_across_ranks(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``masked_whiten`` with the mean and variance of the global batch, not of this rank's share.
+
+    Per-rank statistics would make the update depend on how the batch was split. The kept values
+    are small ([tokens] floats), so every rank gathers all of them and whitens the concatenation.
+    """
+    keep = mask > 0
+    kept = advantages[keep]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shares = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, kept.detach().cpu())
+        offset = sum(len(share) for share in shares[: dist.get_rank()])
+        everything = torch.cat(shares).to(kept.device)
+    else:
+        offset, everything = 0, kept
+    if everything.numel() < 2:  # no variance to divide by
+        return advantages
+    whitened = masked_whiten(everything, torch.ones_like(everything))[offset: offset + kept.numel()]
+    return torch.zeros_like(advantages).masked_scatter(keep, whitened)
 
 
 def critic_loss(critic, mb: Experience, hp: RLHParams):

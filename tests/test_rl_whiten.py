@@ -1,0 +1,47 @@
+"""PPO advantages are whitened with the statistics of the whole batch, whichever rank holds a token."""
+
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastrlhf.algorithms import masked_whiten
+from fastrlhf.rl.ppo import whiten_across_ranks
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    adv = torch.randn(4, 6, generator=g, dtype=torch.float64) * 3 + 1
+    mask = (torch.rand(4, 6, generator=g) > 0.3).double()
+    return adv, mask
+
+
+def test_single_process_equals_masked_whiten():
+    adv, mask = batch()
+    torch.testing.assert_close(whiten_across_ranks(adv, mask), masked_whiten(adv, mask))
+
+
+def _rank(rank, port, out):
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        adv, mask = batch()
+        rows = slice(0, 1) if rank == 0 else slice(1, 4)  # uneven shares, on purpose
+        out[rank] = whiten_across_ranks(adv[rows], mask[rows])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_use_global_statistics():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_rank, args=(port, out), nprocs=2, start_method="spawn", join=True)
+        whitened = torch.cat([out[0], out[1]])
+    adv, mask = batch()
+    torch.testing.assert_close(whitened, masked_whiten(adv, mask))
