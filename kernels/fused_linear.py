@@ -138,113 +138,40 @@ def _flat_token_tensor(name: str, t: torch.Tensor | None, shape: torch.Size) -> 
 
 
 # ----------------------------------------------------------------------------------------------
-# Softmax statistics and dlogits of one chunk
+# Softmax buffers of one chunk
 # ----------------------------------------------------------------------------------------------
 
 
-class _ChunkMath:
-    """Per-chunk ``stats`` (logprob, entropy, lse) and in-place ``grad`` (dlogits) for one backend.
+class _SoftmaxBuffers:
+    """The torch path's fp32 chunk buffers, allocated once per call and lent to the shared primitives.
 
-    backend "triton" calls the shared primitives of ``logprob_entropy.py`` on the chunk.
-
-    backend "torch" is a CPU-speed path (SHIM: measured 5-8x faster per chunk than
-    ``logprob_entropy._torch_stats`` + ``_torch_grad`` on this 2-core CPU, whose 4 MiB sub-chunks
-    and ~17 elementwise passes cost more than the LM-head GEMMs; it belongs in ``logprob_entropy.py``,
-    see the report of the fused-linear work). Three whole-chunk ops make the statistics:
-    ``z -= max(z)`` in place, ``p = softmax(z)`` into a reused buffer, ``lse = max - log p_max``
-    (p_max >= 1/V, so exact enough) and ``H = (lse - max) - <p, z>`` (a batched dot, no temporary).
-    ``grad`` then writes ``dlogits = p * (a + b*z) + (g_lp/T) onehot`` with per-row
-    ``a = -(g_lp + g_ent (H - lse))/T`` and ``b = -g_ent/T`` (the contract's formula with
-    log p = z - lse, z and lse both relative to the row max), in two passes, reusing ``p``
-    when the chunk's stats were just computed (the policy loss) instead of recomputing it. A chunk
-    with a non-finite logit (a -inf bias entry, say) would make 0 * inf there: it is redone with the
-    shared primitives, which handle it.
+    ``logprob_entropy_stats`` fills them (``probs_out`` / ``pz_out``: p and p * (logits / T - max))
+    and ``logprob_entropy_grad`` reuses them (``probs`` / ``pz``) when it runs right after on the
+    same chunk (the policy loss). The products overwrite the chunk's own logits when those are
+    fp32 and T == 1, so then only the probabilities take a buffer. Other backends need none.
     """
 
-    def __init__(self, backend, rows, vocab, dtype, device, temperature, careful=False):
-        self.backend, self.temperature = backend, temperature
-        self.stats_fn, self.grad_fn = _primitives()
-        # careful=True: every chunk through the shared primitives (a backward whose forward met a
-        # non-finite logit). any_careful records whether some chunk went that way.
-        self._always_careful = careful
-        self._careful = careful
-        self.any_careful = careful
-        if backend == "torch":
-            self._p = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-            # softmax works on fp32 z = logits / T; a separate buffer only when that is not logits itself.
-            self._z = None if dtype == torch.float32 and temperature == 1.0 else torch.empty_like(self._p)
-            self._probs_of = None  # (start, stop) whose probabilities self._p holds
+    def __init__(self, backend, rows, vocab, dtype, device, temperature):
+        self.probs = self.pz = None
+        self.enabled = backend == "torch"
+        if self.enabled:
+            self.probs = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+            if dtype != torch.float32 or temperature != 1.0:
+                self.pz = torch.empty_like(self.probs)
 
-    @property
-    def exact_rows(self):
-        """Whether the last ``stats`` left ``shift`` / ``lse_shifted`` for its chunk."""
-        return self.backend == "torch" and not self._careful
-
-    def _scaled(self, logits):
+    def stats_kwargs(self, logits):
+        if not self.enabled:
+            return {}
         n = logits.shape[0]
-        if self._z is None:
-            return logits
-        return torch.div(logits, self.temperature, out=self._z[:n])
+        return dict(probs_out=self.probs[:n], pz_out=logits if self.pz is None else self.pz[:n])
 
-    def stats(self, logits, labels, start):
-        """``(logprobs, entropy, lse)`` fp32 [n] of the chunk's logits.
-
-        The torch path shifts an fp32 chunk in place by each row's max (the buffer is the loop's own).
-        """
-        self._careful = self._always_careful
-        if self.backend != "torch" or self._careful:
-            return self.stats_fn(logits, labels, self.temperature, self.backend)
-        n = logits.shape[0]
-        z, p = self._scaled(logits), self._p[:n]
-        # Shift each row by its max (in place: the chunk buffer is ours) so that <p, z> sums small
-        # terms where p is large; unshifted, lse - <p, z> loses ~1e-5 to cancellation.
-        shift, top = z.max(-1, keepdim=True)
-        z.sub_(shift)
-        torch._softmax(z, -1, False, out=p)
-        lse_shifted = p.gather(1, top).log_().neg_().squeeze(1)
-        entropy = lse_shifted - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(n)
-        logprobs = z.gather(1, labels.unsqueeze(1)).squeeze(1).sub_(lse_shifted)
-        if not bool(torch.isfinite(entropy).all()):
-            self._careful = self.any_careful = True
-            self._probs_of = None
-            z.add_(shift)
-            return self.stats_fn(logits, labels, self.temperature, self.backend)
-        self._probs_of = start
-        self.shift, self.lse_shifted = shift.squeeze(1), lse_shifted
-        return logprobs, entropy, lse_shifted + self.shift
-
-    def grad(self, logits, labels, lse, entropy, grad_logprobs, grad_entropy, start, shift=None, lse_shifted=None):
-        """Overwrite ``logits`` with dlogits (None upstream gradient means zero); returns it.
-
-        Right after ``stats`` of the same chunk its probabilities are reused; otherwise (torch
-        backend) ``shift`` and ``lse_shifted``, the ``self.shift`` / ``self.lse_shifted`` that ``stats``
-        left for this chunk, rebuild log p = (z - shift) - lse_shifted without the cancellation
-        that z - lse would suffer on a near-deterministic row.
-        """
-        if self.backend != "torch" or self._careful or not bool(torch.isfinite(lse).all()):
-            return self.grad_fn(logits, labels, lse, entropy, grad_logprobs, grad_entropy, self.temperature,
-                                self.backend, out=logits)
-        n, inv_t = logits.shape[0], 1.0 / self.temperature
-        p = self._p[:n]
-        if self._probs_of == start:  # right after this chunk's stats: z is shifted, p is ready
-            z = logits if self._z is None else self._z[:n]
-            lse = self.lse_shifted
-        else:  # backward of the per-token op: recompute p
-            z = self._scaled(logits).sub_(shift.unsqueeze(1))
-            lse = lse_shifted
-            torch.sub(z, lse.unsqueeze(1), out=p).exp_()
-        self._probs_of = None
-        g_lp = grad_logprobs if grad_logprobs is not None else torch.zeros_like(lse)
-        if grad_entropy is None:
-            z.copy_(p).mul_(g_lp.mul(-inv_t).unsqueeze(1))
-        else:
-            a = grad_entropy.mul(entropy - lse).add_(g_lp).mul_(-inv_t)
-            torch.addcmul(a.unsqueeze(1), grad_entropy.mul(-inv_t).unsqueeze(1), z, out=z).mul_(p)
-        if grad_logprobs is not None:
-            z.scatter_add_(1, labels.unsqueeze(1), grad_logprobs.mul(inv_t).unsqueeze(1))
-        if z.data_ptr() != logits.data_ptr():
-            logits.copy_(z)
-        return logits
+    def grad_kwargs(self, logits, after_stats):
+        """``after_stats``: right after ``stats`` of the same chunk (with ``stats_kwargs`` of these
+        logits), whose buffers are reused; otherwise the probabilities buffer is lent for the recompute."""
+        kwargs = {name.removesuffix("_out"): t for name, t in self.stats_kwargs(logits).items()}
+        if not after_stats:
+            kwargs.pop("pz", None)
+        return kwargs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,48 +241,48 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, backend):
         n, vocab = hidden.shape[0], weight.shape[0]
         rows = min(chunk_size, n)
-        math = _ChunkMath(backend, rows, vocab, hidden.dtype, hidden.device, temperature)
+        stats, _ = _primitives()
+        softmax_bufs = _SoftmaxBuffers(backend, rows, vocab, hidden.dtype, hidden.device, temperature)
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs)
+        # Per-row shift and lse relative to it: backward rebuilds log p from these exactly.
+        shift = torch.empty_like(logprobs)
         lse = torch.empty_like(logprobs)
-        # Row max and lse relative to it (torch backend): backward rebuilds log p from these exactly.
-        shift = torch.zeros_like(logprobs)
-        lse_shifted = torch.empty_like(logprobs)
         buf = torch.empty(rows, vocab, dtype=hidden.dtype, device=hidden.device)
         for start, stop in _chunks(n, chunk_size):
             logits = _logits_into(buf[: stop - start], hidden[start:stop], weight, bias)
-            lp, ent, ls = math.stats(logits, labels[start:stop], start)
-            logprobs[start:stop], entropy[start:stop], lse[start:stop] = lp, ent, ls
-            if math.exact_rows:
-                shift[start:stop], lse_shifted[start:stop] = math.shift, math.lse_shifted
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy, shift, lse_shifted)
+            logprobs[start:stop], entropy[start:stop], lse[start:stop] = stats(
+                logits, labels[start:stop], temperature, backend, shift_out=shift[start:stop],
+                **softmax_bufs.stats_kwargs(logits),
+            )
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy, shift)
         ctx.temperature, ctx.chunk_size, ctx.backend = temperature, chunk_size, backend
-        ctx.careful = math.any_careful
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, labels, lse, entropy, shift, lse_shifted = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropy, shift = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 7
         n, vocab = hidden.shape[0], weight.shape[0]
         rows = min(ctx.chunk_size, n)
-        math = _ChunkMath(ctx.backend, rows, vocab, hidden.dtype, hidden.device, ctx.temperature, ctx.careful)
+        _, grad = _primitives()
         grads = _HeadGrads(hidden, weight, bias, need_hidden, need_weight, need_bias and bias is not None)
+        softmax_bufs = _SoftmaxBuffers(ctx.backend, rows, vocab, hidden.dtype, hidden.device, ctx.temperature)
         buf = torch.empty(rows, vocab, dtype=hidden.dtype, device=hidden.device)
         for start, stop in _chunks(n, ctx.chunk_size):
             h = hidden[start:stop]
             logits = _logits_into(buf[: stop - start], h, weight, bias)
-            dlogits = math.grad(
+            dlogits = grad(
                 logits, labels[start:stop], lse[start:stop], entropy[start:stop],
                 None if grad_logprobs is None else grad_logprobs[start:stop],
-                None if grad_entropy is None else grad_entropy[start:stop], start,
-                shift[start:stop], lse_shifted[start:stop],
+                None if grad_entropy is None else grad_entropy[start:stop], ctx.temperature, ctx.backend,
+                out=logits, shift=shift[start:stop], **softmax_bufs.grad_kwargs(logits, False),
             )
             grads.add_chunk(start, stop, h, dlogits)
-        del buf, math
+        del buf, softmax_bufs
         grad_hidden, grad_weight, grad_bias = grads.finish(hidden.dtype, weight.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
@@ -402,7 +329,9 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         rows = min(chunk_size, n)
         need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         grads = _HeadGrads(hidden, weight, bias, need_hidden, need_weight, need_bias and bias is not None)
-        math = _ChunkMath(backend, rows, vocab, hidden.dtype, hidden.device, temperature)
+        stats, grad = _primitives()
+        softmax_bufs = _SoftmaxBuffers(backend, rows, vocab, hidden.dtype, hidden.device, temperature)
+        shift_buf = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         with_entropy_grad = loss_kwargs["entropy_coef"] != 0.0
 
         # One host sync up front instead of one per chunk: which chunks hold any kept token.
@@ -422,7 +351,9 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
                 continue
             h, lab = hidden[start:stop], labels[start:stop]
             logits = _logits_into(buf[: stop - start], h, weight, bias)
-            lp, ent, lse = math.stats(logits, lab, start)
+            shift = shift_buf[: stop - start]
+            lp, ent, lse = stats(logits, lab, temperature, backend, shift_out=shift,
+                                 **softmax_bufs.stats_kwargs(logits))
             chunk_loss, grad_lp, grad_ent, chunk_sums = loss_fn(
                 lp, ent, old_logprobs[start:stop], advantages[start:stop], weights[start:stop],
                 None if ref_logprobs is None else ref_logprobs[start:stop], **loss_kwargs,
@@ -431,9 +362,10 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             for k in metric_keys:
                 sums[k] += chunk_sums[k]
             if grads.any:
-                dlogits = math.grad(logits, lab, lse, ent, grad_lp, grad_ent if with_entropy_grad else None, start)
+                dlogits = grad(logits, lab, lse, ent, grad_lp, grad_ent if with_entropy_grad else None, temperature,
+                               backend, out=logits, shift=shift, **softmax_bufs.grad_kwargs(logits, True))
                 grads.add_chunk(start, stop, h, dlogits)
-        del buf, math
+        del buf, softmax_bufs
         ctx.head_grads = grads.finish(hidden.dtype, weight.dtype) if grads.any else (None, None, None)
         metric_values = tuple(sums[k] for k in metric_keys)
         ctx.mark_non_differentiable(*metric_values)

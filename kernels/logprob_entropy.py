@@ -6,9 +6,11 @@ Three layers, as in Liger-Kernel's ops:
   triton): ``stats`` makes one pass over each row's vocabulary keeping an online max, sum of
   exponentials and entropy accumulator, and writes three fp32 numbers per row; ``grad`` recomputes
   the softmax block by block and writes ``dlogits`` directly.
-* A torch path (the CPU fallback) doing the same work in row chunks with two reused fp32 buffers:
-  ATen's fused log-softmax, then in-place exp / products, so a few passes per chunk and no
-  [N, V] temporary; rows holding -inf logits are redone with a floored log p (0 * -inf is NaN).
+* A torch path (the CPU implementation, also used per chunk by ``fused_linear.py`` and
+  ``policy_loss.py``) doing the same work on whole row chunks with two fp32 chunk buffers: shift
+  by the row max, ATen's fused softmax, in-place products and row sums, a handful of passes per
+  chunk and no [N, V] temporary; a -inf logit (p = 0) contributes 0, not 0 * -inf = NaN. Stats
+  can leave p and p * z for a gradient of the same rows computed right after.
 * :class:`LogprobEntropyFunction` / :func:`logprob_entropy`, the differentiable public op.
 
 The internal functions :func:`logprob_entropy_stats` and :func:`logprob_entropy_grad` are shared
@@ -50,15 +52,12 @@ _LOGP_FLOOR = -1000.0
 MAX_BLOCK_V_GPU = 4096
 MAX_BLOCK_V_INTERPRETER = 1 << 16
 
-# Torch-path chunking: each chunk uses two fp32 [rows, V] buffers. At least TORCH_CHUNK_ELEMENTS
-# per buffer (4 MiB: per-op overhead negligible), and few chunks overall (TORCH_MAX_CHUNKS): every
-# op is an OpenMP parallel region, and on a busy machine each region's barrier costs milliseconds
-# (measured: 2 threads, load 8 on 2 cores, N=4096 V=32768: 10.6 s at 4 MiB chunks, 3.6 s at
-# 64 MiB). Single-threaded, chunk size barely matters (1.75 s vs 1.80 s), so larger is safe.
-# Capped at TORCH_MAX_CHUNK_ELEMENTS (64 MiB per buffer).
-TORCH_CHUNK_ELEMENTS = 1 << 20
-TORCH_MAX_CHUNKS = 16
-TORCH_MAX_CHUNK_ELEMENTS = 1 << 24
+# Torch-path chunking: row chunks whose fp32 [rows, V] buffers hold TORCH_CHUNK_ELEMENTS (64 MiB;
+# the whole input when smaller). Every op is an OpenMP parallel region, and on a busy machine each
+# region's barrier costs milliseconds, so few large chunks win (measured: 2 threads, load 8 on 2
+# cores, N=4096 V=32768: 10.6 s at 4 MiB chunks, 3.6 s at 64 MiB; single-threaded, chunk size
+# barely matters). It equals fused_linear's default chunk, so one of its chunks is one chunk here.
+TORCH_CHUNK_ELEMENTS = 1 << 24
 
 
 def _next_power_of_2(n: int) -> int:
@@ -218,100 +217,120 @@ def _triton_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temp
 
 
 def _chunk_rows(n_rows: int, vocab_size: int) -> int:
-    rows = max(TORCH_CHUNK_ELEMENTS // vocab_size, -(-n_rows // TORCH_MAX_CHUNKS))
-    return max(1, min(rows, TORCH_MAX_CHUNK_ELEMENTS // vocab_size))
+    return max(1, min(TORCH_CHUNK_ELEMENTS // vocab_size, n_rows))
 
 
 def _scaled_into(buf: torch.Tensor, logits_chunk: torch.Tensor, temperature: float) -> torch.Tensor:
     # Upcast first (bf16 / T would round in bf16), and divide rather than multiply by 1/T so
     # values match the reference's logits.float() / T bit for bit.
+    if logits_chunk.dtype == torch.float32:
+        return torch.div(logits_chunk, temperature, out=buf)
     buf.copy_(logits_chunk)
     return buf if temperature == 1.0 else buf.div_(temperature)
 
 
-def _torch_stats_robust(logits, labels, temperature):
-    """Stats of a few rows that hold -inf logits: shift by the row max and floor log p, so that
-    p * log p is 0 (not NaN) where p == 0."""
-    z = _scaled_into(torch.empty(logits.shape, dtype=torch.float32, device=logits.device), logits, temperature)
-    m = z.amax(-1, keepdim=True)
-    # A row of only -inf has no distribution; keep its shift finite so no NaN appears here.
-    m.masked_fill_(torch.isneginf(m), 0.0)
-    z.sub_(m)
-    z_label = z.gather(1, labels.unsqueeze(1)).squeeze(1)
-    z.clamp_(min=_LOGP_FLOOR)
-    e = torch.exp(z)
-    s = e.sum(-1)
-    a = e.mul_(z).sum(-1)
-    log_s = s.log()
-    return z_label - log_s, log_s - a / s, m.squeeze(1) + log_s
+def _shifted_into(buf, logits, temperature, shift=None):
+    """``z = logits / T - shift`` in fp32, written into ``buf`` (which may be ``logits`` itself).
+
+    ``shift`` ([k, 1]) defaults to the row max of logits / T. Returns ``(z, shift, argmax)``,
+    argmax None when ``shift`` was given.
+    """
+    scaled = logits if logits.dtype == torch.float32 and temperature == 1.0 else _scaled_into(buf, logits, temperature)
+    top = None
+    if shift is None:
+        shift, top = scaled.max(-1, keepdim=True)
+    return torch.sub(scaled, shift, out=buf), shift, top
 
 
-def _torch_stats(logits, labels, temperature):
+def _row_chunks(n, v):
+    rows = _chunk_rows(n, v)
+    for start in range(0, n, rows):
+        yield slice(start, min(start + rows, n))
+
+
+def _chunk_buffer(given, n, v, device):
+    # A caller's [N, V] fp32 buffer, or one reused [chunk rows, V] scratch.
+    return given if given is not None else torch.empty(min(_chunk_rows(n, v), n), v, dtype=torch.float32, device=device)
+
+
+def _torch_stats(logits, labels, temperature, shift_out=None, probs_out=None, pz_out=None):
+    """Whole-chunk statistics with z = logits / T - max (per row, so z <= 0 and the max is 0):
+    ``p = softmax(z)``, ``lse - max = -log p[argmax]`` (p[argmax] >= 1/V: exact to an ulp),
+    ``logprob = z[label] - (lse - max)`` and ``H = (lse - max) - sum(p * z)`` (every term <= 0,
+    so no cancellation; ATen's pairwise row sum, as BLAS dot products lose ~1e-4 at V = 152k).
+
+    ``probs_out`` receives p and ``pz_out`` the products p * z, for a :func:`_torch_grad` of the
+    same rows; ``pz_out`` may be ``logits`` itself (fp32, T == 1), which is then overwritten.
+    Otherwise two reused chunk buffers hold them. With ``shift_out`` the row max is written there
+    and the returned lse is relative to it.
+    """
     n, v = logits.shape
     logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logprobs)
     lse = torch.empty_like(logprobs)
-    rows = _chunk_rows(n, v)
-    z_buf = torch.empty(min(rows, n), v, dtype=torch.float32, device=logits.device)
-    logp_buf = torch.empty_like(z_buf)
-    direct = logits.dtype == torch.float32 and temperature == 1.0
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        z = logits[start:stop] if direct else _scaled_into(z_buf[: stop - start], logits[start:stop], temperature)
-        # ATen's fused log-softmax kernel is far faster than max / sub / exp / sum done op by op.
-        logp = torch._log_softmax(z, -1, False, out=logp_buf[: stop - start])
-        label_idx = labels[start:stop].unsqueeze(1)
-        lp = logp.gather(1, label_idx).squeeze(1)
-        z_label = z.gather(1, label_idx).squeeze(1)
-        p = torch.exp(logp, out=z_buf[: stop - start])  # z is not needed any more
-        logprobs[start:stop] = lp
-        # In place into p, then ATen's pairwise row sum (BLAS dot products lose ~1e-5 here).
-        entropy[start:stop] = p.mul_(logp).sum(-1).neg_()
-        lse[start:stop] = z_label - lp
-    # -inf logits make p * log p = 0 * -inf (NaN entropy), a -inf label logit makes lse NaN: redo
-    # those rows (rare: masked vocabularies) the careful way.
-    bad = ~(torch.isfinite(entropy) & torch.isfinite(lse))
-    if bad.any():
-        rows_idx = bad.nonzero().squeeze(1)
-        lp, ent, row_lse = _torch_stats_robust(logits[rows_idx], labels[rows_idx], temperature)
-        logprobs[rows_idx], entropy[rows_idx], lse[rows_idx] = lp, ent, row_lse
+    z_buf = _chunk_buffer(pz_out, n, v, logits.device)
+    p_buf = _chunk_buffer(probs_out, n, v, logits.device)
+    for sl in _row_chunks(n, v):
+        buf_sl = sl if pz_out is not None else slice(0, sl.stop - sl.start)
+        z, shift, top = _shifted_into(z_buf[buf_sl], logits[sl], temperature)
+        p = torch._softmax(z, -1, False, out=p_buf[sl if probs_out is not None else buf_sl])
+        z_label = z.gather(1, labels[sl].unsqueeze(1)).squeeze(1)
+        lse_shifted = p.gather(1, top).log_().neg_().squeeze(1)
+        pz = z.mul_(p)
+        dot = pz.sum(-1)
+        if not bool(torch.isfinite(dot).all()):
+            # A -inf logit has p == 0 and z == -inf: its product is 0 (not 0 * -inf = NaN).
+            dot = pz.masked_fill_(p == 0, 0.0).sum(-1)
+        logprobs[sl] = z_label - lse_shifted
+        entropy[sl] = lse_shifted - dot
+        shift = shift.squeeze(1)
+        if shift_out is not None:
+            shift_out[sl] = shift
+            lse[sl] = lse_shifted
+        else:
+            lse[sl] = lse_shifted + shift
     return logprobs, entropy, lse
 
 
-def _torch_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temperature, out):
+def _torch_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temperature, out,
+                shift=None, probs=None, pz=None):
+    """``dlogits = a * p + b * (p * z) + (g_lp / T) * onehot`` per row, with
+    ``a = -(g_lp + g_ent * (H - lse')) / T`` and ``b = -g_ent / T`` (the contract's formula with
+    log p = z - lse', z = logits / T - shift and lse' = lse - shift; without ``shift`` it is lse,
+    so z = log p). ``probs`` and ``pz`` from :func:`_torch_stats` of the same rows are reused;
+    otherwise p (into ``probs`` when given alone) and p * z are recomputed, z floored at
+    _LOGP_FLOOR so that p * z is 0 (not NaN) where a logit is -inf.
+    """
     n, v = logits.shape
-    rows = _chunk_rows(n, v)
-    logp_buf = torch.empty(min(rows, n), v, dtype=torch.float32, device=logits.device)
-    p_buf = torch.empty_like(logp_buf) if grad_entropy is not None else None
     inv_t = 1.0 / temperature
+    if shift is None:
+        shift, lse = lse, torch.zeros_like(lse)
     write_direct = out.dtype == torch.float32
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        k = stop - start
-        neg_lse = lse[start:stop].neg().unsqueeze(1)
-        # log p = logits / T - lse in one pass, reading logits in their own dtype.
-        logp = torch.add(neg_lse, logits[start:stop], alpha=inv_t, out=logp_buf[:k])
-        target = out[start:stop] if write_direct else logp
-        if grad_entropy is None:
-            # d = -(g_lp / T) * p
-            p = logp.exp_()
-            torch.mul(p, grad_logprobs[start:stop].mul(-inv_t).unsqueeze(1), out=target)
+    reuse = pz is not None
+    z_buf = out if write_direct else _chunk_buffer(pz, n, v, logits.device)
+    p_buf = _chunk_buffer(probs, n, v, logits.device)
+    for sl in _row_chunks(n, v):
+        local = slice(0, sl.stop - sl.start)
+        target = z_buf[sl if write_direct or reuse else local]
+        p = p_buf[sl if probs is not None else local]
+        g_lp = grad_logprobs[sl] if grad_logprobs is not None else torch.zeros_like(lse[sl])
+        if reuse:
+            q = pz[sl]
         else:
-            # d = p * (a * log p + b) with a = -g_ent / T, b = -(g_ent * H + g_lp) / T. log p is
-            # floored so that a * log p stays finite where p == 0 (a -inf logit).
-            logp.clamp_(min=_LOGP_FLOOR)
-            p = torch.exp(logp, out=p_buf[:k])
-            g_ent = grad_entropy[start:stop]
-            offset = g_ent * entropy[start:stop]
-            if grad_logprobs is not None:
-                offset = offset + grad_logprobs[start:stop]
-            torch.addcmul(offset.mul(-inv_t).unsqueeze(1), logp, g_ent.mul(-inv_t).unsqueeze(1), out=logp)
-            torch.mul(logp, p, out=target)
+            z = _shifted_into(target, logits[sl], temperature, shift[sl].unsqueeze(1))[0]
+            torch._softmax(z, -1, False, out=p)
+            q = z.clamp_(min=_LOGP_FLOOR).mul_(p) if grad_entropy is not None else None
+        if grad_entropy is None:
+            torch.mul(p, g_lp.mul(-inv_t).unsqueeze(1), out=target)
+        else:
+            g_ent = grad_entropy[sl]
+            a = (entropy[sl] - lse[sl]).mul_(g_ent).add_(g_lp).mul_(-inv_t)
+            torch.mul(q, g_ent.mul(-inv_t).unsqueeze(1), out=target).addcmul_(p, a.unsqueeze(1))
         if grad_logprobs is not None:
             # The one-hot term, added in fp32 before any rounding to out's dtype.
-            target.scatter_add_(1, labels[start:stop].unsqueeze(1), grad_logprobs[start:stop].mul(inv_t).unsqueeze(1))
+            target.scatter_add_(1, labels[sl].unsqueeze(1), g_lp.mul(inv_t).unsqueeze(1))
         if not write_direct:
-            out[start:stop].copy_(target)
+            out[sl].copy_(target)
     return out
 
 
@@ -348,35 +367,74 @@ def _check_labels_in_range(labels: torch.Tensor, vocab_size: int) -> None:
         )
 
 
+def _check_row_vector(name: str, t: torch.Tensor | None, n: int, out: bool = False) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if t.shape != (n,) or (out and t.dtype != torch.float32):
+        kind = "a float32 tensor of shape" if out else "shape"
+        raise ValueError(f"{name} must have {kind} ({n},) (one value per logits row), got {t.dtype} {tuple(t.shape)}")
+    return t if out else t.float().contiguous()
+
+
+def _check_chunk_buffers(names, first, second, logits, backend, first_alone=False):
+    """``probs_out`` / ``pz_out`` (or ``probs`` / ``pz``): fp32 ``[N, V]``, torch backend only; the
+    second needs the first, and the first needs the second unless ``first_alone``."""
+    if first is None and second is None:
+        return
+    if first is None:
+        raise ValueError(f"{names[1]} needs {names[0]}: pass both or neither")
+    if second is None and not first_alone:
+        raise ValueError(f"{names[0]} needs {names[1]}: pass both or neither")
+    if backend != "torch":
+        raise ValueError(f"{names[0]} / {names[1]} are for backend='torch' only, got {backend!r}")
+    for name, t in zip(names, (first, second), strict=True):
+        if t is None:
+            continue
+        if t.shape != logits.shape or t.dtype != torch.float32 or (t.shape[0] and t.stride(1) != 1):
+            raise ValueError(
+                f"{name} must be a float32 tensor of logits' shape {tuple(logits.shape)}, contiguous along the "
+                f"vocabulary, got dtype {t.dtype} shape {tuple(t.shape)} strides {t.stride()}"
+            )
+
+
 def logprob_entropy_stats(
     logits: torch.Tensor,
     labels: torch.Tensor,
     temperature: float = 1.0,
     backend: str = "torch",
     block_v: int | None = None,
+    *,
+    shift_out: torch.Tensor | None = None,
+    probs_out: torch.Tensor | None = None,
+    pz_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy, lse)`` of softmax(logits / T) per row, three fp32 ``[N]`` tensors; no autograd.
 
     ``lse`` is logsumexp(logits / T). ``block_v`` overrides the Triton block width (tests).
+
+    ``shift_out`` (fp32 ``[N]``): receives a per-row shift (the torch path: the row max of
+    logits / T; Triton: 0), and the returned lse is then relative to it, which keeps log p =
+    (logits / T - shift) - lse exact on near-deterministic rows; pass the same ``shift`` to
+    :func:`logprob_entropy_grad`. ``probs_out`` and ``pz_out`` (torch backend, together; fp32
+    ``[N, V]``): receive the probabilities p and the products p * (logits / T - row max), for a
+    :func:`logprob_entropy_grad` of the same rows right after (``probs=`` / ``pz=``) that then
+    recomputes nothing. ``pz_out`` may be ``logits`` itself when they are fp32 and T == 1 (they
+    are overwritten); without these two the torch path uses two chunk buffers of its own.
     """
     _check_temperature(temperature)
     _check_logits_labels(logits, labels)
     _check_labels_in_range(labels, logits.shape[1])
+    _check_row_vector("shift_out", shift_out, logits.shape[0], out=True)
+    _check_chunk_buffers(("probs_out", "pz_out"), probs_out, pz_out, logits, backend)
     labels = labels.long()
     with torch.no_grad():
         if backend == "triton":
+            if shift_out is not None:
+                shift_out.zero_()
             return _triton_stats(logits, labels, temperature, block_v)
         if backend == "torch":
-            return _torch_stats(logits, labels, temperature)
+            return _torch_stats(logits, labels, temperature, shift_out, probs_out, pz_out)
     raise ValueError(f"backend must be 'triton' or 'torch' (already resolved), got {backend!r}")
-
-
-def _check_row_vector(name: str, t: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    if t is None:
-        return None
-    if t.shape != (n,):
-        raise ValueError(f"{name} must have shape ({n},) (one value per logits row), got {tuple(t.shape)}")
-    return t.float().contiguous()
 
 
 def logprob_entropy_grad(
@@ -390,12 +448,23 @@ def logprob_entropy_grad(
     backend: str = "torch",
     out: torch.Tensor | None = None,
     block_v: int | None = None,
+    *,
+    shift: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
+    pz: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dlogits`` for upstream gradients of the per-row logprob and entropy (None means zero).
 
     ``dlogits_j = (1/T) * [g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + H)]``. ``out`` may
     be ``logits`` itself (each row block is read before it is overwritten) or any ``[N, V]``
     tensor; by default a new tensor of logits' dtype. Finite where logits are -inf (p = 0 there).
+
+    ``shift``: the ``shift_out`` of :func:`logprob_entropy_stats` when ``lse`` is the one it
+    returned relative to it. ``probs`` / ``pz`` (torch backend, together): the ``probs_out`` /
+    ``pz_out`` that stats just filled for these rows and temperature, reused (and overwritten when
+    ``out`` is one of them or logits' dtype is not fp32) instead of recomputing the softmax.
+    ``probs`` alone: an fp32 ``[N, V]`` buffer the probabilities are recomputed into, so that a
+    caller looping over chunks does not pay for a fresh buffer (and its page faults) per call.
     """
     _check_temperature(temperature)
     _check_logits_labels(logits, labels)
@@ -405,6 +474,8 @@ def logprob_entropy_grad(
     entropy = _check_row_vector("entropy", entropy, n)
     grad_logprobs = _check_row_vector("grad_logprobs", grad_logprobs, n)
     grad_entropy = _check_row_vector("grad_entropy", grad_entropy, n)
+    shift = _check_row_vector("shift", shift, n)
+    _check_chunk_buffers(("probs", "pz"), probs, pz, logits, backend, first_alone=True)
     if out is None:
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
     elif out.shape != logits.shape or (n and out.stride(1) != 1):
@@ -416,9 +487,12 @@ def logprob_entropy_grad(
         if grad_logprobs is None and grad_entropy is None:
             return out.zero_()
         if backend == "triton":
+            if shift is not None:
+                lse = lse + shift
             return _triton_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temperature, out, block_v)
         if backend == "torch":
-            return _torch_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temperature, out)
+            return _torch_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temperature, out,
+                               shift, probs, pz)
     raise ValueError(f"backend must be 'triton' or 'torch' (already resolved), got {backend!r}")
 
 

@@ -26,15 +26,13 @@ from fastrlhf.algorithms import (
 
 from ._backend import resolve_backend
 from .logprob_entropy import (
-    _LOGP_FLOOR,
-    _check_labels_in_range,
-    _check_logits_labels,
     _check_temperature,
     _chunk_rows,
-    _scaled_into,
-    _torch_stats_robust,
+    _row_chunks,
     blockwise_grad,
     blockwise_stats,
+    logprob_entropy_grad,
+    logprob_entropy_stats,
     row_blocks,
 )
 
@@ -152,59 +150,32 @@ def _torch_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_
     ``dlogits`` (unless it is None), in ONE pass over the logits.
 
     Each token's loss gradient is known as soon as its logprob and entropy are, so each row chunk's
-    dlogits is written while its softmax is still in the two chunk buffers: no recompute in
-    backward, and the logits are read once. With p = softmax, q = p * log p:
-    ``dlogits = (1/T) * [g_lp * onehot - (g_lp + g_ent * H) * p - g_ent * q]``.
+    dlogits is written while its softmax is still in the two chunk buffers (``probs_out`` /
+    ``pz_out`` of the shared statistics, handed to the shared gradient): no recompute in backward,
+    and the logits are read once.
     """
     _check_temperature(temperature)
-    _check_logits_labels(logits, labels)
     n, v = logits.shape
-    _check_labels_in_range(labels, v)
-    labels = labels.long()
-    rows = _chunk_rows(n, v)
-    p_buf = torch.empty(min(rows, n), v, dtype=torch.float32, device=logits.device)
-    q_buf = torch.empty_like(p_buf)
-    direct = logits.dtype == torch.float32 and temperature == 1.0
-    inv_t = 1.0 / temperature
+    rows = min(_chunk_rows(n, v), n)
+    p_buf = torch.empty(rows, v, dtype=torch.float32, device=logits.device)
+    pz_buf = torch.empty_like(p_buf)
+    shift_buf = torch.empty(rows, dtype=torch.float32, device=logits.device)
     loss, sums = torch.zeros((), dtype=torch.float32, device=logits.device), None
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        k, chunk = stop - start, slice(start, stop)
-        z = logits[chunk] if direct else _scaled_into(p_buf[:k], logits[chunk], temperature)
-        logp = torch._log_softmax(z, -1, False, out=q_buf[:k])
-        label_idx = labels[chunk].unsqueeze(1)
-        lp = logp.gather(1, label_idx).squeeze(1)
-        p = torch.exp(logp, out=p_buf[:k])
-        q = logp.mul_(p)
-        ent = q.sum(-1).neg_()
-        bad = ~torch.isfinite(ent)
-        if bad.any():
-            # -inf logits: 0 * -inf made NaNs in q. Redo those rows with log p floored (rare).
-            idx = bad.nonzero().squeeze(1)
-            lp[idx], ent[idx], lse = _torch_stats_robust(logits[chunk][idx], labels[chunk][idx], temperature)
-            logp_rows = _scaled_into(torch.empty(len(idx), v, device=logits.device), logits[chunk][idx], temperature)
-            logp_rows.sub_(lse.unsqueeze(1)).clamp_(min=_LOGP_FLOOR)
-            p[idx] = p_rows = logp_rows.exp()
-            q[idx] = p_rows.mul_(logp_rows)
+    for chunk in _row_chunks(n, v):
+        k = chunk.stop - chunk.start
+        p, pz, shift = p_buf[:k], pz_buf[:k], shift_buf[:k]
+        lp, ent, lse = logprob_entropy_stats(logits[chunk], labels[chunk], temperature, "torch", shift_out=shift,
+                                             probs_out=p, pz_out=pz)
         ref = ref_logprobs[chunk] if ref_logprobs is not None else None
         part_loss, g_lp, g_ent, part_sums = policy_loss_from_token_stats(
             lp, ent, old_logprobs[chunk], advantages[chunk], weights[chunk], ref, **loss_kwargs
         )
         loss = loss + part_loss
         sums = _add_sums(sums, part_sums)
-        if dlogits is None:
-            continue
-        write_direct = dlogits.dtype == torch.float32
-        target = dlogits[chunk] if write_direct else p
-        p_coef = (g_lp + g_ent * ent).mul_(-inv_t).unsqueeze(1)
-        if loss_kwargs["entropy_coef"] == 0.0:
-            torch.mul(p, p_coef, out=target)
-        else:
-            torch.addcmul(p.mul_(p_coef), q, g_ent.mul(-inv_t).unsqueeze(1), out=target)
-        # The one-hot term, added in fp32 before any rounding to the logits' dtype.
-        target.scatter_add_(1, label_idx, g_lp.mul(inv_t).unsqueeze(1))
-        if not write_direct:
-            dlogits[chunk].copy_(target)
+        if dlogits is not None:
+            logprob_entropy_grad(logits[chunk], labels[chunk], lse, ent, g_lp,
+                                 g_ent if loss_kwargs["entropy_coef"] != 0.0 else None, temperature, "torch",
+                                 out=dlogits[chunk], shift=shift, probs=p, pz=pz)
     if sums is None:  # no tokens at all
         sums = policy_loss_from_token_stats(*(torch.zeros(0, device=logits.device),) * 5, **loss_kwargs)[3]
     return loss, sums

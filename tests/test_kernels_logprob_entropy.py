@@ -277,3 +277,70 @@ def test_sliced_batch_logits_are_read_in_place(backend):
     assert all(b.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() for _, b, _ in blocks)
     assert len(le_module.row_blocks(full, labels_full)) == 1
     check_against_reference(logits, labels, 0.9, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.bfloat16, 0.8)])
+def test_shift_and_reused_probabilities(backend, dtype, temperature):
+    """shift_out / shift: lse relative to a per-row shift; probs_out / pz_out reused by grad (torch)."""
+    logits, labels = make_logits((6, 90), dtype, seed=12, neg_inf_rows=(4,))
+    g_lp, g_ent = torch.randn(6), torch.randn(6)
+    lp_ref, ent_ref, grad_ref = reference(logits, labels, temperature, g_lp, g_ent)
+    lp0, ent0, lse0 = logprob_entropy_stats(logits, labels, temperature, backend)
+    shift = torch.full((6,), float("nan"))
+    kw = {}
+    if backend == "torch":
+        kw = dict(probs_out=torch.empty(6, 90), pz_out=torch.empty(6, 90))
+    lp, ent, lse_rel = logprob_entropy_stats(logits, labels, temperature, backend, shift_out=shift, **kw)
+    torch.testing.assert_close((lp, ent), (lp0, ent0), rtol=0, atol=0)
+    torch.testing.assert_close(lse_rel + shift, lse0, rtol=1e-6, atol=1e-6)
+    if backend == "torch":
+        torch.testing.assert_close(shift, (logits.float() / temperature).amax(-1), rtol=0, atol=0)
+        torch.testing.assert_close(kw["probs_out"], torch.softmax(logits.float() / temperature, -1))
+    else:
+        assert (shift == 0).all()
+    fresh = logprob_entropy_grad(logits, labels, lse_rel, ent, g_lp, g_ent, temperature, backend, shift=shift)
+    assert_grad_close(fresh, grad_ref, dtype)
+    if backend == "torch":
+        reused = logprob_entropy_grad(logits, labels, lse_rel, ent, g_lp, g_ent, temperature, backend, shift=shift,
+                                      probs=kw["probs_out"], pz=kw["pz_out"])
+        torch.testing.assert_close(reused, fresh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("which", ["both", "logprobs", "entropy"])
+def test_reuse_in_place_overwrites_fp32_logits(which):
+    """fused_linear's pattern: pz_out is the fp32 logits themselves, and grad writes into them."""
+    logits, labels = make_logits((5, 64), seed=13, neg_inf_rows=(1,))
+    g_lp = torch.randn(5) if which != "entropy" else None
+    g_ent = torch.randn(5) if which != "logprobs" else None
+    _, _, grad_ref = reference(logits, labels, 1.0, 0.0 if g_lp is None else g_lp, 0.0 if g_ent is None else g_ent)
+    work, probs, shift = logits.clone(), torch.empty(5, 64), torch.empty(5)
+    _, ent, lse = logprob_entropy_stats(work, labels, shift_out=shift, probs_out=probs, pz_out=work)
+    out = logprob_entropy_grad(work, labels, lse, ent, g_lp, g_ent, out=work, shift=shift, probs=probs, pz=work)
+    assert out.data_ptr() == work.data_ptr()
+    assert_grad_close(out, grad_ref, torch.float32)
+
+
+def test_large_vocab_entropy_is_accurate():
+    """V = 151,936 (Qwen): the row sums are pairwise, not a BLAS dot (that loses ~1e-4 here)."""
+    logits, labels = make_logits((3, 151936), seed=14)
+    lp, ent, _ = logprob_entropy_stats(logits, labels)
+    torch.testing.assert_close(lp, logprobs_from_logits(logits.double(), labels).float(), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent, entropy_from_logits(logits.double()).float(), rtol=1e-5, atol=2e-5)
+
+
+def test_reuse_buffer_argument_errors():
+    logits, labels = torch.randn(2, 5), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="probs_out needs pz_out"):
+        logprob_entropy_stats(logits, labels, probs_out=torch.empty(2, 5))
+    with pytest.raises(ValueError, match="for backend='torch' only"):
+        logprob_entropy_stats(logits, labels, backend="triton", probs_out=torch.empty(2, 5), pz_out=torch.empty(2, 5))
+    with pytest.raises(ValueError, match="pz_out must be a float32 tensor"):
+        logprob_entropy_stats(logits, labels, probs_out=torch.empty(2, 5), pz_out=torch.empty(2, 5).double())
+    with pytest.raises(ValueError, match=r"shift_out must have a float32 tensor of shape \(2,\)"):
+        logprob_entropy_stats(logits, labels, shift_out=torch.empty(3))
+    _, ent, lse = logprob_entropy_stats(logits, labels)
+    with pytest.raises(ValueError, match="pz needs probs"):
+        logprob_entropy_grad(logits, labels, lse, ent, torch.ones(2), None, pz=torch.empty(2, 5))
