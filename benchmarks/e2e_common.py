@@ -191,6 +191,12 @@ def pooled(results: list[dict], warmup: int) -> dict:
     """Medians over the measured steps of several runs of one trainer (warm-up steps of each run dropped)."""
     steps = [s for r in results for s in r["steps"][warmup:]]
     med = summarize(steps, 0)
+    # Rates from medians (median tokens per step / median time): a per-step ratio's median is not
+    # consistent with the median times when a loaded machine makes some steps much slower.
+    med["trained_tokens_per_s"] = med["trained_tokens"] / med["step_s"]
+    med["generated_tokens_per_s"] = med["generated_tokens"] / med["generate_s"] if med["generate_s"] else 0.0
+    med["step_s_min"] = min(s["step_s"] for s in steps)
+    med["step_s_max"] = max(s["step_s"] for s in steps)
     med["peak_rss_bytes"] = statistics.median(r["peak_rss_bytes"] for r in results)
     med["final_reward"] = statistics.median(r["final_reward"] for r in results)
     med["measured_steps"] = len(steps)

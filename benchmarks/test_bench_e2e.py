@@ -20,6 +20,7 @@ ratio <= 0.5. Skipped when TRL is not installed (``pip install -e '.[bench]'``).
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -31,6 +32,7 @@ ROUNDS = 2  # A B A B
 TARGETS = {"A": dict(speedup=2.0), "B": dict(speedup=1.3, rss_ratio=0.5)}
 STRICT = os.environ.get("FASTRLHF_BENCH_STRICT") == "1"
 MIB = float(1 << 20)
+RAW_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e_runs.json")
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,8 @@ def work_dir(tmp_path_factory):
 
 def _record(info: dict, prefix: str, med: dict) -> None:
     info[f"{prefix}_step_s"] = round(med["step_s"], 4)
+    info[f"{prefix}_step_s_min"] = round(med["step_s_min"], 4)
+    info[f"{prefix}_step_s_max"] = round(med["step_s_max"], 4)
     for key in SPLIT_KEYS:
         info[f"{prefix}_{key}"] = round(med.get(key, 0.0), 4)
     if "policy_forward_s" in med:
@@ -50,6 +54,19 @@ def _record(info: dict, prefix: str, med: dict) -> None:
     info[f"{prefix}_peak_rss_mib"] = round(med["peak_rss_bytes"] / MIB, 1)
     info[f"{prefix}_final_reward"] = round(med["final_reward"], 4)
     info[f"{prefix}_measured_steps"] = med["measured_steps"]
+
+
+def _save_raw(workload: str, results: dict) -> None:
+    """Every step of every run (``benchmarks/results/e2e_runs.json``), for a look behind the medians."""
+    os.makedirs(os.path.dirname(RAW_PATH), exist_ok=True)
+    try:
+        with open(RAW_PATH) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        raw = {}
+    raw[workload] = results
+    with open(RAW_PATH, "w") as f:
+        json.dump(raw, f, indent=1)
 
 
 @pytest.mark.timeout(3600)
@@ -69,6 +86,7 @@ def test_e2e_grpo_step_vs_trl(benchmark, work_dir, workload):
                 results[trainer].append(run_child(trainer, run_spec))
 
     benchmark.pedantic(alternate, rounds=1, iterations=1)
+    _save_raw(workload, results)
     ours, trl = pooled(results["fastrlhf"], w["warmup"]), pooled(results["trl"], w["warmup"])
     speedup = ours["trained_tokens_per_s"] / trl["trained_tokens_per_s"]
     rss_ratio = ours["peak_rss_bytes"] / trl["peak_rss_bytes"]
