@@ -5,9 +5,10 @@ from __future__ import annotations
 __all__ = ["CPU_VLLM_CROSSOVER_PARAMS", "choose_engine_kind"]
 
 # Parameter count above which VLLMEngine generates more tokens/s than HFEngine on CPU.
-# Measured by benchmarks/test_bench_rollout.py (test_crossover_sweep); see the README's rollout
-# paragraph for the figures. Below it vLLM's per-step scheduling overhead dominates.
-CPU_VLLM_CROSSOVER_PARAMS = 4_000_000
+# Measured by benchmarks/test_bench_rollout.py (2 cores, load ~1, 64 prompts x 4 x 64 tokens,
+# fp32): vLLM/HF tokens/s = 0.21 at 0.23M, 0.60 at 0.92M, 5.5 at 3.7M, 13.4 at 19.9M parameters.
+# The crossover lies between 0.92M and 3.7M; below it vLLM's per-step scheduling overhead dominates.
+CPU_VLLM_CROSSOVER_PARAMS = 2_000_000
 
 
 def choose_engine_kind(num_params: int, device) -> str:
