@@ -12,7 +12,7 @@ import random
 
 from fastrlhf.tasks import script_doubling as task
 
-__all__ = ["MODEL_SHAPE", "SCRIPT_LABELS", "split_numbers", "write_data", "make_initial_model"]
+__all__ = ["MODEL_SHAPE", "SCRIPT_LABELS", "split_numbers", "write_data", "write_classifier_data", "make_initial_model"]
 
 # Head size 32 (128 / 4): the smallest the vLLM CPU attention backend runs, so the folder works with
 # either rollout engine. 0.34M parameters: small enough for 2 CPU cores, big enough to learn doubling.
@@ -45,19 +45,18 @@ def _prompt(number: int, prefix: str) -> str:
     return f"{task.BOS}{prefix}:{number}x2="
 
 
-def write_data(data_dir: str, rl_prompts: int = 4000, classifier_examples: int = 6000, seed: int = 0) -> dict:
+def write_data(data_dir: str, rl_prompts: int = 4000, seed: int = 0) -> dict:
     """Write the demo's JSONL files into ``data_dir``; returns {name: path}.
 
     - ``pretrain.jsonl``: every train number in every script, unprefixed (``S__:``): SFT pairs.
     - ``rl_prompts.jsonl``: prefixed prompts for RL, ``meta.script`` / ``meta.label`` = the requested script.
     - ``eval.jsonl``: the held-out prefixed prompts with their expected completions.
-    - ``classifier.jsonl``: ``S`` + an answer, labelled with its script (the learned reward model's data).
     """
     os.makedirs(data_dir, exist_ok=True)
     rng = random.Random(seed)
     train, held_out = split_numbers()
     paths = {name: os.path.join(data_dir, f"{name}.jsonl")
-             for name in ("pretrain", "rl_prompts", "eval", "classifier")}
+             for name in ("pretrain", "rl_prompts", "eval")}
 
     pretrain = [(n, s) for n in train for s in task.SCRIPTS]
     rng.shuffle(pretrain)
@@ -75,11 +74,40 @@ def write_data(data_dir: str, rl_prompts: int = 4000, classifier_examples: int =
 
     _write_jsonl(paths["rl_prompts"], prefixed(train, rl_prompts))
     _write_jsonl(paths["eval"], prefixed(held_out, 0))
-    _write_jsonl(paths["classifier"], (
-        {"input_ids": task.encode(task.BOS + task.answer(n, s)), "label": SCRIPT_LABELS.index(s),
-         "text": task.BOS + task.answer(n, s)}
-        for n, s in ((rng.choice(train), rng.choice(SCRIPT_LABELS)) for _ in range(classifier_examples))))
     return paths
+
+
+def _mixed_answer(rng: random.Random, number: int) -> str:
+    """An answer that switches script part-way (some characters in another script)."""
+    digits = str(2 * number)
+    scripts = rng.sample(SCRIPT_LABELS, 2)
+    k = rng.randint(1, len(digits) - 1)  # characters in the second script: at least one, not all
+    swapped = set(rng.sample(range(len(digits)), k))
+    return "".join(task.SCRIPTS[scripts[i in swapped]][int(d)] for i, d in enumerate(digits)) + task.EOS
+
+
+def write_classifier_data(path: str, examples: int = 6000, mixed_fraction: float = 0.3, seed: int = 0) -> str:
+    """``S`` + an answer, labelled with its script: the learned reward model's data (train numbers only).
+
+    Answers that switch script part-way are labelled with the script they START in. Trained on clean
+    answers alone, the classifier read mostly the last characters and paid full reward for an answer
+    whose first character was in the wrong script; RL found that (measured: 4.8% of answers mixed
+    scripts after RL, accuracy 95.0%).
+    """
+    rng = random.Random(seed + 1)
+    train, _ = split_numbers()
+
+    def rows():
+        for _ in range(examples):
+            n = rng.choice(train)
+            text = _mixed_answer(rng, n) if rng.random() < mixed_fraction else task.answer(n, rng.choice(SCRIPT_LABELS))
+            label = task.completion_script(text[0] + task.EOS)
+            yield {"input_ids": task.encode(task.BOS + text), "label": SCRIPT_LABELS.index(label),
+                   "text": task.BOS + text}
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    _write_jsonl(path, rows())
+    return path
 
 
 def make_initial_model(out_dir: str, seed: int = 0, **shape) -> int:

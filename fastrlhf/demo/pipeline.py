@@ -282,12 +282,13 @@ def run_demo(opts: DemoOptions) -> dict:
     env_extra = {}
     if opts.reward == "model":
         rm_cfg = _config("rm.yaml")
-        rm_key = _stamp_key(pre_key, rm_cfg, opts.rm_set)
+        rm_key = _stamp_key(pre_key, rm_cfg, opts.rm_set, "classifier-data-v2")
         rm_final = os.path.join(paths["rm"], "final")
         if not opts.fresh and _cached(rm_final, rm_key):
             announce(stages[3], f": cached in {rm_final}")
         else:
             announce(stages[3])
+            demo_data.write_classifier_data(data_file["classifier"])
             rm_steps = _set_value(opts.rm_set, "trainer.max_steps", _yaml_value(rm_cfg, "trainer.max_steps"))
             sets = [f"output_dir={paths['rm']}", f"model.path={paths['pretrained']}",
                     f"data.path={data_file['classifier']}", *opts.rm_set]
@@ -310,13 +311,15 @@ def run_demo(opts: DemoOptions) -> dict:
     # ---- 6: RL
     announce(stages[-3])
     rl_cfg = _config(f"{opts.algo}.yaml")
+    if opts.reward == "model" and os.path.exists(_config(f"{opts.algo}_learned_reward.yaml")):
+        rl_cfg = _config(f"{opts.algo}_learned_reward.yaml")
     rl_steps = _set_value(opts.rl_set, "trainer.max_steps", _yaml_value(rl_cfg, "trainer.max_steps"))
     sets = [f"output_dir={run_dir}", f"model.path={paths['pretrained']}", f"data.prompts={data_file['rl_prompts']}"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a new run, not a continuation of the last one
     os.makedirs(run_dir)
     exact_log = os.path.join(run_dir, "exact_match.log")
     if opts.reward == "model":
-        sets += ["reward.function=fastrlhf.demo.rewards:script_classifier"]
+        sets += ["reward.function=fastrlhf.demo.rewards:script_classifier"]  # a no-op for *_learned_reward.yaml
         env_extra["FASTRLHF_DEMO_EXACT_LOG"] = os.path.abspath(exact_log)
     sets += opts.rl_set
     deepspeed = os.path.join(os.path.dirname(py), "deepspeed")
