@@ -1,0 +1,64 @@
+"""A short ``make demo``: the real pipeline (fastrlhf sft, prefix prep, GRPO under the deepspeed launcher
+on 2 ranks, evaluation, report) with a short pretraining and a short RL run in a temporary work dir."""
+
+import json
+import os
+
+import pytest
+
+from fastrlhf.demo.pipeline import DemoOptions, prepare_for_prefixes, run_demo
+from fastrlhf.demo.report import PLOTS
+from fastrlhf.tasks import script_doubling as task
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_short_demo_reward_rises_and_report_is_written(tmp_path):
+    workdir = tmp_path / "demo"
+    opts = DemoOptions(
+        workdir=str(workdir),
+        progress=False,
+        pretrain_set=["trainer.max_steps=500"],
+        # Fewer, larger steps than the demo's defaults, and a higher lr: the reward must move within the test.
+        rl_set=["trainer.max_steps=30", "trainer.lr=6e-4", "trainer.warmup_steps=3", "trainer.save_every=0"],
+    )
+    report = run_demo(opts)
+    run_dir = workdir / "grpo-rule"
+
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert len(records) == 30
+    rewards = [r["reward_mean"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, rewards
+    assert report["accuracy_after"] > report["accuracy_before"], report
+
+    saved = json.load(open(run_dir / "report.json"))
+    for key in ("accuracy_before", "accuracy_after", "steps", "wall_time", "tokens_per_second", "samples_before",
+                "samples_after"):
+        assert key in saved, key
+    assert set(saved["wall_time"]) >= {"generate", "score", "train", "sync"}
+    assert saved["steps"] == 30
+    assert "accuracy" in (run_dir / "report.md").read_text()
+    for name in PLOTS:
+        with open(run_dir / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+
+    # A second run reuses the pretrained model (stamp matches) instead of pretraining again.
+    stamp = json.load(open(workdir / "pretrained" / "demo_stamp.json"))
+    assert stamp["key"]
+
+
+def test_prepare_for_prefixes_copies_the_underscore_embedding(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fastrlhf.demo.data import make_initial_model
+
+    make_initial_model(str(tmp_path / "init"), hidden_size=32, intermediate_size=64, num_attention_heads=1,
+                       num_key_value_heads=1)
+    prepare_for_prefixes(str(tmp_path / "init"), str(tmp_path / "prepared"))
+    emb = AutoModelForCausalLM.from_pretrained(str(tmp_path / "prepared")).get_input_embeddings().weight
+    under = emb[task.TOKEN_ID["_"]]
+    for ch in "数字小写大":
+        assert (emb[task.TOKEN_ID[ch]] == under).all(), ch
+    assert not (emb[task.TOKEN_ID["1"]] == under).all()
+    assert os.path.exists(tmp_path / "prepared" / "tokenizer.json")
