@@ -217,6 +217,27 @@ def _yaml_value(path: str, dotted: str):
     return node
 
 
+def _rollout_engine(rl_cfg: str, rl_set: list[str], model_dir: str) -> str:
+    """What the trainer's ``rollout.engine`` resolves to (``auto``: ``choose_engine_kind``, as the trainer does)."""
+    kind = _set_value(rl_set, "rollout.engine", _yaml_value(rl_cfg, "rollout.engine"))
+    if kind != "auto":
+        return kind
+    from safetensors import safe_open
+
+    from fastrlhf.rollout import choose_engine_kind
+
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        num_params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return f"{choose_engine_kind(num_params, 'cpu')} (auto: {num_params / 1e6:.2f}M parameters on CPU)"
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
 def run_demo(opts: DemoOptions) -> dict:
     """Run the whole demo; returns the report dict (also written to ``<workdir>/<run>/report.json``)."""
     if opts.algo not in ("grpo", "ppo"):
@@ -346,7 +367,8 @@ def run_demo(opts: DemoOptions) -> dict:
                                       _yaml_value(rl_cfg, "trainer.prompts_per_step"))
         n = _set_value(opts.rl_set, "rollout.n", _yaml_value(rl_cfg, "rollout.n"))
         per_rank_calls = prompts_per_step * n // opts.ranks
+    engine = _rollout_engine(rl_cfg, opts.rl_set, paths["pretrained"])
     report = write_report(run_dir, algo=opts.algo, reward=opts.reward, before=before, after=after,
                           stage_seconds=times, exact_log=exact_log if opts.reward == "model" else None,
-                          exact_calls_per_step=per_rank_calls, ranks=opts.ranks)
+                          exact_calls_per_step=per_rank_calls, ranks=opts.ranks, rollout_engine=engine)
     return report

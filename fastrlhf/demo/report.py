@@ -74,7 +74,8 @@ def _plot(path: str, title: str, ylabel: str, lines: list[tuple[str, list, list,
 
 
 def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict, stage_seconds: dict,
-                 exact_log: str | None = None, exact_calls_per_step: int | None = None, ranks: int = 2) -> dict:
+                 exact_log: str | None = None, exact_calls_per_step: int | None = None, ranks: int = 2,
+                 rollout_engine: str | None = None) -> dict:
     from fastrlhf.metrics import read_metrics
 
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
@@ -97,7 +98,8 @@ def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict
     plot_lines = {
         "reward.png": [("reward_mean", reward_x, reward_y, {})],
         "accuracy.png": [(acc_label, acc_x, acc_y, {}),
-                         ("held-out greedy (1000 prompts)", eval_x, eval_y, {"marker": "o", "linestyle": "--"})],
+                         ("held-out greedy (1000 prompts)", eval_x, eval_y,
+                          {"marker": "o", "linestyle": "none", "markersize": 8})],
         "kl.png": [("kl", *_series(records, "kl"), {})],
         "entropy.png": [("update (actor)", *_series(records, "entropy"), {}),
                         ("rollout", *_series(records, "rollout_entropy"), {"alpha": 0.6})],
@@ -119,6 +121,8 @@ def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict
         "scripts_after": after["scripts"],
         "eval_prompts": before["n"],
         "steps": steps,
+        "ranks": ranks,
+        "rollout_engine": rollout_engine,
         "wall_time": {**{k: round(v, 2) for k, v in split.items()},
                       "rl_stage_total": round(rl_wall, 2),
                       "rl_startup_and_export": round(max(0.0, rl_wall - sum(split.values())), 2),
@@ -152,7 +156,8 @@ def _markdown(r: dict) -> str:
         f"| right number, any script | {r['right_number_before']:.1%} | {r['right_number_after']:.1%} |",
         "",
         f"RL: {r['steps']} steps, {r['generated_tokens']:.0f} generated tokens, "
-        f"{r['tokens_per_second']:.0f} tokens/s while generating.",
+        f"{r['tokens_per_second']:.0f} tokens/s while generating; {r['ranks']} ranks, rollout engine "
+        f"{r['rollout_engine']}.",
         "",
         "| time (s) | generate | score | train | sync | RL stage total (incl. start-up, export) |",
         "|---|---|---|---|---|---|",
