@@ -1,0 +1,151 @@
+"""The direct CPU weight-update path of ``vllm_adapter.reload_weights`` (copy into vLLM's fused
+parameters + repack of the changed layers) against the generic ``reload_weights`` path and HF.
+
+The tiny Llama (tied and untied embeddings) must take the direct path and generate exactly what HF
+generates from the synced weights, and exactly what the generic path gives (same sampled tokens and
+bitwise-equal logprobs); a layout the direct path does not handle (qkv/o biases) must fall back to
+the generic path and still be correct. One engine at a time: each start-up costs seconds.
+"""
+
+import os
+
+import pytest
+import torch
+
+from fastrlhf.models import make_tiny_llama, save_tiny_llama
+from fastrlhf.rollout import HFEngine, SamplingConfig, sync_weights
+
+pytestmark = pytest.mark.slow
+
+MODEL_KW = dict(initializer_range=0.2, vocab_size=256, hidden_size=64, num_heads=2)
+MAX_MODEL_LEN = 512
+GREEDY = SamplingConfig(temperature=0, max_new_tokens=24, ignore_eos=True)
+SAMPLED = SamplingConfig(n=2, temperature=1.0, max_new_tokens=16, seed=3)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+PROMPTS = _prompts([5, 17, 140, 300])  # 140 and 300 span full 128-token prefix-cache blocks
+
+
+def _tokens(results):
+    return [[c.token_ids for c in samples] for samples in results]
+
+
+def _samples(results):
+    return [[(c.token_ids, c.logprobs) for c in samples] for samples in results]
+
+
+def _engine(path):
+    pytest.importorskip("vllm")
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    from fastrlhf.rollout import VLLMEngine
+
+    try:
+        return VLLMEngine(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_bytes=32 << 20)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+class _PathSpy:
+    """Counts which update path each sync takes."""
+
+    def __init__(self, monkeypatch):
+        from fastrlhf.rollout import vllm_adapter
+
+        self.fast = 0
+        self.generic = 0
+        fast, refresh = vllm_adapter._fast_update, vllm_adapter._refresh_tied_lm_head
+
+        def counted_fast(worker, named_tensors):
+            self.fast += 1
+            return fast(worker, named_tensors)
+
+        def counted_generic(worker):  # runs once after every generic reload_weights
+            self.generic += 1
+            return refresh(worker)
+
+        monkeypatch.setattr(vllm_adapter, "_fast_update", counted_fast)
+        monkeypatch.setattr(vllm_adapter, "_refresh_tied_lm_head", counted_generic)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tmp_path, monkeypatch, tied):
+    from fastrlhf.rollout import vllm_adapter
+
+    kw = dict(MODEL_KW, tie_word_embeddings=tied)
+    first = save_tiny_llama(tmp_path / "first", seed=1, **kw)
+    second = make_tiny_llama(seed=2, **kw)
+    engine = _engine(tmp_path / "first")
+    try:
+        assert vllm_adapter.uses_fast_update(engine.llm)
+        spy = _PathSpy(monkeypatch)
+        expected_first = _tokens(HFEngine(first).generate(PROMPTS, GREEDY))
+        expected_second = _tokens(HFEngine(second).generate(PROMPTS, GREEDY))
+        assert expected_first != expected_second
+        assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+
+        # Small buckets: q/k/v and gate/up of a layer arrive in different buckets.
+        sync_weights(second, engine, bucket_bytes=16 << 10)
+        assert (spy.fast, spy.generic) == (1, 0)
+        assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_second
+        direct = _samples(engine.generate(PROMPTS[:3], SAMPLED))
+
+        # The generic path from the first model to the second gives the very same engine.
+        monkeypatch.setattr(vllm_adapter, "uses_fast_update", lambda llm: False)
+        sync_weights(first, engine)
+        assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+        sync_weights(second, engine)
+        assert spy.generic == 2
+        assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == direct
+        monkeypatch.undo()
+
+        # And the direct path after a generic reload, back to the first model.
+        spy = _PathSpy(monkeypatch)
+        sync_weights(first, engine)
+        assert (spy.fast, spy.generic) == (1, 0)
+        assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+    finally:
+        engine.close()
+
+
+def test_direct_path_rejects_bad_names_and_shapes(tmp_path):
+    save_tiny_llama(tmp_path, seed=1, **MODEL_KW)
+    engine = _engine(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="'model.nope.weight' is not a weight of this vLLM Llama"):
+            engine.update_weights([("model.nope.weight", torch.zeros(1))])
+        with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\), expected \(64,\)"):
+            engine.update_weights([("model.norm.weight", torch.zeros(3))])
+        with pytest.raises(ValueError, match="must carry whole fused layers"):
+            engine.update_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64))])
+    finally:
+        engine.close()
+
+
+def test_unhandled_layout_falls_back_to_the_generic_reload(tmp_path, monkeypatch):
+    """Biases on q/k/v/o: a Llama the direct path does not handle, detected up front."""
+    from fastrlhf.rollout import vllm_adapter
+
+    kw = dict(MODEL_KW, attention_bias=True)
+    first = save_tiny_llama(tmp_path / "first", seed=1, **kw)
+    second = make_tiny_llama(seed=2, **kw)
+    with torch.no_grad():  # biases start at zero: make them matter
+        for name, p in second.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.2)
+    engine = _engine(tmp_path / "first")
+    try:
+        assert not vllm_adapter.uses_fast_update(engine.llm)
+        spy = _PathSpy(monkeypatch)
+        sync_weights(second, engine)
+        assert (spy.fast, spy.generic) == (0, 1)
+        expected = _tokens(HFEngine(second).generate(PROMPTS, GREEDY))
+        assert expected != _tokens(HFEngine(first).generate(PROMPTS, GREEDY))
+        assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected
+    finally:
+        engine.close()
