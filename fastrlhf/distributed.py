@@ -125,8 +125,10 @@ def deepspeed_config(ds, micro_batch_size: int = 1, grad_accum: int = 1, max_gra
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    if trainable and max_grad_norm:
-        config["gradient_clipping"] = float(max_grad_norm)
+    if trainable:
+        # Always explicit: DeepSpeed's own default is to clip at 1.0, so leaving the key out would
+        # clip a run that asked for no clipping.
+        config["gradient_clipping"] = float(max_grad_norm or 0.0)
     return deep_merge(config, ds.extra or {})
 
 
@@ -149,9 +151,15 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
-    optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, guard=guard)
+    # At stage 0 in fp32 DeepSpeed clips with clip_grad_norm_ and throws the norm away, so
+    # get_global_grad_norm() would report nothing; there the optimizer clips instead and keeps the
+    # norm where the engine reads it. (Stages 1-3 and bf16 compute the norm themselves.)
+    clip_in_optimizer = ds.zero_stage == 0 and not ds.bf16
+    optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, guard=guard,
+                             max_grad_norm=(max_grad_norm or float("inf")) if clip_in_optimizer else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(warmup_steps))
-    config = deepspeed_config(ds, micro_batch_size, grad_accum, max_grad_norm, trainable=True)
+    config = deepspeed_config(ds, micro_batch_size, grad_accum, None if clip_in_optimizer else max_grad_norm,
+                              trainable=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
 

@@ -88,14 +88,22 @@ class StepGuard:
 
 
 class GuardedAdamW(torch.optim.AdamW):
-    """AdamW that leaves parameters and moments untouched when the guard says the step is bad."""
+    """AdamW that leaves parameters and moments untouched when the guard says the step is bad.
 
-    def __init__(self, params, guard: StepGuard | None = None, **kwargs):
+    With ``max_grad_norm`` set it also clips, and keeps the pre-clip norm in ``_global_grad_norm``,
+    where DeepSpeed's engine looks for it (``get_global_grad_norm``); see ``build_train_engine``.
+    """
+
+    def __init__(self, params, guard: StepGuard | None = None, max_grad_norm: float | None = None, **kwargs):
         super().__init__(params, **kwargs)
         self.guard = guard
+        self.max_grad_norm = max_grad_norm
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.max_grad_norm is not None:
+            with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            self._global_grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm))
         if self.guard is not None:
             finite = all(
                 bool(torch.isfinite(p.grad).all())

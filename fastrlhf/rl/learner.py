@@ -79,7 +79,6 @@ class DeepSpeedLearner:
         self.guard = guard if guard is not None else getattr(engine.optimizer, "guard", None)
         self.module = engine.module
         self.grad_accum = engine.gradient_accumulation_steps()
-        self._stage0_norm: float | None = None
 
     def is_boundary(self) -> bool:
         return self.engine.is_gradient_accumulation_boundary()
@@ -89,13 +88,6 @@ class DeepSpeedLearner:
 
     def step(self) -> bool:
         stepped = self.engine.is_gradient_accumulation_boundary()
-        if stepped and self.engine.zero_optimization_stage() == 0:
-            # At stage 0 (fp32) DeepSpeed clips with clip_grad_norm_ and throws the norm away, so
-            # get_global_grad_norm() has nothing to report; take the pre-clip norm here. The
-            # gradients are already all-reduced, identical on every rank.
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            self._stage0_norm = float(torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(g.float()) for g in grads]))) if grads else 0.0
         self.engine.step()
         return stepped
 
@@ -109,8 +101,6 @@ class DeepSpeedLearner:
         self.guard.check_loss(float("nan"))  # the guard's public way to say "this step's loss was bad"
 
     def grad_norm(self) -> float | None:
-        if self.engine.zero_optimization_stage() == 0:
-            return self._stage0_norm
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
 
