@@ -6,9 +6,10 @@ stage 0 (one rank has nothing to partition), fp32, fused loss, ``rollout.engine`
 whole rollout batch), constant learning rate, k3 KL in the loss, token-mean aggregation.
 
 Timing: ``metrics.jsonl``'s ``time/*`` keys per step; the actor's old-logprob and the reference's
-logprob passes are split out of ``time/score`` by timing ``sequence_logprobs`` (called twice per
-step: actor, then reference). Checkpointing and the final HF export are switched off: they are not
-part of a step and TRL's run does neither.
+logprob passes are split out of ``time/score`` by timing ``sequence_logprobs`` (the old-logprob
+pass is skipped here: one optimizer step per RL step is on-policy, ``trainer.old_logprobs: auto``).
+Checkpointing and the final HF export are switched off: they are not part of a step and TRL's run
+does neither.
 """
 
 from __future__ import annotations
@@ -34,16 +35,27 @@ def main(spec: dict) -> dict:
     fastrlhf.checkpoint.save_checkpoint = lambda *a, **k: None
     fastrlhf.modeling.export_hf = lambda *a, **k: None
 
-    logprob_times: list[float] = []
+    # Per step: seconds in the actor's old-logprob pass (0 when the on-policy step skips it) and in
+    # the reference's, told apart by the model each ``sequence_logprobs`` call is given.
+    logprob_times: list[dict] = []
     original = step_module.sequence_logprobs
+    original_prepare = step_module.RLStep.prepare
+    current: dict = {}
 
-    def timed_sequence_logprobs(*args, **kwargs):
+    def timed_sequence_logprobs(model, *args, **kwargs):
         t0 = time.perf_counter()
-        out = original(*args, **kwargs)
-        logprob_times.append(time.perf_counter() - t0)
+        out = original(model, *args, **kwargs)
+        current["times"]["ref" if model is current["reference"] else "old"] += time.perf_counter() - t0
+        return out
+
+    def timed_prepare(self, exp):
+        current.update(reference=self.reference, times={"old": 0.0, "ref": 0.0})
+        out = original_prepare(self, exp)
+        logprob_times.append(current["times"])
         return out
 
     step_module.sequence_logprobs = timed_sequence_logprobs
+    step_module.RLStep.prepare = timed_prepare
 
     engine_kind = {}
     original_build = trainer._build_rollout
@@ -83,7 +95,7 @@ def main(spec: dict) -> dict:
     rows = [r for r in rows if "time/generate" in r]
     steps = []
     for i, r in enumerate(rows):
-        old_s, ref_s = (logprob_times[2 * i], logprob_times[2 * i + 1]) if len(logprob_times) >= 2 * (i + 1) else (0, 0)
+        old_s, ref_s = (logprob_times[i]["old"], logprob_times[i]["ref"]) if i < len(logprob_times) else (0, 0)
         tokens = r["generated_tokens"]
         wall = r.get("wall_time", r["step_time"])
         steps.append({

@@ -298,7 +298,7 @@ def clipped_surrogate(
 
 def policy_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_low: float = 0.2,
@@ -306,7 +306,13 @@ def policy_loss(
     dual_clip: float | None = None,
     agg: str = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate (with clip-higher and optional dual clip); returns ``(loss, metrics)``."""
+    """PPO clipped surrogate (with clip-higher and optional dual clip); returns ``(loss, metrics)``.
+
+    ``old_logprobs=None`` is the on-policy update (the first and only optimizer step on a rollout
+    batch): old = ``logprobs.detach()``, so the ratio is exactly 1 and its gradient is ``grad logprobs``.
+    """
+    if old_logprobs is None:
+        old_logprobs = logprobs.detach()
     check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     loss_mat, is_clipped = clipped_surrogate(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip)
     metrics = {

@@ -130,6 +130,9 @@ class TrainerConfig:
     loss_chunk_size: int | None = None
     fused_loss: bool = True  # false: the same loss on materialised logits (for debugging)
     forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None: minibatch share
+    # auto: skip the old-logprob pass when the update is on-policy (one epoch, one minibatch, no TIS,
+    # KL not in the reward); recompute: always (also logs logprob_mismatch_* against the engine)
+    old_logprobs: Literal["auto", "recompute"] = "auto"
     save_every: int = 0
     keep_checkpoints: int = 0  # 0 keeps all
     max_skipped_steps: int = 3

@@ -355,7 +355,8 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             lp, ent, lse = stats(logits, lab, temperature, backend, shift_out=shift,
                                  **softmax_bufs.stats_kwargs(logits))
             chunk_loss, grad_lp, grad_ent, chunk_sums = loss_fn(
-                lp, ent, old_logprobs[start:stop], advantages[start:stop], weights[start:stop],
+                lp, ent, None if old_logprobs is None else old_logprobs[start:stop], advantages[start:stop],
+                weights[start:stop],
                 None if ref_logprobs is None else ref_logprobs[start:stop], **loss_kwargs,
             )
             loss += chunk_loss
@@ -393,7 +394,7 @@ def fused_linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     ref_logprobs: torch.Tensor | None = None,
@@ -417,7 +418,9 @@ def fused_linear_policy_loss(
     weight ``[V, H]``, bias ``[V]`` or None; labels, old_logprobs, advantages, mask and ref_logprobs
     all of labels' shape (``[B, T]`` for the ``seq-mean-*`` aggregations). Returns the fp32 scalar loss,
     differentiable in hidden, weight and bias, and detached metrics ``clipfrac``, ``approx_kl``,
-    ``entropy``, ``kl`` (masked means; ``kl`` is 0 without ref_logprobs).
+    ``entropy``, ``kl`` (masked means; ``kl`` is 0 without ref_logprobs). ``old_logprobs=None`` is the
+    on-policy update (old = the logprobs computed here, detached: ratio 1), which spares the caller
+    a forward pass to recompute them.
 
     The gradients are computed chunk by chunk during this call and held until backward, which
     only scales them by ``grad_output``; so backward can run once per call (not with

@@ -51,7 +51,7 @@ METRIC_SUM_KEYS = ("clipped", "approx_kl", "entropy", "kl", "count")
 def policy_loss_from_token_stats(
     logprobs: torch.Tensor,
     entropy: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     weights: torch.Tensor,
     ref_logprobs: torch.Tensor | None = None,
@@ -71,15 +71,17 @@ def policy_loss_from_token_stats(
         loss = sum(weights * (clipped_surrogate + kl_coef * kl_penalty - entropy_coef * entropy))
 
     (fp32 scalar, detached) and fp32 ``[n]`` gradients that are exactly 0 at masked tokens whatever
-    their inputs hold (-inf, NaN). A token is kept where ``weights > 0``: every aggregation mode
-    gives each unmasked token a positive weight. ``metric_sums`` holds SUMS over kept tokens
-    (keys :data:`METRIC_SUM_KEYS`), so chunked callers can add them up and call
-    :func:`finalize_metrics` once. The "kl" sum is 0 when ``ref_logprobs`` is None.
+    their inputs hold (-inf, NaN). ``old_logprobs=None`` is the on-policy update: old = the
+    logprobs themselves, detached (ratio 1), as ``fastrlhf.algorithms.policy_loss`` does. A token
+    is kept where ``weights > 0``: every aggregation mode gives each unmasked token a positive weight.
+    ``metric_sums`` holds SUMS over kept tokens (keys :data:`METRIC_SUM_KEYS`), so chunked callers
+    can add them up and call :func:`finalize_metrics` once. The "kl" sum is 0 when ``ref_logprobs`` is None.
     """
     if logprobs.dim() != 1:
         raise ValueError(f"logprobs must be 1-D [n] (a chunk of flattened tokens), got shape {tuple(logprobs.shape)}")
-    tensors = dict(logprobs=logprobs, entropy=entropy, old_logprobs=old_logprobs, advantages=advantages,
-                   weights=weights)
+    tensors = dict(logprobs=logprobs, entropy=entropy, advantages=advantages, weights=weights)
+    if old_logprobs is not None:
+        tensors["old_logprobs"] = old_logprobs
     if ref_logprobs is not None:
         tensors["ref_logprobs"] = ref_logprobs
     check_same_shape(**tensors)
@@ -97,7 +99,8 @@ def policy_loss_from_token_stats(
 
     lp = kept(logprobs).requires_grad_()
     ent = kept(entropy).requires_grad_()
-    old, adv = kept(old_logprobs), kept(advantages)
+    old = kept(old_logprobs) if old_logprobs is not None else lp.detach()
+    adv = kept(advantages)
     ref = kept(ref_logprobs) if ref_logprobs is not None else None
 
     with torch.enable_grad():
@@ -140,6 +143,11 @@ def finalize_metrics(metric_sums: dict[str, torch.Tensor]) -> dict[str, torch.Te
     }
 
 
+def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """``t[rows]`` of an optional per-token tensor (None: old_logprobs on-policy, ref_logprobs without KL)."""
+    return None if t is None else t[rows]
+
+
 def _add_sums(total: dict | None, part: dict) -> dict:
     return dict(part) if total is None else {k: total[k] + part[k] for k in total}
 
@@ -166,9 +174,9 @@ def _torch_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_
         p, pz, shift = p_buf[:k], pz_buf[:k], shift_buf[:k]
         lp, ent, lse = logprob_entropy_stats(logits[chunk], labels[chunk], temperature, "torch", shift_out=shift,
                                              probs_out=p, pz_out=pz)
-        ref = ref_logprobs[chunk] if ref_logprobs is not None else None
+        ref = _rows(ref_logprobs, chunk)
         part_loss, g_lp, g_ent, part_sums = policy_loss_from_token_stats(
-            lp, ent, old_logprobs[chunk], advantages[chunk], weights[chunk], ref, **loss_kwargs
+            lp, ent, _rows(old_logprobs, chunk), advantages[chunk], weights[chunk], ref, **loss_kwargs
         )
         loss = loss + part_loss
         sums = _add_sums(sums, part_sums)
@@ -205,8 +213,8 @@ class FusedPolicyLossFunction(torch.autograd.Function):
             for start, block, block_labels in blocks:
                 sl = slice(start, start + block.shape[0])
                 part_loss, part_sums = _torch_loss_and_grad(
-                    block, block_labels, old_logprobs[sl], advantages[sl], weights[sl],
-                    ref_logprobs[sl] if ref_logprobs is not None else None, loss_kwargs, temperature,
+                    block, block_labels, _rows(old_logprobs, sl), advantages[sl], weights[sl],
+                    _rows(ref_logprobs, sl), loss_kwargs, temperature,
                     flat_out[sl] if flat_out is not None else None,
                 )
                 loss = loss + part_loss
@@ -248,7 +256,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
 def fused_policy_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     ref_logprobs: torch.Tensor | None = None,
@@ -271,12 +279,13 @@ def fused_policy_loss(
     slice such as ``logits[:, :-1]`` is read in place); every
     per-token tensor has labels' shape. Only ``logits`` receives a gradient (the others are data).
     Metrics ``clipfrac``, ``approx_kl``, ``entropy``, ``kl`` are detached masked means (``kl`` is 0
-    without ``ref_logprobs``).
+    without ``ref_logprobs``). ``old_logprobs=None``: on-policy (old = lp, detached).
     """
     backend = resolve_backend(backend, logits)
-    per_token = dict(labels=labels, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
-    if ref_logprobs is not None:
-        per_token["ref_logprobs"] = ref_logprobs
+    per_token = dict(labels=labels, advantages=advantages, mask=mask)
+    for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if t is not None:
+            per_token[name] = t
     check_same_shape(**per_token)
     row_blocks(logits, labels)  # shape errors now, not inside autograd
     weights = aggregation_weights(mask, agg).reshape(-1)

@@ -187,7 +187,8 @@ LOSS_DEFAULTS = dict(clip_low=0.2, clip_high=0.28, dual_clip=None, kl_coef=0.0, 
 
 
 def check_policy_loss(backend, shape=(3, 7), h=16, v=300, dtype=torch.float32, bias=True, temperature=1.0,
-                      chunk_size=4, seed=0, grad_scale=1.0, mask_edit=None, weight_grad=True, **loss_kw):
+                      chunk_size=4, seed=0, grad_scale=1.0, mask_edit=None, weight_grad=True, on_policy=False,
+                      **loss_kw):
     kw = dict(LOSS_DEFAULTS, **loss_kw)
     hidden, weight, b, labels, d = make_inputs(shape, h, v, dtype, bias, seed, weight_grad)
     if mask_edit is not None:
@@ -195,7 +196,8 @@ def check_policy_loss(backend, shape=(3, 7), h=16, v=300, dtype=torch.float32, b
     inputs = leaves(hidden, weight, b)
 
     loss, metrics = fused_linear_policy_loss(
-        hidden, weight, labels, d["old_logprobs"], d["advantages"], d["mask"], ref_logprobs=d["ref_logprobs"],
+        hidden, weight, labels, None if on_policy else d["old_logprobs"], d["advantages"], d["mask"],
+        ref_logprobs=d["ref_logprobs"],
         temperature=temperature, bias=b, chunk_size=chunk_size, backend=backend, **kw,
     )
     assert loss.shape == () and loss.dtype == torch.float32
@@ -203,6 +205,8 @@ def check_policy_loss(backend, shape=(3, 7), h=16, v=300, dtype=torch.float32, b
 
     rh, rw, rb = reference_copies(dtype, hidden, weight, b)
     rd = dict(zip(d, reference_copies(dtype, *d.values()), strict=True))
+    if on_policy:
+        rd["old_logprobs"] = None  # the reference's own convention: old = its logprobs, detached
     lp, ent = ref_lp_ent(rh, rw, rb, labels, temperature)
     loss_ref, metrics_ref = ref_policy_loss(lp, ent, rd, **kw)
     want = as_dtype(grads_of(loss_ref * grad_scale, leaves(rh, rw, rb)), dtype)
@@ -248,6 +252,20 @@ def test_policy_loss_bf16_no_bias_flat_tokens():
 
 def test_policy_loss_frozen_weight_and_grad_scale():
     check_policy_loss("torch", weight_grad=False, grad_scale=-2.5, entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_policy_loss_on_policy_without_old_logprobs(backend, dtype):
+    # old_logprobs=None: ratio 1, so nothing is clipped, approx_kl is 0 and the policy gradient
+    # is -A * grad(logprob) (weighted); a masked row and a skipped chunk included.
+    def edit(mask):
+        mask[1] = 0.0
+
+    loss, metrics = check_policy_loss(backend, shape=(3, 7), v=301, chunk_size=7, mask_edit=edit, dtype=dtype,
+                                      on_policy=True, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.01,
+                                      temperature=0.9, agg="seq-mean-token-mean")
+    assert metrics["clipfrac"].item() == 0.0 and metrics["approx_kl"].item() == 0.0
 
 
 def test_policy_loss_all_masked_is_zero_with_zero_grads():

@@ -53,7 +53,8 @@ def reference_loss(logits, labels, old, adv, mask, ref, clip_low, clip_high, dua
     still makes a NaN gradient through it (0 * inf in the KL's backward).
     """
     zero = torch.zeros(())
-    old, adv = torch.where(mask > 0, old, zero), torch.where(mask > 0, adv, zero)
+    old = torch.where(mask > 0, old, zero) if old is not None else None  # None: on-policy
+    adv = torch.where(mask > 0, adv, zero)
     ref = torch.where(mask > 0, ref, zero) if ref is not None else None
     x = logits.detach().clone().requires_grad_()
     lp = logprobs_from_logits(x, labels, temperature)
@@ -70,8 +71,10 @@ def reference_loss(logits, labels, old, adv, mask, ref, clip_low, clip_high, dua
 
 
 def check_case(backend, agg, kl_coef, kl_kind, dual_clip, entropy_coef, temperature=0.8, dtype=torch.float32,
-               shape=(3, 5), vocab=37, seed=0, grad_scale=2.0):
+               shape=(3, 5), vocab=37, seed=0, grad_scale=2.0, on_policy=False):
     logits, labels, old, adv, mask, ref = make_batch(shape, vocab, dtype, seed)
+    if on_policy:
+        old = None
     args = (0.2, 0.28, dual_clip, kl_coef, kl_kind, entropy_coef, temperature, agg)
     loss_ref, metrics_ref, grad_ref = reference_loss(logits, labels, old, adv, mask, ref, *args)
     x = logits.detach().clone().requires_grad_()
@@ -108,6 +111,13 @@ def test_matches_reference_every_agg_and_kl(backend, agg, kl_coef, kl_kind):
 @pytest.mark.parametrize(("dual_clip", "entropy_coef"), list(itertools.product([None, 2.0], [0.0, 0.05])))
 def test_dual_clip_and_entropy_bonus(backend, dual_clip, entropy_coef):
     check_case(backend, "seq-mean-token-mean", 0.1, "k3", dual_clip, entropy_coef, temperature=1.0, seed=3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_policy_without_old_logprobs(backend, dtype):
+    # old_logprobs=None means old = lp (detached): every agg path shares this, one is enough here.
+    check_case(backend, "seq-mean-token-sum", 0.1, "k3", 2.0, 0.05, dtype=dtype, vocab=1000, on_policy=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import fastrlhf.rl.step as step_module
 from fastrlhf.algorithms import (
     aggregate_loss,
     clipped_surrogate,
@@ -21,6 +22,7 @@ from fastrlhf.algorithms import (
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
+    masked_mean,
     masked_whiten,
     shape_rewards,
     value_loss,
@@ -116,8 +118,11 @@ def hand_written_step(hp, actor, ref, opt, completions, scores, step, critic=Non
 
     every = torch.arange(B)
     with torch.no_grad():
-        old = logprobs_from_logits(logits_of(actor, every), labels, hp.temperature) * mask
+        old_logits = logits_of(actor, every)
+        old = logprobs_from_logits(old_logits, labels, hp.temperature) * mask
         ref_lp = logprobs_from_logits(logits_of(ref, every), labels, hp.temperature) * mask
+        rollout = {"kl": float(masked_mean(kl_penalty(old, ref_lp, hp.kl_kind), mask)),
+                   "rollout_entropy": float(masked_mean(entropy_from_logits(old_logits, hp.temperature), mask))}
         weights = torch.ones_like(mask)
         if hp.tis_cap:
             weights = torch.exp(old - engine_lp).clamp(max=hp.tis_cap) * mask
@@ -163,7 +168,7 @@ def hand_written_step(hp, actor, ref, opt, completions, scores, step, critic=Non
             loss = loss - hp.entropy_coef * aggregate_loss(entropy_from_logits(logits, hp.temperature), m, hp.agg)
         return loss
 
-    result = {"policy_loss": optimise(actor, opt, actor_loss)}
+    result = {"policy_loss": optimise(actor, opt, actor_loss), **rollout}
     if critic is not None:
         def critic_loss(r):
             loss, _ = value_loss(values_of(r), old_values[r], returns[r], mask[r], hp.vf_clip, hp.agg)
@@ -195,11 +200,17 @@ def make_hp(spec, **over):
     return RLHParams(**spec)
 
 
-@pytest.mark.parametrize("case", ["grpo", "grpo-drgrpo-tokensum", "grpo-unfused", "ppo"])
-def test_step_matches_hand_written_unfused_step(case):
+@pytest.mark.parametrize("case", ["grpo", "grpo-drgrpo-tokensum", "grpo-unfused", "ppo", "grpo-on-policy",
+                                  "grpo-on-policy-unfused"])
+def test_step_matches_hand_written_unfused_step(case, monkeypatch):
     torch.manual_seed(0)
     if case == "grpo":
         hp = make_hp(GRPO)
+    elif case.startswith("grpo-on-policy"):
+        # One optimizer step per batch, no TIS: the step skips the old-logprob pass (the hand-written
+        # step still recomputes them), so this proves the shortcut changes nothing but the cost.
+        hp = make_hp(GRPO, ppo_epochs=1, minibatch_size=12, grad_accum=3, tis_cap=None,
+                     fused_loss=case == "grpo-on-policy")
     elif case == "grpo-drgrpo-tokensum":
         hp = make_hp(GRPO, scale_by_std=False, agg="seq-mean-token-sum-norm", tis_cap=None, grad_accum=3,
                      minibatch_size=12, loss_chunk_size=5)
@@ -223,7 +234,15 @@ def test_step_matches_hand_written_unfused_step(case):
 
     rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=ref, critic=critic,
                 actor_optimizer=opt, critic_optimizer=copt, pad_token_id=PAD, rollout_shares_actor=True)
+    forward_passes = []
+    original = step_module.sequence_logprobs
+    monkeypatch.setattr(step_module, "sequence_logprobs", lambda model, *a, **k: forward_passes.append(model)
+                        or original(model, *a, **k))
     metrics = rl(PROMPTS, None, step=3, completions=completions)
+    monkeypatch.undo()
+    on_policy = hp.skips_old_logprobs(12)
+    assert on_policy == case.startswith("grpo-on-policy")
+    assert forward_passes == ([ref] if on_policy else [actor, ref])
     expected = hand_written_step(hp, actor_ref_copy, ref, opt_h, completions, SCORES, 3, critic_h, copt_h)
 
     assert metrics["skipped"] == 0.0
@@ -234,8 +253,14 @@ def test_step_matches_hand_written_unfused_step(case):
     if critic is not None:
         assert math.isclose(metrics["value_loss"], expected["value_loss"], rel_tol=1e-4, abs_tol=1e-6)
         assert_same_params(critic, critic_h)
-    # The engine logprobs were given noise of std 0.3: the mismatch metric must see it.
-    assert 0.1 < metrics["logprob_mismatch_mean"] < 0.5 and metrics["logprob_mismatch_max"] > 0.5
+    if on_policy:
+        assert "logprob_mismatch_mean" not in metrics
+        assert metrics["clipfrac"] == 0.0 and metrics["approx_kl"] == 0.0
+        assert math.isclose(metrics["kl"], expected["kl"], rel_tol=1e-4, abs_tol=1e-7)
+        assert math.isclose(metrics["rollout_entropy"], expected["rollout_entropy"], rel_tol=1e-4)
+    else:
+        # The engine logprobs were given noise of std 0.3: the mismatch metric must see it.
+        assert 0.1 < metrics["logprob_mismatch_mean"] < 0.5 and metrics["logprob_mismatch_max"] > 0.5
     for key in ("reward_mean", "reward_std", "entropy", "clipfrac", "approx_kl", "grad_norm", "kl"):
         assert math.isfinite(metrics[key]), key
     assert math.isclose(metrics["reward_mean"], float(SCORES.mean()), rel_tol=1e-6)
@@ -338,6 +363,18 @@ def test_experience_layout():
     assert exp.response_mask.tolist() == [[1, 1], [0, 0]]
     assert exp.engine_logprobs.tolist() == [[-1.0, -2.0], [0.0, 0.0]]
     assert exp.group_ids.tolist() == [0, 1]
+
+
+def test_old_logprobs_are_recomputed_unless_the_update_is_on_policy():
+    on = dict(algorithm="grpo", n=4, minibatch_size=0, ppo_epochs=1, grad_accum=2)
+    assert RLHParams(**on).skips_old_logprobs(16)
+    assert RLHParams(**dict(on, minibatch_size=16)).skips_old_logprobs(16)
+    for change in (dict(ppo_epochs=2), dict(minibatch_size=8), dict(tis_cap=2.0), dict(old_logprobs="recompute"),
+                   dict(algorithm="ppo", kl_in_reward=True)):
+        assert not RLHParams(**dict(on, **change)).skips_old_logprobs(16), change
+    assert RLHParams(**dict(on, algorithm="ppo")).skips_old_logprobs(16)  # KL in the loss: no need
+    with pytest.raises(ValueError, match="trainer.old_logprobs"):
+        RLHParams(old_logprobs="sometimes")
 
 
 def test_hparams_from_config_maps_names():

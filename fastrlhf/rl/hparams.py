@@ -45,6 +45,7 @@ class RLHParams:
     loss_chunk_size: int | None = None
     fused_loss: bool = True
     forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None = micro-batch
+    old_logprobs: str = "auto"  # auto: not recomputed when the update is on-policy (see skips_old_logprobs)
 
     def __post_init__(self):
         if self.algorithm not in ("grpo", "ppo"):
@@ -55,6 +56,8 @@ class RLHParams:
             raise ValueError(f"ppo_epochs and grad_accum must be >= 1, got {self.ppo_epochs} and {self.grad_accum}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"trainer.tis_cap must be > 0 or null, got {self.tis_cap}")
+        if self.old_logprobs not in ("auto", "recompute"):
+            raise ValueError(f"trainer.old_logprobs must be 'auto' or 'recompute', got {self.old_logprobs!r}")
         if self.algorithm == "grpo" and self.n < 2:
             raise ValueError(f"GRPO needs rollout.n >= 2 completions per prompt (a group of one has no baseline), "
                              f"got n={self.n}")
@@ -80,6 +83,19 @@ class RLHParams:
         else:
             values.pop("stop_token_ids", None)
         return cls(**values)
+
+    def skips_old_logprobs(self, rank_batch: int) -> bool:
+        """Whether the step trains on-policy without recomputing the old logprobs first.
+
+        With one optimizer step per rollout batch (one epoch, one minibatch) the parameters the
+        update starts from ARE the old policy, so old = the update's own logprobs, detached (ratio
+        1, as TRL and verl do): a whole forward pass saved. Not with TIS (its weights compare the
+        trainer's old logprobs with the engine's before the update) nor with PPO's KL-shaped
+        rewards (they need the old logprobs before the advantages exist).
+        """
+        single_update = self.ppo_epochs == 1 and self.micro_batch_size(rank_batch) * self.grad_accum == rank_batch
+        return (self.old_logprobs == "auto" and single_update and self.tis_cap is None
+                and not (self.algorithm == "ppo" and self.kl_in_reward))
 
     def micro_batch_size(self, rank_batch: int) -> int:
         """Sequences per micro-batch given this rank's batch size; raises on uneven splits."""

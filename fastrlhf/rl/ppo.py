@@ -24,7 +24,7 @@ def compute_ppo_advantages(exp: Experience, hp: RLHParams) -> None:
     if hp.kl_in_reward and hp.kl_coef != 0.0:
         token_rewards = shape_rewards(exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, hp.kl_coef, hp.kl_kind)
     else:
-        zeros = torch.zeros_like(exp.old_logprobs)
+        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         token_rewards = shape_rewards(exp.scores, zeros, zeros, mask, 0.0, "k1")
     advantages, returns = compute_gae(token_rewards, exp.values, mask, hp.gamma, hp.lam)
     if hp.whiten_advantages:

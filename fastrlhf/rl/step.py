@@ -105,26 +105,32 @@ class RLStep:
         return self.actor.module, unwrap(self.actor.module).disable_adapter()
 
     def prepare(self, exp: Experience) -> dict[str, float]:
-        """Old logprobs (recomputed by the actor), reference logprobs, values and advantages."""
+        """Old logprobs (recomputed by the actor), reference logprobs, values and advantages.
+
+        On-policy (``hp.skips_old_logprobs``) the old logprobs stay None: the update takes its own,
+        detached, and the rollout ``kl`` / ``rollout_entropy`` metrics come from the update instead
+        (same parameters, same tokens: the same values); ``logprob_mismatch_*`` is then not logged.
+        """
         hp = self.hp
         micro = hp.forward_micro_batch or hp.micro_batch_size(exp.batch_size)
         mask = exp.response_mask
-        exp.old_logprobs, old_entropy = sequence_logprobs(self.actor.module, exp, hp.temperature, micro,
-                                                          hp.loss_chunk_size, hp.fused_loss)
+        keep = mask > 0
+        metrics = {}
+        exp.old_logprobs = None
+        if not hp.skips_old_logprobs(exp.batch_size):
+            exp.old_logprobs, old_entropy = sequence_logprobs(self.actor.module, exp, hp.temperature, micro,
+                                                              hp.loss_chunk_size, hp.fused_loss)
+            diff = torch.where(keep, (exp.old_logprobs - exp.engine_logprobs).abs(), 0.0)
+            metrics.update(logprob_mismatch_mean=float(masked_mean(diff, mask)),
+                           logprob_mismatch_max=float(diff.max()) if diff.numel() else 0.0,
+                           rollout_entropy=float(masked_mean(old_entropy, mask)))
         if hp.kl_coef != 0.0:
             ref_model, ctx = self._reference_context()
             with ctx:
                 exp.ref_logprobs, _ = sequence_logprobs(ref_model, exp, hp.temperature, micro, hp.loss_chunk_size,
                                                         hp.fused_loss)
-        keep = mask > 0
-        diff = torch.where(keep, (exp.old_logprobs - exp.engine_logprobs).abs(), 0.0)
-        metrics = {
-            "logprob_mismatch_mean": float(masked_mean(diff, mask)),
-            "logprob_mismatch_max": float(diff.max()) if diff.numel() else 0.0,
-            "rollout_entropy": float(masked_mean(old_entropy, mask)),
-        }
-        if exp.ref_logprobs is not None:
-            metrics["kl"] = float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, hp.kl_kind), mask))
+            if exp.old_logprobs is not None:
+                metrics["kl"] = float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, hp.kl_kind), mask))
         if hp.tis_cap is not None:
             # Truncated importance sampling: the engine sampled from engine_lp, we train as if from old_lp.
             log_w = (exp.old_logprobs - exp.engine_logprobs).clamp(-_MAX_LOG_IS, _MAX_LOG_IS)
@@ -166,6 +172,11 @@ class RLStep:
             "grad_norm": actor["grad_norm"],
             "optimizer_steps": actor["optimizer_steps"],
         }
+        if exp.old_logprobs is None and not actor["aborted"]:
+            # On-policy: the update's logprobs are the rollout policy's (see prepare).
+            metrics["rollout_entropy"] = metrics["entropy"]
+            if exp.ref_logprobs is not None:
+                metrics["kl"] = metrics["loss_kl"]
         aborted = actor["aborted"]
         if self.critic is not None and not aborted:
             unwrap(self.critic.module).train()
@@ -216,8 +227,9 @@ class RLStep:
 
         # NaN guard, decided by all ranks together: anything non-finite in what the update would
         # consume skips the whole step before any parameter moves.
-        consumed = [exp.scores, exp.old_logprobs, exp.advantages]
-        consumed += [t for t in (exp.ref_logprobs, exp.values, exp.returns, exp.is_weights) if t is not None]
+        consumed = [exp.scores, exp.advantages]
+        consumed += [t for t in (exp.old_logprobs, exp.ref_logprobs, exp.values, exp.returns, exp.is_weights)
+                     if t is not None]
         bad_inputs = any_rank_true(not all(bool(torch.isfinite(t).all()) for t in consumed))
 
         t0 = time.perf_counter()
