@@ -29,7 +29,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -c "import trl; print('bench extra: trl', trl.__version__)"
 	touch $(BENCH_STAMP)
 
-# About 30 minutes on a quiet 2-core machine; the figures mean little while other work runs.
+# About 10 minutes on a quiet 2-core machine (plus the install); the figures mean little while other work runs.
 bench: $(BENCH_STAMP)
 	mkdir -p benchmarks/results
 	$(PY) -m pytest benchmarks --benchmark-json=benchmarks/results/bench.json $(PYTEST_ARGS)
