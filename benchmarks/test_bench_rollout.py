@@ -34,6 +34,7 @@ TARGET_SIZE = "20M"
 MIN_VLLM_SPEEDUP = 2.0
 MAX_SYNC_OVER_COPY = 3.0
 SYNC_ROUNDS = 9
+PARITY_BAND = 0.1  # vLLM/HF ratios within 10% of 1.0 are ties for the crossover check
 STRICT = os.environ.get("FASTRLHF_BENCH_STRICT") == "1"
 
 _tokens_per_s: dict[tuple[str, str], float] = {}
@@ -113,7 +114,9 @@ def test_generate_tokens_per_second(benchmark, model_dirs, size, engine_kind):
 
 
 def test_crossover_matches_the_engine_choice_constant(benchmark, model_dirs):
-    """The smallest measured size where vLLM beats HF; the constant must sit between it and the size below."""
+    """The constant must sit above every size where HF clearly wins and at or below every size where
+    vLLM clearly wins; a size within ``PARITY_BAND`` of 1.0 is a tie (either engine is right there:
+    at 0.92M runs have measured 0.96 and 1.01)."""
     _, models = model_dirs
     measured = [s for s in SIZES if (s, "hf") in _tokens_per_s and (s, "vllm") in _tokens_per_s]
     if len(measured) != len(SIZES):
@@ -126,10 +129,11 @@ def test_crossover_matches_the_engine_choice_constant(benchmark, model_dirs):
     benchmark.extra_info["crossover_constant"] = CPU_VLLM_CROSSOVER_PARAMS
     benchmark.pedantic(lambda: None, rounds=1)
     assert faster, f"vLLM never beat HF: {ratios}"
-    first = faster[0]
-    benchmark.extra_info["first_size_vllm_wins"] = first
-    below = [params[s] for s in SIZES if params[s] < params[first]]
-    assert (max(below) if below else 0) < CPU_VLLM_CROSSOVER_PARAMS <= params[first], (
+    benchmark.extra_info["first_size_vllm_wins"] = faster[0]
+    hf_wins = [params[s] for s in SIZES if ratios[s] <= 1.0 - PARITY_BAND]
+    vllm_wins = [params[s] for s in SIZES if ratios[s] >= 1.0 + PARITY_BAND]
+    assert vllm_wins, f"vLLM never clearly beat HF: {ratios}"
+    assert max(hf_wins, default=0) < CPU_VLLM_CROSSOVER_PARAMS <= min(vllm_wins), (
         f"CPU_VLLM_CROSSOVER_PARAMS={CPU_VLLM_CROSSOVER_PARAMS} disagrees with this run: ratios {ratios}, "
         f"params {params}"
     )
