@@ -5,47 +5,59 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from fastrlhf.algorithms import AGG_MODES
+from fastrlhf.config import RolloutConfig, TrainerConfig
 
 __all__ = ["RLHParams"]
 
 
+def _default(section, name: str):
+    """The run config's default for ``section.name``: one home for every default (fastrlhf.config)."""
+    return section.__dataclass_fields__[name].default
+
+
+_R, _T = RolloutConfig, TrainerConfig
+
+
 @dataclass(frozen=True)
 class RLHParams:
+    """Defaults are the run config's (``rollout``/``trainer`` sections), except where noted."""
+
     algorithm: str = "grpo"  # grpo | ppo
     seed: int = 0
     # rollout (temperature is also the training temperature: logprobs are of the sampled distribution)
-    n: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 32
+    n: int = _default(_R, "n")
+    temperature: float = _default(_R, "temperature")
+    top_p: float = _default(_R, "top_p")
+    top_k: int = _default(_R, "top_k")
+    max_new_tokens: int = _default(_R, "max_new_tokens")
     stop_token_ids: tuple = ()
-    sync_bucket_bytes: int = 256 << 20
+    sync_bucket_bytes: int = _default(_R, "sync_bucket_bytes")
     # update
-    prompts_per_step: int = 8
-    minibatch_size: int = 0  # sequences per optimizer step on each rank; 0 = the whole rank batch
-    ppo_epochs: int = 1
-    grad_accum: int = 1
-    max_grad_norm: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    agg: str = "token-mean"
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_kind: str = "k3"
-    kl_in_reward: bool = False  # PPO: KL shaped into token rewards; GRPO: always in the loss
-    gamma: float = 1.0
-    lam: float = 0.95
-    vf_clip: float = 0.2
-    vf_coef: float = 1.0
-    whiten_advantages: bool = True
-    scale_by_std: bool = True  # false = Dr.GRPO
-    tis_cap: float | None = None
-    loss_chunk_size: int | None = None
-    fused_loss: bool = True
-    forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None = micro-batch
-    old_logprobs: str = "auto"  # auto: not recomputed when the update is on-policy (see skips_old_logprobs)
+    prompts_per_step: int = _default(_T, "prompts_per_step")
+    # Per rank, unlike the config's (which counts all ranks): 0 = the whole rank batch.
+    minibatch_size: int = 0
+    ppo_epochs: int = _default(_T, "ppo_epochs")
+    grad_accum: int = _default(_T, "grad_accum")
+    max_grad_norm: float = _default(_T, "max_grad_norm")
+    clip_low: float = _default(_T, "clip_low")
+    clip_high: float = _default(_T, "clip_high")
+    dual_clip: float | None = _default(_T, "dual_clip")
+    agg: str = _default(_T, "agg")
+    entropy_coef: float = _default(_T, "entropy_coef")
+    kl_coef: float = _default(_T, "kl_coef")
+    kl_kind: str = _default(_T, "kl_kind")
+    kl_in_reward: bool = _default(_T, "kl_in_reward")  # PPO: KL shaped into token rewards; GRPO: always in the loss
+    gamma: float = _default(_T, "gamma")
+    lam: float = _default(_T, "lam")
+    vf_clip: float = _default(_T, "vf_clip")  # the config's null (no clipping) arrives as inf
+    vf_coef: float = _default(_T, "vf_coef")
+    whiten_advantages: bool = _default(_T, "whiten_advantages")
+    scale_by_std: bool = _default(_T, "scale_by_std")  # false = Dr.GRPO
+    tis_cap: float | None = _default(_T, "tis_cap")
+    loss_chunk_size: int | None = _default(_T, "loss_chunk_size")
+    fused_loss: bool = _default(_T, "fused_loss")
+    forward_micro_batch: int | None = _default(_T, "forward_micro_batch")  # None = the micro-batch
+    old_logprobs: str = _default(_T, "old_logprobs")  # auto: not recomputed on-policy (skips_old_logprobs)
 
     def __post_init__(self):
         if self.algorithm not in ("grpo", "ppo"):
