@@ -26,13 +26,13 @@ from benchmarks.e2e_common import child_setup, emit, peak_rss_bytes, read_spec, 
 
 def main(spec: dict) -> dict:
     child_setup(spec["threads"])
-    import fastrlhf.checkpoint
+    import fastrlhf.loop
     import fastrlhf.modeling
     import fastrlhf.rl.step as step_module
     from fastrlhf.config import parse_config
     from fastrlhf.rl import trainer
 
-    fastrlhf.checkpoint.save_checkpoint = lambda *a, **k: None
+    fastrlhf.loop.save_checkpoint = lambda *a, **k: None
     fastrlhf.modeling.export_hf = lambda *a, **k: None
 
     # Per step: seconds in the actor's old-logprob pass (0 when the on-policy step skips it) and in

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from fastrlhf import distributed as D
-from fastrlhf.checkpoint import load_latest, save_checkpoint
 from fastrlhf.config import ConfigError, config_to_dict
 from fastrlhf.data import EpochSampler, shard
 from fastrlhf.distributed import build_train_engine
 from fastrlhf.guards import StepGuard, TooManySkippedSteps
+from fastrlhf.loop import resume_step, run_steps
 from fastrlhf.metrics import MetricsLogger
-from fastrlhf.modeling import export_hf
 
 __all__ = ["Task", "run_supervised", "seed_everything", "engine_config", "micro_batch_size"]
 
@@ -93,57 +92,39 @@ def run_supervised(config, task: Task, resume: bool = False) -> dict:
     sampler = EpochSampler(len(task.examples), seed=config.seed)
     stateful = {"model": engine, "sampler": sampler, "guard": guard}
 
-    start_step = 0
-    if resume:
-        restored = load_latest(config.output_dir, stateful)
-        if restored is None:
-            print(f"note: --resume given but {config.output_dir} has no checkpoint; starting at step 0")
-        else:
-            start_step = restored["step"]
+    start_step = resume_step(config.output_dir, stateful, resume)
     if D.is_main():
         _write_run_config(config)
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=task.bar_keys,
                            tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config),
                            resume=resume)
     engine.train()
-    metrics: dict = {}
-    try:
-        for step in range(start_step + 1, t.max_steps + 1):
-            started = time.perf_counter()
-            local = shard(sampler.next_indices(t.batch_size), D.rank(), world)
-            sums: dict = {}
-            for i in range(0, len(local), micro):
-                loss, stats = task.loss_fn(engine, [task.examples[j] for j in local[i:i + micro]])
-                guard.check_loss(loss)
-                engine.backward(loss)
-                engine.step()
-                for key, value in {"loss": loss.item(), **stats}.items():
-                    sums[key] = sums.get(key, 0.0) + value / t.grad_accum
-            try:
-                skipped, stop = guard.end_step(step), None
-            except TooManySkippedSteps as exc:  # log this step first, then stop
-                skipped, stop = True, exc
-            metrics = _mean_over_ranks(sums)
-            grad_norm = engine.get_global_grad_norm()
-            metrics.update(lr=engine.get_lr()[0], skipped=int(skipped), skipped_total=guard.skipped_total,
-                           step_time_s=time.perf_counter() - started)
-            if grad_norm is not None and not skipped:
-                metrics["grad_norm"] = float(grad_norm)
-            if step % t.log_every == 0 or step == t.max_steps:
-                logger.log(step, metrics)
-            if skipped:
-                logger.message(f"step {step}: non-finite loss or gradient, update skipped "
-                               f"({guard.skipped_in_row} in a row, {guard.skipped_total} in all)")
-            if stop is not None:
-                raise stop
-            if t.save_every and step % t.save_every == 0 and step < t.max_steps:
-                save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
-    except TooManySkippedSteps:
-        save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
-        logger.close()
-        raise
-    logger.close()
-    save_checkpoint(config.output_dir, t.max_steps, stateful, keep_last=t.keep_checkpoints)
-    export_hf(engine, os.path.join(config.output_dir, "final"), zero_stage=config.deepspeed.zero_stage,
-              tokenizer_from=config.model.path)
-    return metrics
+
+    def one_step(step: int) -> dict:
+        started = time.perf_counter()
+        local = shard(sampler.next_indices(t.batch_size), D.rank(), world)
+        sums: dict = {}
+        for i in range(0, len(local), micro):
+            loss, stats = task.loss_fn(engine, [task.examples[j] for j in local[i:i + micro]])
+            guard.check_loss(loss)
+            engine.backward(loss)
+            engine.step()
+            for key, value in {"loss": loss.item(), **stats}.items():
+                sums[key] = sums.get(key, 0.0) + value / t.grad_accum
+        try:
+            skipped, stop = guard.end_step(step), None
+        except TooManySkippedSteps as exc:
+            skipped, stop = True, exc
+        metrics = _mean_over_ranks(sums)
+        grad_norm = engine.get_global_grad_norm()
+        metrics.update(lr=engine.get_lr()[0], skipped=int(skipped), skipped_total=guard.skipped_total,
+                       step_time_s=time.perf_counter() - started)
+        if grad_norm is not None and not skipped:
+            metrics["grad_norm"] = float(grad_norm)
+        if stop is not None:
+            stop.metrics = metrics  # logged by the loop before it stops
+            raise stop
+        return metrics
+
+    return run_steps(config, one_step, start_step=start_step, stateful=stateful, logger=logger, guard=guard,
+                     skip_reason="non-finite loss or gradient", export_engine=engine)

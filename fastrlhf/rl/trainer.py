@@ -10,7 +10,6 @@ the uninterrupted one would have.
 
 from __future__ import annotations
 
-import os
 import time
 
 __all__ = ["run", "build_rl_step"]
@@ -130,12 +129,12 @@ def build_rl_step(config, guard):
 def run(config, resume: bool = False) -> dict:
     """Train for ``trainer.max_steps`` steps; returns the last step's metrics (collective)."""
     from fastrlhf import distributed as D
-    from fastrlhf.checkpoint import load_latest, save_checkpoint
     from fastrlhf.config import config_to_dict
     from fastrlhf.data import EpochSampler, load_prompts, shard
-    from fastrlhf.guards import StepGuard, TooManySkippedSteps
+    from fastrlhf.guards import StepGuard
+    from fastrlhf.loop import resume_step, run_steps
     from fastrlhf.metrics import MetricsLogger
-    from fastrlhf.modeling import export_hf, vocab_size
+    from fastrlhf.modeling import vocab_size
     from fastrlhf.supervised import seed_everything
 
     D.init_distributed()
@@ -148,42 +147,21 @@ def run(config, resume: bool = False) -> dict:
     sampler = EpochSampler(len(examples), seed=config.seed)
     stateful.update(sampler=sampler, guard=guard)
 
-    start_step = 0
-    if resume:
-        restored = load_latest(config.output_dir, stateful)
-        if restored is None:
-            if D.is_main():
-                print(f"note: --resume given but {config.output_dir} has no checkpoint; starting at step 0")
-        else:
-            start_step = restored["step"]
-            rl_step.sync()  # the rollout engine must generate with the restored weights
+    start_step = resume_step(config.output_dir, stateful, resume)
+    if start_step:
+        rl_step.sync()  # the rollout engine must generate with the restored weights
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=("reward_mean", "kl", "policy_loss"),
                            tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config), resume=resume)
-    metrics: dict = {}
-    step = start_step
-    try:
-        for step in range(start_step + 1, t.max_steps + 1):
-            started = time.perf_counter()
-            local = shard(sampler.next_indices(t.prompts_per_step), D.rank(), D.world_size())
-            batch = [examples[i] for i in local]
-            metrics = rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step)
-            metrics["lr"] = rl_step.actor.engine.get_lr()[0]
-            metrics["wall_time"] = time.perf_counter() - started
-            if step % t.log_every == 0 or step == t.max_steps:
-                logger.log(step, metrics)
-            if metrics["skipped"]:
-                logger.message(f"step {step}: non-finite reward, loss or gradient, update skipped "
-                               f"({guard.skipped_in_row} in a row, {guard.skipped_total} in all)")
-            if t.save_every and step % t.save_every == 0 and step < t.max_steps:
-                save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
-    except TooManySkippedSteps:
-        save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
-        logger.close()
-        raise
-    finally:
-        rl_step.rollout.close()
-    logger.close()
-    save_checkpoint(config.output_dir, t.max_steps, stateful, keep_last=t.keep_checkpoints)
-    export_hf(stateful["actor"], os.path.join(config.output_dir, "final"), zero_stage=config.deepspeed.zero_stage,
-              tokenizer_from=config.model.path)
-    return metrics
+
+    def one_step(step: int) -> dict:
+        started = time.perf_counter()
+        local = shard(sampler.next_indices(t.prompts_per_step), D.rank(), D.world_size())
+        batch = [examples[i] for i in local]
+        metrics = rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step)
+        metrics["lr"] = rl_step.actor.engine.get_lr()[0]
+        metrics["wall_time"] = time.perf_counter() - started
+        return metrics
+
+    return run_steps(config, one_step, start_step=start_step, stateful=stateful, logger=logger, guard=guard,
+                     skip_reason="non-finite reward, loss or gradient", export_engine=stateful["actor"],
+                     after_loop=rl_step.rollout.close)

@@ -1,0 +1,75 @@
+"""The loop around one training step that ``fastrlhf train``, ``sft`` and ``rm`` share.
+
+Resume from the latest checkpoint, then per step: run it, log its metrics, report a skipped update,
+checkpoint every ``trainer.save_every`` steps. When the guard gives up (too many skipped steps in a
+row) the step in hand is still logged, a checkpoint of the last good weights is written and the
+error propagates; after the last step: a final checkpoint and the Hugging Face export (``final/``).
+What a step is (RL step, supervised minibatch) is the caller's ``step_fn``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from fastrlhf import distributed as D
+from fastrlhf.checkpoint import load_latest, save_checkpoint
+from fastrlhf.guards import TooManySkippedSteps
+
+__all__ = ["resume_step", "run_steps"]
+
+
+def resume_step(output_dir: str, stateful: dict, resume: bool) -> int:
+    """The step to continue after: the latest checkpoint's (its state loaded into ``stateful``), or 0."""
+    if not resume:
+        return 0
+    restored = load_latest(output_dir, stateful)
+    if restored is None:
+        if D.is_main():
+            print(f"note: --resume given but {output_dir} has no checkpoint; starting at step 0")
+        return 0
+    return restored["step"]
+
+
+def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, stateful: dict, logger, guard,
+              skip_reason: str, export_engine, after_loop: Callable[[], None] | None = None) -> dict:
+    """Steps ``start_step + 1 .. trainer.max_steps``; returns the last step's metrics.
+
+    ``step_fn(step)`` returns the step's metrics with ``skipped`` set; it may raise
+    :class:`TooManySkippedSteps` with the step's metrics in ``exc.metrics`` to have them logged.
+    ``after_loop`` runs once the loop ends, however it ends, before the final checkpoint (the RL
+    trainer frees its rollout engine there).
+    """
+    t = config.trainer
+    metrics: dict = {}
+    step = start_step
+    try:
+        for step in range(start_step + 1, t.max_steps + 1):
+            try:
+                metrics = step_fn(step)
+            except TooManySkippedSteps as exc:
+                if getattr(exc, "metrics", None):
+                    logger.log(step, exc.metrics)
+                raise
+            if step % t.log_every == 0 or step == t.max_steps:
+                logger.log(step, metrics)
+            if metrics["skipped"]:
+                logger.message(f"step {step}: {skip_reason}, update skipped "
+                               f"({guard.skipped_in_row} in a row, {guard.skipped_total} in all)")
+            if t.save_every and step % t.save_every == 0 and step < t.max_steps:
+                save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
+    except TooManySkippedSteps:
+        # The skipped updates left the weights of the last good step: keep them.
+        save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
+        logger.close()
+        raise
+    finally:
+        if after_loop is not None:
+            after_loop()
+    logger.close()
+    save_checkpoint(config.output_dir, t.max_steps, stateful, keep_last=t.keep_checkpoints)
+    from fastrlhf.modeling import export_hf
+
+    export_hf(export_engine, os.path.join(config.output_dir, "final"), zero_stage=config.deepspeed.zero_stage,
+              tokenizer_from=config.model.path)
+    return metrics
