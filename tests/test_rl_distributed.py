@@ -147,3 +147,24 @@ def test_kill_and_resume_matches_uninterrupted_grpo_run(tiny):
 
     initial = load_file(str(tiny / "model" / "model.safetensors"))
     assert max(float((wa[n] - initial[n]).abs().max()) for n in wa) > 1e-3
+
+
+@pytest.mark.timeout(300)
+def test_too_many_skipped_rl_steps_stop_with_a_checkpoint(tiny):
+    out = tiny / "nan_run"
+    path = _resume_config(tiny, out)
+    config = yaml.safe_load(open(path))
+    config["reward"]["function"] = "nan_reward:reward"
+    config["trainer"].update(max_steps=5, max_skipped_steps=2)
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    rc, text = run([PY, "-m", "fastrlhf", "train", "--config", path], env=env())
+    assert rc == 1, text[-4000:]
+    assert "2 steps in a row" in text, text[-4000:]
+    records = _metrics(out)
+    # The step that stops the run is logged too, and the last good weights are checkpointed.
+    assert sorted(records) == [1, 2] and all(r["skipped"] == 1.0 for r in records.values())
+    assert records[2]["skipped_steps"] == 2.0
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-2"
+    assert not (out / "final").exists()
+

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fastrlhf.algorithms import kl_penalty, masked_mean
+from fastrlhf.guards import TooManySkippedSteps
 from fastrlhf.rl.experience import Experience, build_experience
 from fastrlhf.rl.forward import policy_loss_from_model, sequence_logprobs, unwrap
 from fastrlhf.rl.grpo import compute_grpo_token_advantages
@@ -242,8 +243,12 @@ class RLStep:
         if self.guard is not None:
             if bad_inputs:
                 self.guard.mark_skipped()
-            # Raises TooManySkippedSteps after trainer.max_skipped_steps bad steps in a row.
-            skipped = self.guard.end_step(step) or skipped
+            try:
+                skipped = self.guard.end_step(step) or skipped
+            except TooManySkippedSteps as exc:  # this step's metrics first, then stop (every rank alike)
+                exc.metrics = self._reduce_metrics(exp, prep, train, {"sync_bytes": 0.0}, {**timings, "sync": 0.0},
+                                                   True, step)
+                raise
         if skipped:
             self.skipped_steps += 1
 
