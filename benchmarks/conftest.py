@@ -3,7 +3,9 @@
 Generic on purpose: any test in ``benchmarks/`` that uses the ``benchmark`` fixture gets a row
 with whatever scalar ``extra_info`` it recorded (times, peak memory, ratios against a baseline).
 The table of ``benchmarks/test_bench_<name>.py`` is also written as markdown to
-``benchmarks/results/<name>.md`` and its rows as ``benchmarks/results/<name>.json``.
+``benchmarks/results/<name>.md`` and its rows as ``benchmarks/results/<name>.json``; a partial run
+(``-k``, ``-m``, node ids) writes to ``benchmarks/results/partial/`` instead, so it cannot clobber a
+full run's figures.
 
 ``benchmarks/results/RESULTS.md`` then collects every module's rows found in ``results/*.json``
 (this run's and, for modules this run did not touch, the last run's, marked with their date) into
@@ -23,6 +25,16 @@ import pytest
 _RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _rows: dict[str, list[tuple[str, dict]]] = {}
 _session: dict = {}
+
+
+def pytest_deselected(items):
+    _session["partial"] = True
+
+
+def _partial_run(config) -> bool:
+    """A run of some tests only (-k, -m, node ids): its figures must not replace a full run's."""
+    return bool(_session.get("partial") or config.option.keyword or config.option.markexpr
+                or any("::" in str(a) for a in config.invocation_params.args))
 
 
 def pytest_sessionstart(session):
@@ -61,20 +73,26 @@ def _table(rows: list[tuple[str, dict]]) -> list[str]:
 def pytest_terminal_summary(terminalreporter):
     if not _rows:
         return
-    os.makedirs(_RESULTS_DIR, exist_ok=True)
+    partial = _partial_run(terminalreporter.config)
+    out_dir = os.path.join(_RESULTS_DIR, "partial") if partial else _RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
     for module, rows in sorted(_rows.items()):
         lines = _table(rows)
         terminalreporter.write_sep("-", f"{module}: extra_info")
         for line in lines:
             terminalreporter.write_line(line)
         name = module.removeprefix("test_bench_").removeprefix("test_")
-        path = os.path.join(_RESULTS_DIR, f"{name}.md")
+        path = os.path.join(out_dir, f"{name}.md")
         with open(path, "w") as f:
             f.write(f"# Benchmark results: {module}\n\n" + "\n".join(lines) + "\n")
         terminalreporter.write_line(f"written to {os.path.relpath(path)}")
-        with open(os.path.join(_RESULTS_DIR, f"{name}.json"), "w") as f:
+        with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             json.dump({"module": module, "finished": _now(), "load_avg_end": _loadavg(),
                        "rows": [{"benchmark": n, **_scalars(i)} for n, i in rows]}, f, indent=1)
+    if partial:
+        terminalreporter.write_line(f"a partial run (-k, -m or node ids): figures only in {os.path.relpath(out_dir)}/; "
+                                    "results/*.md and RESULTS.md keep the last full run's")
+        return
     path = _write_results_md(terminalreporter.config)
     terminalreporter.write_line(f"all benchmark figures collected in {os.path.relpath(path)}")
 
