@@ -51,18 +51,23 @@ def stop_token_ids_for(sampling: SamplingConfig, eos_token_ids: Sequence[int]) -
 
 
 class RolloutEngine(abc.ABC):
-    """Generates completions from token-id prompts and takes new weights from the trainer."""
+    """Generates completions from token-id prompts and takes new weights from the trainer.
+
+    Subclasses set ``_vocab_size`` and ``_max_model_len`` (prompt + completion tokens) when built.
+    """
 
     #: "vllm" or "hf", the name ``choose_engine_kind`` returns.
     kind: str = ""
+    _vocab_size: int
+    _max_model_len: int
 
     @property
-    @abc.abstractmethod
-    def vocab_size(self) -> int: ...
+    def vocab_size(self) -> int:
+        return self._vocab_size
 
     @property
-    @abc.abstractmethod
-    def max_model_len(self) -> int: ...
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
     @property
     def weight_dtype(self) -> torch.dtype | None:

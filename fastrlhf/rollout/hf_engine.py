@@ -106,14 +106,6 @@ class HFEngine(RolloutEngine):
         self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or [0])[0])
 
     @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
     def weight_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 

@@ -145,14 +145,6 @@ class VLLMEngine(RolloutEngine):
         self._finalizer = weakref.finalize(self, vllm_adapter.shutdown_llm, self.llm, not self._owns_group)
 
     @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
     def weight_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
