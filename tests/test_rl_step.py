@@ -267,6 +267,37 @@ def test_step_matches_hand_written_unfused_step(case, monkeypatch):
     assert metrics["generated_tokens"] == sum(len(c.token_ids) for s in completions for c in s)
 
 
+@pytest.mark.parametrize("case", ["grpo", "ppo"])
+def test_gradient_checkpointing_changes_memory_not_the_update(case):
+    # model.gradient_checkpointing (non-reentrant) on the actor and critic: the RL step's loss and
+    # updated weights must equal those of the same step without it.
+    hp = make_hp(GRPO) if case == "grpo" else make_hp(PPO)
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        actor, ref = tiny_actor(), tiny_actor().eval()
+        completions = fixed_completions(actor, hp.temperature)
+        critic = tiny_critic() if case == "ppo" else None
+        if checkpointing:
+            for model in (actor, critic.lm if critic is not None else None):
+                if model is not None:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    assert model.is_gradient_checkpointing
+        opt = torch.optim.AdamW(actor.parameters(), lr=5e-3)
+        copt = torch.optim.AdamW(critic.parameters(), lr=5e-3) if critic is not None else None
+        rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=ref, critic=critic,
+                    actor_optimizer=opt, critic_optimizer=copt, pad_token_id=PAD, rollout_shares_actor=True)
+        metrics = rl(PROMPTS, None, step=3, completions=completions)
+        results.append((metrics, actor, critic))
+    (m0, a0, c0), (m1, a1, c1) = results
+    assert m1["skipped"] == 0.0
+    assert math.isclose(m0["policy_loss"], m1["policy_loss"], rel_tol=1e-5, abs_tol=1e-7)
+    assert_same_params(a0, a1, atol=1e-6)
+    if c0 is not None:
+        assert math.isclose(m0["value_loss"], m1["value_loss"], rel_tol=1e-5, abs_tol=1e-7)
+        assert_same_params(c0, c1, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------
 # NaN guard
 # ----------------------------------------------------------------------------------------------
