@@ -4,6 +4,7 @@ the step guard inside an engine, and a 2-rank run under the deepspeed launcher."
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -229,6 +230,27 @@ def test_two_ranks_under_the_deepspeed_launcher_zero3(workdir):
     assert sorted(os.listdir(out / "checkpoints" / "step-2")) == ["model", "rank-0.pt", "rank-1.pt"]
     model = AutoModelForCausalLM.from_pretrained(out / "final")  # ZeRO-3 shards gathered into a full model
     assert model.lm_head.weight.shape == (VOCAB, 64)
+
+    # A kill during step 3 leaves this run as it was after the step-2 checkpoint; resuming it on 2
+    # ranks must end where the uninterrupted run ended (step-3 metrics, final weights).
+    resumed = workdir / "sft_2rank_resumed"
+    shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("final", "step-3"))
+    (resumed / "checkpoints" / "latest").write_text("step-2\n")
+    config = write_config(workdir, "sft_2rank_resumed", trainer={"max_steps": 3, "save_every": 2},
+                          deepspeed={"zero_stage": 3})
+    result = run_group([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "fastrlhf",
+                        "sft", "--config", config, "--resume"], timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    want = read_metrics(os.path.join(out, "metrics.jsonl"))
+    got = read_metrics(os.path.join(resumed, "metrics.jsonl"))
+    assert [r["step"] for r in got] == [1, 2, 3]
+    # Steps 1-2 are the copied records (a run that restarted from scratch would have re-timed them).
+    assert [r["step_time_s"] for r in got[:2]] == [r["step_time_s"] for r in want[:2]]
+    for a, b in zip(want, got, strict=True):
+        assert {k: a.get(k) for k in DETERMINISTIC_KEYS} == {k: b.get(k) for k in DETERMINISTIC_KEYS}, a["step"]
+    again = AutoModelForCausalLM.from_pretrained(resumed / "final")
+    for (name, p), q in zip(model.named_parameters(), again.parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 def _free_port():
