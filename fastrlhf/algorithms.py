@@ -134,11 +134,20 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return torch.logsumexp(z, dim=-1) - (p * z_finite).sum(-1)
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimator between the policy and the reference (Schulman's k1/k2/k3, and |k1|)."""
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL estimator between the policy and the reference (Schulman's k1/k2/k3, and |k1|).
+
+    With ``mask``, masked positions are 0 and pass no gradient whatever they hold: padding with a
+    -inf reference logprob would otherwise send ``0 * inf = NaN`` back through k2 (masking the
+    result afterwards is too late for the backward pass).
+    """
     check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
     kind = _KL_ALIASES.get(kind, kind)
     diff = logprobs - ref_logprobs
+    if mask is not None:
+        check_same_shape(logprobs=logprobs, mask=mask)
+        diff = torch.where(_keep(mask), diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
     if kind == "k1":
         return diff
     if kind == "abs":
@@ -173,7 +182,7 @@ def shape_rewards(
     if scores.shape != logprobs.shape[:1]:
         raise ValueError(f"shape mismatch: scores has shape {tuple(scores.shape)} but logprobs has shape "
                          f"{tuple(logprobs.shape)} (expected scores of shape [B])")
-    kl = kl_penalty(logprobs, ref_logprobs, kind)
+    kl = kl_penalty(logprobs, ref_logprobs, kind, mask)
     zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
     rewards = torch.where(_keep(mask), -kl_coef * kl, zero)
     last = last_token_index(mask)

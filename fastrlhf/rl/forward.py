@@ -154,7 +154,7 @@ def policy_loss_from_model(model, mb: Experience, *, clip_low: float, clip_high:
     metrics["entropy"] = masked_mean(ent, mb.response_mask).detach()
     metrics["kl"] = torch.zeros(())
     if ref is not None:
-        kl = kl_penalty(lp, ref, kl_kind)
+        kl = kl_penalty(lp, ref, kl_kind, mb.response_mask)
         loss = loss + kl_coef * aggregate_loss(kl, mb.response_mask, agg)
         metrics["kl"] = masked_mean(kl, mb.response_mask).detach()
     if entropy_coef:

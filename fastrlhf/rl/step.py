@@ -131,7 +131,8 @@ class RLStep:
                 exp.ref_logprobs, _ = sequence_logprobs(ref_model, exp, hp.temperature, micro, hp.loss_chunk_size,
                                                         hp.fused_loss)
             if exp.old_logprobs is not None:
-                metrics["kl"] = float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, hp.kl_kind), mask))
+                kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, hp.kl_kind, mask)
+                metrics["kl"] = float(masked_mean(kl, mask))
         if hp.tis_cap is not None:
             # Truncated importance sampling: the engine sampled from engine_lp, we train as if from old_lp.
             log_w = (exp.old_logprobs - exp.engine_logprobs).clamp(-_MAX_LOG_IS, _MAX_LOG_IS)
