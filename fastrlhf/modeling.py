@@ -162,19 +162,31 @@ def vocab_size(path: str) -> int | None:
     return getattr(config, "vocab_size", None)
 
 
-def _gathered_state_dict(model, zero_stage: int) -> dict | None:
-    """Full state dict on rank 0 (None elsewhere); collective under ZeRO-3."""
+def _gathered_state_dict(model, zero_stage: int, bucket_bytes: int | None = None) -> dict | None:
+    """Full state dict on rank 0 (None elsewhere), in CPU memory; collective under ZeRO-3.
+
+    ZeRO-3 parameters are gathered a bucket at a time (the weight sync's gather), so no rank ever
+    holds the whole model on its device; rank 0 keeps a CPU copy of each bucket.
+    """
     from fastrlhf import distributed as D
 
-    context = contextlib.nullcontext()
-    if zero_stage == 3:
-        import deepspeed
+    if zero_stage != 3:
+        return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()} if D.is_main() else None
+    from fastrlhf.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_bucketed_weights
 
-        context = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
-    with context:
-        if not D.is_main():
-            return None
-        return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+    gathered = {}
+    for name, tensor in iter_bucketed_weights(model, bucket_bytes or DEFAULT_BUCKET_BYTES):  # collective
+        if D.is_main():
+            gathered[name] = tensor.cpu()
+    if not D.is_main():
+        return None
+    # state_dict also holds buffers and each tied weight under every name it has; the gather
+    # yields each parameter once, under the name named_parameters() gives it.
+    first_name = {}
+    for name, param in model.named_parameters():
+        first_name.setdefault(id(param), name)
+    return {key: gathered[first_name[id(value)]] if id(value) in first_name else value.detach().clone().cpu()
+            for key, value in model.state_dict(keep_vars=True).items()}
 
 
 def _plain_hf_model(model, state: dict):
@@ -191,15 +203,18 @@ def _plain_hf_model(model, state: dict):
     return fresh
 
 
-def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from: str | None = None) -> str:
+def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from: str | None = None,
+              bucket_bytes: int | None = None) -> str:
     """Save a Hugging Face folder (safetensors) that transformers and vLLM load; collective, atomic.
+
+    Under ZeRO-3 the parameters are gathered ``bucket_bytes`` at a time (default: the weight sync's).
 
     A :class:`CausalLMWithValueHead` exports the LM plus ``value_head.safetensors``.
     """
     from fastrlhf import distributed as D
 
     model = unwrap(model_or_engine)
-    state = _gathered_state_dict(model, zero_stage)
+    state = _gathered_state_dict(model, zero_stage, bucket_bytes)
     if D.is_main():
         tmp = f"{out_dir.rstrip(os.sep)}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

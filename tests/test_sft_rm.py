@@ -365,3 +365,38 @@ def test_zero3_loading_partitions_at_load_time(workdir):
     classifier = load_sequence_classifier(model_cfg, 2, zero3_config=stage3)
     with deepspeed.zero.GatheredParameters([classifier.score.weight]):
         assert 0.005 < classifier.score.weight.std().item() < 0.05  # HF init, not zero.Init's std ~1
+
+
+def test_zero3_export_gathers_in_buckets_and_saves_the_full_model(workdir, monkeypatch):
+    import deepspeed
+    from safetensors.torch import load_file
+
+    from fastrlhf import distributed as D
+    from fastrlhf.config import DeepSpeedConfig, ModelConfig
+    from fastrlhf.modeling import export_hf, load_causal_lm
+
+    D.init_distributed(timeout_s=60)
+    model_cfg = ModelConfig(path=str(workdir / "model"))
+    stage3 = D.deepspeed_config(DeepSpeedConfig(zero_stage=3), micro_batch_size=1)
+    engine = D.build_train_engine(load_causal_lm(model_cfg, zero3_config=stage3), DeepSpeedConfig(zero_stage=3),
+                                  lr=1e-2)
+    params = list(engine.module.parameters())
+    largest = max(p.ds_numel for p in params) * 4
+    gathers = []
+    real = deepspeed.zero.GatheredParameters
+
+    def spy(params_to_gather, *args, **kwargs):
+        gathers.append(len(list(params_to_gather)))
+        return real(params_to_gather, *args, **kwargs)
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", spy)
+    export_hf(engine, str(workdir / "zero3_export"), zero_stage=3, bucket_bytes=largest)
+    monkeypatch.undo()
+    assert len(gathers) > 2 and max(gathers) < len(params)  # never the whole model at once
+    saved = load_file(str(workdir / "zero3_export" / "model.safetensors"))
+    plain = load_causal_lm(model_cfg)
+    want = plain.state_dict()
+    assert set(want) - set(saved) <= {"lm_head.weight"}  # a tied head is saved once
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, want[name]), name
+
