@@ -218,7 +218,7 @@ def test_step_matches_hand_written_unfused_step(case, monkeypatch):
         hp = make_hp(GRPO, fused_loss=False, entropy_coef=0.05)
     else:
         hp = make_hp(PPO)
-    actor, ref = tiny_actor(), tiny_actor().eval()
+    actor, ref = tiny_actor(), tiny_actor(seed=1).eval()  # a reference that differs: KL > 0
     completions = fixed_completions(actor, hp.temperature)
     actor_ref_copy = copy.deepcopy(actor)
     lr = 5e-3

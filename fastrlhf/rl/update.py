@@ -20,8 +20,11 @@ __all__ = ["UpdateResult", "minibatch_order", "run_updates"]
 
 
 class UpdateResult(dict):
-    """Mean metrics over micro-batches, plus ``grad_norm`` (mean over optimizer steps), ``optimizer_steps``
-    and ``aborted`` (a non-finite loss stopped the update)."""
+    """Metrics of an update: losses (``loss`` and ``*_loss``) averaged over micro-batches, as the
+    optimizer saw them; every other metric (a masked mean over a micro-batch's tokens) weighted by
+    its micro-batch's kept tokens, i.e. the masked mean over all tokens the update saw. Plus
+    ``grad_norm`` (mean over optimizer steps), ``optimizer_steps`` and ``aborted`` (a non-finite loss
+    stopped the update)."""
 
 
 def minibatch_order(batch_size: int, micro_batch: int, grad_accum: int, epochs: int,
@@ -35,16 +38,21 @@ def minibatch_order(batch_size: int, micro_batch: int, grad_accum: int, epochs: 
     return steps
 
 
+def _is_loss(name: str) -> bool:
+    return name == "loss" or name.endswith("_loss")
+
+
 def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[list[torch.Tensor]]) -> UpdateResult:
     """``loss_fn(module, micro_exp) -> (loss, metrics)``; one optimizer step per entry of ``order``."""
     sums: dict[str, float] = defaultdict(float)
-    micro_count = 0
+    micro_count, tokens = 0, 0.0
     grad_norms = []
     optimizer_steps = 0
     aborted = False
     for micro_rows in order:
         for rows in micro_rows:
-            loss, metrics = loss_fn(learner.module, exp.select(rows))
+            mb = exp.select(rows)
+            loss, metrics = loss_fn(learner.module, mb)
             if not aborted and any_rank_true(not bool(torch.isfinite(loss.detach()).all())):
                 # Decided by all ranks together: this minibatch's update is skipped everywhere.
                 # Its remaining micro-batches still run (DeepSpeed's accumulation counters and
@@ -56,9 +64,11 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[list[to
             if aborted:
                 continue
             sums["loss"] += float(loss.detach())
+            mb_tokens = float((mb.response_mask > 0).sum())
             for name, value in metrics.items():
-                sums[name] += float(value)
+                sums[name] += float(value) * (1.0 if _is_loss(name) else mb_tokens)
             micro_count += 1
+            tokens += mb_tokens
             if stepped:
                 optimizer_steps += 1
                 norm = learner.grad_norm()
@@ -66,7 +76,7 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[list[to
                     grad_norms.append(norm)
         if aborted:
             break
-    result = UpdateResult({k: v / max(1, micro_count) for k, v in sums.items()})
+    result = UpdateResult({k: v / (max(1, micro_count) if _is_loss(k) else max(1.0, tokens)) for k, v in sums.items()})
     result["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     result["optimizer_steps"] = float(optimizer_steps)
     result["aborted"] = aborted
