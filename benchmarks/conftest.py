@@ -37,6 +37,14 @@ def _partial_run(config) -> bool:
                 or any("::" in str(a) for a in config.invocation_params.args))
 
 
+@pytest.fixture(scope="session")
+def results_dir(request) -> str:
+    """Where a benchmark writes extra files: ``results/``, or ``results/partial/`` in a partial run."""
+    path = os.path.join(_RESULTS_DIR, "partial") if _partial_run(request.config) else _RESULTS_DIR
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def pytest_sessionstart(session):
     _session["start"] = datetime.datetime.now(datetime.timezone.utc)
     _session["load_start"] = _loadavg()

@@ -33,7 +33,7 @@ ROUNDS = 2  # A B A B
 TARGETS = {"A": dict(speedup=2.0), "B": dict(speedup=1.3, rss_ratio=0.5)}
 STRICT = os.environ.get("FASTRLHF_BENCH_STRICT") == "1"
 MIB = float(1 << 20)
-RAW_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e_runs.json")
+RAW_NAME = "e2e_runs.json"
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +57,22 @@ def _record(info: dict, prefix: str, med: dict) -> None:
     info[f"{prefix}_measured_steps"] = med["measured_steps"]
 
 
-def _save_raw(workload: str, results: dict) -> None:
-    """Every step of every run (``benchmarks/results/e2e_runs.json``), for a look behind the medians."""
-    os.makedirs(os.path.dirname(RAW_PATH), exist_ok=True)
+def _save_raw(results_dir: str, workload: str, results: dict) -> None:
+    """Every step of every run (``results/e2e_runs.json``), for a look behind the medians."""
+    path = os.path.join(results_dir, RAW_NAME)
     try:
-        with open(RAW_PATH) as f:
+        with open(path) as f:
             raw = json.load(f)
     except (OSError, ValueError):
         raw = {}
     raw[workload] = results
-    with open(RAW_PATH, "w") as f:
+    with open(path, "w") as f:
         json.dump(raw, f, indent=1)
 
 
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
-def test_e2e_grpo_step_vs_trl(benchmark, work_dir, workload):
+def test_e2e_grpo_step_vs_trl(benchmark, work_dir, results_dir, workload):
     if not trl_available():
         pytest.skip("TRL is not installed (pip install -e '.[bench]')")
     w = WORKLOADS[workload]
@@ -87,7 +87,7 @@ def test_e2e_grpo_step_vs_trl(benchmark, work_dir, workload):
                 results[trainer].append(run_child(trainer, run_spec))
 
     benchmark.pedantic(alternate, rounds=1, iterations=1)
-    _save_raw(workload, results)
+    _save_raw(results_dir, workload, results)
     ours, trl = pooled(results["fastrlhf"], w["warmup"]), pooled(results["trl"], w["warmup"])
     speedup = ours["trained_tokens_per_s"] / trl["trained_tokens_per_s"]
     rss_ratio = ours["peak_rss_bytes"] / trl["peak_rss_bytes"]
