@@ -12,6 +12,7 @@ import socket
 from datetime import timedelta
 
 __all__ = [
+    "free_port",
     "init_distributed",
     "rank",
     "world_size",
@@ -29,7 +30,8 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 1800
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now (for MASTER_PORT / the launcher's --master_port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -43,7 +45,7 @@ def init_distributed(timeout_s: float | None = None) -> None:
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if timeout_s is None:
         timeout_s = float(os.environ.get("FASTRLHF_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
     import deepspeed

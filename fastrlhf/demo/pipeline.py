@@ -20,13 +20,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 from fastrlhf.demo import data as demo_data
+from fastrlhf.distributed import free_port
 
 __all__ = ["DemoOptions", "run_demo", "prepare_for_prefixes"]
 
@@ -54,12 +54,6 @@ class StageFailed(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child_env(**extra) -> dict:
@@ -344,7 +338,7 @@ def run_demo(opts: DemoOptions) -> dict:
         env_extra["FASTRLHF_DEMO_EXACT_LOG"] = os.path.abspath(exact_log)
     sets += opts.rl_set
     deepspeed = os.path.join(os.path.dirname(py), "deepspeed")
-    cmd = [deepspeed, "--num_gpus", str(opts.ranks), "--master_port", str(_free_port()), "--module", "fastrlhf",
+    cmd = [deepspeed, "--num_gpus", str(opts.ranks), "--master_port", str(free_port()), "--module", "fastrlhf",
            "train", "--config", rl_cfg, *(a for s in sets for a in ("--set", s))]
     times["rl"] = _run_stage(f"RL {opts.algo}", cmd, os.path.join(paths["logs"], f"{run_name}.log"),
                              os.path.join(run_dir, "metrics.jsonl"), rl_steps, opts.progress,
