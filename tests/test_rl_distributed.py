@@ -4,24 +4,19 @@ killed mid-step and resumed, which must end where the uninterrupted run ends."""
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 import yaml
+from launch import run_group
+
+from fastrlhf.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "rl_scripts")
 PY = sys.executable
 DEEPSPEED = os.path.join(os.path.dirname(PY), "deepspeed")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env(**extra):
@@ -47,26 +42,14 @@ def tiny(tmp_path_factory):
     return root
 
 
-def run(cmd, timeout=300, **kw):
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **kw)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[:4])} timed out after {timeout} s:\n{out[-4000:]}")
-    return proc.returncode, out
-
-
 @pytest.mark.timeout(560)
 def test_two_ranks_zero2_zero3_ppo_grpo(tiny):
     # HF engines for the tiny model (faster than vLLM below ~4M parameters on CPU), plus one vLLM-backed
     # case whose weights reach vLLM through the ZeRO-3 bucketed gather.
     cases = ["grpo:2:hf", "grpo:3:hf", "ppo:2:hf", "ppo:3:hf", "grpo:3:vllm"]
-    rc, out = run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()),
-                   os.path.join(SCRIPTS, "two_rank_steps.py"), str(tiny / "model"), str(tiny / "prompts.jsonl"),
-                   str(tiny), *cases], timeout=540, env=env())
+    rc, out = run_group([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()),
+                         os.path.join(SCRIPTS, "two_rank_steps.py"), str(tiny / "model"), str(tiny / "prompts.jsonl"),
+                         str(tiny), *cases], timeout=540, env=env())
     assert rc == 0, out[-4000:]
     for case in cases:
         ranks = [json.load(open(tiny / f"{case.replace(':', '-')}-rank{r}.json")) for r in range(2)]
@@ -122,16 +105,17 @@ def _metrics(out_dir):
 def test_kill_and_resume_matches_uninterrupted_grpo_run(tiny):
     train = [PY, "-m", "fastrlhf", "train", "--config"]
     straight, killed = tiny / "straight", tiny / "killed"
-    rc, out = run(train + [_resume_config(tiny, straight)], env=env())
+    rc, out = run_group(train + [_resume_config(tiny, straight)], env=env(), timeout=300)
     assert rc == 0, out[-4000:]
 
     # 4 sequences are scored per step: the 9th reward call is inside step 3, after the step-2 checkpoint.
-    rc, out = run(train + [_resume_config(tiny, killed)], env=env(FASTRLHF_TEST_KILL_AFTER_CALLS="8"))
+    rc, out = run_group(train + [_resume_config(tiny, killed)], timeout=300,
+                        env=env(FASTRLHF_TEST_KILL_AFTER_CALLS="8"))
     assert rc == -signal.SIGKILL, out[-4000:]
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step-2"
     assert not (killed / "final").exists()
 
-    rc, out = run(train + [_resume_config(tiny, killed), "--resume"], env=env())
+    rc, out = run_group(train + [_resume_config(tiny, killed), "--resume"], env=env(), timeout=300)
     assert rc == 0, out[-4000:]
     a, b = _metrics(straight), _metrics(killed)
     assert sorted(b) == [1, 2, 3, 4]
@@ -158,7 +142,7 @@ def test_too_many_skipped_rl_steps_stop_with_a_checkpoint(tiny):
     config["trainer"].update(max_steps=5, max_skipped_steps=2)
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
-    rc, text = run([PY, "-m", "fastrlhf", "train", "--config", path], env=env())
+    rc, text = run_group([PY, "-m", "fastrlhf", "train", "--config", path], env=env(), timeout=300)
     assert rc == 1, text[-4000:]
     assert "2 steps in a row" in text, text[-4000:]
     records = _metrics(out)

@@ -6,24 +6,18 @@ and starting an engine; the sync itself takes ~0.1-0.3 s).
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 
 import pytest
+from launch import run_group
+
+from fastrlhf.distributed import free_port
 
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "rollout_scripts", "zero3_sync.py")
 TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_zero3_bucketed_sync_reaches_every_ranks_engine(tmp_path):
@@ -33,18 +27,10 @@ def test_zero3_bucketed_sync_reaches_every_ranks_engine(tmp_path):
     out_dir.mkdir()
     work_dir.mkdir()
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(_free_port()), SCRIPT, str(out_dir), str(work_dir)]
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), SCRIPT, str(out_dir), str(work_dir)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"deepspeed launcher did not finish in {TIMEOUT_S} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    rc, output = run_group(cmd, TIMEOUT_S, env=env, cwd=REPO)
+    assert rc == 0, output[-4000:]
 
     reports = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     for r, report in enumerate(reports):

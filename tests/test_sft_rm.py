@@ -13,7 +13,9 @@ import time
 import pytest
 import torch
 import yaml
+from launch import run_group
 
+from fastrlhf.distributed import free_port
 from fastrlhf.metrics import read_metrics
 from fastrlhf.models import save_tiny_llama
 
@@ -57,21 +59,8 @@ def write_config(workdir, name, **sections):
     return str(path)
 
 
-def run_group(argv, timeout):
-    """Run a command in its own process group; on timeout the whole group (launcher and ranks) is killed."""
-    proc = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
-
-
 def cli(*args, timeout=180):
-    return run_group([sys.executable, "-m", "fastrlhf", *args], timeout)
+    return run_group([sys.executable, "-m", "fastrlhf", *args], timeout, env=ENV)
 
 
 def losses(output_dir):
@@ -83,8 +72,8 @@ def sft_run(workdir):
     """An uninterrupted SFT run, the reference the resume test compares against."""
     config = write_config(workdir, "sft_full", trainer={"max_steps": 12, "save_every": 3, "batch_size": 4,
                                                         "lr": 3.0e-3})
-    result = cli("sft", "--config", config)
-    assert result.returncode == 0, result.stderr[-3000:]
+    rc, log = cli("sft", "--config", config)
+    assert rc == 0, log[-3000:]
     return workdir / "sft_full", config
 
 
@@ -130,8 +119,8 @@ def test_sft_killed_and_resumed_reproduces_the_metrics(sft_run, workdir):
     assert os.path.exists(out / "checkpoints" / "step-3")
     assert not os.path.exists(out / "final")
 
-    result = cli("sft", "--config", config, "--resume")
-    assert result.returncode == 0, result.stderr[-3000:]
+    rc, log = cli("sft", "--config", config, "--resume")
+    assert rc == 0, log[-3000:]
     want = read_metrics(os.path.join(reference, "metrics.jsonl"))
     got = read_metrics(metrics)
     assert [r["step"] for r in got] == list(range(1, 13))
@@ -220,11 +209,11 @@ def test_two_ranks_under_the_deepspeed_launcher_zero3(workdir):
 
     config = write_config(workdir, "sft_2rank", trainer={"max_steps": 3, "save_every": 2},
                           deepspeed={"zero_stage": 3})
-    port = _free_port()
+    port = free_port()
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    result = run_group([launcher, "--num_gpus", "2", "--master_port", str(port), "--module", "fastrlhf", "sft",
-                        "--config", config], timeout=240)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rc, log = run_group([launcher, "--num_gpus", "2", "--master_port", str(port), "--module", "fastrlhf", "sft",
+                         "--config", config], timeout=240, env=ENV)
+    assert rc == 0, log[-5000:]
     out = workdir / "sft_2rank"
     assert [r["step"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
     assert sorted(os.listdir(out / "checkpoints" / "step-2")) == ["model", "rank-0.pt", "rank-1.pt"]
@@ -238,9 +227,9 @@ def test_two_ranks_under_the_deepspeed_launcher_zero3(workdir):
     (resumed / "checkpoints" / "latest").write_text("step-2\n")
     config = write_config(workdir, "sft_2rank_resumed", trainer={"max_steps": 3, "save_every": 2},
                           deepspeed={"zero_stage": 3})
-    result = run_group([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "fastrlhf",
-                        "sft", "--config", config, "--resume"], timeout=240)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rc, log = run_group([launcher, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "fastrlhf",
+                         "sft", "--config", config, "--resume"], timeout=240, env=ENV)
+    assert rc == 0, log[-5000:]
     want = read_metrics(os.path.join(out, "metrics.jsonl"))
     got = read_metrics(os.path.join(resumed, "metrics.jsonl"))
     assert [r["step"] for r in got] == [1, 2, 3]
@@ -251,14 +240,6 @@ def test_two_ranks_under_the_deepspeed_launcher_zero3(workdir):
     again = AutoModelForCausalLM.from_pretrained(resumed / "final")
     for (name, p), q in zip(model.named_parameters(), again.parameters(), strict=True):
         assert torch.equal(p, q), name
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sft_with_lora_exports_merged_weights(workdir):
