@@ -192,28 +192,24 @@ def prepare_for_prefixes(src: str, dst: str) -> None:
     os.replace(tmp, dst)
 
 
-def _set_value(overrides: list[str], key: str, default):
-    for item in overrides:
-        if item.split("=", 1)[0].strip() == key:
-            import yaml
+def _resolved(command: str, config_path: str, sets: list[str]):
+    """The config a ``fastrlhf <command> --config config_path --set ...`` child runs with (defaults
+    filled, overrides applied), validated here so that a bad override stops the demo before the stage."""
+    from fastrlhf.config import ConfigError, load_config
 
-            return yaml.safe_load(item.split("=", 1)[1])
-    return default
-
-
-def _yaml_value(path: str, dotted: str):
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        node = yaml.safe_load(f)
-    for part in dotted.split("."):
-        node = node[part]
-    return node
+    try:
+        return load_config(config_path, command, sets)
+    except ConfigError as exc:
+        raise StageFailed(f"{config_path}: {exc}") from None
 
 
-def _rollout_engine(rl_cfg: str, rl_set: list[str], model_dir: str) -> str:
+def _config_args(config_path: str, sets: list[str]) -> list[str]:
+    return ["--config", config_path, *(a for s in sets for a in ("--set", s))]
+
+
+def _rollout_engine(rl_config, model_dir: str) -> str:
     """What the trainer's ``rollout.engine`` resolves to (``auto``: ``choose_engine_kind``, as the trainer does)."""
-    kind = _set_value(rl_set, "rollout.engine", _yaml_value(rl_cfg, "rollout.engine"))
+    kind = rl_config.rollout.engine
     if kind != "auto":
         return kind
     from safetensors import safe_open
@@ -279,10 +275,10 @@ def run_demo(opts: DemoOptions) -> dict:
         _say(opts, f"    Llama {num_params / 1e6:.2f}M parameters, character tokenizer -> {paths['init']}")
 
         announce(stages[1])
-        pre_steps = _set_value(opts.pretrain_set, "trainer.max_steps", _yaml_value(pretrain_cfg, "trainer.max_steps"))
         sets = [f"output_dir={paths['pretrain']}", f"model.path={paths['init']}",
                 f"data.path={os.path.join(paths['data'], 'pretrain.jsonl')}", *opts.pretrain_set]
-        cmd = [py, "-m", "fastrlhf", "sft", "--config", pretrain_cfg, *(a for s in sets for a in ("--set", s))]
+        pre_steps = _resolved("sft", pretrain_cfg, sets).trainer.max_steps
+        cmd = [py, "-m", "fastrlhf", "sft", *_config_args(pretrain_cfg, sets)]
         times["pretrain"] = _run_stage("pretrain", cmd, os.path.join(paths["logs"], "pretrain.log"),
                                        os.path.join(paths["pretrain"], "metrics.jsonl"), pre_steps, opts.progress)
 
@@ -304,10 +300,10 @@ def run_demo(opts: DemoOptions) -> dict:
         else:
             announce(stages[3])
             demo_data.write_classifier_data(data_file["classifier"])
-            rm_steps = _set_value(opts.rm_set, "trainer.max_steps", _yaml_value(rm_cfg, "trainer.max_steps"))
             sets = [f"output_dir={paths['rm']}", f"model.path={paths['pretrained']}",
                     f"data.path={data_file['classifier']}", *opts.rm_set]
-            cmd = [py, "-m", "fastrlhf", "rm", "--config", rm_cfg, *(a for s in sets for a in ("--set", s))]
+            rm_steps = _resolved("rm", rm_cfg, sets).trainer.max_steps
+            cmd = [py, "-m", "fastrlhf", "rm", *_config_args(rm_cfg, sets)]
             times["reward_model"] = _run_stage("reward model", cmd, os.path.join(paths["logs"], "rm.log"),
                                                os.path.join(paths["rm"], "metrics.jsonl"), rm_steps, opts.progress)
             _write_stamp(rm_final, rm_key)
@@ -328,7 +324,6 @@ def run_demo(opts: DemoOptions) -> dict:
     rl_cfg = _config(f"{opts.algo}.yaml")
     if opts.reward == "model" and os.path.exists(_config(f"{opts.algo}_learned_reward.yaml")):
         rl_cfg = _config(f"{opts.algo}_learned_reward.yaml")
-    rl_steps = _set_value(opts.rl_set, "trainer.max_steps", _yaml_value(rl_cfg, "trainer.max_steps"))
     sets = [f"output_dir={run_dir}", f"model.path={paths['pretrained']}", f"data.prompts={data_file['rl_prompts']}"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a new run, not a continuation of the last one
     os.makedirs(run_dir)
@@ -337,11 +332,12 @@ def run_demo(opts: DemoOptions) -> dict:
         sets += ["reward.function=fastrlhf.demo.rewards:script_classifier"]  # a no-op for *_learned_reward.yaml
         env_extra["FASTRLHF_DEMO_EXACT_LOG"] = os.path.abspath(exact_log)
     sets += opts.rl_set
+    rl_config = _resolved("train", rl_cfg, sets)
     deepspeed = os.path.join(os.path.dirname(py), "deepspeed")
     cmd = [deepspeed, "--num_gpus", str(opts.ranks), "--master_port", str(free_port()), "--module", "fastrlhf",
-           "train", "--config", rl_cfg, *(a for s in sets for a in ("--set", s))]
+           "train", *_config_args(rl_cfg, sets)]
     times["rl"] = _run_stage(f"RL {opts.algo}", cmd, os.path.join(paths["logs"], f"{run_name}.log"),
-                             os.path.join(run_dir, "metrics.jsonl"), rl_steps, opts.progress,
+                             os.path.join(run_dir, "metrics.jsonl"), rl_config.trainer.max_steps, opts.progress,
                              env=_child_env(**env_extra))
 
     # ---- 7: evaluate after
@@ -357,11 +353,8 @@ def run_demo(opts: DemoOptions) -> dict:
 
     per_rank_calls = None
     if opts.reward == "model":
-        prompts_per_step = _set_value(opts.rl_set, "trainer.prompts_per_step",
-                                      _yaml_value(rl_cfg, "trainer.prompts_per_step"))
-        n = _set_value(opts.rl_set, "rollout.n", _yaml_value(rl_cfg, "rollout.n"))
-        per_rank_calls = prompts_per_step * n // opts.ranks
-    engine = _rollout_engine(rl_cfg, opts.rl_set, paths["pretrained"])
+        per_rank_calls = rl_config.trainer.prompts_per_step * rl_config.rollout.n // opts.ranks
+    engine = _rollout_engine(rl_config, paths["pretrained"])
     report = write_report(run_dir, algo=opts.algo, reward=opts.reward, before=before, after=after,
                           stage_seconds=times, exact_log=exact_log if opts.reward == "model" else None,
                           exact_calls_per_step=per_rank_calls, ranks=opts.ranks, rollout_engine=engine)
