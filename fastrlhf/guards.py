@@ -21,7 +21,8 @@ __all__ = ["StepGuard", "GuardedAdamW", "TooManySkippedSteps", "is_finite"]
 
 
 class TooManySkippedSteps(RuntimeError):
-    pass
+    #: The metrics of the step that gave up, set by the step that raised it (the loop logs them).
+    metrics: dict | None = None
 
 
 def is_finite(value) -> bool:

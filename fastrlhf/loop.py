@@ -36,7 +36,7 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
     """Steps ``start_step + 1 .. trainer.max_steps``; returns the last step's metrics.
 
     ``step_fn(step)`` returns the step's metrics with ``skipped`` set; it may raise
-    :class:`TooManySkippedSteps` with the step's metrics in ``exc.metrics`` to have them logged.
+    :class:`TooManySkippedSteps` with the step's metrics in its ``metrics`` to have them logged.
     ``after_loop`` runs once the loop ends, however it ends, before the final checkpoint (the RL
     trainer frees its rollout engine there).
     """
@@ -48,7 +48,7 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
             try:
                 metrics = step_fn(step)
             except TooManySkippedSteps as exc:
-                if getattr(exc, "metrics", None):
+                if exc.metrics:
                     logger.log(step, exc.metrics)
                 raise
             if step % t.log_every == 0 or step == t.max_steps:
