@@ -37,12 +37,17 @@ def _partial_run(config) -> bool:
                 or any("::" in str(a) for a in config.invocation_params.args))
 
 
-@pytest.fixture(scope="session")
-def results_dir(request) -> str:
-    """Where a benchmark writes extra files: ``results/``, or ``results/partial/`` in a partial run."""
-    path = os.path.join(_RESULTS_DIR, "partial") if _partial_run(request.config) else _RESULTS_DIR
+def _out_dir(config) -> str:
+    """``results/``, or ``results/partial/`` in a partial run (created)."""
+    path = os.path.join(_RESULTS_DIR, "partial") if _partial_run(config) else _RESULTS_DIR
     os.makedirs(path, exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def results_dir(request) -> str:
+    """Where a benchmark writes extra files (see ``_out_dir``)."""
+    return _out_dir(request.config)
 
 
 def pytest_sessionstart(session):
@@ -81,9 +86,7 @@ def _table(rows: list[tuple[str, dict]]) -> list[str]:
 def pytest_terminal_summary(terminalreporter):
     if not _rows:
         return
-    partial = _partial_run(terminalreporter.config)
-    out_dir = os.path.join(_RESULTS_DIR, "partial") if partial else _RESULTS_DIR
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = _out_dir(terminalreporter.config)
     for module, rows in sorted(_rows.items()):
         lines = _table(rows)
         terminalreporter.write_sep("-", f"{module}: extra_info")
@@ -97,7 +100,7 @@ def pytest_terminal_summary(terminalreporter):
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             json.dump({"module": module, "finished": _now(), "load_avg_end": _loadavg(),
                        "rows": [{"benchmark": n, **_scalars(i)} for n, i in rows]}, f, indent=1)
-    if partial:
+    if out_dir != _RESULTS_DIR:
         terminalreporter.write_line(f"a partial run (-k, -m or node ids): figures only in {os.path.relpath(out_dir)}/; "
                                     "results/*.md and RESULTS.md keep the last full run's")
         return
