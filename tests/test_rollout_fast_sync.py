@@ -1,10 +1,13 @@
-"""The direct CPU weight-update path of ``vllm_adapter.reload_weights`` (copy into vLLM's fused
-parameters + repack of the changed layers) against the generic ``reload_weights`` path and HF.
+"""The direct CPU weight-update path of ``vllm_adapter.reload_weights`` (weights written in place
+into packed GEMM weights, or vLLM's repack of the changed layers where that is unavailable) against
+the generic ``reload_weights`` path and HF.
 
-The tiny Llama (tied and untied embeddings) must take the direct path and generate exactly what HF
-generates from the synced weights, and exactly what the generic path gives (same sampled tokens and
-bitwise-equal logprobs); a layout the direct path does not handle (qkv/o biases) must fall back to
-the generic path and still be correct. One engine at a time: each start-up costs seconds.
+The tiny Llama (tied and untied embeddings) must take the direct path, end with every linear layer
+and lm_head on an in-place packed weight, and generate exactly what HF generates from the synced
+weights and exactly what the generic path gives (same sampled tokens and bitwise-equal logprobs);
+without the packing kernel the direct path repacks and is still exact; a layout the direct path does
+not handle (qkv/o biases) must fall back to the generic path and still be correct. One engine at a
+time: each start-up costs seconds.
 """
 
 import os
@@ -73,10 +76,25 @@ class _PathSpy:
         monkeypatch.setattr(vllm_adapter, "_refresh_tied_lm_head", counted_generic)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tmp_path, monkeypatch, tied):
-    from fastrlhf.rollout import vllm_adapter
+def _gemm_kinds(worker):
+    """Which GEMM each linear layer and lm_head of the engine's model runs: packed in place, or vLLM's."""
+    from fastrlhf.rollout.cpu_packed_linear import PackedLinearWeight
 
+    model = worker.model_runner.model
+    layers = [m for name, m in model.named_modules() if hasattr(m, "cpu_linear") and not name.endswith("embed_tokens")]
+    return sorted({"in_place" if isinstance(m.cpu_linear, PackedLinearWeight) else "vllm" for m in layers}), len(layers)
+
+
+@pytest.mark.parametrize(
+    "tied, in_place", [(False, True), (True, True), (False, False)], ids=["untied", "tied", "untied-repack"]
+)
+def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tmp_path, monkeypatch, tied, in_place):
+    from fastrlhf.rollout import cpu_packed_linear, vllm_adapter
+
+    if in_place and cpu_packed_linear.load_pack_kernel() is None:
+        pytest.skip("no C compiler: the in-place packing is unavailable")
+    if not in_place:  # as on a machine without a C compiler
+        monkeypatch.setattr(cpu_packed_linear, "load_pack_kernel", lambda: None)
     kw = dict(MODEL_KW, tie_word_embeddings=tied)
     first = save_tiny_llama(tmp_path / "first", seed=1, **kw)
     second = make_tiny_llama(seed=2, **kw)
@@ -90,8 +108,10 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
 
         # Small buckets: q/k/v and gate/up of a layer arrive in different buckets.
+        assert engine.llm.collective_rpc(_gemm_kinds) == [(["vllm"], 2 * 4 + 1)]
         sync_weights(second, engine, bucket_bytes=16 << 10)
         assert (spy.fast, spy.generic) == (1, 0)
+        assert engine.llm.collective_rpc(_gemm_kinds) == [(["in_place" if in_place else "vllm"], 2 * 4 + 1)]
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_second
         direct = _samples(engine.generate(PROMPTS[:3], SAMPLED))
 
@@ -101,13 +121,17 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
         sync_weights(second, engine)
         assert spy.generic == 2
+        assert engine.llm.collective_rpc(_gemm_kinds) == [(["vllm"], 2 * 4 + 1)]
         assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == direct
         monkeypatch.undo()
+        if not in_place:
+            monkeypatch.setattr(cpu_packed_linear, "load_pack_kernel", lambda: None)
 
         # And the direct path after a generic reload, back to the first model.
         spy = _PathSpy(monkeypatch)
         sync_weights(first, engine)
         assert (spy.fast, spy.generic) == (1, 0)
+        assert engine.llm.collective_rpc(_gemm_kinds) == [(["in_place" if in_place else "vllm"], 2 * 4 + 1)]
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
     finally:
         engine.close()

@@ -1,0 +1,105 @@
+"""In-place packed CPU GEMM weights (fastrlhf/rollout/cpu_packed_linear.py and cpu_pack.c).
+
+The compiled kernel must write exactly what the torch reference writes, and a weight written in
+place, in pieces, must hold exactly the buffer oneDNN itself packs from the whole matrix; where the
+layout or the compiler is missing, no packed weight is offered (the caller keeps vLLM's repack).
+"""
+
+import pytest
+import torch
+
+from fastrlhf.rollout import cpu_packed_linear
+from fastrlhf.rollout.cpu_packed_linear import load_pack_kernel, new_packed_weight, reference_pack_rows
+
+needs_kernel = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available() or load_pack_kernel() is None,
+    reason="needs oneDNN in torch and a C compiler",
+)
+
+
+def test_reference_pack_defines_the_panel_layout():
+    w = torch.arange(6 * 3, dtype=torch.float32).view(6, 3)
+    panels = torch.zeros(3, 3, 2)
+    reference_pack_rows(w, panels, 0)
+    for n in range(6):
+        for k in range(3):
+            assert panels[n // 2, k, n % 2] == w[n, k]
+    # Rows 3.. only: rows 0-2 stay untouched.
+    part = torch.full((3, 3, 2), -1.0)
+    reference_pack_rows(w[3:], part, 3)
+    assert torch.equal(part[1, :, 1], w[3]) and torch.equal(part[2], panels[2])
+    assert (part[0] == -1).all() and (part[1, :, 0] == -1).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "n_rows, k, block, row0",
+    [(64, 64, 64, 0), (192, 512, 64, 0), (45, 21, 16, 11), (8, 8, 8, 0), (70, 33, 64, 3), (1, 5, 16, 15)]
+    + [(37, 100, 48, 50)],
+)
+def test_kernel_matches_the_reference(n_rows, k, block, row0):
+    g = torch.Generator().manual_seed(n_rows * 1000 + k)
+    n_panels = -(-(row0 + n_rows) // block)
+    rows = torch.randn(n_rows, k, generator=g)
+    ours = torch.randn(n_panels, k, block, generator=g)
+    ref = ours.clone()
+    cpu_packed_linear._run_kernel(load_pack_kernel(), rows, ours, row0)
+    reference_pack_rows(rows, ref, row0)
+    assert torch.equal(ours, ref)
+
+
+@needs_kernel
+def test_kernel_reads_strided_rows():
+    """A row slice of a wider matrix (row stride > K), as a bucket may hand over."""
+    wide = torch.randn(40, 96)
+    rows = wide[:, 8:40]
+    ours, ref = torch.zeros(3, 32, 16), torch.zeros(3, 32, 16)
+    cpu_packed_linear._run_kernel(load_pack_kernel(), rows, ours, 0)
+    reference_pack_rows(rows, ref, 0)
+    assert torch.equal(ours, ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1536, 512), (512, 1024), (256, 64), (4096, 512)])
+def test_weight_written_in_pieces_is_what_onednn_packs(shape):
+    n, k = shape
+    packed = new_packed_weight(n, k, torch.float32)
+    if packed is None:
+        pytest.skip(f"oneDNN's layout for {shape} is not the panel layout on this CPU")
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    cut = n // 3 + 5  # mid-panel, like q|k|v rows arriving one at a time
+    packed.write_rows(cut, w[cut:])
+    packed.write_rows(0, w[:cut].clone())
+    expected = torch.ops.mkldnn._reorder_linear_weight(w, 256)
+    assert torch.equal(packed.panels.flatten(), cpu_packed_linear._buffer_view(expected, (n * k,), torch.float32))
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(packed(x, torch.empty(0), None), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_write_rows_converts_dtype_and_rejects_rows_that_do_not_fit():
+    packed = new_packed_weight(64, 64, torch.float32)
+    assert packed is not None
+    w = torch.randn(64, 64)
+    packed.write_rows(0, w.to(torch.float64))
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(packed(x, torch.empty(0), None), x @ w.t(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"rows of shape \(8, 63\) at row 0 do not fit a weight of shape \(64, 64\)"):
+        packed.write_rows(0, torch.zeros(8, 63))
+    with pytest.raises(ValueError, match="at row 60 do not fit"):
+        packed.write_rows(60, torch.zeros(8, 64))
+
+
+def test_no_packed_weight_where_the_layout_is_not_the_panel_layout():
+    assert new_packed_weight(64, 64, torch.bfloat16) is None  # bf16 packs pairs of K together
+    assert new_packed_weight(100, 37, torch.float32) is None  # oneDNN pads 37 to whole blocks
+
+
+def test_no_packed_weight_without_a_compiler(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    load_pack_kernel.cache_clear()
+    try:
+        assert load_pack_kernel() is None
+        assert new_packed_weight(64, 64, torch.float32) is None
+    finally:
+        load_pack_kernel.cache_clear()
