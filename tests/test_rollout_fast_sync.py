@@ -76,15 +76,6 @@ class _PathSpy:
         monkeypatch.setattr(vllm_adapter, "_refresh_tied_lm_head", counted_generic)
 
 
-def _gemm_kinds(worker):
-    """Which GEMM each linear layer and lm_head of the engine's model runs: packed in place, or vLLM's."""
-    from fastrlhf.rollout.cpu_packed_linear import PackedLinearWeight
-
-    model = worker.model_runner.model
-    layers = [m for name, m in model.named_modules() if hasattr(m, "cpu_linear") and not name.endswith("embed_tokens")]
-    return sorted({"in_place" if isinstance(m.cpu_linear, PackedLinearWeight) else "vllm" for m in layers}), len(layers)
-
-
 @pytest.mark.parametrize(
     "tied, in_place", [(False, True), (True, True), (False, False)], ids=["untied", "tied", "untied-repack"]
 )
@@ -108,10 +99,10 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
 
         # Small buckets: q/k/v and gate/up of a layer arrive in different buckets.
-        assert engine.llm.collective_rpc(_gemm_kinds) == [(["vllm"], 2 * 4 + 1)]
+        assert vllm_adapter.gemm_weight_kinds(engine.llm) == {"vllm"}
         sync_weights(second, engine, bucket_bytes=16 << 10)
         assert (spy.fast, spy.generic) == (1, 0)
-        assert engine.llm.collective_rpc(_gemm_kinds) == [(["in_place" if in_place else "vllm"], 2 * 4 + 1)]
+        assert vllm_adapter.gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_second
         direct = _samples(engine.generate(PROMPTS[:3], SAMPLED))
 
@@ -121,7 +112,7 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
         sync_weights(second, engine)
         assert spy.generic == 2
-        assert engine.llm.collective_rpc(_gemm_kinds) == [(["vllm"], 2 * 4 + 1)]
+        assert vllm_adapter.gemm_weight_kinds(engine.llm) == {"vllm"}
         assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == direct
         monkeypatch.undo()
         if not in_place:
@@ -131,7 +122,7 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
         spy = _PathSpy(monkeypatch)
         sync_weights(first, engine)
         assert (spy.fast, spy.generic) == (1, 0)
-        assert engine.llm.collective_rpc(_gemm_kinds) == [(["in_place" if in_place else "vllm"], 2 * 4 + 1)]
+        assert vllm_adapter.gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
     finally:
         engine.close()

@@ -16,6 +16,7 @@ __all__ = [
     "CPU_SUPPORTED_HEAD_SIZES",
     "VLLM_FINISH_REASONS",
     "cpu_supported_head_sizes",
+    "gemm_weight_kinds",
     "is_cpu_platform",
     "make_llm",
     "make_sampling_params",
@@ -142,6 +143,23 @@ def uses_fast_update(llm) -> bool:
     """Whether ``reload_weights`` takes the direct copy + repack path on this engine."""
     flags = llm.collective_rpc(_fast_update_available)
     return bool(flags) and all(flags)
+
+
+def gemm_weight_kinds(llm) -> set[str]:
+    """What the engine's linear layers and lm_head run their CPU GEMMs on: "in_place" (packed weights
+    that the direct update writes in place) and/or "vllm" (vLLM's own packed copies)."""
+    return set().union(*llm.collective_rpc(_gemm_weight_kinds))
+
+
+def _gemm_weight_kinds(worker) -> set[str]:
+    from fastrlhf.rollout.cpu_packed_linear import PackedLinearWeight
+
+    modules = worker.model_runner.model.named_modules()
+    return {
+        "in_place" if isinstance(m.cpu_linear, PackedLinearWeight) else "vllm"
+        for name, m in modules
+        if hasattr(m, "cpu_linear") and not name.endswith("embed_tokens")  # the lookup does not use it
+    }
 
 
 def _refresh_tied_lm_head(worker) -> None:
