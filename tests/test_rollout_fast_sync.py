@@ -42,13 +42,13 @@ def _samples(results):
     return [[(c.token_ids, c.logprobs) for c in samples] for samples in results]
 
 
-def _engine(path):
+def _engine(path, dtype="float32"):
     pytest.importorskip("vllm")
     saved = os.environ.pop("TRITON_INTERPRET", None)
     from fastrlhf.rollout import VLLMEngine
 
     try:
-        return VLLMEngine(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_bytes=32 << 20)
+        return VLLMEngine(str(path), dtype=dtype, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=32 << 20)
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
@@ -124,6 +124,32 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
         assert (spy.fast, spy.generic) == (1, 0)
         assert vllm_adapter.gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+    finally:
+        engine.close()
+
+
+def test_bf16_engine_is_updated_in_place_and_matches_the_generic_path(tmp_path, monkeypatch):
+    """bf16 weights are packed in K-adjacent pairs; the in-place path must give the engine the very
+    state vLLM's own reload gives it (HF greedy is not the reference here: bf16 rounding differs)."""
+    from fastrlhf.rollout import cpu_packed_linear, vllm_adapter
+
+    if cpu_packed_linear.load_pack_kernel() is None:
+        pytest.skip("no C compiler: the in-place packing is unavailable")
+    first = save_tiny_llama(tmp_path / "first", seed=1, **MODEL_KW)
+    second = make_tiny_llama(seed=2, **MODEL_KW)
+    engine = _engine(tmp_path / "first", dtype="bfloat16")
+    try:
+        before = _samples(engine.generate(PROMPTS[:3], SAMPLED))
+        sync_weights(second, engine)
+        assert vllm_adapter.gemm_weight_kinds(engine.llm) == {"in_place"}
+        direct = _samples(engine.generate(PROMPTS[:3], SAMPLED))
+        assert direct != before
+        monkeypatch.setattr(vllm_adapter, "uses_fast_update", lambda llm: False)
+        sync_weights(first, engine)
+        assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == before
+        sync_weights(second, engine)
+        assert vllm_adapter.gemm_weight_kinds(engine.llm) == {"vllm"}
+        assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == direct
     finally:
         engine.close()
 

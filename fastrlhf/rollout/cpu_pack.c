@@ -1,16 +1,19 @@
 /* Rows of a linear weight W [N, K] (row-major) written into oneDNN's blocked GEMM layout in place.
  *
- * The layout is panels of B output rows, each stored transposed: dst[n / B][k][n % B]. That is
- * what oneDNN's fp32 brgemm wants for B = W^T ("BA16a64b" with K a multiple of 16, B = 64 on
- * AVX2/AVX-512), and what fastrlhf.rollout.cpu_packed_linear checks before using this file.
- * It is a transpose, so it is done in 8x8 register tiles (AVX) rather than element by element:
- * torch's strided copy and oneDNN's own reorder into a fresh buffer both cost 4-6x a plain copy
- * here, this about 1.5x.
+ * The layout is panels of B output rows, each stored transposed, in 4-byte words: for fp32,
+ * dst[n / B][k][n % B] = W[n][k], what oneDNN's brgemm wants for B = W^T ("BA16a64b" with K a
+ * multiple of 16, B = 64 on AVX2/AVX-512); for bf16 the words are pairs of K-adjacent values
+ * ("BA16a64b2a"), which is the same transpose of W viewed as an [N, K/2] matrix of 4-byte words.
+ * fastrlhf.rollout.cpu_packed_linear checks the layout before using this file. Being a transpose,
+ * it goes through 8x8 register tiles (AVX) rather than element by element: torch's strided copy
+ * and oneDNN's own reorder into a fresh buffer both cost 4-6x a plain copy here, this about 1.5x.
+ * Words are only moved (loads, shuffles, stores), never converted, so any 4-byte content is exact.
  *
  * Built at run time with the machine's C compiler (see cpu_packed_linear.load_pack_kernel); the
  * scalar loops below are the whole kernel where AVX is missing.
  */
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __AVX__
 #include <immintrin.h>
@@ -40,24 +43,25 @@ static inline void transpose8x8(const float *s, size_t ls, float *d, size_t ld) 
 }
 #endif
 
-/* Write src's n_rows rows (row stride ld, K columns), which are rows row0 .. row0 + n_rows - 1 of
- * W, into the panels at dst. Rows outside that range are left as they are. */
-void fastrlhf_pack_rows_f32(const float *src, size_t ld, size_t n_rows, size_t K, float *dst, size_t B,
-                            size_t row0) {
+/* Write src's n_rows rows of K words (row stride ld words), which are rows row0 .. row0 + n_rows - 1
+ * of W, into the panels at dst. Rows outside that range are left as they are. */
+void fastrlhf_pack_rows_32bit(const uint32_t *src, size_t ld, size_t n_rows, size_t K, uint32_t *dst, size_t B,
+                              size_t row0) {
     size_t i = 0;
     while (i < n_rows) {
         size_t row = row0 + i;
         size_t j = row % B;
         size_t span = B - j; /* rows left in this panel */
         if (span > n_rows - i) span = n_rows - i;
-        const float *s = src + i * ld;
-        float *d = dst + (row / B) * K * B + j;
+        const uint32_t *s = src + i * ld;
+        uint32_t *d = dst + (row / B) * K * B + j;
         size_t r = 0;
 #ifdef __AVX__
         /* Eight rows at a time, all of K: rows are read sequentially, panel rows written 8 wide. */
         for (; r + 8 <= span; r += 8) {
             size_t k = 0;
-            for (; k + 8 <= K; k += 8) transpose8x8(s + r * ld + k, ld, d + k * B + r, B);
+            for (; k + 8 <= K; k += 8)
+                transpose8x8((const float *)(s + r * ld + k), ld, (float *)(d + k * B + r), B);
             for (; k < K; ++k)
                 for (size_t q = 0; q < 8; ++q) d[k * B + r + q] = s[(r + q) * ld + k];
         }

@@ -10,11 +10,13 @@ that tensor can be written directly: ``PackedLinearWeight`` keeps it for the lif
 instead of reallocating anything. Decoding speed is the same as vLLM's handle (measured 3,760 vs
 3,720 tokens/s on the benchmark model, same sampled tokens).
 
-Nothing is assumed about oneDNN's layout: ``new_packed_weight`` packs a random matrix with torch,
-checks that the buffer holds exactly the panels ``reference_pack_rows`` writes (no padding), and
-returns None otherwise (another ISA's block size, bf16's pair-interleaved layout, a dimension that
-needs padding), as it does when no C compiler is available; the caller then keeps vLLM's own
-repack. ``reference_pack_rows`` is the layout's definition and the tests' reference.
+The layout, in 4-byte words: panels of B output rows, each transposed. For fp32 a word is one
+value; for bf16 it is the pair of K-adjacent values oneDNN interleaves, so both are the same
+transpose of W viewed as [N, K * itemsize / 4] words. Nothing is assumed: ``new_packed_weight``
+packs a probe matrix with torch, checks that the buffer holds exactly the panels
+``reference_pack_rows`` writes (no padding), and returns None otherwise (another ISA's block size,
+a dimension that needs padding), as it does when no C compiler is available; the caller then keeps
+vLLM's own repack. ``reference_pack_rows`` is the layout's definition and the tests' reference.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = ["PackedLinearWeight", "load_pack_kernel", "new_packed_weight", "refer
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_pack.c")
+_DTYPES = (torch.float32, torch.bfloat16)
 # Panel widths oneDNN's fp32 brgemm uses for the output dimension (64 on AVX2 and AVX-512).
 _CANDIDATE_BLOCKS = (64, 48, 32, 16, 8)
 # Only the packing format matters here; oneDNN picks the same one for any M on this path (a
@@ -43,8 +46,9 @@ _BATCH_HINT = 256
 
 
 def reference_pack_rows(rows: torch.Tensor, panels: torch.Tensor, row0: int) -> None:
-    """Write ``rows`` (rows row0.. of a weight W [N, K]) into ``panels`` [N/B, K, B]:
-    ``panels[n // B, k, n % B] = W[n, k]``. The plain torch definition of the layout."""
+    """Write ``rows`` (rows row0.. of a matrix W [N, K]) into ``panels`` [N/B, K, B]:
+    ``panels[n // B, k, n % B] = W[n, k]``. The plain torch definition of the layout (applied to
+    4-byte words: see ``as_words``)."""
     block = panels.shape[2]
     i = 0
     while i < rows.shape[0]:
@@ -53,6 +57,11 @@ def reference_pack_rows(rows: torch.Tensor, panels: torch.Tensor, row0: int) -> 
         span = min(block - j, rows.shape[0] - i)
         panels[row // block, :, j : j + span].copy_(rows[i : i + span].t())
         i += span
+
+
+def as_words(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] viewed as [N, K * itemsize / 4] 4-byte words (shares memory)."""
+    return weight.view(torch.int32)
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,7 +97,7 @@ def load_pack_kernel():
                 built.stderr.strip().splitlines()[-1:] or "no output",
             )
             return None
-        kernel = ctypes.CDLL(library).fastrlhf_pack_rows_f32
+        kernel = ctypes.CDLL(library).fastrlhf_pack_rows_32bit
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # a loaded library stays mapped
     kernel.restype = None
@@ -100,34 +109,50 @@ def load_pack_kernel():
     return kernel
 
 
-def _run_kernel(kernel, rows: torch.Tensor, panels: torch.Tensor, row0: int) -> None:
-    kernel(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], panels.data_ptr(), panels.shape[2], row0)
+def _run_kernel(kernel, words: torch.Tensor, panels: torch.Tensor, row0: int) -> None:
+    """``words``: int32 rows with unit column stride; ``panels``: int32 [N/B, K, B], contiguous."""
+    kernel(words.data_ptr(), words.stride(0), words.shape[0], words.shape[1], panels.data_ptr(), panels.shape[2], row0)
 
 
 def _kernel_matches_reference(kernel) -> bool:
-    # Odd sizes: a row range starting and ending mid-panel, K not a multiple of the 8-wide tiles.
+    # Odd sizes: a row range starting and ending mid-panel, K not a multiple of the 8-wide tiles;
+    # random bits (NaN patterns included) must move unchanged.
     g = torch.Generator().manual_seed(0)
-    rows = torch.randn(45, 21, generator=g)
-    ours, ref = torch.zeros(4, 21, 16), torch.zeros(4, 21, 16)
+    rows = torch.randint(-(2**31), 2**31 - 1, (45, 21), generator=g, dtype=torch.int32)
+    ours, ref = torch.zeros(4, 21, 16, dtype=torch.int32), torch.zeros(4, 21, 16, dtype=torch.int32)
     _run_kernel(kernel, rows, ours, 11)
     reference_pack_rows(rows, ref, 11)
     return torch.equal(ours, ref)
 
 
-def _buffer_view(packed: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A dense tensor over an mkldnn tensor's own buffer (shares memory; ``packed`` must outlive it)."""
+def _kernel_words(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as words with unit column stride, copied only if its strides or storage offset
+    split a 4-byte word (a bf16 slice at an odd element, a transposed view)."""
+    try:
+        words = as_words(rows)
+        if words.stride(1) == 1:
+            return words
+    except RuntimeError:
+        pass
+    return as_words(rows.clone(memory_format=torch.contiguous_format))
+
+
+def _buffer_words(packed: torch.Tensor) -> torch.Tensor:
+    """The 4-byte words of an mkldnn tensor's own buffer, as a flat int32 tensor (shares memory;
+    ``packed`` must outlive it)."""
     nbytes = torch.ops.mkldnn._nbytes(packed)
     raw = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
-    return torch.frombuffer(raw, dtype=dtype).view(shape)
+    return torch.frombuffer(raw, dtype=torch.int32)
 
 
 class PackedLinearWeight:
     """One linear layer's weight [N, K] in oneDNN's packed layout; callable as vLLM's ``cpu_linear``."""
 
-    def __init__(self, packed: torch.Tensor, out_features: int, in_features: int, block: int, kernel) -> None:
+    def __init__(self, packed: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, block: int, kernel) -> None:
         self.packed = packed
-        self.shape = (out_features, in_features)
-        self.panels = _buffer_view(packed, (out_features // block, in_features, block), torch.float32)
+        self.shape, self.dtype = shape, dtype
+        words_per_row = shape[1] * dtype.itemsize // 4
+        self.panels = _buffer_words(packed).view(shape[0] // block, words_per_row, block)
         self._kernel = kernel
 
     def write_rows(self, row0: int, rows: torch.Tensor) -> None:
@@ -137,9 +162,7 @@ class PackedLinearWeight:
             raise ValueError(
                 f"rows of shape {tuple(rows.shape)} at row {row0} do not fit a weight of shape {self.shape}"
             )
-        if rows.dtype != torch.float32 or rows.device.type != "cpu" or rows.stride(1) != 1:
-            rows = rows.to(device="cpu", dtype=torch.float32).contiguous()
-        _run_kernel(self._kernel, rows, self.panels, row0)
+        _run_kernel(self._kernel, _kernel_words(rows.to(device="cpu", dtype=self.dtype)), self.panels, row0)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # vLLM's cpu_linear signature; ``weight`` is the layer's (emptied) parameter, unused.
@@ -151,7 +174,7 @@ def new_packed_weight(out_features: int, in_features: int, dtype: torch.dtype) -
 
     Its contents are arbitrary until every row has been written.
     """
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if dtype not in _DTYPES or in_features * dtype.itemsize % 4 or not torch.backends.mkldnn.is_available():
         return None
     kernel = load_pack_kernel()
     if kernel is None:
@@ -160,7 +183,7 @@ def new_packed_weight(out_features: int, in_features: int, dtype: torch.dtype) -
     # elsewhere: drawing random numbers for a whole large matrix would cost more than packing it.
     g = torch.Generator().manual_seed(0)
     edge = min(out_features, max(_CANDIDATE_BLOCKS))
-    probe = torch.zeros(out_features, in_features)
+    probe = torch.zeros(out_features, in_features, dtype=dtype)
     probe[:edge] = torch.randn(edge, in_features, generator=g)
     probe[-edge:] = torch.randn(edge, in_features, generator=g)
     try:
@@ -170,13 +193,14 @@ def new_packed_weight(out_features: int, in_features: int, dtype: torch.dtype) -
         return None
     if nbytes != probe.numel() * probe.element_size():
         return None  # padded to whole blocks: not the layout written here
+    words = as_words(probe)
     for block in _CANDIDATE_BLOCKS:
         if out_features % block:
             continue
-        panels = _buffer_view(packed, (out_features // block, in_features, block), torch.float32)
+        panels = _buffer_words(packed).view(out_features // block, words.shape[1], block)
         first, last = torch.empty_like(panels[:1]), torch.empty_like(panels[-1:])
-        reference_pack_rows(probe[:block], first, 0)
-        reference_pack_rows(probe[-block:], last, 0)
+        reference_pack_rows(words[:block], first, 0)
+        reference_pack_rows(words[-block:], last, 0)
         if torch.equal(panels[:1], first) and torch.equal(panels[-1:], last):
-            return PackedLinearWeight(packed, out_features, in_features, block, kernel)
+            return PackedLinearWeight(packed, (out_features, in_features), dtype, block, kernel)
     return None
