@@ -193,14 +193,15 @@ def _refresh_tied_lm_head(worker) -> None:
 # of our own (``cpu_packed_linear.PackedLinearWeight``: the same oneDNN brgemm, through torch) and
 # from then on writes every update straight into that buffer: q|k|v and gate|up rows at their
 # offsets as they arrive, no scratch, no allocation. Embedding and norm weights are copied in place.
-# Where that is unavailable (no C compiler, a layout other than the checked panels), it builds the fused
-# [N, K] weight in a reused scratch buffer and lets vLLM's own ``process_weights_after_loading``
-# repack it (a transposing reorder into a fresh buffer, 3-4x a copy), putting the layer's original
-# (empty) parameter back. Either way this is what ``reload_weights`` ends up doing, without its
-# per-layer meta-device restore, parameter materialisation, loader wrapping and copy-back. Measured
-# on the 20M-parameter bench model: 8.2-9.2 ms in place, 15-18 ms repacking, 44 ms generic, vs
-# 4.3-5.0 ms for a plain copy_ of the state dict (bf16: 4.4 ms in place, 10.7 repacking, 1.9 copy). Engine state after any path is the same: sampled
-# tokens and logprobs are bitwise equal (tests/test_rollout_fast_sync.py).
+# Where that is unavailable (no C compiler, a layout other than the checked panels), it builds the
+# fused [N, K] weight in a reused scratch buffer and lets vLLM's own
+# ``process_weights_after_loading`` repack it (a transposing reorder into a fresh buffer, 3-4x a
+# copy), putting the layer's original (empty) parameter back. Either way this is what
+# ``reload_weights`` ends up doing, without its per-layer meta-device restore, parameter
+# materialisation, loader wrapping and copy-back. Measured on the 20M-parameter bench model: 8.2-9.2
+# ms in place, 15-18 ms repacking, 44 ms generic, vs 4.3-5.0 ms for a plain copy_ of the state dict
+# (bf16: 4.4 ms in place, 10.7 repacking, 1.9 copy). Engine state after any path is the same:
+# sampled tokens and logprobs are bitwise equal (tests/test_rollout_fast_sync.py).
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
