@@ -139,3 +139,15 @@ def test_no_packed_weight_without_a_compiler(monkeypatch):
         assert new_packed_weight(64, 64, torch.float32) is None
     finally:
         load_pack_kernel.cache_clear()
+
+
+def test_no_packed_weight_when_the_built_library_cannot_be_loaded(monkeypatch):
+    def refuse(path):
+        raise OSError(f"{path}: failed to map segment from shared object")
+
+    monkeypatch.setattr(cpu_packed_linear.ctypes, "CDLL", refuse)
+    load_pack_kernel.cache_clear()
+    try:
+        assert load_pack_kernel() is None
+    finally:
+        load_pack_kernel.cache_clear()

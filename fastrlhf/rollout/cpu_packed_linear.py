@@ -97,7 +97,11 @@ def load_pack_kernel():
                 built.stderr.strip().splitlines()[-1:] or "no output",
             )
             return None
-        kernel = ctypes.CDLL(library).fastrlhf_pack_rows_32bit
+        try:
+            kernel = ctypes.CDLL(library).fastrlhf_pack_rows_32bit
+        except OSError as e:  # e.g. a temporary folder mounted noexec
+            log.warning("in-place CPU weight packing unavailable (loading %s: %s); vLLM repacks", library, e)
+            return None
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # a loaded library stays mapped
     kernel.restype = None
