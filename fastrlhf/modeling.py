@@ -163,15 +163,16 @@ def vocab_size(path: str) -> int | None:
 
 
 def _gathered_state_dict(model, zero_stage: int, bucket_bytes: int | None = None) -> dict | None:
-    """Full state dict on rank 0 (None elsewhere), in CPU memory; collective under ZeRO-3.
+    """Full state dict on rank 0 (None elsewhere); collective under ZeRO-3.
 
-    ZeRO-3 parameters are gathered a bucket at a time (the weight sync's gather), so no rank ever
-    holds the whole model on its device; rank 0 keeps a CPU copy of each bucket.
+    Below ZeRO-3 every rank holds the whole model: its own tensors, no copy. ZeRO-3 parameters are
+    gathered a bucket at a time (the weight sync's gather), so no rank ever holds the whole model on
+    its device; rank 0 keeps a CPU copy of each bucket.
     """
     from fastrlhf import distributed as D
 
     if zero_stage != 3:
-        return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()} if D.is_main() else None
+        return {k: v.detach() for k, v in model.state_dict().items()} if D.is_main() else None
     from fastrlhf.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_bucketed_weights
 
     gathered = {}
@@ -189,18 +190,21 @@ def _gathered_state_dict(model, zero_stage: int, bucket_bytes: int | None = None
             for key, value in model.state_dict(keep_vars=True).items()}
 
 
-def _plain_hf_model(model, state: dict):
-    """A fresh, unsharded transformers model holding ``state`` with any LoRA adapter merged in."""
+def _save_hf_model(model, state: dict, out_dir: str) -> None:
+    """Write ``model``'s Hugging Face folder with the weights in ``state`` (a full state dict).
+
+    A plain model saves ``state`` as it is (no second model in memory, whatever ``model``'s own
+    parameters are sharded into); a LoRA model is rebuilt unsharded so the adapter can be merged in.
+    """
     if hasattr(model, "get_base_model"):
         from peft import get_peft_model
 
         base = base_model(model)
         fresh = get_peft_model(type(base)(base.config), model.peft_config["default"])
         fresh.load_state_dict(state, strict=True)
-        return fresh.merge_and_unload()
-    fresh = type(model)(model.config)
-    fresh.load_state_dict(state, strict=True)
-    return fresh
+        fresh.merge_and_unload().save_pretrained(out_dir, safe_serialization=True)
+        return
+    model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
 
 
 def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from: str | None = None,
@@ -223,10 +227,10 @@ def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from
 
             lm_state = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
             head_state = {k[len("v_head."):]: v.contiguous() for k, v in state.items() if k.startswith("v_head.")}
-            _plain_hf_model(model.lm, lm_state).save_pretrained(tmp, safe_serialization=True)
+            _save_hf_model(model.lm, lm_state, tmp)
             save_file(head_state, os.path.join(tmp, VALUE_HEAD_FILE))
         else:
-            _plain_hf_model(model, state).save_pretrained(tmp, safe_serialization=True)
+            _save_hf_model(model, state, tmp)
         if tokenizer_from:
             for name in _TOKENIZER_FILES:
                 src = os.path.join(tokenizer_from, name)

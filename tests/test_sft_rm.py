@@ -381,3 +381,29 @@ def test_zero3_export_gathers_in_buckets_and_saves_the_full_model(workdir, monke
     for name, tensor in saved.items():
         assert torch.equal(tensor, want[name]), name
 
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_export_saves_the_model_own_weights_without_building_a_second_model(tmp_path, monkeypatch, tied):
+    from transformers import LlamaForCausalLM
+
+    from fastrlhf.modeling import export_hf
+    from fastrlhf.models import make_tiny_llama
+
+    model = make_tiny_llama(seed=3, tie_word_embeddings=tied)
+    built = []
+    real_init = LlamaForCausalLM.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(1)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "__init__", counting_init)
+    export_hf(model, str(tmp_path / "export"), zero_stage=0)
+    assert built == []  # the export held one model in memory, not two
+    monkeypatch.undo()
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "export")
+    assert reloaded.config.tie_word_embeddings == tied
+    want = model.state_dict()
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
