@@ -45,8 +45,9 @@ def tiny(tmp_path_factory):
 @pytest.mark.timeout(560)
 def test_two_ranks_zero2_zero3_ppo_grpo(tiny):
     # HF engines for the tiny model (faster than vLLM below ~4M parameters on CPU), plus one vLLM-backed
-    # case whose weights reach vLLM through the ZeRO-3 bucketed gather.
-    cases = ["grpo:2:hf", "grpo:3:hf", "ppo:2:hf", "ppo:3:hf", "grpo:3:vllm"]
+    # case whose weights reach vLLM through the ZeRO-3 bucketed gather, and a LoRA actor at ZeRO-3
+    # whose separate engine gets the adapter merged in on every sync.
+    cases = ["grpo:2:hf", "grpo:3:hf", "ppo:2:hf", "ppo:3:hf", "grpo:3:vllm", "grpo:3:hf:lora"]
     rc, out = run_group([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()),
                          os.path.join(SCRIPTS, "two_rank_steps.py"), str(tiny / "model"), str(tiny / "prompts.jsonl"),
                          str(tiny), *cases], timeout=540, env=env())

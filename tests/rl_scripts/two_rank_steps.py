@@ -1,9 +1,10 @@
 """Run under ``deepspeed --num_gpus 2``: a few PPO and GRPO steps at ZeRO-2 and ZeRO-3 in one launch.
 
-argv: <model dir> <prompts.jsonl> <out dir> <case>... where a case is ``algo:zero_stage:engine``.
-Each rank writes ``<out>/<case>-rank<r>.json``: the per-step metrics, whether every parameter of
-its rollout engine equals the (gathered) actor parameter after the final sync, and a checksum of
-the actor's weights (all ranks must agree).
+argv: <model dir> <prompts.jsonl> <out dir> <case>... where a case is ``algo:zero_stage:engine``,
+or ``algo:zero_stage:engine:lora`` for a LoRA actor. Each rank writes ``<out>/<case>-rank<r>.json``:
+the per-step metrics, whether every parameter of its rollout engine equals the (gathered) actor
+parameter after the final sync (for LoRA: the actor with its adapter merged by peft), and a
+checksum of the actor's weights (all ranks must agree).
 """
 
 import json
@@ -22,6 +23,19 @@ def gathered_actor_state(engine, zero3):
         with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
             return {n: p.detach().clone() for n, p in params}
     return {n: p.detach().clone() for n, p in params}
+
+
+def peft_merged_state(engine, actor_state):
+    """The actor's weights with its LoRA adapter merged by peft itself (not by our sync's merge)."""
+    from peft import get_peft_model
+
+    from fastrlhf.modeling import base_model, unwrap
+
+    peft_actor = unwrap(engine)
+    base = base_model(peft_actor)
+    fresh = get_peft_model(type(base)(base.config), peft_actor.peft_config["default"])
+    fresh.load_state_dict(actor_state, strict=True)
+    return {n: p.detach() for n, p in fresh.merge_and_unload().named_parameters()}
 
 
 def nan_guard_steps(rl_step, stateful, examples, sampler, zero3, before):
@@ -78,10 +92,11 @@ def main():
     D.init_distributed()
     examples = load_prompts(prompts)
     for case in cases:
-        algo, stage, engine_kind = case.split(":")
+        algo, stage, engine_kind, *variant = case.split(":")
+        lora = variant == ["lora"]
         raw = {
             "algorithm": algo, "output_dir": os.path.join(out_dir, case.replace(":", "-")), "seed": 1,
-            "model": {"path": model_dir},
+            "model": {"path": model_dir, **({"lora_r": 4, "lora_alpha": 8} if lora else {})},
             "reward": {"function": "target_token"},
             "data": {"prompts": prompts, "max_prompt_len": 16},
             "rollout": {"engine": engine_kind, "n": 2, "max_new_tokens": 6, "kv_cache_bytes": 64 << 20},
@@ -103,10 +118,15 @@ def main():
             history.append(rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step))
         actor = gathered_actor_state(stateful["actor"], int(stage) == 3)
         guard_checks = {}
-        if algo == "grpo" and engine_kind == "hf":
+        if algo == "grpo" and engine_kind == "hf" and not lora:
             guard_checks = nan_guard_steps(rl_step, stateful, examples, sampler, int(stage) == 3, actor)
         engine_model = getattr(rl_step.rollout, "model", None)
-        if engine_model is not None:  # HF engine: compare its weights with the actor's
+        if engine_model is not None and lora:  # the engine must hold W + scaling * B @ A, as peft merges it
+            engine_state = {n: p.detach() for n, p in engine_model.named_parameters()}
+            want = peft_merged_state(stateful["actor"], actor)
+            synced = set(engine_state) == set(want) and all(
+                torch.allclose(engine_state[n], t, rtol=0, atol=1e-6) for n, t in want.items())
+        elif engine_model is not None:  # HF engine: compare its weights with the actor's
             engine_state = dict(engine_model.named_parameters())
             synced = all(torch.equal(engine_state[n].detach(), t) for n, t in actor.items())
         else:  # vLLM: generate greedily with the engine and with the gathered actor weights, compare tokens
