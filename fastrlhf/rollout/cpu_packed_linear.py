@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PackedLinearWeight", "load_pack_kernel", "new_packed_weight", "reference_pack_rows"]
+__all__ = ["PackedLinearWeight", "as_words", "load_pack_kernel", "new_packed_weight", "reference_pack_rows"]
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_pack.c")
 _DTYPES = (torch.float32, torch.bfloat16)
-# Panel widths oneDNN's fp32 brgemm uses for the output dimension (64 on AVX2 and AVX-512).
+# Panel widths (output rows) oneDNN's brgemm may pack in; 64 for fp32 and bf16 on AVX2/AVX-512.
 _CANDIDATE_BLOCKS = (64, 48, 32, 16, 8)
 # Only the packing format matters here; oneDNN picks the same one for any M on this path (a
 # format that did not suit the GEMM's M would cost a reorder per call, measured not to happen).
