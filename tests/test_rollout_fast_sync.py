@@ -98,8 +98,8 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
         assert expected_first != expected_second
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
 
-        # Small buckets: q/k/v and gate/up of a layer arrive in different buckets.
         assert vllm_adapter.gemm_weight_kinds(engine.llm) == {"vllm"}
+        # Small buckets: q/k/v and gate/up of a layer arrive in different buckets.
         sync_weights(second, engine, bucket_bytes=16 << 10)
         assert (spy.fast, spy.generic) == (1, 0)
         assert vllm_adapter.gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
