@@ -60,10 +60,10 @@ def _prompts(vocab):
     return torch.randint(3, vocab, (NUM_PROMPTS, PROMPT_LEN), generator=g).tolist()
 
 
-def _vllm_engine(dirs, size):
-    """One vLLM engine at a time in this process: the previous size's is closed first."""
+def _vllm_engine(dirs, size, dtype="float32"):
+    """One vLLM engine at a time in this process: the previous (size, dtype)'s is closed first."""
     current = _state.get("engine")
-    if current is not None and _state.get("engine_size") == size:
+    if current is not None and _state.get("engine_key") == (size, dtype):
         return current
     if current is not None:
         current.close()
@@ -72,8 +72,8 @@ def _vllm_engine(dirs, size):
     os.environ.pop("TRITON_INTERPRET", None)
     from fastrlhf.rollout import VLLMEngine
 
-    engine = VLLMEngine(str(dirs[size]), dtype="float32", max_model_len=256, kv_cache_bytes=512 << 20)
-    _state.update(engine=engine, engine_size=size)
+    engine = VLLMEngine(str(dirs[size]), dtype=dtype, max_model_len=256, kv_cache_bytes=512 << 20)
+    _state.update(engine=engine, engine_key=(size, dtype))
     return engine
 
 
@@ -236,12 +236,10 @@ def test_weight_sync_vs_plain_copy_bf16(benchmark, model_dirs):
     pytest.importorskip("vllm")
     import copy
 
-    from fastrlhf.rollout import VLLMEngine
-
     dirs, models = model_dirs
-    os.environ.pop("TRITON_INTERPRET", None)
-    engine = VLLMEngine(str(dirs[TARGET_SIZE]), dtype="bfloat16", max_model_len=256, kv_cache_bytes=512 << 20)
+    engine = _vllm_engine(dirs, TARGET_SIZE, "bfloat16")
     try:
         _measure_sync(benchmark, engine, copy.deepcopy(models[TARGET_SIZE]).bfloat16())
     finally:
         engine.close()
+        _state.clear()
