@@ -140,7 +140,7 @@ def reload_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> No
 
 
 def uses_fast_update(llm) -> bool:
-    """Whether ``reload_weights`` takes the direct copy + repack path on this engine."""
+    """Whether ``reload_weights`` takes the direct path (``_fast_update``) on this engine."""
     flags = llm.collective_rpc(_fast_update_available)
     return bool(flags) and all(flags)
 
