@@ -31,6 +31,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "whiten_with_stats",
     "policy_loss",
     "shape_rewards",
     "value_loss",
@@ -90,8 +91,13 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """``(x - mean) * rsqrt(var + eps)`` over mask==1; masked positions come out as 0."""
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
+    return whiten_with_stats(x, mask, masked_mean(x, mask), masked_var(x, mask), shift_mean, eps)
+
+
+def whiten_with_stats(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                      shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """:func:`masked_whiten` with a given mean and (unbiased) variance, e.g. those of a batch that
+    several ranks hold between them."""
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

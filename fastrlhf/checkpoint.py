@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fastrlhf import comm
 from fastrlhf import distributed as D
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_latest", "latest_checkpoint", "capture_rng", "restore_rng",
@@ -40,12 +41,18 @@ def checkpoint_root(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
 
+def _own_cuda_device() -> torch.device:
+    # This rank's GPU only: get_rng_state_all() would open a CUDA context (hundreds of MiB) on
+    # every visible GPU from every rank.
+    return torch.device("cuda", D.local_rank())
+
+
 def capture_rng() -> dict:
     import numpy as np
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(_own_cuda_device())
     return state
 
 
@@ -56,7 +63,10 @@ def restore_rng(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda_state = state["cuda"]
+        if isinstance(cuda_state, (list, tuple)):  # saved by get_rng_state_all (every device's state)
+            cuda_state = cuda_state[D.local_rank()]
+        torch.cuda.set_rng_state(cuda_state, _own_cuda_device())
 
 
 def _is_engine(obj) -> bool:
@@ -109,7 +119,7 @@ def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], extra_s
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    D.barrier()
+    comm.barrier()
 
     objects = {}
     for name, obj in engines.items():
@@ -120,7 +130,7 @@ def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], extra_s
     rank_state = {"step": step, "world_size": D.world_size(), "rng": capture_rng(),
                   "extra_state": extra_state or {}, "objects": objects}
     torch.save(rank_state, os.path.join(tmp, f"rank-{D.rank()}.pt"))
-    D.barrier()
+    comm.barrier()
 
     if D.is_main():
         _fsync_tree(tmp)
@@ -135,7 +145,7 @@ def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], extra_s
         if keep_last > 0:
             for _old_step, name in _step_dirs(root)[:-keep_last]:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    D.barrier()
+    comm.barrier()
     return final
 
 

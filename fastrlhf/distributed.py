@@ -18,8 +18,6 @@ __all__ = [
     "world_size",
     "local_rank",
     "is_main",
-    "barrier",
-    "all_reduce_min",
     "deepspeed_config",
     "build_train_engine",
     "build_frozen_engine",
@@ -48,6 +46,12 @@ def init_distributed(timeout_s: float | None = None) -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     if timeout_s is None:
         timeout_s = float(os.environ.get("FASTRLHF_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    import torch
+
+    if torch.cuda.is_available():
+        # Before the first collective: NCCL (and ``barrier``) otherwise put every rank's traffic,
+        # and a CUDA context, on device 0.
+        torch.cuda.set_device(local_rank())
     import deepspeed
 
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
@@ -75,24 +79,6 @@ def local_rank() -> int:
 
 def is_main() -> bool:
     return rank() == 0
-
-
-def barrier() -> None:
-    dist = _dist()
-    if dist and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def all_reduce_min(flag: bool) -> bool:
-    """True only if ``flag`` is true on every rank (so all ranks take the same branch)."""
-    dist = _dist()
-    if not dist or dist.get_world_size() == 1:
-        return bool(flag)
-    import torch
-
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
 
 
 def deep_merge(base: dict, extra: dict) -> dict:

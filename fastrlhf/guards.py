@@ -50,11 +50,12 @@ class StepGuard:
             self._bad_loss = True
         return ok
 
-    def should_skip(self, grads_finite: bool) -> bool:
-        """Called by the optimizer with the local finiteness of its grads; the answer is the same on all ranks."""
-        from fastrlhf.distributed import all_reduce_min
+    def should_skip(self, grads_finite) -> bool:
+        """Called by the optimizer with the local finiteness of its grads (a bool, or a 0-dim tensor on
+        the grads' device); the answer is the same on all ranks."""
+        from fastrlhf.comm import all_ranks_true
 
-        ok = all_reduce_min(grads_finite and not self._bad_loss)
+        ok = all_ranks_true(False if self._bad_loss else grads_finite)
         if not ok:
             self._skipped_this_step = True
         return not ok
@@ -106,10 +107,9 @@ class GuardedAdamW(torch.optim.AdamW):
             with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
             self._global_grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm))
         if self.guard is not None:
-            finite = all(
-                bool(torch.isfinite(p.grad).all())
-                for group in self.param_groups for p in group["params"] if p.grad is not None
-            )
+            # One device-side flag for all gradients: one host read per step, not one per parameter.
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else True
             if self.guard.should_skip(finite):
                 for group in self.param_groups:
                     for p in group["params"]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastrlhf import comm
 from fastrlhf import distributed as D
 from fastrlhf.config import ConfigError, config_to_dict
 from fastrlhf.data import EpochSampler, shard
@@ -40,17 +41,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _mean_over_ranks(values: dict) -> dict:
-    if D.world_size() == 1 or not values:
-        return values
-    import torch.distributed as dist
-
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return {k: (t[i] / D.world_size()).item() for i, k in enumerate(keys)}
 
 
 def micro_batch_size(config) -> int:
@@ -115,7 +105,7 @@ def run_supervised(config, task: Task, resume: bool = False) -> dict:
             skipped, stop = guard.end_step(step), None
         except TooManySkippedSteps as exc:
             skipped, stop = True, exc
-        metrics = _mean_over_ranks(sums)
+        metrics = comm.mean_over_ranks(sums)
         grad_norm = engine.get_global_grad_norm()
         metrics.update(lr=engine.get_lr()[0], skipped=int(skipped), skipped_total=guard.skipped_total,
                        step_time_s=time.perf_counter() - started)

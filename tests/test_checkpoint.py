@@ -154,3 +154,48 @@ def test_optional_tensorboard_and_wandb_degrade_to_a_warning(tmp_path, capsys):
         installed = importlib.util.find_spec(name) is not None
         assert (f"trainer.{name} is on but the {name} package is not installed" in err) != installed
     assert read_metrics(os.path.join(tmp_path, "metrics.jsonl")) == [{"step": 1, "loss": 1.0}]
+
+
+class RecordingCuda:
+    """Stands in for ``torch.cuda`` on a GPU node: records which devices' RNG states are touched.
+
+    ``get_rng_state_all`` / ``set_rng_state_all`` raise: on an 8-GPU node each would open a CUDA
+    context on every visible GPU from every rank.
+    """
+
+    def __init__(self):
+        self.touched = []
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def get_rng_state(self, device="cuda"):
+        self.touched.append(("get", torch.device(device)))
+        return torch.tensor([torch.device(device).index], dtype=torch.uint8)
+
+    def set_rng_state(self, state, device="cuda"):
+        self.touched.append(("set", torch.device(device), int(state[0])))
+
+    def get_rng_state_all(self):
+        raise AssertionError("get_rng_state_all opens a context on every GPU")
+
+    def set_rng_state_all(self, states):
+        raise AssertionError("set_rng_state_all opens a context on every GPU")
+
+
+def test_rng_state_is_saved_and_restored_for_the_ranks_own_gpu_only(monkeypatch):
+    import fastrlhf.checkpoint as checkpoint
+
+    fake = RecordingCuda()
+    monkeypatch.setattr(checkpoint.torch, "cuda", fake)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    state = checkpoint.capture_rng()
+    checkpoint.restore_rng(state)
+    assert fake.touched == [("get", torch.device("cuda", 3)), ("set", torch.device("cuda", 3), 3)]
+    # A checkpoint written by the old code holds every device's state: this rank takes its own.
+    fake.touched.clear()
+    checkpoint.restore_rng({**state, "cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(8)]})
+    assert fake.touched == [("set", torch.device("cuda", 3), 3)]

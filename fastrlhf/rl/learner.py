@@ -11,18 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["TorchLearner", "DeepSpeedLearner", "as_learner", "any_rank_true"]
-
-
-def any_rank_true(flag: bool) -> bool:
-    """``flag`` OR-ed over all ranks (a collective when a process group exists)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
-    return bool(flag)
+__all__ = ["TorchLearner", "DeepSpeedLearner", "as_learner"]
 
 
 class TorchLearner:

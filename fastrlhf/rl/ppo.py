@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from fastrlhf.algorithms import compute_gae, masked_whiten, shape_rewards, value_loss
+from fastrlhf import comm
+from fastrlhf.algorithms import compute_gae, masked_sum, shape_rewards, value_loss, whiten_with_stats
 from fastrlhf.rl.experience import Experience
 from fastrlhf.rl.forward import token_values
 from fastrlhf.rl.hparams import RLHParams
@@ -36,22 +36,19 @@ def compute_ppo_advantages(exp: Experience, hp: RLHParams) -> None:
 def whiten_across_ranks(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``masked_whiten`` with the mean and variance of the global batch, not of this rank's share.
 
-    Per-rank statistics would make the update depend on how the batch was split. The kept values
-    are small ([tokens] floats), so every rank gathers all of them and whitens the concatenation.
+    Per-rank statistics would make the update depend on how the batch was split. Two reductions
+    of two numbers each (sum and count, then the sum of squared deviations from the global mean:
+    the same two-pass variance as ``masked_var``), on the advantages' device; no host sync.
+    Fewer than two kept tokens in the whole batch: returned unchanged (no variance to divide by).
     """
-    keep = mask > 0
-    kept = advantages[keep]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        shares = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, kept.detach().cpu())
-        offset = sum(len(share) for share in shares[: dist.get_rank()])
-        everything = torch.cat(shares).to(kept.device)
-    else:
-        offset, everything = 0, kept
-    if everything.numel() < 2:  # no variance to divide by
-        return advantages
-    whitened = masked_whiten(everything, torch.ones_like(everything))[offset: offset + kept.numel()]
-    return torch.zeros_like(advantages).masked_scatter(keep, whitened)
+    x = advantages.detach().double()
+    totals = comm.all_reduce_(torch.stack([masked_sum(x, mask), (mask > 0).sum().double()]))
+    count = totals[1]
+    mean = totals[0] / count.clamp(min=1)
+    squares = comm.all_reduce_(masked_sum((x - mean).square(), mask).reshape(1))[0]
+    var = squares / (count - 1).clamp(min=1)
+    whitened = whiten_with_stats(advantages, mask, mean.to(advantages.dtype), var.to(advantages.dtype))
+    return torch.where(count >= 2, whitened, advantages)
 
 
 def critic_loss(critic, mb: Experience, hp: RLHParams):

@@ -20,15 +20,16 @@ import contextlib
 import time
 
 import torch
-import torch.distributed as dist
 
+from fastrlhf import comm
+from fastrlhf import distributed as D
 from fastrlhf.algorithms import kl_penalty, masked_mean
 from fastrlhf.guards import TooManySkippedSteps
 from fastrlhf.rl.experience import Experience, build_experience
 from fastrlhf.rl.forward import policy_loss_from_model, sequence_logprobs, unwrap
 from fastrlhf.rl.grpo import compute_grpo_token_advantages
 from fastrlhf.rl.hparams import RLHParams
-from fastrlhf.rl.learner import any_rank_true, as_learner
+from fastrlhf.rl.learner import as_learner
 from fastrlhf.rl.ppo import compute_ppo_advantages, critic_loss
 from fastrlhf.rl.update import minibatch_order, run_updates
 
@@ -36,20 +37,6 @@ __all__ = ["RLStep"]
 
 # log(ratio) clamp before exp() for the importance weights; the cap bounds them anyway.
 _MAX_LOG_IS = 20.0
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_reduce(values: list[float], op) -> list[float]:
-    if _world()[1] == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
 
 
 class RLStep:
@@ -89,7 +76,7 @@ class RLStep:
     def sampling(self, step: int):
         from fastrlhf.rollout import SamplingConfig
 
-        rank, world = _world()
+        rank, world = D.rank(), D.world_size()
         hp = self.hp
         # A seed per (step, rank): different samples on each rank, the same ones after a resume.
         return SamplingConfig(n=hp.n, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k,
@@ -232,7 +219,8 @@ class RLStep:
         consumed = [exp.scores, exp.advantages]
         consumed += [t for t in (exp.old_logprobs, exp.ref_logprobs, exp.values, exp.returns, exp.is_weights)
                      if t is not None]
-        bad_inputs = any_rank_true(not all(bool(torch.isfinite(t).all()) for t in consumed))
+        all_finite = torch.stack([torch.isfinite(t).all() for t in consumed]).all()
+        bad_inputs = comm.any_rank_true(~all_finite)
 
         t0 = time.perf_counter()
         if bad_inputs:
@@ -262,16 +250,16 @@ class RLStep:
         scores = exp.scores.double()
         finite = torch.isfinite(scores)
         gen_tokens = float(exp.response_mask.sum())
-        total = _all_reduce([float(scores[finite].sum()), float(scores[finite].square().sum()), float(finite.sum()),
-                             gen_tokens], dist.ReduceOp.SUM if dist.is_available() else None)
+        total = comm.reduce_floats([float(scores[finite].sum()), float(scores[finite].square().sum()),
+                                    float(finite.sum()), gen_tokens], "sum")
         count = max(total[2], 1.0)
         mean = total[0] / count
         var = max(total[1] / count - mean * mean, 0.0) * (count / max(count - 1, 1))
         local = {**prep, **train, **{f"time/{k}": v for k, v in timings.items()}, **sync}
         keys = sorted(local)
-        world = _world()[1]
-        summed = _all_reduce([float(local[k]) for k in keys], dist.ReduceOp.SUM if dist.is_available() else None)
-        maxed = _all_reduce([float(local[k]) for k in keys], dist.ReduceOp.MAX if dist.is_available() else None)
+        world = D.world_size()
+        summed = comm.reduce_floats([float(local[k]) for k in keys], "sum")
+        maxed = comm.reduce_floats([float(local[k]) for k in keys], "max")
         # Times and maxima: the slowest / largest rank; everything else: the mean over ranks.
         metrics = {k: (mx if (k.startswith("time/") or k.endswith("_max")) else s / world)
                    for k, s, mx in zip(keys, summed, maxed, strict=True)}

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from fastrlhf.comm import any_rank_true
 from fastrlhf.rl.experience import Experience, split_batch
-from fastrlhf.rl.learner import any_rank_true
 
 __all__ = ["UpdateResult", "minibatch_order", "run_updates"]
 
@@ -53,7 +53,7 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[list[to
         for rows in micro_rows:
             mb = exp.select(rows)
             loss, metrics = loss_fn(learner.module, mb)
-            if not aborted and any_rank_true(not bool(torch.isfinite(loss.detach()).all())):
+            if not aborted and any_rank_true(~torch.isfinite(loss.detach()).all()):
                 # Decided by all ranks together: this minibatch's update is skipped everywhere.
                 # Its remaining micro-batches still run (DeepSpeed's accumulation counters and
                 # ZeRO's gradient reductions stay in step); later minibatches are not run.

@@ -83,6 +83,7 @@ def nan_guard_steps(rl_step, stateful, examples, sampler, zero3, before):
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     model_dir, prompts, out_dir, *cases = args
+    from fastrlhf import comm
     from fastrlhf import distributed as D
     from fastrlhf.config import parse_config
     from fastrlhf.data import EpochSampler, load_prompts, shard
@@ -150,7 +151,7 @@ def main():
         rl_step.rollout.close()
         with open(os.path.join(out_dir, f"{case.replace(':', '-')}-rank{D.rank()}.json"), "w") as f:
             json.dump(result, f)
-        D.barrier()
+        comm.barrier()
 
 
 if __name__ == "__main__":
