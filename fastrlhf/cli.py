@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set trainer.lr=1e-5 (repeatable; YAML scalars)")
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+        p.add_argument("--dry-run", action="store_true",
+                       help="validate the config, print it with every auto setting resolved for this machine, exit")
         p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -93,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         _error("config error", str(exc))
         return EXIT_BAD_INPUT
+    if args.dry_run:
+        import yaml
+
+        from fastrlhf.config import config_to_dict
+
+        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+        return 0
 
     from fastrlhf.checkpoint import CheckpointError
     from fastrlhf.data import DataError

@@ -54,7 +54,9 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 on a GPU (with deepspeed.bf16: fp32 master weights), float32 on a CPU; see fastrlhf.precision
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    tf32: bool = True  # fp32 matmuls use TF32 on GPUs
     lora_r: int = 0
     lora_alpha: int = 16
     lora_dropout: float = 0.0
@@ -99,6 +101,7 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     sync_bucket_bytes: int = 268435456
     kv_cache_bytes: int = 1073741824
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, else the actor's
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,8 @@ class DeepSpeedConfig:
     zero_stage: int = 2
     offload_optimizer: bool = False
     offload_param: bool = False
-    bf16: bool = False
+    bf16: bool | Literal["auto"] = "auto"  # bf16 compute, fp32 master weights; auto: when model.dtype is bfloat16
+    pure_bf16: bool = False  # true: allow bf16 weights trained without fp32 master weights (refused otherwise)
     extra: dict = field(default_factory=dict)  # merged verbatim into the generated DeepSpeed config
 
 
@@ -422,8 +426,15 @@ def _check_deepspeed(ds: DeepSpeedConfig, model: ModelConfig):
         raise ConfigError("deepspeed.offload_param", f"needs deepspeed.zero_stage 3, got {ds.zero_stage}")
     if ds.offload_optimizer and ds.zero_stage == 0:
         raise ConfigError("deepspeed.offload_optimizer", "needs deepspeed.zero_stage 1, 2 or 3, got 0")
-    if ds.bf16 and model.dtype == "float16":
-        raise ConfigError("deepspeed.bf16", "conflicts with model.dtype float16")
+    if model.dtype == "float16":
+        raise ConfigError("model.dtype", "float16 training needs loss scaling, which fastrlhf does not set up; use "
+                                         "bfloat16 (with deepspeed.bf16 for fp32 master weights) or auto")
+    if ds.pure_bf16 and ds.bf16 is True:
+        raise ConfigError("deepspeed.pure_bf16", "conflicts with deepspeed.bf16: true (fp32 master weights)")
+    if model.dtype == "bfloat16" and ds.bf16 is False and not ds.pure_bf16:
+        raise ConfigError("deepspeed.bf16", "false with model.dtype bfloat16 trains pure bf16 without fp32 master "
+                                            "weights; set deepspeed.bf16: true (or auto), or deepspeed.pure_bf16: true "
+                                            "to train that way on purpose")
 
 
 def _check_common_trainer(t, prefix: str = "trainer"):
@@ -543,8 +554,12 @@ _VALIDATORS = {TrainConfig: _validate_train, SFTConfig: _validate_sft, RMConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def parse_config(raw: dict, command: str = "train", base_dir: str = "."):
-    """Build and validate the config of ``command`` (train | sft | rm) from a raw mapping."""
+def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu: bool | None = None):
+    """Build and validate the config of ``command`` (train | sft | rm) from a raw mapping.
+
+    ``auto`` precision settings are then resolved for a GPU run when ``on_gpu`` (None: whether
+    this machine has one), see ``fastrlhf.precision``.
+    """
     cls = SCHEMAS[command]
     if raw is None:
         raise ConfigError("", "the config is empty")
@@ -556,11 +571,14 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = "."):
             raw = {**raw, "critic": {}}
     config = _build(cls, raw, "")
     _VALIDATORS[cls](config, base_dir)
-    return config
+    from fastrlhf.precision import gpu_available, resolve_precision
+
+    return resolve_precision(config, gpu_available() if on_gpu is None else on_gpu)
 
 
-def load_config(path: str, command: str = "train", overrides: list[str] | None = None):
-    """Read a YAML run config, apply ``--set`` overrides, validate. Raises ConfigError (one line)."""
+def load_config(path: str, command: str = "train", overrides: list[str] | None = None, on_gpu: bool | None = None):
+    """Read a YAML run config, apply ``--set`` overrides, validate, resolve ``auto`` precision for a GPU
+    run when ``on_gpu`` (None: this machine). Raises ConfigError (one line)."""
     if command not in SCHEMAS:
         raise ConfigError("", f"unknown command {command!r}; expected one of {', '.join(SCHEMAS)}")
     try:
@@ -575,7 +593,7 @@ def load_config(path: str, command: str = "train", overrides: list[str] | None =
         raise ConfigError("", f"{path}: the config must be a mapping of keys, got {type(raw).__name__}")
     raw = apply_overrides(raw, list(overrides or []))
     # Relative paths in a config mean "relative to the current directory", as on the command line.
-    return parse_config(raw, command, base_dir=".")
+    return parse_config(raw, command, base_dir=".", on_gpu=on_gpu)
 
 
 def config_to_dict(config) -> dict:

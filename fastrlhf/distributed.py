@@ -105,7 +105,8 @@ def deepspeed_config(ds, micro_batch_size: int = 1, grad_accum: int = 1, max_gra
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum if trainable else 1,
         "zero_optimization": zero,
-        "bf16": {"enabled": bool(ds.bf16)},
+        # True only when resolved so (fastrlhf.precision); an unresolved "auto" is off.
+        "bf16": {"enabled": ds.bf16 is True},
         # Our optimizer is a torch AdamW (no 30-45 s C++ compile); DeepSpeed refuses it under offload unless told.
         "zero_force_ds_cpu_optimizer": False,
         # GuardedAdamW is torch AdamW plus a skip check; DeepSpeed only whitelists the exact AdamW class.
@@ -139,10 +140,15 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
+    half = {p.dtype for p in params} & {torch.bfloat16, torch.float16}
+    if half and ds.bf16 is not True and not ds.pure_bf16:
+        # The config check, again where the engine is built, for models and configs made in code.
+        raise ValueError(f"the model's trainable weights are {half.pop()} and deepspeed.bf16 is off: that trains "
+                         "without fp32 master weights; enable deepspeed.bf16 or set deepspeed.pure_bf16")
     # At stage 0 in fp32 DeepSpeed clips with clip_grad_norm_ and throws the norm away, so
     # get_global_grad_norm() would report nothing; there the optimizer clips instead and keeps the
     # norm where the engine reads it. (Stages 1-3 and bf16 compute the norm themselves.)
-    clip_in_optimizer = ds.zero_stage == 0 and not ds.bf16
+    clip_in_optimizer = ds.zero_stage == 0 and ds.bf16 is not True
     optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, guard=guard,
                              max_grad_norm=(max_grad_norm or float("inf")) if clip_in_optimizer else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(warmup_steps))

@@ -33,6 +33,12 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """A config dtype name as a torch dtype; ``auto`` (a config not resolved by ``parse_config``) as
+    ``fastrlhf.precision`` resolves it on this machine."""
+    if name == "auto":
+        from fastrlhf.precision import gpu_available
+
+        name = "bfloat16" if gpu_available() else "float32"
     return _DTYPES[name]
 
 
@@ -74,15 +80,18 @@ def zero3_loading(ds_config: dict | None):
         del keep_alive
 
 
-def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True, zero3_config: dict | None = None):
+def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True, zero3_config: dict | None = None,
+                   dtype: str | None = None):
     """``AutoModelForCausalLM`` from ``path`` (default ``model_cfg.path``); LoRA applied only if trainable.
 
     ``zero3_config``: the stage-3 DeepSpeed config of the engine to come, to load partitioned.
+    ``dtype``: instead of ``model_cfg.dtype`` (frozen copies load in the actor's compute dtype).
     """
     from transformers import AutoModelForCausalLM
 
     with zero3_loading(zero3_config):
-        model = AutoModelForCausalLM.from_pretrained(path or model_cfg.path, dtype=torch_dtype(model_cfg.dtype))
+        model = AutoModelForCausalLM.from_pretrained(path or model_cfg.path,
+                                                     dtype=torch_dtype(dtype or model_cfg.dtype))
     if not trainable:
         return model.eval().requires_grad_(False)
     return _finish(model.train(), model_cfg, "CAUSAL_LM")
@@ -215,6 +224,7 @@ def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from
 
     A :class:`CausalLMWithValueHead` exports the LM plus ``value_head.safetensors``.
     """
+    from fastrlhf import comm
     from fastrlhf import distributed as D
 
     model = unwrap(model_or_engine)
@@ -238,5 +248,5 @@ def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from
                     shutil.copy2(src, os.path.join(tmp, name))
         shutil.rmtree(out_dir, ignore_errors=True)
         os.rename(tmp, out_dir)
-    D.barrier()
+    comm.barrier()
     return out_dir

@@ -22,6 +22,7 @@ from fastrlhf.distributed import build_train_engine
 from fastrlhf.guards import StepGuard, TooManySkippedSteps
 from fastrlhf.loop import resume_step, run_steps
 from fastrlhf.metrics import MetricsLogger
+from fastrlhf.precision import apply_matmul_precision
 
 __all__ = ["Task", "run_supervised", "seed_everything", "engine_config", "micro_batch_size"]
 
@@ -76,6 +77,7 @@ def run_supervised(config, task: Task, resume: bool = False) -> dict:
     micro = micro_batch_size(config)
 
     guard = StepGuard(t.max_skipped_steps)
+    apply_matmul_precision(config)
     engine = build_train_engine(task.model, config.deepspeed, lr=t.lr, weight_decay=t.weight_decay,
                                 warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
                                 max_grad_norm=t.max_grad_norm, guard=guard)

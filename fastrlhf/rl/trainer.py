@@ -60,11 +60,11 @@ def _build_rollout(config, actor_module, num_params: int, device):
         if ds.zero_stage < 3:
             # Same module, same weights: generation sees every update at once, no sync needed.
             return HFEngine(actor_module, max_model_len=max_len), True
-        rollout_model = load_causal_lm(config.model, trainable=False).to(device)
+        rollout_model = load_causal_lm(config.model, trainable=False, dtype=ro.dtype).to(device)
         return HFEngine(rollout_model, max_model_len=max_len), False
     from fastrlhf import distributed as D
 
-    engine = VLLMEngine(config.model.path, dtype=config.model.dtype, max_model_len=max_len,
+    engine = VLLMEngine(config.model.path, dtype=ro.dtype, max_model_len=max_len,
                         kv_cache_bytes=ro.kv_cache_bytes, seed=config.seed + D.rank())
     return engine, False
 
@@ -74,10 +74,12 @@ def build_rl_step(config, guard):
     from fastrlhf import distributed as D
     from fastrlhf.distributed import build_frozen_engine, build_train_engine, deepspeed_config
     from fastrlhf.modeling import load_causal_lm, load_value_model
+    from fastrlhf.precision import apply_matmul_precision, compute_dtype
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep
 
     t, ds = config.trainer, config.deepspeed
+    apply_matmul_precision(config)
     hp = _per_rank_hparams(config, D.world_size())
     micro = hp.micro_batch_size(config.rollout_batch_size // D.world_size())
 
@@ -97,7 +99,7 @@ def build_rl_step(config, guard):
     if t.kl_coef != 0.0 and config.model.lora_r == 0:
         ref_ds = deepspeed_config(ds, zero_stage=3, trainable=False) if ds.zero_stage == 3 else None
         ref_model = load_causal_lm(config.model, config.reference.path or config.model.path, trainable=False,
-                                   zero3_config=ref_ds)
+                                   zero3_config=ref_ds, dtype=compute_dtype(config))
         # ZeRO-3 actor: a ZeRO-3 reference too (a full replica would waste what the actor saves).
         reference = build_frozen_engine(ref_model, ds) if ds.zero_stage == 3 else ref_model.to(device)
 
@@ -116,7 +118,7 @@ def build_rl_step(config, guard):
         from fastrlhf.modeling import torch_dtype
 
         reward_model = AutoModelForSequenceClassification.from_pretrained(
-            config.reward.model_path, dtype=torch_dtype(config.model.dtype)).eval().requires_grad_(False).to(device)
+            config.reward.model_path, dtype=torch_dtype(compute_dtype(config))).eval().requires_grad_(False).to(device)
     scorer = RewardScorer(config.reward.function, reward_model, config.reward.model_kind, config.reward.label_index,
                           micro_batch=micro)
 

@@ -1,0 +1,70 @@
+"""The precision of a run, resolved once from the config and the machine it runs on.
+
+On a GPU the default is what OpenRLHF, verl and TRL users run: bf16 compute with fp32 master
+weights (DeepSpeed's bf16 mode: the module computes in bf16, the optimizer keeps fp32 copies of the
+weights and its moments in fp32), TF32 for the matmuls that stay fp32, and a bf16 rollout engine.
+On a CPU everything stays fp32, which is what the CPU tests compare against.
+
+Pure bf16 (bf16 weights updated in bf16, no fp32 copy) silently drops every update smaller than
+bf16's resolution, about 1/256 of a weight, which at RL learning rates is most of them. A config
+that would train that way (``model.dtype: bfloat16`` with ``deepspeed.bf16: false``) is refused
+unless ``deepspeed.pure_bf16: true`` says it is meant. fp16 training needs loss scaling, which
+fastrlhf does not configure, so a float16 model is refused for training.
+
+Importing this module needs no torch (config validation must stay fast); only
+:func:`gpu_available` and :func:`apply_matmul_precision` import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["apply_matmul_precision", "compute_dtype", "gpu_available", "resolve_precision"]
+
+
+def gpu_available() -> bool:
+    """Whether this process will train on a CUDA device (what ``auto`` precision settings follow)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _resolve_model_dtype(model, ds, on_gpu: bool) -> str:
+    if model.dtype != "auto":
+        return model.dtype
+    # auto: bf16 weights on a GPU unless the config turned bf16 off (then fp32, never pure bf16 by default).
+    return "bfloat16" if on_gpu and (ds.bf16 is not False or ds.pure_bf16) else "float32"
+
+
+def resolve_precision(config, on_gpu: bool):
+    """``config`` with every ``auto`` precision setting made concrete for a GPU (``on_gpu``) or CPU run.
+
+    - ``model.dtype``: bfloat16 on a GPU, float32 on a CPU.
+    - ``deepspeed.bf16``: true when the model is bf16 (fp32 master weights), unless ``pure_bf16``.
+    - ``rollout.dtype`` (RL runs): bfloat16 on a GPU, otherwise the dtype the actor computes in.
+    """
+    ds = config.deepspeed
+    dtype = _resolve_model_dtype(config.model, ds, on_gpu)
+    bf16 = ds.bf16 if ds.bf16 != "auto" else (dtype == "bfloat16" and not ds.pure_bf16)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype),
+                                 deepspeed=dataclasses.replace(ds, bf16=bf16))
+    rollout = getattr(config, "rollout", None)
+    if rollout is not None and rollout.dtype == "auto":
+        rollout_dtype = "bfloat16" if on_gpu else compute_dtype(config)
+        config = dataclasses.replace(config, rollout=dataclasses.replace(rollout, dtype=rollout_dtype))
+    return config
+
+
+def compute_dtype(config) -> str:
+    """The dtype the trained model runs its forward passes in (DeepSpeed bf16 casts the module to bf16);
+    frozen copies (reference, reward model, rollout engine) load in it too."""
+    return "bfloat16" if config.deepspeed.bf16 is True else config.model.dtype
+
+
+def apply_matmul_precision(config) -> None:
+    """TF32 for fp32 matmuls and convolutions on CUDA when ``model.tf32`` (no effect on a CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = bool(config.model.tf32)
+        torch.backends.cudnn.allow_tf32 = bool(config.model.tf32)
