@@ -8,10 +8,17 @@ BENCH_STAMP := $(VENV)/.installed-bench
 # (torchvision::nms missing) and `from vllm import LLM` (libnvrtc missing). Nothing here needs them.
 CUDA_ONLY_WHEELS := torchvision torchaudio torchcodec
 PYTEST_ARGS ?=
+# The Triton that the `gpu` extra installs (the CUDA torch wheel's pin, read from setup.py), kept in
+# its own folder beside the venv's newer one (which xgrammar pulls in) without replacing it:
+# tests/test_kernels_aot.py AOT-compiles the kernels with both. Named after the version, so a new pin
+# reinstalls it and a re-run with the folder in place does nothing.
+GPU_TRITON := $(shell sed -n 's/.*"triton==\([0-9][0-9.]*\)".*/\1/p' setup.py)
+TRITON_GPU_DIR := $(VENV)/triton-gpu
+TRITON_GPU := $(TRITON_GPU_DIR)/triton-$(GPU_TRITON).dist-info
 
-.PHONY: install test bench demo clean
+.PHONY: install test bench demo clean check-gpu-install
 
-install: $(STAMP)
+install: $(STAMP) $(TRITON_GPU)
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +27,13 @@ $(STAMP): setup.py pyproject.toml
 	$(PY) -c "import torch, transformers, vllm, deepspeed; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__)"
 	touch $(STAMP)
 
-test: $(STAMP)
+$(TRITON_GPU): | $(STAMP)
+	test -n "$(GPU_TRITON)" || { echo 'no "triton==X" pin found in setup.py'; exit 1; }
+	rm -rf $(TRITON_GPU_DIR)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --target $(TRITON_GPU_DIR) triton==$(GPU_TRITON)
+	test -d $@
+
+test: $(STAMP) $(TRITON_GPU)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 $(BENCH_STAMP): $(STAMP)
@@ -37,6 +50,11 @@ bench: $(BENCH_STAMP)
 # make demo [ALGO=grpo|ppo] [REWARD=rule|model] [FRESH=1]: pretrain a tiny model on CPU, RL it, report to runs/demo/.
 demo: $(STAMP)
 	$(PY) -m fastrlhf.demo --algo $(or $(ALGO),grpo) --reward $(or $(REWARD),rule) $(if $(FRESH),--fresh)
+
+# Needs the package registry, not the venv: proves that `pip install '.[gpu]'` resolves on a CUDA
+# machine (a dry run against PyPI, nothing installed) and prints the torch/vllm/triton/nvidia-* it picks.
+check-gpu-install:
+	scripts/check_gpu_install.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

