@@ -16,7 +16,20 @@ from fastrlhf import distributed as D
 from fastrlhf.checkpoint import load_latest, save_checkpoint
 from fastrlhf.guards import TooManySkippedSteps
 
-__all__ = ["resume_step", "run_steps"]
+__all__ = ["resume_step", "run_steps", "write_run_config"]
+
+
+def write_run_config(config) -> None:
+    """The fully resolved config (defaults, --set and ``auto`` precision applied) beside the run's outputs."""
+    import yaml
+
+    from fastrlhf.config import config_to_dict
+
+    os.makedirs(config.output_dir, exist_ok=True)
+    path = os.path.join(config.output_dir, "config.yaml")
+    with open(f"{path}.tmp", "w") as f:
+        yaml.safe_dump(config_to_dict(config), f, sort_keys=False)
+    os.replace(f"{path}.tmp", path)
 
 
 def resume_step(output_dir: str, stateful: dict, resume: bool) -> int:
@@ -41,6 +54,8 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
     trainer frees its rollout engine there).
     """
     t = config.trainer
+    if D.is_main():
+        write_run_config(config)
     metrics: dict = {}
     step = start_step
     try:

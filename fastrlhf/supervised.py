@@ -6,7 +6,6 @@ The command-specific parts (data, model, loss) come in as a :class:`Task`.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Callable
@@ -59,17 +58,6 @@ def engine_config(config) -> dict:
     return D.deepspeed_config(config.deepspeed, micro_batch_size(config), t.grad_accum, t.max_grad_norm)
 
 
-def _write_run_config(config) -> None:
-    """The fully resolved config (defaults and --set applied) beside the run's outputs."""
-    import yaml
-
-    os.makedirs(config.output_dir, exist_ok=True)
-    path = os.path.join(config.output_dir, "config.yaml")
-    with open(f"{path}.tmp", "w") as f:
-        yaml.safe_dump(config_to_dict(config), f, sort_keys=False)
-    os.replace(f"{path}.tmp", path)
-
-
 def run_supervised(config, task: Task, resume: bool = False) -> dict:
     """Train ``task`` for ``config.trainer.max_steps`` optimizer steps; returns the last step's metrics."""
     t = config.trainer
@@ -85,8 +73,6 @@ def run_supervised(config, task: Task, resume: bool = False) -> dict:
     stateful = {"model": engine, "sampler": sampler, "guard": guard}
 
     start_step = resume_step(config.output_dir, stateful, resume)
-    if D.is_main():
-        _write_run_config(config)
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=task.bar_keys,
                            tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config),
                            resume=resume)

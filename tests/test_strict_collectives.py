@@ -144,3 +144,6 @@ def test_strict_collectives_two_ranks_rl_sft_rm_and_checkpoints(workdir):
         steps = [json.loads(line)["step"] for line in open(workdir / name / "metrics.jsonl")]
         assert steps == [1, 2, 3, 4], (name, steps)
         assert (workdir / name / "final" / "config.json").exists(), name
+        # Every command records its resolved config, auto precision made concrete (fp32 on a CPU).
+        resolved = yaml.safe_load((workdir / name / "config.yaml").read_text())
+        assert (resolved["model"]["dtype"], resolved["deepspeed"]["bf16"]) == ("float32", False), name
