@@ -11,8 +11,9 @@ Two ops, two gradient strategies:
 * :func:`fused_linear_policy_loss` returns a scalar whose per-token weights are known up front
   (``aggregation_weights(mask, agg)``), so each chunk's gradients are computed DURING THE FORWARD
   pass right after its loss: 3 GEMMs in all, and backward only scales the stored ``grad_hidden`` /
-  ``grad_weight`` / ``grad_bias`` by ``grad_output``. Chunks where every token is masked are skipped
-  (no GEMM; their gradient is zero and they count in no metric).
+  ``grad_weight`` / ``grad_bias`` by ``grad_output``. On the CPU, chunks where every token is masked
+  are skipped (no GEMM; their gradient is zero and they count in no metric); finding them reads the
+  mask on the host, so on other devices every chunk runs and a masked one adds zeros.
 * :func:`fused_linear_logprob_entropy` returns per-token outputs whose upstream gradient is unknown
   until backward: forward keeps three fp32 numbers per token (logprob, entropy, lse), backward
   recomputes each chunk's logits (one extra GEMM, 4 in all), writes ``dlogits`` in place and
@@ -23,12 +24,27 @@ it for fp32; for bf16/fp16 each chunk's bf16 GEMM lands in a scratch of the weig
 then added into the fp32 buffer) and returned in the weight's dtype; ``grad_hidden`` rows are
 written per chunk in the hidden dtype.
 
-Chunk size: by default the number of tokens whose logits fill :data:`DEFAULT_CHUNK_BYTES` in fp32
-(``DEFAULT_CHUNK_BYTES // (4 * V)``), rounded down to a multiple of 8 and clamped to
-``[MIN_CHUNK_TOKENS, N]``; see :func:`default_chunk_size`. With the default 64 MiB that is 512
-tokens at V=32k and 104 at V=152k. Extra memory is then two chunk buffers (the logits and, on
-the torch path, their fp32 probabilities; a third fp32 one for bf16 inputs or T != 1) plus the fp32
-``grad_weight`` accumulator (and its scratch for bf16), instead of several ``[N, V]`` tensors.
+Chunk size: by default the number of tokens whose logits fill a byte budget in fp32
+(``budget // (4 * V)``), rounded down to a multiple of 8 (CPU) or 64 (accelerators) and clamped
+to ``[minimum, N]``; see :func:`default_chunk_size`. The budget depends on the device, because the
+cost of a chunk does (``_backend.py`` explains the rules):
+
+* CPU: :data:`CPU_CHUNK_BYTES` (64 MiB: 512 tokens at V=32k, 104 at V=152k), at least
+  :data:`MIN_CHUNK_TOKENS`. GEMMs reach full speed at a few hundred rows, and each op's OpenMP
+  barrier, not the chunk count, is what costs.
+* Accelerators: :data:`GPU_CHUNK_BYTES` (1 GiB: ~1.7k tokens at V=152k, so a 16k-token micro-batch
+  is about ten chunks, not ~150), capped by a share of the device's free memory, and at least
+  :data:`MIN_CHUNK_TOKENS_GPU`. Each chunk re-reads the whole ``[V, H]`` head and launches a
+  dozen kernels, so small chunks leave the GEMMs bandwidth-bound and the GPU waiting on launches.
+
+``chunk_bytes=`` sets the budget for one call and ``chunk_size=`` (tokens) overrides both. Extra
+memory is then two chunk buffers (the logits and, on the torch path, their fp32 probabilities; a
+third fp32 one for bf16 inputs or T != 1) plus the fp32 ``grad_weight`` accumulator (and its
+scratch for bf16), instead of several ``[N, V]`` tensors.
+
+No host syncs off the CPU: the chunk loops read no tensor value into Python there (labels are
+checked once by a device-side assert; ``grad_output`` is applied unconditionally), so the host
+queues every chunk's kernels without waiting for the device.
 
 Value semantics equal the from-logits reference in ``fastrlhf.algorithms`` (``logprobs_from_logits``,
 ``entropy_from_logits``, ``policy_loss`` + KL + entropy terms, as :func:`fused_policy_loss`).
@@ -40,28 +56,48 @@ import torch
 
 from fastrlhf.algorithms import _check_temperature, aggregation_weights
 
-from ._backend import resolve_backend
+from ._backend import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES, chunk_budget_bytes, on_cpu, resolve_backend
 
 __all__ = [
+    "CPU_CHUNK_BYTES",
     "DEFAULT_CHUNK_BYTES",
+    "GPU_CHUNK_BYTES",
     "MIN_CHUNK_TOKENS",
+    "MIN_CHUNK_TOKENS_GPU",
     "default_chunk_size",
     "fused_linear_logprob_entropy",
     "fused_linear_policy_loss",
 ]
 
-# Bytes of fp32 logits one chunk may hold. 64 MiB is 512 tokens at V=32k: on CPU the GEMMs are
-# already at full speed there and the chunk's elementwise work is a small share of the time
-# (measured in benchmarks/), while the buffer stays a small fraction of the [N, V] logits.
-DEFAULT_CHUNK_BYTES = 64 << 20
-# Below this many rows a GEMM against the whole [V, H] head is far from peak speed.
+# The CPU budget under its former name (CPU_CHUNK_BYTES and GPU_CHUNK_BYTES live in _backend.py,
+# shared with the torch path's row chunks; patch them there).
+DEFAULT_CHUNK_BYTES = CPU_CHUNK_BYTES
+# Below this many rows a GEMM against the whole [V, H] head is far from peak speed on a CPU.
 MIN_CHUNK_TOKENS = 16
+# On an accelerator each chunk's GEMMs re-read the whole [V, H] head: in bf16 they do about one
+# FLOP per head byte per token row, and a GPU's peak FLOPs over its memory bandwidth is a few
+# hundred, so chunks below ~512 tokens are bandwidth-bound whatever the memory budget says.
+MIN_CHUNK_TOKENS_GPU = 512
 
 
-def default_chunk_size(num_tokens: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Tokens per chunk so that a chunk's fp32 logits fit ``budget_bytes`` (multiple of 8, >= 16, <= N)."""
+def default_chunk_size(
+    num_tokens: int,
+    vocab_size: int,
+    budget_bytes: int | None = None,
+    device: torch.device | str | None = None,
+) -> int:
+    """Tokens per chunk so that a chunk's fp32 logits fit ``budget_bytes`` (at most N).
+
+    ``budget_bytes=None``: the budget of ``device`` (None: the CPU), ``_backend.chunk_budget_bytes``.
+    CPU: a multiple of 8, at least :data:`MIN_CHUNK_TOKENS`; other devices: a multiple of 64, at
+    least :data:`MIN_CHUNK_TOKENS_GPU` (the floor wins over the budget: pass an explicit
+    ``chunk_size`` to go below it).
+    """
+    if budget_bytes is None:
+        budget_bytes = chunk_budget_bytes(device)
+    floor, multiple = (MIN_CHUNK_TOKENS, 8) if on_cpu(device) else (MIN_CHUNK_TOKENS_GPU, 64)
     rows = budget_bytes // (4 * max(1, vocab_size))
-    rows = max(MIN_CHUNK_TOKENS, rows // 8 * 8)
+    rows = max(floor, rows // multiple * multiple)
     return max(1, min(rows, num_tokens))
 
 
@@ -71,6 +107,12 @@ def _primitives():
     from .logprob_entropy import logprob_entropy_grad, logprob_entropy_stats
 
     return logprob_entropy_stats, logprob_entropy_grad
+
+
+def _check_labels_in_range(labels, vocab_size):
+    from .logprob_entropy import _check_labels_in_range
+
+    _check_labels_in_range(labels, vocab_size, "the vocabulary size, weight.shape[0]")
 
 
 def _loss_primitives():
@@ -84,7 +126,12 @@ def _loss_primitives():
 # ----------------------------------------------------------------------------------------------
 
 
-def _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size):
+def _check_positive_int(name, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None (automatic), got {value!r}")
+
+
+def _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size, chunk_bytes=None):
     if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
         shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise ValueError(f"hidden must be a [N, H] or [B, T, H] tensor, got {shape}")
@@ -111,20 +158,15 @@ def _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size):
             f"got shape {tuple(bias.shape)} dtype {bias.dtype}"
         )
     _check_temperature(temperature)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None (automatic), got {chunk_size!r}")
+    _check_positive_int("chunk_size", chunk_size)
+    _check_positive_int("chunk_bytes", chunk_bytes)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).long()
     n = flat_hidden.shape[0]
-    vocab = weight.shape[0]
-    if n and not bool(((flat_labels >= 0) & (flat_labels < vocab)).all()):
-        bad = int(flat_labels.min()) if int(flat_labels.min()) < 0 else int(flat_labels.max())
-        raise ValueError(
-            f"labels must lie in [0, {vocab}) (the vocabulary size, weight.shape[0]), found {bad}; "
-            "ignore indices such as -100 are not supported: mask those tokens instead"
-        )
+    # Once per call: the chunks then skip the check (off the CPU each one is a few launches).
+    _check_labels_in_range(flat_labels, weight.shape[0])
     if chunk_size is None:
-        chunk_size = default_chunk_size(n, weight.shape[0])
+        chunk_size = default_chunk_size(n, weight.shape[0], chunk_bytes, hidden.device)
     return flat_hidden, flat_labels, max(1, min(chunk_size, n))
 
 
@@ -151,12 +193,13 @@ class _SoftmaxBuffers:
     fp32 and T == 1, so then only the probabilities take a buffer. Other backends need none.
     """
 
-    def __init__(self, backend, rows, vocab, dtype, device, temperature):
+    def __init__(self, backend, rows, vocab, dtype, device, temperature, with_products=True):
+        """``with_products=False``: no stats will run (a recompute-only backward), so no buffer for p * z."""
         self.probs = self.pz = None
         self.enabled = backend == "torch"
         if self.enabled:
             self.probs = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-            if dtype != torch.float32 or temperature != 1.0:
+            if with_products and (dtype != torch.float32 or temperature != 1.0):
                 self.pz = torch.empty_like(self.probs)
 
     def stats_kwargs(self, logits):
@@ -168,10 +211,11 @@ class _SoftmaxBuffers:
     def grad_kwargs(self, logits, after_stats):
         """``after_stats``: right after ``stats`` of the same chunk (with ``stats_kwargs`` of these
         logits), whose buffers are reused; otherwise the probabilities buffer is lent for the recompute."""
-        kwargs = {name.removesuffix("_out"): t for name, t in self.stats_kwargs(logits).items()}
+        if not self.enabled:
+            return {}
         if not after_stats:
-            kwargs.pop("pz", None)
-        return kwargs
+            return dict(probs=self.probs[: logits.shape[0]])
+        return {name.removesuffix("_out"): t for name, t in self.stats_kwargs(logits).items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,6 +275,21 @@ def _chunks(n, chunk_size):
         yield start, min(start + chunk_size, n)
 
 
+def _chunks_with_kept_tokens(weights, chunk_size):
+    """Per chunk, whether any token in it is kept (weight > 0), so the loop can skip the others.
+
+    CPU only (one host read up front instead of one per chunk); elsewhere reading it would stall
+    the host on the device, so every chunk counts as kept: a masked one adds zero loss and gradient.
+    """
+    n = weights.shape[0]
+    n_chunks = -(-n // chunk_size)
+    if not on_cpu(weights):
+        return [True] * n_chunks
+    kept = torch.zeros(n_chunks * chunk_size, dtype=torch.bool, device=weights.device)
+    kept[:n] = weights > 0
+    return kept.view(n_chunks, chunk_size).any(1).tolist()
+
+
 # ----------------------------------------------------------------------------------------------
 # Per-token logprob + entropy
 # ----------------------------------------------------------------------------------------------
@@ -252,7 +311,7 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         for start, stop in _chunks(n, chunk_size):
             logits = _logits_into(buf[: stop - start], hidden[start:stop], weight, bias)
             logprobs[start:stop], entropy[start:stop], lse[start:stop] = stats(
-                logits, labels[start:stop], temperature, backend, shift_out=shift[start:stop],
+                logits, labels[start:stop], temperature, backend, shift_out=shift[start:stop], check_labels=False,
                 **softmax_bufs.stats_kwargs(logits),
             )
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy, shift)
@@ -270,7 +329,8 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         rows = min(ctx.chunk_size, n)
         _, grad = _primitives()
         grads = _HeadGrads(hidden, weight, bias, need_hidden, need_weight, need_bias and bias is not None)
-        softmax_bufs = _SoftmaxBuffers(ctx.backend, rows, vocab, hidden.dtype, hidden.device, ctx.temperature)
+        softmax_bufs = _SoftmaxBuffers(ctx.backend, rows, vocab, hidden.dtype, hidden.device, ctx.temperature,
+                                       with_products=False)
         buf = torch.empty(rows, vocab, dtype=hidden.dtype, device=hidden.device)
         for start, stop in _chunks(n, ctx.chunk_size):
             h = hidden[start:stop]
@@ -295,17 +355,20 @@ def fused_linear_logprob_entropy(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     backend: str = "auto",
+    *,
+    chunk_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token fp32 ``(logprobs, entropy)`` of ``softmax((hidden @ weight.T + bias) / T)`` at ``labels``.
 
     hidden ``[N, H]`` or ``[B, T, H]``, weight ``[V, H]``, labels ``[N]`` / ``[B, T]`` in [0, V), bias
     ``[V]`` or None. Differentiable in hidden, weight and bias; the logits exist only
-    ``chunk_size`` tokens at a time (default: :func:`default_chunk_size`). Backward recomputes each
-    chunk's logits once. Equal to ``logprobs_from_logits`` / ``entropy_from_logits`` of the
-    materialised logits.
+    ``chunk_size`` tokens at a time (default: :func:`default_chunk_size` of ``chunk_bytes``, itself
+    by default the device's budget). Backward recomputes each chunk's logits once. Equal to
+    ``logprobs_from_logits`` / ``entropy_from_logits`` of the materialised logits.
     """
     backend = resolve_backend(backend, hidden)
-    flat_hidden, flat_labels, chunk_size = _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size)
+    flat_hidden, flat_labels, chunk_size = _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size,
+                                                           chunk_bytes)
     if flat_hidden.shape[0] == 0:
         empty = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
         return empty, empty.clone()
@@ -334,11 +397,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         shift_buf = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         with_entropy_grad = loss_kwargs["entropy_coef"] != 0.0
 
-        # One host sync up front instead of one per chunk: which chunks hold any kept token.
-        n_chunks = -(-n // chunk_size)
-        kept = torch.zeros(n_chunks * chunk_size, dtype=torch.bool, device=weights.device)
-        kept[:n] = weights > 0
-        chunk_has_tokens = kept.view(n_chunks, chunk_size).any(1).tolist()
+        chunk_has_tokens = _chunks_with_kept_tokens(weights, chunk_size)
 
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         sums = {k: torch.zeros((), dtype=torch.float32, device=hidden.device) for k in metric_keys}
@@ -352,7 +411,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             h, lab = hidden[start:stop], labels[start:stop]
             logits = _logits_into(buf[: stop - start], h, weight, bias)
             shift = shift_buf[: stop - start]
-            lp, ent, lse = stats(logits, lab, temperature, backend, shift_out=shift,
+            lp, ent, lse = stats(logits, lab, temperature, backend, shift_out=shift, check_labels=False,
                                  **softmax_bufs.stats_kwargs(logits))
             chunk_loss, grad_lp, grad_ent, chunk_sums = loss_fn(
                 lp, ent, None if old_logprobs is None else old_logprobs[start:stop], advantages[start:stop],
@@ -382,8 +441,8 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias = ctx.head_grads
         ctx.head_grads = None
         # The stored gradients are ours alone (released above), so scale them in place; the loss
-        # is usually backpropagated with grad_output == 1, where a CPU check skips the work.
-        if grad_output.is_cuda or float(grad_output) != 1.0:
+        # is usually backpropagated with grad_output == 1, which the CPU checks for free.
+        if not on_cpu(grad_output) or float(grad_output) != 1.0:
             for g in (grad_hidden, grad_weight, grad_bias):
                 if g is not None:
                     g.mul_(grad_output.to(g.dtype))
@@ -409,6 +468,8 @@ def fused_linear_policy_loss(
     bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    *,
+    chunk_bytes: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped policy loss (+ KL penalty, - entropy bonus) from hidden states and the LM head.
 
@@ -426,9 +487,13 @@ def fused_linear_policy_loss(
     only scales them by ``grad_output``; so backward can run once per call (not with
     ``retain_graph`` twice), and a call made with grad enabled holds ``grad_weight`` (fp32 ``[V, H]``)
     until then.
+
+    Chunking as in :func:`fused_linear_logprob_entropy`: ``chunk_size`` tokens, else
+    :func:`default_chunk_size` of ``chunk_bytes`` (default: the device's budget).
     """
     backend = resolve_backend(backend, hidden)
-    flat_hidden, flat_labels, chunk_size = _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size)
+    flat_hidden, flat_labels, chunk_size = _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size,
+                                                           chunk_bytes)
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")
     flat = {

@@ -10,7 +10,9 @@ Three layers, as in Liger-Kernel's ops:
   ``policy_loss.py``) doing the same work on whole row chunks with two fp32 chunk buffers: shift
   by the row max, ATen's fused softmax, in-place products and row sums, a handful of passes per
   chunk and no [N, V] temporary; a -inf logit (p = 0) contributes 0, not 0 * -inf = NaN. Stats
-  can leave p and p * z for a gradient of the same rows computed right after.
+  can leave p and p * z for a gradient of the same rows computed right after. Row chunks follow
+  the device's budget (``_backend.chunk_budget_bytes``), and off the CPU nothing reads a tensor
+  value into Python, so a chunk loop never waits for the device (see ``_backend.py``).
 * :class:`LogprobEntropyFunction` / :func:`logprob_entropy`, the differentiable public op.
 
 The internal functions :func:`logprob_entropy_stats` and :func:`logprob_entropy_grad` are shared
@@ -27,7 +29,7 @@ import torch
 
 from fastrlhf.algorithms import _check_temperature
 
-from ._backend import interpreter_enabled, resolve_backend
+from ._backend import chunk_budget_bytes, interpreter_enabled, on_cpu, resolve_backend
 
 __all__ = [
     "LogprobEntropyFunction",
@@ -52,11 +54,12 @@ _LOGP_FLOOR = -1000.0
 MAX_BLOCK_V_GPU = 4096
 MAX_BLOCK_V_INTERPRETER = 1 << 16
 
-# Torch-path chunking: row chunks whose fp32 [rows, V] buffers hold TORCH_CHUNK_ELEMENTS (64 MiB;
-# the whole input when smaller). Every op is an OpenMP parallel region, and on a busy machine each
-# region's barrier costs milliseconds, so few large chunks win (measured: 2 threads, load 8 on 2
-# cores, N=4096 V=32768: 10.6 s at 4 MiB chunks, 3.6 s at 64 MiB; single-threaded, chunk size
-# barely matters). It equals fused_linear's default chunk, so one of its chunks is one chunk here.
+# Torch-path chunking on the CPU: row chunks whose fp32 [rows, V] buffers hold TORCH_CHUNK_ELEMENTS
+# (64 MiB; the whole input when smaller). Every op is an OpenMP parallel region, and on a busy
+# machine each region's barrier costs milliseconds, so few large chunks win (2 threads on 2 busy
+# cores, N=4096 V=32768: about 3x faster at 64 MiB chunks than at 4 MiB; single-threaded, chunk
+# size barely matters). It equals fused_linear's CPU chunk, so one of its chunks is one chunk here.
+# Other devices use their own budget, _backend.chunk_budget_bytes (see _chunk_rows).
 TORCH_CHUNK_ELEMENTS = 1 << 24
 
 
@@ -216,8 +219,20 @@ def _triton_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temp
 # ----------------------------------------------------------------------------------------------
 
 
-def _chunk_rows(n_rows: int, vocab_size: int) -> int:
-    return max(1, min(TORCH_CHUNK_ELEMENTS // vocab_size, n_rows))
+def _chunk_rows(n_rows: int, vocab_size: int, device: torch.device | None = None, lent: bool = False) -> int:
+    """Rows per torch-path chunk whose fp32 [rows, V] buffers fit the device's budget (None: the CPU).
+
+    ``lent``: the caller lends [n_rows, V] buffers, sized by its own chunk budget. On an
+    accelerator they are then used whole: splitting them again would only multiply kernel launches
+    (and a free-memory query made now, after the caller's allocations, would split them).
+    """
+    if on_cpu(device):
+        elements = TORCH_CHUNK_ELEMENTS
+    elif lent:
+        return max(1, n_rows)
+    else:
+        elements = chunk_budget_bytes(device) // 4
+    return max(1, min(elements // vocab_size, n_rows))
 
 
 def _scaled_into(buf: torch.Tensor, logits_chunk: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -242,15 +257,31 @@ def _shifted_into(buf, logits, temperature, shift=None):
     return torch.sub(scaled, shift, out=buf), shift, top
 
 
-def _row_chunks(n, v):
-    rows = _chunk_rows(n, v)
+def _row_chunks(n, rows):
     for start in range(0, n, rows):
         yield slice(start, min(start + rows, n))
 
 
-def _chunk_buffer(given, n, v, device):
+def _chunk_buffer(given, rows, n, v, device):
     # A caller's [N, V] fp32 buffer, or one reused [chunk rows, V] scratch.
-    return given if given is not None else torch.empty(min(_chunk_rows(n, v), n), v, dtype=torch.float32, device=device)
+    return given if given is not None else torch.empty(min(rows, n), v, dtype=torch.float32, device=device)
+
+
+def _products_and_dot(z, p, host_reads):
+    """``p * z`` (in place of z) and its row sums, where a -inf logit (p == 0, z == -inf) adds 0, not NaN.
+
+    ``host_reads`` (CPU): multiply as is and repair only the rare chunk whose sums are not
+    finite, a check that costs one host read per chunk. Elsewhere branch-free: z floored at
+    _LOGP_FLOOR first, which changes no product (exp(z) is already 0 there, so p is 0).
+    """
+    if not host_reads:
+        pz = z.clamp_(min=_LOGP_FLOOR).mul_(p)
+        return pz, pz.sum(-1)
+    pz = z.mul_(p)
+    dot = pz.sum(-1)
+    if not bool(torch.isfinite(dot).all()):
+        dot = pz.masked_fill_(p == 0, 0.0).sum(-1)
+    return pz, dot
 
 
 def _torch_stats(logits, labels, temperature, shift_out=None, probs_out=None, pz_out=None):
@@ -268,19 +299,17 @@ def _torch_stats(logits, labels, temperature, shift_out=None, probs_out=None, pz
     logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logprobs)
     lse = torch.empty_like(logprobs)
-    z_buf = _chunk_buffer(pz_out, n, v, logits.device)
-    p_buf = _chunk_buffer(probs_out, n, v, logits.device)
-    for sl in _row_chunks(n, v):
+    rows = _chunk_rows(n, v, logits.device, lent=probs_out is not None)
+    z_buf = _chunk_buffer(pz_out, rows, n, v, logits.device)
+    p_buf = _chunk_buffer(probs_out, rows, n, v, logits.device)
+    host_reads = on_cpu(logits)
+    for sl in _row_chunks(n, rows):
         buf_sl = sl if pz_out is not None else slice(0, sl.stop - sl.start)
         z, shift, top = _shifted_into(z_buf[buf_sl], logits[sl], temperature)
         p = torch._softmax(z, -1, False, out=p_buf[sl if probs_out is not None else buf_sl])
         z_label = z.gather(1, labels[sl].unsqueeze(1)).squeeze(1)
         lse_shifted = p.gather(1, top).log_().neg_().squeeze(1)
-        pz = z.mul_(p)
-        dot = pz.sum(-1)
-        if not bool(torch.isfinite(dot).all()):
-            # A -inf logit has p == 0 and z == -inf: its product is 0 (not 0 * -inf = NaN).
-            dot = pz.masked_fill_(p == 0, 0.0).sum(-1)
+        _, dot = _products_and_dot(z, p, host_reads)
         logprobs[sl] = z_label - lse_shifted
         entropy[sl] = lse_shifted - dot
         shift = shift.squeeze(1)
@@ -307,9 +336,10 @@ def _torch_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, tempe
         shift, lse = lse, torch.zeros_like(lse)
     write_direct = out.dtype == torch.float32
     reuse = pz is not None
-    z_buf = out if write_direct else _chunk_buffer(pz, n, v, logits.device)
-    p_buf = _chunk_buffer(probs, n, v, logits.device)
-    for sl in _row_chunks(n, v):
+    rows = _chunk_rows(n, v, logits.device, lent=probs is not None)
+    z_buf = out if write_direct else _chunk_buffer(pz, rows, n, v, logits.device)
+    p_buf = _chunk_buffer(probs, rows, n, v, logits.device)
+    for sl in _row_chunks(n, rows):
         local = slice(0, sl.stop - sl.start)
         target = z_buf[sl if write_direct or reuse else local]
         p = p_buf[sl if probs is not None else local]
@@ -351,20 +381,32 @@ def _check_logits_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
         raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
     if logits.shape[0] and logits.stride(1) != 1:
         raise ValueError(f"logits must be contiguous along the vocabulary, got strides {logits.stride()}")
+    _check_label_dtype(labels)
+
+
+def _check_label_dtype(labels: torch.Tensor) -> None:
     if labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
 
 
-def _check_labels_in_range(labels: torch.Tensor, vocab_size: int) -> None:
+def _check_labels_in_range(labels: torch.Tensor, vocab_size: int, vocab_name: str = "the vocabulary size") -> None:
+    """Labels in [0, V): a clear ValueError on the CPU; elsewhere a device-side assert, which
+    needs no host sync (an out-of-range label would otherwise index out of bounds; on meta the
+    assert is a no-op)."""
+    _check_label_dtype(labels)
     if labels.numel() == 0:
+        return
+
+    def message(found: str = "") -> str:
+        return (f"labels must lie in [0, {vocab_size}) ({vocab_name}){found}; "
+                "ignore indices such as -100 are not supported: mask those tokens instead")
+
+    if not on_cpu(labels):
+        torch._assert_async(((labels >= 0) & (labels < vocab_size)).all(), message())
         return
     lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
-        raise ValueError(
-            f"labels must lie in [0, {vocab_size}) (the vocabulary size), found {bad}; "
-            "ignore indices such as -100 are not supported: mask those tokens instead"
-        )
+        raise ValueError(message(f", found {lo if lo < 0 else hi}"))
 
 
 def _check_row_vector(name: str, t: torch.Tensor | None, n: int, out: bool = False) -> torch.Tensor | None:
@@ -407,6 +449,7 @@ def logprob_entropy_stats(
     shift_out: torch.Tensor | None = None,
     probs_out: torch.Tensor | None = None,
     pz_out: torch.Tensor | None = None,
+    check_labels: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy, lse)`` of softmax(logits / T) per row, three fp32 ``[N]`` tensors; no autograd.
 
@@ -420,10 +463,14 @@ def logprob_entropy_stats(
     :func:`logprob_entropy_grad` of the same rows right after (``probs=`` / ``pz=``) that then
     recomputes nothing. ``pz_out`` may be ``logits`` itself when they are fp32 and T == 1 (they
     are overwritten); without these two the torch path uses two chunk buffers of its own.
+
+    ``check_labels=False``: the caller already ran the label range check over all its labels
+    (once per call, not once per chunk: off the CPU each check is a few kernel launches).
     """
     _check_temperature(temperature)
     _check_logits_labels(logits, labels)
-    _check_labels_in_range(labels, logits.shape[1])
+    if check_labels:
+        _check_labels_in_range(labels, logits.shape[1])
     _check_row_vector("shift_out", shift_out, logits.shape[0], out=True)
     _check_chunk_buffers(("probs_out", "pz_out"), probs_out, pz_out, logits, backend)
     labels = labels.long()
@@ -530,9 +577,13 @@ def row_blocks(logits: torch.Tensor, labels: torch.Tensor) -> list[tuple[int, to
     return [(0, logits.reshape(-1, v), flat_labels)]
 
 
-def blockwise_stats(blocks, temperature: float, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def blockwise_stats(blocks, temperature: float, backend: str,
+                    check_labels: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`logprob_entropy_stats` of each :func:`row_blocks` block, joined into ``[N]`` tensors."""
-    parts = [logprob_entropy_stats(block, block_labels, temperature, backend) for _, block, block_labels in blocks]
+    parts = [
+        logprob_entropy_stats(block, block_labels, temperature, backend, check_labels=check_labels)
+        for _, block, block_labels in blocks
+    ]
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(columns) for columns in zip(*parts, strict=True))
@@ -561,7 +612,8 @@ class LogprobEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, temperature, backend):
-        logprobs, entropy, lse = blockwise_stats(row_blocks(logits, labels), temperature, backend)
+        _check_labels_in_range(labels, logits.shape[-1])  # once, not per block
+        logprobs, entropy, lse = blockwise_stats(row_blocks(logits, labels), temperature, backend, check_labels=False)
         ctx.save_for_backward(logits, labels, lse, entropy)
         ctx.temperature = temperature
         ctx.backend = backend

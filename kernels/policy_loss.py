@@ -10,6 +10,9 @@ tensor is created besides the gradient:
 * torch backend (CPU): a row chunk's softmax is still in cache when its tokens' gradients become
   known, so forward writes that chunk's dlogits at once (the logits are read once, nothing is
   recomputed) and backward only scales the finished gradient.
+
+Off the CPU nothing reads a tensor value into Python (labels are checked by a device-side assert,
+``grad_output`` is applied unconditionally), so neither pass waits for the device.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from fastrlhf.algorithms import (
     masked_sum,
 )
 
-from ._backend import resolve_backend
+from ._backend import on_cpu, resolve_backend
 from .logprob_entropy import (
+    _check_labels_in_range,
     _check_temperature,
     _chunk_rows,
     _row_chunks,
@@ -164,16 +168,16 @@ def _torch_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_
     """
     _check_temperature(temperature)
     n, v = logits.shape
-    rows = min(_chunk_rows(n, v), n)
-    p_buf = torch.empty(rows, v, dtype=torch.float32, device=logits.device)
+    rows = _chunk_rows(n, v, logits.device)
+    p_buf = torch.empty(min(rows, n), v, dtype=torch.float32, device=logits.device)
     pz_buf = torch.empty_like(p_buf)
-    shift_buf = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    shift_buf = torch.empty(min(rows, n), dtype=torch.float32, device=logits.device)
     loss, sums = torch.zeros((), dtype=torch.float32, device=logits.device), None
-    for chunk in _row_chunks(n, v):
+    for chunk in _row_chunks(n, rows):
         k = chunk.stop - chunk.start
         p, pz, shift = p_buf[:k], pz_buf[:k], shift_buf[:k]
         lp, ent, lse = logprob_entropy_stats(logits[chunk], labels[chunk], temperature, "torch", shift_out=shift,
-                                             probs_out=p, pz_out=pz)
+                                             probs_out=p, pz_out=pz, check_labels=False)
         ref = _rows(ref_logprobs, chunk)
         part_loss, g_lp, g_ent, part_sums = policy_loss_from_token_stats(
             lp, ent, _rows(old_logprobs, chunk), advantages[chunk], weights[chunk], ref, **loss_kwargs
@@ -203,6 +207,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         loss_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
                            kl_kind=kl_kind, entropy_coef=entropy_coef)
         ctx.backend = backend
+        _check_labels_in_range(labels, logits.shape[-1])  # once, not per block or chunk
         blocks = row_blocks(logits, labels)
         if backend == "torch":
             ctx.dlogits = None
@@ -220,7 +225,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
                 loss = loss + part_loss
                 metric_sums = _add_sums(metric_sums, part_sums)
         else:
-            logprobs, entropy, lse = blockwise_stats(blocks, temperature, backend)
+            logprobs, entropy, lse = blockwise_stats(blocks, temperature, backend, check_labels=False)
             loss, grad_lp, grad_ent, metric_sums = policy_loss_from_token_stats(
                 logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs, **loss_kwargs
             )
@@ -241,7 +246,8 @@ class FusedPolicyLossFunction(torch.autograd.Function):
                     "backpropagating through the same loss twice (retain_graph) is not supported"
                 )
             # Dropping ctx's reference lets autograd adopt this tensor as logits.grad without a copy.
-            if grad_output.item() != 1.0:
+            # The loss is usually backpropagated with grad_output == 1, which the CPU checks for free.
+            if not on_cpu(grad_output) or grad_output.item() != 1.0:
                 dlogits.mul_(grad_output.to(dlogits.dtype))
             return (dlogits,) + (None,) * 14
         logits, labels, lse, entropy, grad_lp, grad_ent = ctx.saved_tensors
