@@ -130,7 +130,8 @@ class TrainerConfig:
     whiten_advantages: bool = True
     scale_by_std: bool = True
     tis_cap: float | None = None
-    loss_chunk_size: int | None = None
+    loss_chunk_size: int | None = None  # tokens per fused-loss chunk; null: from loss_chunk_bytes
+    loss_chunk_bytes: int | None = None  # fp32 logits per chunk; null: 64 MiB on CPU, 1 GiB on GPU (free-memory cap)
     fused_loss: bool = True  # false: the same loss on materialised logits (for debugging)
     forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None: minibatch share
     # auto: skip the old-logprob pass when the update is on-policy (one epoch, one minibatch, no TIS,
@@ -190,6 +191,7 @@ class SFTTrainerConfig:
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     loss_chunk_size: int | None = None
+    loss_chunk_bytes: int | None = None
     use_fused_loss: bool = True
     save_every: int = 0
     keep_checkpoints: int = 0
@@ -445,6 +447,7 @@ def _check_common_trainer(t, prefix: str = "trainer"):
     _positive(t.warmup_steps, f"{prefix}.warmup_steps", strict=False)
     _positive(t.max_grad_norm, f"{prefix}.max_grad_norm")
     _positive(t.loss_chunk_size, f"{prefix}.loss_chunk_size")
+    _positive(t.loss_chunk_bytes, f"{prefix}.loss_chunk_bytes")
     _positive(t.save_every, f"{prefix}.save_every", strict=False)
     _positive(t.keep_checkpoints, f"{prefix}.keep_checkpoints", strict=False)
     _positive(t.max_skipped_steps, f"{prefix}.max_skipped_steps")

@@ -27,7 +27,7 @@ def collate_sft(examples: list[SFTExample], pad_id: int) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
-def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=None) -> torch.Tensor:
+def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=None, chunk_bytes=None) -> torch.Tensor:
     """Log-probability of each next token, ``[B, T-1]`` fp32.
 
     The fused path runs the LM head chunk by chunk on the final hidden states, so the
@@ -43,15 +43,15 @@ def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=No
         hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         head = model.get_output_embeddings()
         logprobs, _ = fused_linear_logprob_entropy(hidden[:, :-1], head.weight, labels, bias=head.bias,
-                                                   chunk_size=chunk_size)
+                                                   chunk_size=chunk_size, chunk_bytes=chunk_bytes)
         return logprobs
     logits = engine(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
     return torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def sft_loss(engine, batch: dict, use_fused: bool = True, chunk_size=None) -> torch.Tensor:
+def sft_loss(engine, batch: dict, use_fused: bool = True, chunk_size=None, chunk_bytes=None) -> torch.Tensor:
     """Mean negative log-likelihood over response tokens (prompt and padding masked out)."""
-    logprobs = response_logprobs(engine, batch, use_fused, chunk_size)
+    logprobs = response_logprobs(engine, batch, use_fused, chunk_size, chunk_bytes)
     mask = batch["loss_mask"][:, 1:]
     return -(logprobs * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -68,7 +68,7 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
 
     def loss_fn(engine, micro_batch):
         batch = collate_sft(micro_batch, pad_id)
-        loss = sft_loss(engine, batch, use_fused, config.trainer.loss_chunk_size)
+        loss = sft_loss(engine, batch, use_fused, config.trainer.loss_chunk_size, config.trainer.loss_chunk_bytes)
         return loss, {"response_tokens": float(batch["loss_mask"].sum())}
 
     return run_supervised(config, Task(examples, model, loss_fn, bar_keys=("loss",)), resume=resume)

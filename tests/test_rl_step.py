@@ -408,6 +408,27 @@ def test_old_logprobs_are_recomputed_unless_the_update_is_on_policy():
         RLHParams(old_logprobs="sometimes")
 
 
+def test_loss_chunk_bytes_reaches_every_fused_head_call(monkeypatch):
+    """trainer.loss_chunk_bytes sizes the chunks of the old/ref logprob passes and of the loss."""
+    import fastrlhf.kernels.fused_linear as fused_linear
+
+    budgets = []
+    real = fused_linear.default_chunk_size
+
+    def spy(num_tokens, vocab_size, budget_bytes=None, device=None):
+        budgets.append(budget_bytes)
+        return real(num_tokens, vocab_size, budget_bytes, device)
+
+    monkeypatch.setattr(fused_linear, "default_chunk_size", spy)
+    actor = tiny_actor()
+    hp = RLHParams(algorithm="grpo", n=N, kl_coef=0.1, old_logprobs="recompute", loss_chunk_bytes=4 * 96 * 8)
+    rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=tiny_actor().eval(),
+                actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3), pad_token_id=PAD,
+                rollout_shares_actor=True)
+    rl(PROMPTS, None, 1, completions=fixed_completions(actor, 1.0))
+    assert len(budgets) >= 3 and set(budgets) == {4 * 96 * 8}, budgets  # old, ref, loss
+
+
 def test_hparams_from_config_maps_names():
     from types import SimpleNamespace
 

@@ -83,17 +83,19 @@ def _fused_kernels():
     return fused_linear_logprob_entropy, fused_linear_policy_loss
 
 
-def _logprob_head_fn(head, temperature, chunk_size):
+def _logprob_head_fn(head, temperature, chunk_size, chunk_bytes):
     fused_lp, _ = _fused_kernels()
 
     def head_fn(hidden, labels):
-        return fused_lp(hidden, head.weight, labels, bias=head.bias, temperature=temperature, chunk_size=chunk_size)
+        return fused_lp(hidden, head.weight, labels, bias=head.bias, temperature=temperature, chunk_size=chunk_size,
+                        chunk_bytes=chunk_bytes)
 
     return head_fn
 
 
 def sequence_logprobs(model, exp: Experience, temperature: float = 1.0, micro_batch: int | None = None,
-                      chunk_size: int | None = None, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_size: int | None = None, fused: bool = True,
+                      chunk_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(logprobs, entropy)`` ``[B, T]`` of the completion tokens, without gradients.
 
     0 at masked positions. ``micro_batch`` bounds how many sequences go through the model at once.
@@ -107,7 +109,7 @@ def sequence_logprobs(model, exp: Experience, temperature: float = 1.0, micro_ba
             hidden = response_hidden(model, mb)
             _, head = body_and_head(model)
             if fused:
-                with _head_forward(head, _logprob_head_fn(head, temperature, chunk_size)):
+                with _head_forward(head, _logprob_head_fn(head, temperature, chunk_size, chunk_bytes)):
                     lp, ent = head(hidden, mb.labels)
             else:
                 logits = head(hidden)
@@ -121,7 +123,7 @@ def sequence_logprobs(model, exp: Experience, temperature: float = 1.0, micro_ba
 
 def policy_loss_from_model(model, mb: Experience, *, clip_low: float, clip_high: float, dual_clip: float | None,
                            kl_coef: float, kl_kind: str, entropy_coef: float, temperature: float, agg: str,
-                           chunk_size: int | None = None, fused: bool = True):
+                           chunk_size: int | None = None, fused: bool = True, chunk_bytes: int | None = None):
     """Clipped policy loss (+ kl_coef * KL to the reference, - entropy bonus) of a micro-batch.
 
     Advantages are ``mb.advantages`` times the truncated importance weights ``mb.is_weights`` when
@@ -141,7 +143,7 @@ def policy_loss_from_model(model, mb: Experience, *, clip_low: float, clip_high:
             return fused_loss(h, head.weight, labels, old, adv, mask, ref_logprobs=ref_lp[0] if ref_lp else None,
                               clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
                               kl_kind=kl_kind, entropy_coef=entropy_coef, temperature=temperature, agg=agg,
-                              bias=head.bias, chunk_size=chunk_size)
+                              bias=head.bias, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
 
         args = (hidden, mb.labels, mb.old_logprobs, advantages, mb.response_mask) + ((ref,) if ref is not None else ())
         with _head_forward(head, head_fn):

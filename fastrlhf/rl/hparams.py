@@ -55,6 +55,7 @@ class RLHParams:
     scale_by_std: bool = _default(_T, "scale_by_std")  # false = Dr.GRPO
     tis_cap: float | None = _default(_T, "tis_cap")
     loss_chunk_size: int | None = _default(_T, "loss_chunk_size")
+    loss_chunk_bytes: int | None = _default(_T, "loss_chunk_bytes")
     fused_loss: bool = _default(_T, "fused_loss")
     forward_micro_batch: int | None = _default(_T, "forward_micro_batch")  # None = the micro-batch
     old_logprobs: str = _default(_T, "old_logprobs")  # auto: not recomputed on-policy (skips_old_logprobs)

@@ -107,7 +107,8 @@ class RLStep:
         exp.old_logprobs = None
         if not hp.skips_old_logprobs(exp.batch_size):
             exp.old_logprobs, old_entropy = sequence_logprobs(self.actor.module, exp, hp.temperature, micro,
-                                                              hp.loss_chunk_size, hp.fused_loss)
+                                                              hp.loss_chunk_size, hp.fused_loss,
+                                                              chunk_bytes=hp.loss_chunk_bytes)
             diff = torch.where(keep, (exp.old_logprobs - exp.engine_logprobs).abs(), 0.0)
             metrics.update(logprob_mismatch_mean=float(masked_mean(diff, mask)),
                            logprob_mismatch_max=float(diff.max()) if diff.numel() else 0.0,
@@ -116,7 +117,7 @@ class RLStep:
             ref_model, ctx = self._reference_context()
             with ctx:
                 exp.ref_logprobs, _ = sequence_logprobs(ref_model, exp, hp.temperature, micro, hp.loss_chunk_size,
-                                                        hp.fused_loss)
+                                                        hp.fused_loss, chunk_bytes=hp.loss_chunk_bytes)
             if exp.old_logprobs is not None:
                 kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, hp.kl_kind, mask)
                 metrics["kl"] = float(masked_mean(kl, mask))
@@ -148,7 +149,8 @@ class RLStep:
             return policy_loss_from_model(module, mb, clip_low=hp.clip_low, clip_high=hp.clip_high,
                                           dual_clip=hp.dual_clip, kl_coef=kl_coef, kl_kind=hp.kl_kind,
                                           entropy_coef=hp.entropy_coef, temperature=hp.temperature, agg=hp.agg,
-                                          chunk_size=hp.loss_chunk_size, fused=hp.fused_loss)
+                                          chunk_size=hp.loss_chunk_size, fused=hp.fused_loss,
+                                          chunk_bytes=hp.loss_chunk_bytes)
 
         unwrap(self.actor.module).train()
         actor = run_updates(self.actor, exp, actor_loss, order)
