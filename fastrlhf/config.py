@@ -105,6 +105,17 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Validation during RL (``fastrlhf.rl.validation``): greedy completions of held-out prompts."""
+
+    prompts: str | None = None  # JSONL in the data.prompts format; null: no validation
+    every: int = 10  # steps between validations (the last step is always validated)
+    reward: str | None = None  # the validation score (e.g. exact match); null: reward.function
+    group_by: str | None = None  # a meta key: eval_reward/<value> for each of its values
+    stop_at: float | None = None  # end the run once eval_reward >= stop_at (checkpoint + export as usual)
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     max_steps: int
     prompts_per_step: int = 16
@@ -167,6 +178,7 @@ class TrainConfig:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     critic: CriticConfig | None = None
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     @property
@@ -517,7 +529,24 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(t.vf_clip, "trainer.vf_clip")
     _positive(t.vf_coef, "trainer.vf_coef", strict=False)
     _positive(t.tis_cap, "trainer.tis_cap")
+    _validate_eval(c, base)
     _check_deepspeed(c.deepspeed, c.model)
+
+
+def _validate_eval(c: TrainConfig, base: str):
+    e = c.eval
+    _positive(e.every, "eval.every")
+    if e.prompts is None:
+        for name in ("reward", "group_by", "stop_at"):
+            if getattr(e, name) is not None:
+                raise ConfigError(f"eval.{name}", "needs eval.prompts (the validation prompts)")
+        return
+    _check_path(e.prompts, "eval.prompts", base)
+    if e.reward is None and c.reward.function is None:
+        raise ConfigError("eval.reward", "needed when the training reward is a model (reward.model_path): "
+                                         "validation scores with a reward function")
+    if e.reward is not None and e.reward.count(":") > 1:
+        raise ConfigError("eval.reward", f"expected a registered name or 'module:function', got {e.reward!r}")
 
 
 def _validate_sft(c: SFTConfig, base: str):

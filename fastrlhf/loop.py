@@ -48,7 +48,8 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
               skip_reason: str, export_engine, after_loop: Callable[[], None] | None = None) -> dict:
     """Steps ``start_step + 1 .. trainer.max_steps``; returns the last step's metrics.
 
-    ``step_fn(step)`` returns the step's metrics with ``skipped`` set; it may raise
+    ``step_fn(step)`` returns the step's metrics with ``skipped`` set, and ``stop`` true to end the run
+after that step (every rank alike: the RL trainer sets it from reduced validation metrics); it may raise
     :class:`TooManySkippedSteps` with the step's metrics in its ``metrics`` to have them logged.
     ``after_loop`` runs once the loop ends, however it ends, before the final checkpoint (the RL
     trainer frees its rollout engine there).
@@ -66,11 +67,15 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
                 if exc.metrics:
                     logger.log(step, exc.metrics)
                 raise
-            if step % t.log_every == 0 or step == t.max_steps:
+            stop = bool(metrics.pop("stop", False))
+            if step % t.log_every == 0 or step == t.max_steps or stop:
                 logger.log(step, metrics)
             if metrics["skipped"]:
                 logger.message(f"step {step}: {skip_reason}, update skipped "
                                f"({guard.skipped_in_row} in a row, {guard.skipped_total} in all)")
+            if stop:
+                logger.message(f"step {step}: stopping early, the validation target is reached")
+                break
             if t.save_every and step % t.save_every == 0 and step < t.max_steps:
                 save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
     except TooManySkippedSteps:
@@ -82,7 +87,7 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
         if after_loop is not None:
             after_loop()
     logger.close()
-    save_checkpoint(config.output_dir, t.max_steps, stateful, keep_last=t.keep_checkpoints)
+    save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
     from fastrlhf.modeling import export_hf
 
     export_hf(export_engine, os.path.join(config.output_dir, "final"), zero_stage=config.deepspeed.zero_stage,

@@ -170,3 +170,19 @@ def test_examples_parse(path, paths):
 def test_example_count():
     names = {os.path.basename(p) for p in glob.glob(os.path.join(EXAMPLES, "*.yaml"))}
     assert {"grpo.yaml", "ppo.yaml", "sft.yaml", "rm.yaml"} <= names
+
+
+def test_eval_section(paths):
+    config = parse_config(grpo(paths, eval={"prompts": paths["prompts"], "every": 5, "group_by": "kind",
+                                            "stop_at": 0.99}))
+    assert config.eval.every == 5 and config.eval.stop_at == 0.99 and config.eval.reward is None
+    assert parse_config(grpo(paths)).eval.prompts is None  # no validation by default
+    assert error_of(grpo(paths, eval={"stop_at": 0.9})).key == "eval.stop_at"
+    assert "needs eval.prompts" in str(error_of(grpo(paths, eval={"group_by": "kind"})))
+    assert error_of(grpo(paths, eval={"prompts": paths["prompts"], "every": 0})).key == "eval.every"
+    assert error_of(grpo(paths, eval={"prompts": paths["out"] + "/nope.jsonl"})).key == "eval.prompts"
+    learned = grpo(paths, reward={"function": DROP, "model_path": paths["model"]},
+                   eval={"prompts": paths["prompts"]})
+    assert "needed when the training reward is a model" in str(error_of(learned))
+    learned["eval"]["reward"] = "length"
+    assert parse_config(learned).eval.reward == "length"

@@ -153,3 +153,26 @@ def test_too_many_skipped_rl_steps_stop_with_a_checkpoint(tiny):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-2"
     assert not (out / "final").exists()
 
+
+
+@pytest.mark.timeout(300)
+def test_validation_runs_every_k_steps_and_stops_the_run_at_its_target(tiny):
+    out = tiny / "eval_run"
+    path = _resume_config(tiny, out)
+    config = yaml.safe_load(open(path))
+    config["reward"]["function"] = "target_token"
+    config["trainer"].update(max_steps=6, save_every=0)
+    # stop_at 0: the first validation (step 2) reaches it, so steps 3-6 never run.
+    config["eval"] = {"prompts": str(tiny / "prompts.jsonl"), "every": 2, "group_by": "target_token", "stop_at": 0.0}
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    rc, text = run_group([PY, "-m", "fastrlhf", "train", "--config", path], env=env(), timeout=300)
+    assert rc == 0, text[-4000:]
+    assert "stopping early" in text, text[-4000:]
+    records = _metrics(out)
+    assert sorted(records) == [1, 2]
+    assert "eval_reward" not in records[1]
+    assert 0.0 <= records[2]["eval_reward"] <= 1.0
+    assert records[2]["eval_reward/3"] == records[2]["eval_reward"]  # every prompt is in group 3
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-2"
+    assert (out / "final" / "model.safetensors").exists()

@@ -128,6 +128,20 @@ def build_rl_step(config, guard):
     return step, stateful
 
 
+def _load_eval_set(config):
+    """(validation prompts, their reward function), or None without ``eval.prompts``; read before any
+    model loads, so a bad line or an unknown function stops the run at once."""
+    if config.eval.prompts is None:
+        return None
+    from fastrlhf.data import load_prompts
+    from fastrlhf.modeling import vocab_size
+    from fastrlhf.rl.rewards import resolve_reward_function
+
+    examples = load_prompts(config.eval.prompts, config.data.prompt_field, config.data.max_prompt_len,
+                            vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path)
+    return examples, resolve_reward_function(config.eval.reward or config.reward.function)
+
+
 def run(config, resume: bool = False) -> dict:
     """Train for ``trainer.max_steps`` steps; returns the last step's metrics (collective)."""
     from fastrlhf import distributed as D
@@ -144,6 +158,7 @@ def run(config, resume: bool = False) -> dict:
     t = config.trainer
     examples = load_prompts(config.data.prompts, config.data.prompt_field, config.data.max_prompt_len,
                             vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path)
+    eval_set = _load_eval_set(config)
     guard = StepGuard(t.max_skipped_steps)
     rl_step, stateful = build_rl_step(config, guard)
     sampler = EpochSampler(len(examples), seed=config.seed)
@@ -155,12 +170,28 @@ def run(config, resume: bool = False) -> dict:
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=("reward_mean", "kl", "policy_loss"),
                            tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config), resume=resume)
 
+    validator = None
+    if eval_set is not None:
+        from fastrlhf.rl.validation import Validator
+
+        eval_examples, eval_reward = eval_set
+        validator = Validator([e.prompt_ids for e in eval_examples], [e.meta for e in eval_examples], eval_reward,
+                              rl_step.rollout, max_new_tokens=config.rollout.max_new_tokens,
+                              stop_token_ids=config.rollout.stop_token_ids, group_by=config.eval.group_by,
+                              rank=D.rank(), world=D.world_size())
+
     def one_step(step: int) -> dict:
         started = time.perf_counter()
         local = shard(sampler.next_indices(t.prompts_per_step), D.rank(), D.world_size())
         batch = [examples[i] for i in local]
         metrics = rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step)
         metrics["lr"] = rl_step.actor.engine.get_lr()[0]
+        if validator is not None and (step % config.eval.every == 0 or step == t.max_steps):
+            t0 = time.perf_counter()
+            metrics.update(validator())
+            metrics["time/eval"] = time.perf_counter() - t0
+            stop_at = config.eval.stop_at
+            metrics["stop"] = stop_at is not None and metrics["eval_reward"] >= stop_at
         metrics["wall_time"] = time.perf_counter() - started
         return metrics
 
