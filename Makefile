@@ -16,7 +16,7 @@ GPU_TRITON := $(shell sed -n 's/.*"triton==\([0-9][0-9.]*\)".*/\1/p' setup.py)
 TRITON_GPU_DIR := $(VENV)/triton-gpu
 TRITON_GPU := $(TRITON_GPU_DIR)/triton-$(GPU_TRITON).dist-info
 
-.PHONY: install test bench demo clean check-gpu-install
+.PHONY: install test bench demo demo-matrix clean check-gpu-install
 
 install: $(STAMP) $(TRITON_GPU)
 
@@ -50,6 +50,11 @@ bench: $(BENCH_STAMP)
 # make demo [ALGO=grpo|ppo] [REWARD=rule|model] [FRESH=1]: pretrain a tiny model on CPU, RL it, report to runs/demo/.
 demo: $(STAMP)
 	$(PY) -m fastrlhf.demo --algo $(or $(ALGO),grpo) --reward $(or $(REWARD),rule) $(if $(FRESH),--fresh)
+
+# The demo over pretraining seeds x RL seeds, PPO, 1 thread and the learned reward (about 25 minutes on
+# 2 cores); writes runs/demo/matrix.md. Not part of `make test`.
+demo-matrix: $(STAMP)
+	$(PY) -m fastrlhf.demo --matrix
 
 # Needs the package registry, not the venv: proves that `pip install '.[gpu]'` resolves on a CUDA
 # machine (a dry run against PyPI, nothing installed) and prints the torch/vllm/triton/nvidia-* it picks.

@@ -20,7 +20,8 @@ def test_short_demo_reward_rises_and_report_is_written(tmp_path):
         progress=False,
         pretrain_set=["trainer.max_steps=500"],
         # Fewer, larger steps than the demo's defaults, and a higher lr: the reward must move within the test.
-        rl_set=["trainer.max_steps=30", "trainer.lr=6e-4", "trainer.warmup_steps=3", "trainer.save_every=0"],
+        rl_set=["trainer.max_steps=30", "trainer.lr=6e-4", "trainer.warmup_steps=3", "trainer.save_every=0",
+                "eval.stop_at=null"],
     )
     report = run_demo(opts)
     run_dir = workdir / "grpo-rule"
@@ -31,6 +32,13 @@ def test_short_demo_reward_rises_and_report_is_written(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.1, rewards
     assert report["accuracy_after"] > report["accuracy_before"], report
+    # Validation every 10 steps, per requested script, on prompts that are neither RL nor test prompts.
+    validated = [r for r in records if "eval_reward" in r]
+    assert [r["step"] for r in validated] == [10, 20, 30]
+    for r in validated:
+        per_script = [r[f"eval_reward/{s}"] for s in task.SCRIPTS]
+        assert min(per_script) <= r["eval_reward"] <= max(per_script), r
+    assert set(report["per_script_after"]) == set(task.SCRIPTS)
 
     saved = json.load(open(run_dir / "report.json"))
     for key in ("accuracy_before", "accuracy_after", "steps", "wall_time", "tokens_per_second", "samples_before",
@@ -38,7 +46,9 @@ def test_short_demo_reward_rises_and_report_is_written(tmp_path):
         assert key in saved, key
     assert set(saved["wall_time"]) >= {"generate", "score", "train", "sync"}
     assert saved["steps"] == 30
-    assert "accuracy" in (run_dir / "report.md").read_text()
+    text = (run_dir / "report.md").read_text()
+    assert "accuracy" in text and "Per prefix after RL (digits / lower / upper): " in text
+    assert "## Validation during RL" in text
     for name in PLOTS:
         with open(run_dir / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
@@ -62,3 +72,12 @@ def test_prepare_for_prefixes_copies_the_underscore_embedding(tmp_path):
         assert (emb[task.TOKEN_ID[ch]] == under).all(), ch
     assert not (emb[task.TOKEN_ID["1"]] == under).all()
     assert os.path.exists(tmp_path / "prepared" / "tokenizer.json")
+
+
+def test_validation_and_test_numbers_are_disjoint_from_training_numbers():
+    from fastrlhf.demo.data import EVAL_SIZE, VAL_SIZE, split_numbers
+
+    train, val, test = split_numbers()
+    assert len(val) == VAL_SIZE and len(test) == EVAL_SIZE
+    assert not set(train) & set(val) and not set(train) & set(test) and not set(val) & set(test)
+    assert len(train) + len(val) + len(test) == 9000

@@ -1,4 +1,5 @@
-"""``python -m fastrlhf.demo [--algo grpo|ppo] [--reward rule|model] [--fresh]`` (what ``make demo`` runs)."""
+"""``python -m fastrlhf.demo [--algo grpo|ppo] [--reward rule|model] [--fresh] [--matrix]`` (``make demo``,
+``make demo-matrix``)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--rm-set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--pretrain-seed", type=int, default=0, help="data order, model init and pretraining")
+    parser.add_argument("--rl-seed", type=int, default=0, help="RL sampling and minibatch order")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads of the single-process stages (pretrain, RM, evaluation); each RL rank "
+                             "gets threads // 2")
+    parser.add_argument("--matrix", action="store_true",
+                        help="run the seed matrix instead (fastrlhf.demo.matrix) and write <workdir>/matrix.md")
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+
+    if args.matrix:
+        from fastrlhf.demo.matrix import run_matrix
+
+        return run_matrix(args.workdir, progress=not args.no_progress)
 
     from fastrlhf.demo.pipeline import DemoOptions, StageFailed, run_demo
 
     opts = DemoOptions(algo=args.algo, reward=args.reward, fresh=args.fresh, workdir=args.workdir,
                        pretrain_set=args.pretrain_set, rm_set=args.rm_set, rl_set=args.rl_set,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, pretrain_seed=args.pretrain_seed, rl_seed=args.rl_seed,
+                       threads=args.threads)
     started = time.perf_counter()
     try:
         report = run_demo(opts)
@@ -36,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     run_dir = f"{args.workdir}/{args.algo}-{args.reward}"
     print(f"\nreport: {run_dir}/report.md (plots: {', '.join(report['plots'].values())})")
+    per_script = " / ".join(f"{report['per_script_after'].get(s, float('nan')):.1%}"
+                            for s in ("digits", "lower", "upper"))
     print(f"accuracy before RL: {report['accuracy_before']:.1%}  ->  after {report['steps']} "
-          f"{args.algo.upper()} steps: {report['accuracy_after']:.1%}   "
+          f"{args.algo.upper()} steps: {report['accuracy_after']:.1%} (digits / lower / upper: {per_script})   "
           f"(total {time.perf_counter() - started:.0f} s)")
     return 0
 

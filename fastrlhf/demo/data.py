@@ -1,7 +1,8 @@
 """Data files and the initial model of the demo, all generated locally (no downloads).
 
-Numbers are split once: ``EVAL_SIZE`` numbers are held out for evaluation and never appear in
-pretraining, reward-model or RL data, so the accuracy is measured on unseen prompts.
+Numbers are split once, the same for every seed: ``EVAL_SIZE`` numbers are held out for the test
+(``eval.jsonl``, the reported accuracy) and ``VAL_SIZE`` for validation during RL (``val.jsonl``,
+early stopping); neither appears in pretraining, reward-model or RL data.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ MODEL_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, 
 # Classifier labels of the learned reward model: index = label.
 SCRIPT_LABELS = list(task.SCRIPTS)  # ["digits", "lower", "upper"]
 EVAL_SIZE = 1000
+VAL_SIZE = 300
 
 
-def split_numbers(seed: int = 1234) -> tuple[list[int], list[int]]:
-    """(train numbers, held-out eval numbers), disjoint, covering 1000-9999."""
+def split_numbers(seed: int = 1234) -> tuple[list[int], list[int], list[int]]:
+    """(train, validation, test numbers), disjoint, covering 1000-9999."""
     numbers = list(range(1000, 10000))
     random.Random(seed).shuffle(numbers)
-    return sorted(numbers[EVAL_SIZE:]), numbers[:EVAL_SIZE]
+    test, val = numbers[:EVAL_SIZE], numbers[EVAL_SIZE:EVAL_SIZE + VAL_SIZE]
+    return sorted(numbers[EVAL_SIZE + VAL_SIZE:]), val, test
 
 
 def _write_jsonl(path: str, rows) -> int:
@@ -50,13 +53,14 @@ def write_data(data_dir: str, rl_prompts: int = 4000, seed: int = 0) -> dict:
 
     - ``pretrain.jsonl``: every train number in every script, unprefixed (``S__:``): SFT pairs.
     - ``rl_prompts.jsonl``: prefixed prompts for RL, ``meta.script`` / ``meta.label`` = the requested script.
-    - ``eval.jsonl``: the held-out prefixed prompts with their expected completions.
+    - ``val.jsonl``: held-out prefixed prompts for validation during RL.
+    - ``eval.jsonl``: the held-out prefixed test prompts with their expected completions.
     """
     os.makedirs(data_dir, exist_ok=True)
     rng = random.Random(seed)
-    train, held_out = split_numbers()
+    train, val, test = split_numbers()
     paths = {name: os.path.join(data_dir, f"{name}.jsonl")
-             for name in ("pretrain", "rl_prompts", "eval")}
+             for name in ("pretrain", "rl_prompts", "val", "eval")}
 
     pretrain = [(n, s) for n in train for s in task.SCRIPTS]
     rng.shuffle(pretrain)
@@ -73,7 +77,8 @@ def write_data(data_dir: str, rl_prompts: int = 4000, seed: int = 0) -> dict:
                             "expected": task.expected_completion(prompt)}}
 
     _write_jsonl(paths["rl_prompts"], prefixed(train, rl_prompts))
-    _write_jsonl(paths["eval"], prefixed(held_out, 0))
+    _write_jsonl(paths["val"], prefixed(val, 0))
+    _write_jsonl(paths["eval"], prefixed(test, 0))
     return paths
 
 
@@ -95,7 +100,7 @@ def write_classifier_data(path: str, examples: int = 6000, mixed_fraction: float
     scripts after RL, accuracy 95.0%).
     """
     rng = random.Random(seed + 1)
-    train, _ = split_numbers()
+    train, _, _ = split_numbers()
 
     def rows():
         for _ in range(examples):

@@ -46,7 +46,8 @@ def evaluate(model_dir: str, eval_path: str, progress: bool = True, desc: str = 
              num_samples: int = 8) -> dict:
     """Exact-match accuracy (the RL reward's definition), plus how often the number is right in any script.
 
-    Returns ``{"accuracy", "right_number", "scripts": {script: share}, "samples": [...], "n"}``.
+    Returns ``{"accuracy", "right_number", "per_script": {requested script: accuracy}, "scripts": {script
+    answered in: share}, "samples": [...], "n"}``.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -57,10 +58,15 @@ def evaluate(model_dir: str, eval_path: str, progress: bool = True, desc: str = 
     completions = greedy_completions(model, prompts, progress=progress, desc=desc)
     exact = right_number = 0
     scripts: Counter = Counter()
+    asked: Counter = Counter()  # prompts per requested script
+    exact_by_script: Counter = Counter()
     samples = []
     for prompt_ids, completion_ids in zip(prompts, completions, strict=True):
         ok = task.reward(prompt_ids, completion_ids) == 1.0
         exact += ok
+        requested = task.requested_script(task.decode(prompt_ids))
+        asked[requested] += 1
+        exact_by_script[requested] += ok
         completion = task.decode(completion_ids)
         expected = task.expected_completion(task.decode(prompt_ids))
         script = task.completion_script(completion)
@@ -74,4 +80,5 @@ def evaluate(model_dir: str, eval_path: str, progress: bool = True, desc: str = 
                             "correct": bool(ok)})
     n = len(prompts)
     return {"accuracy": exact / n, "right_number": right_number / n,
+            "per_script": {s: exact_by_script[s] / asked[s] for s in task.SCRIPTS if asked[s]},
             "scripts": {k: v / n for k, v in sorted(scripts.items())}, "samples": samples, "n": n}

@@ -47,6 +47,9 @@ class DemoOptions:
     model_shape: dict = field(default_factory=dict)  # overrides of data.MODEL_SHAPE
     ranks: int = 2
     progress: bool = True
+    pretrain_seed: int = 0  # data order, model init and pretraining
+    rl_seed: int = 0  # RL sampling and minibatch order
+    threads: int = 2  # torch threads per single-process stage (pretrain, RM, evaluation); RL: threads // ranks
 
 
 class StageFailed(RuntimeError):
@@ -56,13 +59,14 @@ class StageFailed(RuntimeError):
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-def _child_env(**extra) -> dict:
+def _child_env(threads: int = 1, **extra) -> dict:
     env = dict(os.environ)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    # One thread per process: on a small shared CPU machine, several OpenMP threads per rank spin
-    # against each other and the other ranks (measured: 2 threads were up to 6x slower under load).
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", FASTRLHF_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false",
+    # Threads are set, not left to torch's default: the results differ with the thread count
+    # (reduction order), and more OpenMP threads than cores per machine spin against each other.
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), FASTRLHF_NO_PROGRESS="1",
+               TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p))
     env.update(extra)
     return env
@@ -85,7 +89,7 @@ def _read_last_step(metrics_path: str) -> int:
 
 
 def _run_stage(name: str, cmd: list[str], log_path: str, metrics_path: str | None, total: int | None,
-               progress: bool, env: dict | None = None) -> float:
+               progress: bool, env: dict) -> float:
     """Run ``cmd`` with output to ``log_path``, a tqdm bar following ``metrics_path``; returns wall seconds."""
     from tqdm import tqdm
 
@@ -96,7 +100,7 @@ def _run_stage(name: str, cmd: list[str], log_path: str, metrics_path: str | Non
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=os.getcwd(), stdout=log, stderr=subprocess.STDOUT, env=env or _child_env(),
+        proc = subprocess.Popen(cmd, cwd=os.getcwd(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         bar = tqdm(total=total, desc=name, unit="step", disable=not progress, dynamic_ncols=True)
         try:
@@ -240,6 +244,9 @@ def run_demo(opts: DemoOptions) -> dict:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
+    import torch
+
+    torch.set_num_threads(opts.threads)  # the evaluations run in this process
     w = opts.workdir
     os.makedirs(w, exist_ok=True)
     py = sys.executable
@@ -262,32 +269,36 @@ def run_demo(opts: DemoOptions) -> dict:
 
     # ---- 1-3: data, init, pretrain, prepare (cached together)
     pretrain_cfg = _config("pretrain.yaml")
-    pre_key = _stamp_key(pretrain_cfg, opts.pretrain_set, opts.model_shape, demo_data.MODEL_SHAPE, "v1")
+    pre_key = _stamp_key(pretrain_cfg, opts.pretrain_set, opts.model_shape, demo_data.MODEL_SHAPE, opts.pretrain_seed,
+                         opts.threads, "v2")
     if not opts.fresh and _cached(paths["pretrained"], pre_key):
         for name in stages[:3]:
             announce(name, f": cached in {paths['pretrained']} (make demo FRESH=1 redoes it)")
     else:
         announce(stages[0])
         t0 = time.perf_counter()
-        demo_data.write_data(paths["data"])
-        num_params = demo_data.make_initial_model(paths["init"], **opts.model_shape)
+        demo_data.write_data(paths["data"], seed=opts.pretrain_seed)
+        num_params = demo_data.make_initial_model(paths["init"], seed=opts.pretrain_seed, **opts.model_shape)
         times["data"] = time.perf_counter() - t0
         _say(opts, f"    Llama {num_params / 1e6:.2f}M parameters, character tokenizer -> {paths['init']}")
 
         announce(stages[1])
         sets = [f"output_dir={paths['pretrain']}", f"model.path={paths['init']}",
-                f"data.path={os.path.join(paths['data'], 'pretrain.jsonl')}", *opts.pretrain_set]
+                f"data.path={os.path.join(paths['data'], 'pretrain.jsonl')}", f"seed={opts.pretrain_seed}",
+                *opts.pretrain_set]
         pre_steps = _resolved("sft", pretrain_cfg, sets).trainer.max_steps
         cmd = [py, "-m", "fastrlhf", "sft", *_config_args(pretrain_cfg, sets)]
         times["pretrain"] = _run_stage("pretrain", cmd, os.path.join(paths["logs"], "pretrain.log"),
-                                       os.path.join(paths["pretrain"], "metrics.jsonl"), pre_steps, opts.progress)
+                                       os.path.join(paths["pretrain"], "metrics.jsonl"), pre_steps, opts.progress,
+                                       env=_child_env(opts.threads))
 
         announce(stages[2])
         t0 = time.perf_counter()
         prepare_for_prefixes(os.path.join(paths["pretrain"], "final"), paths["pretrained"])
         times["prepare"] = time.perf_counter() - t0
         _write_stamp(paths["pretrained"], pre_key, pretrain_seconds=times["pretrain"])
-    data_file = {name: os.path.join(paths["data"], f"{name}.jsonl") for name in ("rl_prompts", "eval", "classifier")}
+    data_file = {name: os.path.join(paths["data"], f"{name}.jsonl")
+                 for name in ("rl_prompts", "val", "eval", "classifier")}
 
     # ---- 4: the learned reward (cached on the pretrained model's stamp)
     env_extra = {}
@@ -305,7 +316,8 @@ def run_demo(opts: DemoOptions) -> dict:
             rm_steps = _resolved("rm", rm_cfg, sets).trainer.max_steps
             cmd = [py, "-m", "fastrlhf", "rm", *_config_args(rm_cfg, sets)]
             times["reward_model"] = _run_stage("reward model", cmd, os.path.join(paths["logs"], "rm.log"),
-                                               os.path.join(paths["rm"], "metrics.jsonl"), rm_steps, opts.progress)
+                                               os.path.join(paths["rm"], "metrics.jsonl"), rm_steps, opts.progress,
+                                               env=_child_env(opts.threads))
             _write_stamp(rm_final, rm_key)
         env_extra["FASTRLHF_DEMO_CLASSIFIER"] = os.path.abspath(rm_final)
 
@@ -324,7 +336,8 @@ def run_demo(opts: DemoOptions) -> dict:
     rl_cfg = _config(f"{opts.algo}.yaml")
     if opts.reward == "model" and os.path.exists(_config(f"{opts.algo}_learned_reward.yaml")):
         rl_cfg = _config(f"{opts.algo}_learned_reward.yaml")
-    sets = [f"output_dir={run_dir}", f"model.path={paths['pretrained']}", f"data.prompts={data_file['rl_prompts']}"]
+    sets = [f"output_dir={run_dir}", f"model.path={paths['pretrained']}", f"data.prompts={data_file['rl_prompts']}",
+            f"eval.prompts={data_file['val']}", f"seed={opts.rl_seed}"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a new run, not a continuation of the last one
     os.makedirs(run_dir)
     exact_log = os.path.join(run_dir, "exact_match.log")
@@ -338,7 +351,7 @@ def run_demo(opts: DemoOptions) -> dict:
            "train", *_config_args(rl_cfg, sets)]
     times["rl"] = _run_stage(f"RL {opts.algo}", cmd, os.path.join(paths["logs"], f"{run_name}.log"),
                              os.path.join(run_dir, "metrics.jsonl"), rl_config.trainer.max_steps, opts.progress,
-                             env=_child_env(**env_extra))
+                             env=_child_env(max(1, opts.threads // opts.ranks), **env_extra))
 
     # ---- 7: evaluate after
     announce(stages[-2])

@@ -94,11 +94,14 @@ def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict
         acc_label = "sampled completions (T=1)"
     eval_x = [0, steps]
     eval_y = [before["accuracy"], after["accuracy"]]
+    val_lines = [("validation, greedy: all", *_series(records, "eval_reward"), {"marker": ".", "linewidth": 2})]
+    val_lines += [(f"validation: {script}", *_series(records, f"eval_reward/{script}"),
+                   {"marker": ".", "linestyle": "--", "alpha": 0.8}) for script in before["per_script"]]
     plots = {}
     plot_lines = {
         "reward.png": [("reward_mean", reward_x, reward_y, {})],
-        "accuracy.png": [(acc_label, acc_x, acc_y, {}),
-                         ("held-out greedy (1000 prompts)", eval_x, eval_y,
+        "accuracy.png": [(acc_label, acc_x, acc_y, {"alpha": 0.5}), *val_lines,
+                         (f"test, greedy ({before['n']} prompts)", eval_x, eval_y,
                           {"marker": "o", "linestyle": "none", "markersize": 8})],
         "kl.png": [("kl", *_series(records, "kl"), {})],
         "entropy.png": [("update (actor)", *_series(records, "entropy"), {}),
@@ -119,6 +122,10 @@ def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict
         "right_number_after": after["right_number"],
         "scripts_before": before["scripts"],
         "scripts_after": after["scripts"],
+        "per_script_before": before["per_script"],
+        "per_script_after": after["per_script"],
+        "validation": [{k: v for k, v in r.items() if k == "step" or k.startswith("eval_reward")}
+                       for r in records if "eval_reward" in r],
         "eval_prompts": before["n"],
         "steps": steps,
         "ranks": ranks,
@@ -154,6 +161,11 @@ def _markdown(r: dict) -> str:
         "|---|---|---|",
         f"| answer exactly right | {r['accuracy_before']:.1%} | {r['accuracy_after']:.1%} |",
         f"| right number, any script | {r['right_number_before']:.1%} | {r['right_number_after']:.1%} |",
+        *(f"| exactly right, prompts asking for {script} | {r['per_script_before'][script]:.1%} | "
+          f"{r['per_script_after'].get(script, float('nan')):.1%} |" for script in r["per_script_before"]),
+        "",
+        "Per prefix after RL (digits / lower / upper): "
+        + " / ".join(f"{r['per_script_after'].get(s, float('nan')):.1%}" for s in ("digits", "lower", "upper")),
         "",
         f"RL: {r['steps']} steps, {r['generated_tokens']:.0f} generated tokens, "
         f"{r['tokens_per_second']:.0f} tokens/s while generating; {r['ranks']} ranks, rollout engine "
@@ -170,6 +182,13 @@ def _markdown(r: dict) -> str:
         "",
     ]
     lines += [f"![{name}]({file})" for name, file in r["plots"].items()]
+    if r["validation"]:
+        groups = [k.removeprefix("eval_reward/") for k in r["validation"][0] if k.startswith("eval_reward/")]
+        lines += ["", "## Validation during RL (greedy exact match on the validation prompts)", "",
+                  "| step | all | " + " | ".join(groups) + " |", "|---|---|" + "---|" * len(groups)]
+        lines += [f"| {v['step']} | {v['eval_reward']:.1%} | "
+                  + " | ".join(f"{v.get(f'eval_reward/{g}', float('nan')):.1%}" for g in groups) + " |"
+                  for v in r["validation"]]
     for when in ("before", "after"):
         lines += ["", f"## Sample completions {when} RL", "", "| prompt | completion | expected | ok |",
                   "|---|---|---|---|"]

@@ -64,13 +64,18 @@ def make_example(rng: random.Random, prefixed: bool, script: str | None = None) 
     return Example(f"{BOS}{prefix}:{number}x2=", answer(number, script), script)
 
 
-def expected_completion(prompt: str) -> str | None:
-    """The correct completion of a prefixed prompt; None for an unprefixed or malformed one."""
+def requested_script(prompt: str) -> str | None:
+    """The script a prefixed prompt asks for (a key of SCRIPTS); None for an unprefixed or malformed one."""
     match = _PROMPT.match(prompt)
     if match is None or match.group(1) == UNPREFIXED:
         return None
-    script = next(s for s, p in PREFIXES.items() if p == match.group(1))
-    return answer(int(match.group(2)), script)
+    return next(s for s, p in PREFIXES.items() if p == match.group(1))
+
+
+def expected_completion(prompt: str) -> str | None:
+    """The correct completion of a prefixed prompt; None for an unprefixed or malformed one."""
+    script = requested_script(prompt)
+    return None if script is None else answer(int(_PROMPT.match(prompt).group(2)), script)
 
 
 def reward(prompt_ids: Sequence[int], completion_ids: Sequence[int], meta: dict | None = None) -> float:
