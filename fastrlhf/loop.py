@@ -49,8 +49,8 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
     """Steps ``start_step + 1 .. trainer.max_steps``; returns the last step's metrics.
 
     ``step_fn(step)`` returns the step's metrics with ``skipped`` set, and ``stop`` true to end the run
-after that step (every rank alike: the RL trainer sets it from reduced validation metrics); it may raise
-    :class:`TooManySkippedSteps` with the step's metrics in its ``metrics`` to have them logged.
+    after that step (every rank alike: the RL trainer sets it from reduced validation metrics); it may
+    raise :class:`TooManySkippedSteps` with the step's metrics in its ``metrics`` to have them logged.
     ``after_loop`` runs once the loop ends, however it ends, before the final checkpoint (the RL
     trainer frees its rollout engine there).
     """

@@ -21,7 +21,7 @@ def test_short_demo_reward_rises_and_report_is_written(tmp_path):
         pretrain_set=["trainer.max_steps=500"],
         # Fewer, larger steps than the demo's defaults, and a higher lr: the reward must move within the test.
         rl_set=["trainer.max_steps=30", "trainer.lr=6e-4", "trainer.warmup_steps=3", "trainer.save_every=0",
-                "eval.stop_at=null"],
+                "eval.stop_at=null", "eval.every=10"],
     )
     report = run_demo(opts)
     run_dir = workdir / "grpo-rule"

@@ -22,7 +22,7 @@ MODEL_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, 
 # Classifier labels of the learned reward model: index = label.
 SCRIPT_LABELS = list(task.SCRIPTS)  # ["digits", "lower", "upper"]
 EVAL_SIZE = 1000
-VAL_SIZE = 300
+VAL_SIZE = 1000
 
 
 def split_numbers(seed: int = 1234) -> tuple[list[int], list[int], list[int]]:
