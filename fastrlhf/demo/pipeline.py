@@ -270,7 +270,7 @@ def run_demo(opts: DemoOptions) -> dict:
     # ---- 1-3: data, init, pretrain, prepare (cached together)
     pretrain_cfg = _config("pretrain.yaml")
     pre_key = _stamp_key(pretrain_cfg, opts.pretrain_set, opts.model_shape, demo_data.MODEL_SHAPE, opts.pretrain_seed,
-                         opts.threads, "v2")
+                         opts.threads, demo_data.split_numbers(), "v2")
     if not opts.fresh and _cached(paths["pretrained"], pre_key):
         for name in stages[:3]:
             announce(name, f": cached in {paths['pretrained']} (make demo FRESH=1 redoes it)")
