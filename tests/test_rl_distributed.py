@@ -75,7 +75,9 @@ def test_two_ranks_zero2_zero3_ppo_grpo(tiny):
                                            "unchanged_after_nan_loss": True}, (case, r, result["guard"])
 
 
-def _resume_config(tiny, out_dir):
+def _resume_config(tiny, out_dir, reward=None, trainer=None, **sections):
+    """The short GRPO run config these tests share, with ``reward.function``, ``trainer`` keys and
+    whole sections replaced."""
     config = {
         "algorithm": "grpo", "output_dir": str(out_dir), "seed": 3,
         "model": {"path": str(tiny / "model")},
@@ -85,7 +87,11 @@ def _resume_config(tiny, out_dir):
         "trainer": {"max_steps": 4, "prompts_per_step": 2, "minibatch_size": 2, "lr": 1e-2, "kl_coef": 0.05,
                     "save_every": 2},
         "deepspeed": {"zero_stage": 1},
+        **sections,
     }
+    if reward is not None:
+        config["reward"]["function"] = reward
+    config["trainer"].update(trainer or {})
     path = out_dir.parent / f"{out_dir.name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -137,12 +143,7 @@ def test_kill_and_resume_matches_uninterrupted_grpo_run(tiny):
 @pytest.mark.timeout(300)
 def test_too_many_skipped_rl_steps_stop_with_a_checkpoint(tiny):
     out = tiny / "nan_run"
-    path = _resume_config(tiny, out)
-    config = yaml.safe_load(open(path))
-    config["reward"]["function"] = "nan_reward:reward"
-    config["trainer"].update(max_steps=5, max_skipped_steps=2)
-    with open(path, "w") as f:
-        yaml.safe_dump(config, f)
+    path = _resume_config(tiny, out, reward="nan_reward:reward", trainer={"max_steps": 5, "max_skipped_steps": 2})
     rc, text = run_group([PY, "-m", "fastrlhf", "train", "--config", path], env=env(), timeout=300)
     assert rc == 1, text[-4000:]
     assert "2 steps in a row" in text, text[-4000:]
@@ -158,14 +159,10 @@ def test_too_many_skipped_rl_steps_stop_with_a_checkpoint(tiny):
 @pytest.mark.timeout(300)
 def test_validation_runs_every_k_steps_and_stops_the_run_at_its_target(tiny):
     out = tiny / "eval_run"
-    path = _resume_config(tiny, out)
-    config = yaml.safe_load(open(path))
-    config["reward"]["function"] = "target_token"
-    config["trainer"].update(max_steps=6, save_every=0)
     # stop_at 0: the first validation (step 2) reaches it, so steps 3-6 never run.
-    config["eval"] = {"prompts": str(tiny / "prompts.jsonl"), "every": 2, "group_by": "target_token", "stop_at": 0.0}
-    with open(path, "w") as f:
-        yaml.safe_dump(config, f)
+    path = _resume_config(tiny, out, reward="target_token", trainer={"max_steps": 6, "save_every": 0},
+                          eval={"prompts": str(tiny / "prompts.jsonl"), "every": 2, "group_by": "target_token",
+                                "stop_at": 0.0})
     rc, text = run_group([PY, "-m", "fastrlhf", "train", "--config", path], env=env(), timeout=300)
     assert rc == 0, text[-4000:]
     assert "stopping early" in text, text[-4000:]
