@@ -17,7 +17,6 @@ __all__ = [
     "VLLM_FINISH_REASONS",
     "cpu_supported_head_sizes",
     "gemm_weight_kinds",
-    "is_cpu_platform",
     "make_llm",
     "make_sampling_params",
     "run_generate",
@@ -33,12 +32,6 @@ CPU_SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 # vLLM finish reasons -> ours. "abort" never happens offline unless the engine is torn down.
 VLLM_FINISH_REASONS = {"stop": "stop", "length": "length"}
-
-
-def is_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def cpu_supported_head_sizes() -> tuple[int, ...]:

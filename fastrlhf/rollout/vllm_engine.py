@@ -78,9 +78,9 @@ class VLLMEngine(RolloutEngine):
       executor, which builds vLLM's groups on top of the trainer's default group instead of
       creating one; ``close()`` tears vLLM down without destroying the trainer's group.
       Engine construction is then collective: every rank must build its engine.
-    - ``update_weights`` reloads in place (a direct copy + repack for plain Llama on CPU, else the
-      worker's ``reload_weights``; see ``vllm_adapter.reload_weights``) and resets the prefix
-      cache, so the next ``generate`` sees only the new weights.
+    - ``update_weights`` reloads in place (for plain Llama on CPU, straight into the GEMMs' packed
+      weights; else the worker's ``reload_weights``; see ``vllm_adapter.reload_weights``) and resets
+      the prefix cache, so the next ``generate`` sees only the new weights.
     """
 
     kind = "vllm"
