@@ -22,6 +22,7 @@ __all__ = [
     "build_train_engine",
     "build_frozen_engine",
     "deep_merge",
+    "clear_stale_build_lock",
 ]
 
 # Long enough for real runs; tests set FASTRLHF_DIST_TIMEOUT to turn a rank mismatch into a quick error.
@@ -52,9 +53,41 @@ def init_distributed(timeout_s: float | None = None) -> None:
         # Before the first collective: NCCL (and ``barrier``) otherwise put every rank's traffic,
         # and a CUDA context, on device 0.
         torch.cuda.set_device(local_rank())
+    else:
+        clear_stale_build_lock("deepspeed_shm_comm")
     import deepspeed
 
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+
+
+# DeepSpeed JIT-builds its CPU shared-memory collective on the first init_distributed (30-60 s on 2
+# cores). torch's build lock outlives a process killed mid-build, and every later run then waits on
+# it forever, before any timeout of ours applies.
+STALE_BUILD_LOCK_S = 600
+
+
+def clear_stale_build_lock(extension: str, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
+    """Remove the torch-extension build lock of ``extension`` when it is older than any real build;
+    returns whether one was removed."""
+    import sys
+    import time
+
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = os.path.join(_get_build_directory(extension, verbose=False), "lock")
+        age = time.time() - os.path.getmtime(lock)
+    except (ImportError, OSError):
+        return False
+    if age < max_age_s:
+        return False
+    try:
+        os.remove(lock)
+    except FileNotFoundError:  # another rank removed it first
+        return False
+    print(f"warning: removed a stale build lock ({lock}, {age / 60:.0f} min old) left by an interrupted run",
+          file=sys.stderr)
+    return True
 
 
 def _dist():
