@@ -424,6 +424,11 @@ def _check_path(path: str | None, key: str, base: str):
         raise ConfigError(key, f"path does not exist: {path}")
 
 
+def _check_reward_spec(spec: str | None, key: str):
+    if spec is not None and spec.count(":") > 1:
+        raise ConfigError(key, f"expected a registered name or 'module:function', got {spec!r}")
+
+
 def _check_model(m: ModelConfig, base: str, key: str = "model"):
     _check_path(m.path, f"{key}.path", base)
     _positive(m.lora_r, f"{key}.lora_r", strict=False)
@@ -479,8 +484,7 @@ def _validate_train(c: TrainConfig, base: str):
         which = "neither" if r.function is None else "both"
         raise ConfigError("reward", f"set exactly one of reward.function and reward.model_path, got {which}")
     _check_path(r.model_path, "reward.model_path", base)
-    if r.function is not None and r.function.count(":") > 1:
-        raise ConfigError("reward.function", f"expected a registered name or 'module:function', got {r.function!r}")
+    _check_reward_spec(r.function, "reward.function")
     _positive(r.label_index, "reward.label_index", strict=False)
 
     if c.algorithm == "ppo":
@@ -545,8 +549,7 @@ def _validate_eval(c: TrainConfig, base: str):
     if e.reward is None and c.reward.function is None:
         raise ConfigError("eval.reward", "needed when the training reward is a model (reward.model_path): "
                                          "validation scores with a reward function")
-    if e.reward is not None and e.reward.count(":") > 1:
-        raise ConfigError("eval.reward", f"expected a registered name or 'module:function', got {e.reward!r}")
+    _check_reward_spec(e.reward, "eval.reward")
 
 
 def _validate_sft(c: SFTConfig, base: str):

@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     run_dir = f"{args.workdir}/{args.algo}-{args.reward}"
     print(f"\nreport: {run_dir}/report.md (plots: {', '.join(report['plots'].values())})")
-    per_script = " / ".join(f"{report['per_script_after'].get(s, float('nan')):.1%}"
-                            for s in ("digits", "lower", "upper"))
+    from fastrlhf.demo.report import per_script_line
+
+    per_script = per_script_line(report["per_script_after"])
     print(f"accuracy before RL: {report['accuracy_before']:.1%}  ->  after {report['steps']} "
           f"{args.algo.upper()} steps: {report['accuracy_after']:.1%} (digits / lower / upper: {per_script})   "
           f"(total {time.perf_counter() - started:.0f} s)")

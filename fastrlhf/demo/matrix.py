@@ -14,7 +14,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from fastrlhf.demo.data import EVAL_SIZE
 from fastrlhf.demo.pipeline import DemoOptions, StageFailed, run_demo
+from fastrlhf.demo.report import per_script_line
 
 __all__ = ["MatrixRun", "MATRIX", "run_matrix"]
 
@@ -48,6 +50,10 @@ def _load_average() -> str:
         return "n/a"
 
 
+def _passed(row: dict) -> bool:
+    return "error" not in row and row["accuracy_after"] >= row["bar"]
+
+
 def _table(rows: list[dict]) -> str:
     lines = ["| pretrain seed | RL seed | algorithm | reward | threads | before | after | bar | per prefix after "
              "(digits / lower / upper) | RL steps | RL time (s) | total time (s) | load before (1/5/15 min) |",
@@ -57,8 +63,8 @@ def _table(rows: list[dict]) -> str:
             lines.append(f"| {r['pretrain_seed']} | {r['rl_seed']} | {r['algo']} | {r['reward']} | {r['threads']} | "
                          f"FAILED: {r['error']} ||||||||")
             continue
-        per = " / ".join(f"{r['per_script_after'].get(s, float('nan')):.1%}" for s in ("digits", "lower", "upper"))
-        ok = "" if r["accuracy_after"] >= r["bar"] else " **below**"
+        per = per_script_line(r["per_script_after"])
+        ok = "" if _passed(r) else " **below**"
         lines.append(f"| {r['pretrain_seed']} | {r['rl_seed']} | {r['algo']} | {r['reward']} | {r['threads']} | "
                      f"{r['accuracy_before']:.1%} | {r['accuracy_after']:.1%}{ok} | {r['bar']:.0%} | {per} | "
                      f"{r['steps']} | {r['rl_seconds']:.0f} | {r['seconds']:.0f} | {r['load']} |")
@@ -68,7 +74,7 @@ def _table(rows: list[dict]) -> str:
         variants.setdefault(r["variant"], []).append(r)
     for name, group in variants.items():
         acc = [r["accuracy_after"] for r in group if "error" not in r]
-        passed = sum(1 for r in group if "error" not in r and r["accuracy_after"] >= r["bar"])
+        passed = sum(1 for r in group if _passed(r))
         if acc:
             lines.append(f"| {name} | {len(group)} | {min(acc):.1%} | {statistics.median(acc):.1%} | "
                          f"{max(acc):.1%} | {passed}/{len(group)} |")
@@ -101,8 +107,8 @@ def run_matrix(workdir: str = "runs/demo", runs=MATRIX, progress: bool = True) -
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         header = (f"# Demo seed matrix\n\nStarted {started}; {len(rows)}/{len(runs)} runs; machine: {os.cpu_count()} "
-                  f"CPUs. Accuracy: greedy exact match on the 1000 test prompts. Total time includes pretraining "
-                  f"when it was not cached for that (pretrain seed, threads).\n\n")
+                  f"CPUs. Accuracy: greedy exact match on the {EVAL_SIZE} test prompts. Total time includes "
+                  f"pretraining when it was not cached for that (pretrain seed, threads).\n\n")
         with open(f"{out_md}.tmp", "w") as f:
             f.write(header + _table(rows))
         os.replace(f"{out_md}.tmp", out_md)
@@ -112,4 +118,4 @@ def run_matrix(workdir: str = "runs/demo", runs=MATRIX, progress: bool = True) -
     print(f"\n{out_md}:\n")
     with open(out_md) as f:
         print(f.read())
-    return 0 if all("error" not in r and r["accuracy_after"] >= r["bar"] for r in rows) else 1
+    return 0 if all(_passed(r) for r in rows) else 1

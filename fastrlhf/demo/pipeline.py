@@ -59,7 +59,7 @@ class StageFailed(RuntimeError):
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-def _child_env(threads: int = 1, **extra) -> dict:
+def _child_env(threads: int, **extra) -> dict:
     env = dict(os.environ)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)

@@ -6,7 +6,7 @@ import json
 import math
 import os
 
-__all__ = ["write_report", "PLOTS"]
+__all__ = ["write_report", "per_script_line", "PLOTS"]
 
 # file name -> (title, y label)
 PLOTS = {
@@ -15,6 +15,13 @@ PLOTS = {
     "kl.png": ("KL(policy || reference), rollout tokens", "KL"),
     "entropy.png": ("Policy entropy per token", "entropy (nats)"),
 }
+
+
+def per_script_line(per_script: dict) -> str:
+    """``100.0% / 99.1% / 100.0%``: accuracy per requested script, in the task's script order."""
+    from fastrlhf.tasks.script_doubling import SCRIPTS
+
+    return " / ".join(f"{per_script.get(s, float('nan')):.1%}" for s in SCRIPTS)
 
 
 def _num(value) -> float:
@@ -165,7 +172,7 @@ def _markdown(r: dict) -> str:
           f"{r['per_script_after'].get(script, float('nan')):.1%} |" for script in r["per_script_before"]),
         "",
         "Per prefix after RL (digits / lower / upper): "
-        + " / ".join(f"{r['per_script_after'].get(s, float('nan')):.1%}" for s in ("digits", "lower", "upper")),
+        + per_script_line(r["per_script_after"]),
         "",
         f"RL: {r['steps']} steps, {r['generated_tokens']:.0f} generated tokens, "
         f"{r['tokens_per_second']:.0f} tokens/s while generating; {r['ranks']} ranks, rollout engine "
