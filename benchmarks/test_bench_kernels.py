@@ -21,7 +21,7 @@ From logits, the caller's ``[N, V]`` logits are an input (part of the baseline) 
 ``[N, V]`` gradient is an output that both variants must allocate; the naive path adds its
 log-softmax, probabilities and autograd's saved tensors on top.
 
-What the Triton kernels cost on a GPU (``kernels/logprob_entropy.py``), per token with vocabulary
+What the Triton kernels cost on a GPU (``kernels/logprob_entropy_triton.py``), per token with vocabulary
 V and logits of ``b`` bytes per element: the stats kernel reads the row once (``V*b`` bytes) and
 writes 12 bytes (logprob, entropy, lse in fp32); the grad kernel reads the row once and writes the
 gradient once (``2*V*b`` bytes). Forward + backward from logits therefore move ``3*V*b`` bytes per

@@ -51,7 +51,7 @@ def compile_for_target(fn, signature: dict, constexprs: dict, capability: int, n
 
 def kernel_specs(logits_dtype: str, block_v: int):
     """(label, kernel, signature, constexprs, num_warps) for every kernel variant the ops launch."""
-    from .logprob_entropy import _num_warps, triton_kernels
+    from .logprob_entropy_triton import _num_warps, triton_kernels
 
     k = triton_kernels()
     ptr = _POINTER[logits_dtype]

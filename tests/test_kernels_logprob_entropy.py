@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from fastrlhf.algorithms import entropy_from_logits, logprobs_from_logits
 
 le_module = importlib.import_module("fastrlhf.kernels.logprob_entropy")
+le_triton_module = importlib.import_module("fastrlhf.kernels.logprob_entropy_triton")
+le_torch_module = importlib.import_module("fastrlhf.kernels.logprob_entropy_torch")
 
 BACKENDS = ["torch", "triton"]
 
@@ -140,9 +142,9 @@ def test_triton_multi_block_loop_with_ragged_tail(dtype):
 
 
 def test_public_op_uses_capped_block(monkeypatch):
-    monkeypatch.setattr(le_module, "MAX_BLOCK_V_INTERPRETER", 64)
+    monkeypatch.setattr(le_triton_module, "MAX_BLOCK_V_INTERPRETER", 64)
     assert default_block_v(4097, on_gpu=False) == 64
-    assert default_block_v(4097, on_gpu=True) == le_module.MAX_BLOCK_V_GPU
+    assert default_block_v(4097, on_gpu=True) == le_triton_module.MAX_BLOCK_V_GPU
     logits, labels = make_logits((3, 301), seed=6)
     check_against_reference(logits, labels, 1.0, "triton")
 
@@ -150,7 +152,7 @@ def test_public_op_uses_capped_block(monkeypatch):
 @pytest.mark.parametrize("chunk_rows", [1, 3])
 def test_torch_path_across_chunks(monkeypatch, chunk_rows):
     """Several row chunks, the last one short: buffers are reused and sliced correctly."""
-    monkeypatch.setattr(le_module, "TORCH_CHUNK_ELEMENTS", chunk_rows * 40)
+    monkeypatch.setattr(le_torch_module, "TORCH_CHUNK_ELEMENTS", chunk_rows * 40)
     logits, labels = make_logits((7, 40), seed=7, neg_inf_rows=(3,))
     check_against_reference(logits, labels, 0.8, "torch")
 

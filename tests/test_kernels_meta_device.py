@@ -26,7 +26,8 @@ from fastrlhf.kernels.fused_linear import (
 
 backend_module = importlib.import_module("fastrlhf.kernels._backend")
 fl_module = importlib.import_module("fastrlhf.kernels.fused_linear")
-le_module = importlib.import_module("fastrlhf.kernels.logprob_entropy")
+checks_module = importlib.import_module("fastrlhf.kernels._checks")
+le_torch_module = importlib.import_module("fastrlhf.kernels.logprob_entropy_torch")
 pl_module = importlib.import_module("fastrlhf.kernels.policy_loss")
 
 META = torch.device("meta")
@@ -197,7 +198,7 @@ def test_meta_device_catches_the_cpu_shortcuts_when_ungated(monkeypatch, entry):
     """Treating meta as the CPU turns the CPU-only shortcuts (masked-chunk skip, isfinite repair,
     label range ValueError, grad_output == 1 check) back on, and the meta run fails: the device
     gates are what keep the other devices free of syncs."""
-    for module in (backend_module, fl_module, le_module, pl_module):
+    for module in (backend_module, checks_module, fl_module, le_torch_module, pl_module):
         monkeypatch.setattr(module, "on_cpu", lambda where: True)
     with pytest.raises(RuntimeError, match="meta"):
         if entry == "fused_linear_policy_loss":
@@ -212,8 +213,8 @@ def test_meta_device_isfinite_shortcut_is_a_host_read():
     z = torch.empty(3, 10, device=META)
     p = torch.empty(3, 10, device=META)
     with pytest.raises(RuntimeError, match="meta"):
-        le_module._products_and_dot(z, p, host_reads=True)
-    pz, dot = le_module._products_and_dot(z, p, host_reads=False)
+        le_torch_module._products_and_dot(z, p, host_reads=True)
+    pz, dot = le_torch_module._products_and_dot(z, p, host_reads=False)
     assert_meta(pz, (3, 10), torch.float32)
     assert_meta(dot, (3,), torch.float32)
 
@@ -224,7 +225,7 @@ def test_meta_device_isfinite_shortcut_is_a_host_read():
 
 
 def lift_cpu_gates(monkeypatch):
-    for module in (backend_module, fl_module, le_module, pl_module):
+    for module in (backend_module, checks_module, fl_module, le_torch_module, pl_module):
         monkeypatch.setattr(module, "on_cpu", lambda where: False)
 
 
@@ -347,7 +348,7 @@ def test_meta_device_16k_tokens_at_qwen_vocab_is_a_few_chunks(monkeypatch, op):
     expected = -(-n // rows)
     assert expected <= 16 and -(-n // default_chunk_size(n, QWEN_VOCAB)) > 150
     gemms = count_calls(monkeypatch, fl_module, "_logits_into")
-    passes = count_calls(monkeypatch, le_module, "_products_and_dot")
+    passes = count_calls(monkeypatch, le_torch_module, "_products_and_dot")
     hidden, weight, b, labels = meta_head((n,), 8, QWEN_VOCAB, torch.bfloat16)
     if op == "policy_loss":
         loss, _ = run_policy_loss(hidden, weight, b, labels)

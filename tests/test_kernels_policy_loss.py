@@ -269,8 +269,8 @@ def test_errors():
 @pytest.mark.parametrize("chunk_rows", [1, 4])
 def test_torch_path_across_chunks_with_neg_inf_rows(monkeypatch, dtype, chunk_rows):
     """The torch path writes dlogits chunk by chunk in forward, -inf logits included (p = 0 there)."""
-    le_module = importlib.import_module("fastrlhf.kernels.logprob_entropy")
-    monkeypatch.setattr(le_module, "TORCH_CHUNK_ELEMENTS", chunk_rows * 37)
+    le_torch_module = importlib.import_module("fastrlhf.kernels.logprob_entropy_torch")
+    monkeypatch.setattr(le_torch_module, "TORCH_CHUNK_ELEMENTS", chunk_rows * 37)
     logits, labels, old, adv, mask, ref = make_batch(shape=(3, 5), dtype=dtype, seed=11)
     logits[0, 1, :20] = float("-inf")
     logits[2, 4, 3:] = float("-inf")
