@@ -6,7 +6,16 @@ import os
 import pytest
 import yaml
 
-from fastrlhf.config import ConfigError, TrainConfig, load_config, parse_config
+from fastrlhf.config import (
+    ConfigError,
+    LoopConfig,
+    SFTTrainerConfig,
+    TrainConfig,
+    TrainerConfig,
+    check_world_size,
+    load_config,
+    parse_config,
+)
 
 DROP = "<drop>"
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
@@ -186,3 +195,87 @@ def test_eval_section(paths):
     assert "needed when the training reward is a model" in str(error_of(learned))
     learned["eval"]["reward"] = "length"
     assert parse_config(learned).eval.reward == "length"
+
+
+def sft_raw(paths, **trainer):
+    return {"output_dir": paths["out"], "model": {"path": paths["model"]}, "data": {"path": paths["prompts"]},
+            "trainer": {"max_steps": 3, "batch_size": 4, **trainer}}
+
+
+def test_trainers_share_the_loop_settings_once():
+    import dataclasses
+
+    loop = [f.name for f in dataclasses.fields(LoopConfig)]
+    for cls in (TrainerConfig, SFTTrainerConfig):
+        assert issubclass(cls, LoopConfig)
+        assert [f.name for f in dataclasses.fields(cls)][: len(loop)] == loop  # loop settings first, in one order
+    assert "fused_loss" in loop and "use_fused_loss" not in {f.name for f in dataclasses.fields(SFTTrainerConfig)}
+    assert TrainerConfig(max_steps=1).lr == 1.0e-6 and SFTTrainerConfig(max_steps=1).lr == 1.0e-5
+
+
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_sft_and_rm_fused_loss_and_its_old_name(paths, tmp_path, command):
+    assert parse_config(sft_raw(paths), command).trainer.fused_loss is True
+    assert parse_config(sft_raw(paths, fused_loss=False), command).trainer.fused_loss is False
+    err = error_of(sft_raw(paths, use_fused_loss=False), command)
+    assert err.key == "trainer.use_fused_loss"
+    assert str(err) == "trainer.use_fused_loss: was renamed to trainer.fused_loss; use that key instead"
+    # The same through --set.
+    path = write_yaml(tmp_path / "run.yaml", sft_raw(paths))
+    with pytest.raises(ConfigError, match=r"^trainer\.use_fused_loss: was renamed to trainer\.fused_loss"):
+        load_config(path, command, ["trainer.use_fused_loss=false"])
+
+
+def test_policy_loss(paths):
+    assert parse_config(grpo(paths)).trainer.policy_loss == "vanilla"
+    assert parse_config(grpo(paths, trainer={"policy_loss": "gspo"})).trainer.policy_loss == "gspo"
+    assert error_of(grpo(paths, trainer={"policy_loss": ""})).key == "trainer.policy_loss"
+    assert error_of(grpo(paths, trainer={"policy_loss": 3})).key == "trainer.policy_loss"
+    assert "unknown policy loss 'ppo2'; registered: cispo, gspo, vanilla" in str(
+        error_of(grpo(paths, trainer={"policy_loss": "ppo2"})))
+
+
+def world_error(config, world) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        check_world_size(config, world)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def test_check_world_size_prompts_per_step(paths):
+    config = parse_config(grpo(paths, rollout={"n": 2}, trainer={"prompts_per_step": 6, "minibatch_size": 6}))
+    check_world_size(config, 3)
+    err = world_error(config, 4)
+    assert err.key == "trainer.prompts_per_step"
+    assert str(err) == ("trainer.prompts_per_step: 6 does not split over 4 ranks (each rank samples whole groups "
+                        "for its own prompts)")
+
+
+def test_check_world_size_minibatch_size(paths):
+    config = parse_config(grpo(paths, trainer={"prompts_per_step": 4, "minibatch_size": 8, "grad_accum": 2}))
+    check_world_size(config, 2)  # 8 = 2 ranks x 2 micro-steps x 2
+    check_world_size(config, 4)
+    err = world_error(parse_config(grpo(paths, trainer={"prompts_per_step": 4, "minibatch_size": 4,
+                                                        "grad_accum": 2})), 4)
+    assert err.key == "trainer.minibatch_size"
+    assert str(err) == ("trainer.minibatch_size: 4 sequences per optimizer step do not split over 4 ranks x "
+                        "trainer.grad_accum 2")
+
+
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_check_world_size_batch_size(paths, command):
+    config = parse_config(sft_raw(paths, batch_size=8, grad_accum=2), command)
+    check_world_size(config, 1)
+    check_world_size(config, 4)
+    err = world_error(config, 3)
+    assert err.key == "trainer.batch_size"
+    assert str(err) == "trainer.batch_size: 8 does not split over 3 ranks x trainer.grad_accum 2"
+
+
+def test_importing_config_stays_cheap():
+    import subprocess
+    import sys
+
+    code = "import sys, fastrlhf.config; sys.exit(1 if 'torch' in sys.modules else 0)"
+    root = os.path.join(os.path.dirname(__file__), "..")
+    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0

@@ -1,0 +1,228 @@
+"""Cross-field validation of a built config: each rule once, each failure a one-line ConfigError naming the key.
+
+:func:`validate` runs the rules that need only the config (at load time); :func:`check_world_size`
+the ones that also need the number of ranks (once the launched world is known).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import ConfigError
+from .schema import DeepSpeedConfig, LoopConfig, ModelConfig, RMConfig, SFTConfig, SFTTrainerConfig, TrainConfig
+
+__all__ = ["validate", "check_world_size"]
+
+
+def _positive(value, key: str, strict: bool = True):
+    if value is None:
+        return
+    if (value <= 0) if strict else (value < 0):
+        raise ConfigError(key, f"must be {'> 0' if strict else '>= 0'}, got {value}")
+
+
+def _check_path(path: str | None, key: str, base: str):
+    if path is None:
+        return
+    resolved = path if os.path.isabs(path) else os.path.join(base, path)
+    if not os.path.exists(resolved):
+        raise ConfigError(key, f"path does not exist: {path}")
+
+
+def _check_reward_spec(spec: str | None, key: str):
+    if spec is not None and spec.count(":") > 1:
+        raise ConfigError(key, f"expected a registered name or 'module:function', got {spec!r}")
+
+
+def _check_model(m: ModelConfig, base: str, key: str = "model"):
+    _check_path(m.path, f"{key}.path", base)
+    _positive(m.lora_r, f"{key}.lora_r", strict=False)
+    if m.lora_r > 0 and not m.lora_targets:
+        raise ConfigError(f"{key}.lora_targets", "must name at least one module when lora_r > 0")
+    if not 0.0 <= m.lora_dropout < 1.0:
+        raise ConfigError(f"{key}.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
+
+
+def _check_deepspeed(ds: DeepSpeedConfig, model: ModelConfig):
+    if ds.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("deepspeed.zero_stage", f"must be 0, 1, 2 or 3, got {ds.zero_stage}")
+    if ds.offload_param and ds.zero_stage != 3:
+        raise ConfigError("deepspeed.offload_param", f"needs deepspeed.zero_stage 3, got {ds.zero_stage}")
+    if ds.offload_optimizer and ds.zero_stage == 0:
+        raise ConfigError("deepspeed.offload_optimizer", "needs deepspeed.zero_stage 1, 2 or 3, got 0")
+    if model.dtype == "float16":
+        raise ConfigError("model.dtype", "float16 training needs loss scaling, which fastrlhf does not set up; use "
+                                         "bfloat16 (with deepspeed.bf16 for fp32 master weights) or auto")
+    if ds.pure_bf16 and ds.bf16 is True:
+        raise ConfigError("deepspeed.pure_bf16", "conflicts with deepspeed.bf16: true (fp32 master weights)")
+    if model.dtype == "bfloat16" and ds.bf16 is False and not ds.pure_bf16:
+        raise ConfigError("deepspeed.bf16", "false with model.dtype bfloat16 trains pure bf16 without fp32 master "
+                                            "weights; set deepspeed.bf16: true (or auto), or deepspeed.pure_bf16: true "
+                                            "to train that way on purpose")
+
+
+def _check_loop(t: LoopConfig, prefix: str = "trainer"):
+    """The rules on the settings of :class:`LoopConfig`, which every command's ``trainer`` has."""
+    _positive(t.max_steps, f"{prefix}.max_steps")
+    _positive(t.lr, f"{prefix}.lr")
+    _positive(t.grad_accum, f"{prefix}.grad_accum")
+    _positive(t.weight_decay, f"{prefix}.weight_decay", strict=False)
+    _positive(t.warmup_steps, f"{prefix}.warmup_steps", strict=False)
+    _positive(t.max_grad_norm, f"{prefix}.max_grad_norm")
+    _positive(t.loss_chunk_size, f"{prefix}.loss_chunk_size")
+    _positive(t.loss_chunk_bytes, f"{prefix}.loss_chunk_bytes")
+    _positive(t.save_every, f"{prefix}.save_every", strict=False)
+    _positive(t.keep_checkpoints, f"{prefix}.keep_checkpoints", strict=False)
+    _positive(t.max_skipped_steps, f"{prefix}.max_skipped_steps")
+    _positive(t.log_every, f"{prefix}.log_every")
+
+
+
+def _validate_train(c: TrainConfig, base: str):
+    _check_model(c.model, base)
+    _check_path(c.reference.path, "reference.path", base)
+    _check_path(c.data.prompts, "data.prompts", base)
+    _positive(c.data.max_prompt_len, "data.max_prompt_len")
+    if not c.data.prompt_field:
+        raise ConfigError("data.prompt_field", "must be a non-empty field name")
+
+    r = c.reward
+    if (r.function is None) == (r.model_path is None):
+        which = "neither" if r.function is None else "both"
+        raise ConfigError("reward", f"set exactly one of reward.function and reward.model_path, got {which}")
+    _check_path(r.model_path, "reward.model_path", base)
+    _check_reward_spec(r.function, "reward.function")
+    _positive(r.label_index, "reward.label_index", strict=False)
+
+    if c.algorithm == "ppo":
+        if c.critic is None:
+            raise ConfigError("critic", "algorithm ppo needs a critic section (critic: {path: null} uses model.path "
+                                        "with a value head)")
+        _check_path(c.critic.path, "critic.path", base)
+        _positive(c.critic.lr, "critic.lr")
+
+    ro = c.rollout
+    _positive(ro.n, "rollout.n")
+    if c.algorithm == "grpo" and ro.n < 2:
+        raise ConfigError("rollout.n", f"grpo compares completions within a group and needs rollout.n >= 2, got {ro.n}")
+    if ro.temperature < 0:
+        raise ConfigError("rollout.temperature", f"must be >= 0, got {ro.temperature}")
+    if not 0.0 < ro.top_p <= 1.0:
+        raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
+    if ro.top_k == 0 or ro.top_k < -1:
+        raise ConfigError("rollout.top_k", f"must be -1 (off) or >= 1, got {ro.top_k}")
+    _positive(ro.max_new_tokens, "rollout.max_new_tokens")
+    _positive(ro.sync_bucket_bytes, "rollout.sync_bucket_bytes")
+    _positive(ro.kv_cache_bytes, "rollout.kv_cache_bytes")
+
+    t = c.trainer
+    _check_loop(t)
+    _positive(t.prompts_per_step, "trainer.prompts_per_step")
+    _positive(t.minibatch_size, "trainer.minibatch_size")
+    _positive(t.ppo_epochs, "trainer.ppo_epochs")
+    if t.policy_loss != "vanilla":  # the default needs no torch import; any other name is looked up
+        from fastrlhf.algorithms import POLICY_LOSSES
+
+        if t.policy_loss not in POLICY_LOSSES:
+            raise ConfigError("trainer.policy_loss", f"unknown policy loss {t.policy_loss!r}; registered: "
+                                                     f"{', '.join(sorted(POLICY_LOSSES))}")
+    rollout_batch = c.rollout_batch_size
+    if rollout_batch % t.minibatch_size:
+        raise ConfigError("trainer.minibatch_size", f"{t.minibatch_size} does not divide the rollout batch of "
+                          f"{rollout_batch} (trainer.prompts_per_step x rollout.n)")
+    if t.minibatch_size % t.grad_accum:
+        raise ConfigError("trainer.grad_accum", f"{t.grad_accum} does not divide trainer.minibatch_size "
+                          f"{t.minibatch_size}")
+    _positive(t.clip_low, "trainer.clip_low", strict=False)
+    _positive(t.clip_high, "trainer.clip_high", strict=False)
+    if t.dual_clip is not None and t.dual_clip <= 1.0:
+        raise ConfigError("trainer.dual_clip", f"must be > 1 (or null), got {t.dual_clip}")
+    _positive(t.kl_coef, "trainer.kl_coef", strict=False)
+    _positive(t.entropy_coef, "trainer.entropy_coef", strict=False)
+    for name in ("gamma", "lam"):
+        value = getattr(t, name)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"trainer.{name}", f"must be in [0, 1], got {value}")
+    _positive(t.vf_clip, "trainer.vf_clip")
+    _positive(t.vf_coef, "trainer.vf_coef", strict=False)
+    _positive(t.tis_cap, "trainer.tis_cap")
+    _validate_eval(c, base)
+    _check_deepspeed(c.deepspeed, c.model)
+
+
+def _validate_eval(c: TrainConfig, base: str):
+    e = c.eval
+    _positive(e.every, "eval.every")
+    if e.prompts is None:
+        for name in ("reward", "group_by", "stop_at"):
+            if getattr(e, name) is not None:
+                raise ConfigError(f"eval.{name}", "needs eval.prompts (the validation prompts)")
+        return
+    _check_path(e.prompts, "eval.prompts", base)
+    if e.reward is None and c.reward.function is None:
+        raise ConfigError("eval.reward", "needed when the training reward is a model (reward.model_path): "
+                                         "validation scores with a reward function")
+    _check_reward_spec(e.reward, "eval.reward")
+
+
+def _validate_sft(c: SFTConfig, base: str):
+    _check_model(c.model, base)
+    _check_path(c.data.path, "data.path", base)
+    _positive(c.data.max_len, "data.max_len")
+    _positive(c.data.max_prompt_len, "data.max_prompt_len")
+    _validate_small_trainer(c.trainer)
+    _check_deepspeed(c.deepspeed, c.model)
+
+
+def _validate_rm(c: RMConfig, base: str):
+    _check_model(c.model, base)
+    _check_path(c.data.path, "data.path", base)
+    _positive(c.data.max_len, "data.max_len")
+    _validate_small_trainer(c.trainer)
+    _positive(c.num_labels, "num_labels")
+    if c.kind == "pairwise" and c.resolved_num_labels != 1:
+        raise ConfigError("num_labels", f"a pairwise reward model has one output, got {c.num_labels}")
+    if c.kind == "classifier" and c.resolved_num_labels < 2:
+        raise ConfigError("num_labels", f"a classifier needs at least 2 labels, got {c.num_labels}")
+    _check_deepspeed(c.deepspeed, c.model)
+
+
+def _validate_small_trainer(t: SFTTrainerConfig):
+    _check_loop(t)
+    _positive(t.batch_size, "trainer.batch_size")
+    if t.batch_size % t.grad_accum:
+        raise ConfigError("trainer.grad_accum", f"{t.grad_accum} does not divide trainer.batch_size {t.batch_size}")
+
+
+_VALIDATORS = {TrainConfig: _validate_train, SFTConfig: _validate_sft, RMConfig: _validate_rm}
+
+
+def validate(config, base_dir: str = ".") -> None:
+    """Every rule that needs only the config (relative paths resolved against ``base_dir``)."""
+    _VALIDATORS[type(config)](config, base_dir)
+
+
+def check_world_size(config, world: int) -> None:
+    """The rules that need the number of ranks ``world``: the batches must split evenly over them.
+
+    RL (:class:`TrainConfig`): ``trainer.prompts_per_step`` over the ranks (each samples whole groups
+    for its own prompts), ``trainer.minibatch_size`` over ranks x ``trainer.grad_accum``. SFT and RM:
+    ``trainer.batch_size`` over ranks x ``trainer.grad_accum``. Raises a one-line ConfigError.
+    """
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive number of ranks, got {world!r}")
+    t = config.trainer
+    if isinstance(config, TrainConfig):
+        if t.prompts_per_step % world:
+            raise ConfigError("trainer.prompts_per_step", f"{t.prompts_per_step} does not split over {world} ranks "
+                              "(each rank samples whole groups for its own prompts)")
+        if t.minibatch_size % (world * t.grad_accum):
+            raise ConfigError("trainer.minibatch_size", f"{t.minibatch_size} sequences per optimizer step do not "
+                              f"split over {world} ranks x trainer.grad_accum {t.grad_accum}")
+        return
+    if isinstance(config, (SFTConfig, RMConfig)):
+        if t.batch_size % (world * t.grad_accum):
+            raise ConfigError("trainer.batch_size", f"{t.batch_size} does not split over {world} ranks x "
+                              f"trainer.grad_accum {t.grad_accum}")
+        return
+    raise TypeError(f"expected a TrainConfig, SFTConfig or RMConfig, got {type(config).__name__}")

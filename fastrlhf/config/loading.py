@@ -1,0 +1,232 @@
+"""YAML (1.2 floats) -> raw mapping -> ``--set`` overrides -> typed frozen dataclasses -> validated config."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+from .checks import validate
+from .errors import ConfigError
+from .schema import SCHEMAS
+
+__all__ = ["RENAMED_KEYS", "apply_overrides", "parse_config", "load_config", "config_to_dict"]
+
+# Keys that changed name: old dotted key -> new dotted key. A config that still uses the old name fails with
+# one line saying what it is called now (never silently ignored, never silently accepted).
+RENAMED_KEYS: dict[str, str] = {
+    "trainer.use_fused_loss": "trainer.fused_loss",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# YAML with 1.2-style floats: PyYAML reads `1e-5` as a string, a classic trap for learning rates.
+# --------------------------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _ch in list("-+0123456789."):
+    _Loader.yaml_implicit_resolvers[_ch] = [
+        (tag, rx) for tag, rx in _Loader.yaml_implicit_resolvers.get(_ch, []) if tag != "tag:yaml.org,2002:float"
+    ]
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
+               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError("", f"{where}: invalid YAML: {problem}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# dict -> dataclass with type checks
+# --------------------------------------------------------------------------------------------
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value, tp, key: str):
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(key, f"expected one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"expected a number, got {value!r}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(key, f"expected a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp} at {key}")  # a schema bug, not a user error
+
+
+def _build(cls, raw, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix, f"expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            dotted = _join(prefix, str(key))
+            if dotted in RENAMED_KEYS:
+                raise ConfigError(dotted, f"was renamed to {RENAMED_KEYS[dotted]}; use that key instead")
+            known = ", ".join(sorted(fields))
+            raise ConfigError(dotted, f"unknown key (known keys here: {known})")
+    kwargs = {}
+    for name, f in fields.items():
+        key = _join(prefix, name)
+        if name in raw:
+            kwargs[name] = _coerce(raw[name], hints[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(key, "missing required key")
+    return cls(**kwargs)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+# --------------------------------------------------------------------------------------------
+# --set overrides
+# --------------------------------------------------------------------------------------------
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``key.sub=value`` strings (values parsed as YAML scalars) to a raw config mapping."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError("--set", f"expected key=value, got {item!r}")
+        dotted, text = item.split("=", 1)
+        dotted = dotted.strip()
+        if not dotted or any(not part for part in dotted.split(".")):
+            raise ConfigError("--set", f"expected key=value, got {item!r}")
+        value = _yaml_load(text, f"--set {dotted}") if text.strip() else None
+        node = raw
+        parts = dotted.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(".".join(parts[: i + 1]),
+                                  f"is {child!r}, not a section, so --set {dotted} cannot apply")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu: bool | None = None):
+    """Build and validate the config of ``command`` (train | sft | rm) from a raw mapping.
+
+    ``auto`` precision settings are then resolved for a GPU run when ``on_gpu`` (None: whether
+    this machine has one), see ``fastrlhf.precision``.
+    """
+    cls = SCHEMAS[command]
+    if raw is None:
+        raise ConfigError("", "the config is empty")
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"the config must be a mapping of keys, got {type(raw).__name__}")
+    if command == "train" and isinstance(raw.get("algorithm"), str) and raw.get("algorithm") == "ppo":
+        # An empty `critic:` section means "all defaults", which is how a PPO config says "use a value head".
+        if "critic" in raw and raw["critic"] is None:
+            raw = {**raw, "critic": {}}
+    config = _build(cls, raw, "")
+    validate(config, base_dir)
+    from fastrlhf.precision import gpu_available, resolve_precision
+
+    return resolve_precision(config, gpu_available() if on_gpu is None else on_gpu)
+
+
+def load_config(path: str, command: str = "train", overrides: list[str] | None = None, on_gpu: bool | None = None):
+    """Read a YAML run config, apply ``--set`` overrides, validate, resolve ``auto`` precision for a GPU
+    run when ``on_gpu`` (None: this machine). Raises ConfigError (one line)."""
+    if command not in SCHEMAS:
+        raise ConfigError("", f"unknown command {command!r}; expected one of {', '.join(SCHEMAS)}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
+    raw = _yaml_load(text, path)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{path}: the config must be a mapping of keys, got {type(raw).__name__}")
+    raw = apply_overrides(raw, list(overrides or []))
+    # Relative paths in a config mean "relative to the current directory", as on the command line.
+    return parse_config(raw, command, base_dir=".", on_gpu=on_gpu)
+
+
+def config_to_dict(config) -> dict:
+    """Plain-data form of a config (for logging it next to the run's outputs)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,228 @@
+"""The run configs of every command as frozen dataclasses: each setting, its type and its default, once.
+
+The RL step reads ``TrainConfig`` itself (no mirror of it), so a setting has one name and one default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "ModelConfig",
+    "ReferenceConfig",
+    "CriticConfig",
+    "RewardConfig",
+    "DataConfig",
+    "RolloutConfig",
+    "EvalConfig",
+    "LoopConfig",
+    "TrainerConfig",
+    "DeepSpeedConfig",
+    "TrainConfig",
+    "SFTDataConfig",
+    "SFTTrainerConfig",
+    "SFTConfig",
+    "RMDataConfig",
+    "RMConfig",
+    "SCHEMAS",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    # auto: bfloat16 on a GPU (with deepspeed.bf16: fp32 master weights), float32 on a CPU; see fastrlhf.precision
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    tf32: bool = True  # fp32 matmuls use TF32 on GPUs
+    lora_r: int = 0
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    gradient_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    path: str | None = None  # None: model.path (with LoRA: the actor with its adapter disabled)
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    path: str | None = None  # None: model.path with a fresh value head
+    lr: float = 1.0e-5
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    function: str | None = None  # registered name or "module:function"
+    model_path: str | None = None
+    model_kind: Literal["classifier", "value_head"] = "classifier"
+    label_index: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    prompts: str
+    prompt_field: str = "prompt_ids"
+    max_prompt_len: int = 256
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    sync_bucket_bytes: int = 268435456
+    kv_cache_bytes: int = 1073741824
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, else the actor's
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Validation during RL (``fastrlhf.rl.validation``): greedy completions of held-out prompts."""
+
+    prompts: str | None = None  # JSONL in the data.prompts format; null: no validation
+    every: int = 10  # steps between validations (the last step is always validated)
+    reward: str | None = None  # the validation score (e.g. exact match); null: reward.function
+    group_by: str | None = None  # a meta key: eval_reward/<value> for each of its values
+    stop_at: float | None = None  # end the run once eval_reward >= stop_at (checkpoint + export as usual)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The ``trainer`` settings every command shares: optimizer, loss chunking, checkpoints, logging.
+
+    A subclass adds its own settings after these, and overrides a field only where its default differs.
+    """
+
+    max_steps: int
+    grad_accum: int = 1
+    lr: float = 1.0e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    loss_chunk_size: int | None = None  # tokens per fused-loss chunk; null: from loss_chunk_bytes
+    loss_chunk_bytes: int | None = None  # fp32 logits per chunk; null: 64 MiB on CPU, 1 GiB on GPU (free-memory cap)
+    fused_loss: bool = True  # false: the same loss on materialised logits (for debugging)
+    save_every: int = 0
+    keep_checkpoints: int = 0  # 0 keeps all
+    max_skipped_steps: int = 3
+    log_every: int = 1
+    tensorboard: bool = False
+    wandb: bool = False
+
+
+@dataclass(frozen=True)
+class TrainerConfig(LoopConfig):
+    """``trainer`` of ``fastrlhf train`` (PPO, GRPO)."""
+
+    lr: float = 1.0e-6
+    prompts_per_step: int = 16
+    minibatch_size: int = 32
+    ppo_epochs: int = 1
+    policy_loss: str = "vanilla"  # a registered policy loss (fastrlhf.algorithms)
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.001
+    kl_kind: Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"] = "k3"  # verl's names accepted
+    kl_in_reward: bool = False
+    gamma: float = 1.0
+    lam: float = 0.95
+    vf_clip: float | None = 0.2
+    vf_coef: float = 0.5
+    whiten_advantages: bool = True
+    scale_by_std: bool = True
+    tis_cap: float | None = None
+    forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None: minibatch share
+    # auto: skip the old-logprob pass when the update is on-policy (one epoch, one minibatch, no TIS,
+    # KL not in the reward); recompute: always (also logs logprob_mismatch_* against the engine)
+    old_logprobs: Literal["auto", "recompute"] = "auto"
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    bf16: bool | Literal["auto"] = "auto"  # bf16 compute, fp32 master weights; auto: when model.dtype is bfloat16
+    pure_bf16: bool = False  # true: allow bf16 weights trained without fp32 master weights (refused otherwise)
+    extra: dict = field(default_factory=dict)  # merged verbatim into the generated DeepSpeed config
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    algorithm: Literal["grpo", "ppo"]
+    output_dir: str
+    model: ModelConfig
+    data: DataConfig
+    trainer: TrainerConfig
+    reward: RewardConfig
+    seed: int = 0
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    critic: CriticConfig | None = None
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.trainer.prompts_per_step * self.rollout.n
+
+
+@dataclass(frozen=True)
+class SFTDataConfig:
+    path: str
+    max_len: int = 512  # prompt + response tokens; longer examples are reported as bad lines
+    max_prompt_len: int | None = None
+
+
+@dataclass(frozen=True)
+class SFTTrainerConfig(LoopConfig):
+    """``trainer`` of ``fastrlhf sft`` and ``fastrlhf rm``."""
+
+    batch_size: int = 8  # global examples per optimizer step, split across ranks and grad_accum
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    output_dir: str
+    model: ModelConfig
+    data: SFTDataConfig
+    trainer: SFTTrainerConfig
+    seed: int = 0
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+
+
+@dataclass(frozen=True)
+class RMDataConfig:
+    path: str
+    max_len: int = 512
+
+
+@dataclass(frozen=True)
+class RMConfig:
+    output_dir: str
+    model: ModelConfig
+    data: RMDataConfig
+    trainer: SFTTrainerConfig
+    kind: Literal["pairwise", "classifier"] = "pairwise"
+    num_labels: int | None = None  # None: 1 for pairwise, 2 for classifier
+    seed: int = 0
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+
+    @property
+    def resolved_num_labels(self) -> int:
+        if self.num_labels is not None:
+            return self.num_labels
+        return 1 if self.kind == "pairwise" else 2
+
+
+SCHEMAS = {"train": TrainConfig, "sft": SFTConfig, "rm": RMConfig}
