@@ -39,7 +39,7 @@ def main(spec: dict) -> dict:
     # the reference's, told apart by the model each ``sequence_logprobs`` call is given.
     logprob_times: list[dict] = []
     original = step_module.sequence_logprobs
-    original_prepare = step_module.RLStep.prepare
+    original_prepare = step_module.RLStep.logprobs_and_values
     current: dict = {}
 
     def timed_sequence_logprobs(model, *args, **kwargs):
@@ -55,7 +55,7 @@ def main(spec: dict) -> dict:
         return out
 
     step_module.sequence_logprobs = timed_sequence_logprobs
-    step_module.RLStep.prepare = timed_prepare
+    step_module.RLStep.logprobs_and_values = timed_prepare
 
     engine_kind = {}
     original_build = trainer._build_rollout

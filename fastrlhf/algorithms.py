@@ -1,21 +1,47 @@
-"""Reference RL math: the one home of every formula the trainer and the kernels use.
-
-Plain PyTorch, importable with torch alone. Per-token tensors are ``[B, T]`` aligned on
-response tokens; ``mask`` is 1.0 where a token counts and 0.0 elsewhere. Names and semantics
-follow verl's ``core_algos`` so users can move between the two.
+"""Reference RL math: the one home of every formula the trainer and the kernels use. Plain
+PyTorch, importable with torch alone. Per-token tensors are ``[B, T]`` aligned on response tokens;
+``mask`` is 1.0 where a token counts and 0.0 elsewhere. Names follow verl's ``core_algos``.
 
 Masking is done with ``torch.where`` rather than multiplication so that whatever sits at a
 masked position (-inf logprobs of padding, NaN values) can never leak into a result.
+
+What differs between PPO and GRPO lives in two registries, verl-style:
+
+* :data:`ADV_ESTIMATORS` (``@register_adv_est``): ``gae`` (PPO, with a critic) and ``grpo``;
+  ``ADV_ESTIMATOR_OF[algorithm]`` says which one an algorithm uses.
+* :data:`POLICY_LOSSES` (``@register_policy_loss``): ``vanilla`` (clipped surrogate, clip-higher,
+  dual clip), ``cispo`` and ``gspo``; chosen by ``trainer.policy_loss``.
+
+Adding a loss is one registered function. ``token_level=True`` says each token's loss depends on
+that token alone; such a loss runs inside the token-chunked fused kernels
+(``fastrlhf.kernels.fused_linear_policy_loss``), which evaluate it on chunks of flattened tokens.
+A loss that needs a whole sequence (GSPO's sequence-level ratio) is registered with
+``token_level=False`` and trained through the fused logprob kernel plus autograd instead; neither
+path materialises the ``[tokens, vocab]`` logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from fastrlhf import comm
+
 __all__ = [
+    "ADV_ESTIMATORS",
+    "ADV_ESTIMATOR_OF",
     "AGG_MODES",
+    "POLICY_LOSSES",
+    "actor_loss_per_token",
+    "bradley_terry_loss",
+    "nll_loss",
+    "register_adv_est",
+    "register_policy_loss",
+    "truncated_is_weights",
+    "whiten_across_ranks",
     "KL_KINDS",
     "aggregate_loss",
     "aggregation_weights",
@@ -23,6 +49,7 @@ __all__ = [
     "clipped_surrogate",
     "compute_gae",
     "compute_grpo_advantages",
+    "get_policy_loss",
     "entropy_from_logits",
     "kl_penalty",
     "last_token_index",
@@ -342,14 +369,231 @@ def value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
-    clip: float = 0.2,
+    clip: float | None = 0.2,
     agg: str = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss ``0.5 * agg(max((v-R)^2, (old + clamp(v-old, -clip, clip) - R)^2))``."""
+    """Clipped value loss ``0.5 * agg(max((v-R)^2, (old + clamp(v-old, -clip, clip) - R)^2))``; None: unclipped."""
     check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
+    clip = math.inf if clip is None else clip
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     unclipped_sq = (values - returns).square()
     clipped_sq = (clipped_values - returns).square()
     loss_mat = torch.maximum(unclipped_sq, clipped_sq)
     metrics = {"vf_clipfrac": masked_mean((clipped_sq > unclipped_sq).to(loss_mat.dtype), mask).detach()}
     return 0.5 * aggregate_loss(loss_mat, mask, agg), metrics
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """Truncated importance weights ``min(exp(old - engine), cap)`` ``[B, T]``, 0 where masked.
+
+    The engine sampled from its own distribution (another precision, kernels, or stale weights);
+    the update treats the samples as the trainer's old policy's. Weighting each token's policy
+    term by this ratio, truncated at ``cap``, corrects the mismatch with bounded variance.
+    """
+    check_same_shape(old_logprobs=old_logprobs, engine_logprobs=engine_logprobs, mask=mask)
+    log_w = (old_logprobs - engine_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(_keep(mask), torch.exp(log_w).clamp(max=cap), 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Policy losses, by name
+# --------------------------------------------------------------------------------------------
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # see vanilla_policy_loss
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    fn: PolicyLossFn
+    token_level: bool  # True: fusable into the token-chunked kernels (a token's loss needs that token only)
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, *, token_level: bool = True):
+    """Decorator: make ``fn`` available as ``trainer.policy_loss: <name>``."""
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"a policy loss named {name!r} is already registered")
+        POLICY_LOSSES[name] = PolicyLoss(fn, token_level)
+        return fn
+
+    return decorator
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(sorted(POLICY_LOSSES))}")
+    return POLICY_LOSSES[name]
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None):
+    """PPO's clipped surrogate (clip-higher, optional dual clip), per token.
+
+    logprobs, old_logprobs, advantages, mask: ``[B, T]`` or flat ``[n]``; returns
+    ``(loss_mat, is_clipped)`` of the same shape (see :func:`clipped_surrogate`).
+    """
+    return clipped_surrogate(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip)
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None):
+    """CISPO (MiniMax-M1): ``-sg(clamp(r, 1-clip_low, 1+clip_high)) * A * logprob`` per token.
+
+    The importance weight is clipped and detached instead of the update, so every token keeps a
+    gradient (PPO's clipping zeroes it for clipped tokens). Shapes as :func:`vanilla_policy_loss`;
+    ``is_clipped`` marks tokens whose weight was clipped; ``dual_clip`` is not used.
+    """
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -advantages * weight * logprobs, weight != ratio
+
+
+@register_policy_loss("gspo", token_level=False)
+def gspo_policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=3e-4, clip_high=4e-4, dual_clip=None):
+    """GSPO-token: the clipped surrogate on each sequence's length-normalised ratio.
+
+    ``s_b = exp(mean_t(logprobs - old_logprobs))`` over row b's kept tokens; token t uses
+    ``sg(s_b) * exp(logprob_t - sg(logprob_t))`` (value ``s_b``, gradient ``s_b * grad logprob_t``).
+    ``[B, T]`` only (the ratio needs whole rows: not token-level, so not fused). Pair it with
+    ``trainer.agg: seq-mean-token-mean`` and small clips (GSPO's paper: 3e-4 / 4e-4).
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"gspo needs [B, T] logprobs (whole sequences), got shape {tuple(logprobs.shape)}")
+    seq_log_ratio = masked_mean(logprobs - old_logprobs, mask, dim=-1).detach()
+    log_ratio = (logprobs - logprobs.detach() + seq_log_ratio[:, None]).clamp(max=LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def actor_loss_per_token(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None = None,
+    *,
+    policy_loss: str = "vanilla",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The actor's per-token loss: ``policy term + kl_coef * KL(policy || ref) - entropy_coef * entropy``.
+
+    All tensors ``[B, T]`` (or flat ``[n]`` for token-level losses). Returns ``(loss_mat,
+    is_clipped, kl)``, ``kl`` None without ``ref_logprobs``; aggregate ``loss_mat`` with
+    :func:`aggregate_loss` (or its :func:`aggregation_weights`, as the fused kernels do).
+    """
+    loss_mat, is_clipped = get_policy_loss(policy_loss).fn(logprobs, old_logprobs, advantages, mask,
+                                                           clip_low=clip_low, clip_high=clip_high,
+                                                           dual_clip=dual_clip)
+    kl = kl_penalty(logprobs, ref_logprobs, kl_kind, mask) if ref_logprobs is not None else None
+    if kl_coef != 0.0:
+        if kl is None:
+            raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")
+        loss_mat = loss_mat + kl_coef * kl
+    if entropy_coef != 0.0:
+        loss_mat = loss_mat - entropy_coef * entropy
+    return loss_mat, is_clipped, kl
+
+
+# --------------------------------------------------------------------------------------------
+# Advantage estimators, by name
+# --------------------------------------------------------------------------------------------
+
+# fn(exp, trainer_config) -> (advantages [B, T], returns [B, T] or None); ``exp`` is the step's batch
+# (``fastrlhf.rl.experience.Experience``), read for the fields each estimator names.
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+# The estimator each algorithm uses (PPO's needs the critic's values).
+ADV_ESTIMATOR_OF = {"ppo": "gae", "grpo": "grpo"}
+
+
+def register_adv_est(name: str):
+    """Decorator: register an advantage estimator under ``name``."""
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"an advantage estimator named {name!r} is already registered")
+        ADV_ESTIMATORS[name] = fn
+        return fn
+
+    return decorator
+
+
+@register_adv_est("grpo")
+def grpo_token_advantages(exp, cfg) -> tuple[torch.Tensor, None]:
+    """GRPO: each completion's group-relative score on every one of its tokens; no critic, no returns.
+
+    Reads ``exp.scores [B]``, ``exp.group_ids [B]``, ``exp.response_mask [B, T]`` and
+    ``cfg.scale_by_std`` (false: Dr.GRPO). Groups never straddle ranks (each rank samples all n
+    completions of its prompts), so this needs no communication.
+    """
+    per_sequence = compute_grpo_advantages(exp.scores, exp.group_ids, scale_by_std=cfg.scale_by_std)
+    return (per_sequence[:, None] * exp.response_mask).detach(), None
+
+
+@register_adv_est("gae")
+def gae_advantages(exp, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO: token rewards (score at the last token, ``-kl_coef * KL(old || ref)`` on every token when
+    ``cfg.kl_in_reward``), then GAE over the critic's values; advantages whitened over the whole
+    batch, every rank's tokens together, when ``cfg.whiten_advantages`` (returns are not).
+
+    Reads ``exp.scores [B]``, ``exp.values``, ``exp.old_logprobs``, ``exp.ref_logprobs`` and
+    ``exp.response_mask`` (``[B, T]``); ``cfg.gamma``, ``cfg.lam``, ``cfg.kl_coef``, ``cfg.kl_kind``.
+    Returns ``(advantages, returns)`` ``[B, T]``.
+    """
+    mask = exp.response_mask
+    if cfg.kl_in_reward and cfg.kl_coef != 0.0:
+        token_rewards = shape_rewards(exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_coef, cfg.kl_kind)
+    else:
+        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        token_rewards = shape_rewards(exp.scores, zeros, zeros, mask, 0.0, "k1")
+    advantages, returns = compute_gae(token_rewards, exp.values, mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        advantages = whiten_across_ranks(advantages, mask)
+    return advantages.detach(), returns.detach()
+
+
+def whiten_across_ranks(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`masked_whiten` with the mean and variance of the global batch, not of this rank's share.
+
+    Per-rank statistics would make the update depend on how the batch was split. Two reductions
+    of two numbers each (sum and count, then the sum of squared deviations from the global mean:
+    the same two-pass variance as :func:`masked_var`), on the advantages' device; no host sync.
+    Fewer than two kept tokens in the whole batch: returned unchanged (no variance to divide by).
+    """
+    x = advantages.detach().double()
+    totals = comm.all_reduce_(torch.stack([masked_sum(x, mask), (mask > 0).sum().double()]))
+    count = totals[1]
+    mean = totals[0] / count.clamp(min=1)
+    squares = comm.all_reduce_(masked_sum((x - mean).square(), mask).reshape(1))[0]
+    var = squares / (count - 1).clamp(min=1)
+    whitened = whiten_with_stats(advantages, mask, mean.to(advantages.dtype), var.to(advantages.dtype))
+    return torch.where(count >= 2, whitened, advantages)
+
+
+# --------------------------------------------------------------------------------------------
+# Supervised stages
+# --------------------------------------------------------------------------------------------
+
+
+def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SFT: mean negative log-likelihood of the kept tokens (``[B, T]`` logprobs and mask); 0 if none."""
+    return -masked_mean(logprobs, mask)
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Pairwise reward-model loss ``mean(-logsigmoid(r_chosen - r_rejected))`` over ``[B]`` rewards."""
+    check_same_shape(chosen=chosen, rejected=rejected)
+    return -torch.nn.functional.logsigmoid(chosen - rejected).mean()

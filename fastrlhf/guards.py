@@ -1,85 +1,81 @@
-"""NaN/inf step guard: a bad step is skipped (no optimizer update), counted and logged.
+"""NaN/inf step guard: one object decides, the same way on every rank, that a step's update is bad.
 
-Usage in a training step (DeepSpeed engine built with ``build_train_engine(..., guard=guard)``)::
+The protocol, shared by the RL step and the supervised (SFT, RM) loop::
 
-    guard.check_loss(loss)            # before backward, once per micro-batch
-    engine.backward(loss)
-    engine.step()                     # GuardedAdamW skips the update if loss or any grad is non-finite
-    skipped = guard.end_step(step)    # raises TooManySkippedSteps after max_skipped_steps in a row
+    guard.inputs_ok(*tensors)    # RL, before the update: anything non-finite it would consume skips the step
+    guard.loss_ok(loss)          # each micro-batch, before backward
+    optimizer.step()             # GuardedAdamW (or TorchLearner) asks guard.should_skip(grads_finite)
+    skipped = guard.end_step()   # closes the step: counted, reported in the metrics
+    guard.check_budget(step)     # the loop, after logging: raises TooManySkippedSteps after too many
 
-The decision is taken inside the optimizer because that is the one place that sees the final
-(reduced, clipped, possibly partitioned) gradients under every ZeRO stage; all ranks agree on it.
+Every question is answered for all ranks together (one tiny collective), so ranks never take
+different branches. The final decision is taken inside the optimizer because that is the one place
+that sees the reduced, clipped, possibly partitioned gradients under every ZeRO stage: a skipped
+update leaves parameters and optimizer moments untouched and drops the gradients.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-__all__ = ["StepGuard", "GuardedAdamW", "TooManySkippedSteps", "is_finite"]
+from fastrlhf import comm
+
+__all__ = ["StepGuard", "GuardedAdamW", "TooManySkippedSteps", "all_finite"]
 
 
 class TooManySkippedSteps(RuntimeError):
-    #: The metrics of the step that gave up, set by the step that raised it (the loop logs them).
-    metrics: dict | None = None
+    pass
 
 
-def is_finite(value) -> bool:
-    if value is None:
-        return True
-    if isinstance(value, torch.Tensor):
-        return bool(torch.isfinite(value.detach()).all())
-    return math.isfinite(float(value))
+def all_finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on the tensors' device: no host read, so no stall on a GPU."""
+    return torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all()
 
 
 class StepGuard:
-    """Counts skipped steps; ``max_skipped_in_row`` consecutive ones stop the run."""
+    """Skips bad updates and counts them; ``max_skipped_in_row`` consecutive skipped steps stop the run."""
 
     def __init__(self, max_skipped_in_row: int = 3):
         self.max_skipped_in_row = max_skipped_in_row
         self.skipped_total = 0
         self.skipped_in_row = 0
-        self._bad_loss = False
-        self._skipped_this_step = False
+        self.update_skipped = False  # this step's update is (being) skipped, on every rank
 
-    def check_loss(self, loss) -> bool:
-        """Note a micro-batch loss; a non-finite one makes this step's update be skipped."""
-        ok = is_finite(loss)
-        if not ok:
-            self._bad_loss = True
+    def inputs_ok(self, *tensors: torch.Tensor) -> bool:
+        """Whether every tensor is finite on every rank; if not, this step's update is skipped."""
+        ok = comm.all_ranks_true(all_finite(*tensors))
+        self.update_skipped |= not ok
         return ok
 
+    def loss_ok(self, loss: torch.Tensor) -> bool:
+        """Whether this micro-batch's loss is finite on every rank; if not, the optimizer step that
+        closes the minibatch drops its gradients (backward and step still run, so DeepSpeed's
+        accumulation counters and ZeRO's reductions stay in step on every rank)."""
+        return self.inputs_ok(loss)
+
     def should_skip(self, grads_finite) -> bool:
-        """Called by the optimizer with the local finiteness of its grads (a bool, or a 0-dim tensor on
-        the grads' device); the answer is the same on all ranks."""
-        from fastrlhf.comm import all_ranks_true
+        """The optimizer's question at a step boundary (``grads_finite``: a bool or a 0-dim tensor)."""
+        skip = not comm.all_ranks_true(grads_finite) or self.update_skipped
+        self.update_skipped = skip
+        return skip
 
-        ok = all_ranks_true(False if self._bad_loss else grads_finite)
-        if not ok:
-            self._skipped_this_step = True
-        return not ok
-
-    def mark_skipped(self) -> None:
-        """Skip this step's update without an optimizer call (e.g. a non-finite loss seen on every rank)."""
-        self._skipped_this_step = True
-
-    def end_step(self, step: int) -> bool:
+    def end_step(self) -> bool:
         """Close a training step; returns True if its update was skipped."""
-        skipped = self._skipped_this_step or self._bad_loss
-        self._bad_loss = self._skipped_this_step = False
+        skipped, self.update_skipped = self.update_skipped, False
         if skipped:
             self.skipped_total += 1
             self.skipped_in_row += 1
-            if self.skipped_in_row >= self.max_skipped_in_row:
-                raise TooManySkippedSteps(
-                    f"stopping at step {step}: {self.skipped_in_row} steps in a row had a non-finite loss or "
-                    f"gradient (trainer.max_skipped_steps = {self.max_skipped_in_row}); lower trainer.lr or "
-                    "check the data"
-                )
         else:
             self.skipped_in_row = 0
         return skipped
+
+    def check_budget(self, step: int, reason: str = "non-finite loss or gradient") -> None:
+        """Raise :class:`TooManySkippedSteps` once ``max_skipped_in_row`` steps in a row were skipped."""
+        if self.skipped_in_row >= self.max_skipped_in_row:
+            raise TooManySkippedSteps(
+                f"stopping at step {step}: {self.skipped_in_row} steps in a row had a {reason} "
+                f"(trainer.max_skipped_steps = {self.max_skipped_in_row}); lower trainer.lr or check the data"
+            )
 
     def state_dict(self) -> dict:
         return {"skipped_total": self.skipped_total, "skipped_in_row": self.skipped_in_row}
@@ -87,6 +83,12 @@ class StepGuard:
     def load_state_dict(self, state: dict) -> None:
         self.skipped_total = state["skipped_total"]
         self.skipped_in_row = state["skipped_in_row"]
+
+
+def grads_finite(params) -> torch.Tensor | bool:
+    """One device-side flag for all gradients: one host read per step, not one per parameter."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return all_finite(*grads) if grads else True
 
 
 class GuardedAdamW(torch.optim.AdamW):
@@ -103,16 +105,12 @@ class GuardedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
         if self.max_grad_norm is not None:
-            with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            with_grad = [p for p in params if p.grad is not None]
             self._global_grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm))
-        if self.guard is not None:
-            # One device-side flag for all gradients: one host read per step, not one per parameter.
-            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else True
-            if self.guard.should_skip(finite):
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        p.grad = None
-                return None
+        if self.guard is not None and self.guard.should_skip(grads_finite(params)):
+            for p in params:
+                p.grad = None
+            return None
         return super().step(closure)

@@ -48,11 +48,12 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
               skip_reason: str, export_engine, after_loop: Callable[[], None] | None = None) -> dict:
     """Steps ``start_step + 1 .. trainer.max_steps``; returns the last step's metrics.
 
-    ``step_fn(step)`` returns the step's metrics with ``skipped`` set, and ``stop`` true to end the run
-    after that step (every rank alike: the RL trainer sets it from reduced validation metrics); it may
-    raise :class:`TooManySkippedSteps` with the step's metrics in its ``metrics`` to have them logged.
-    ``after_loop`` runs once the loop ends, however it ends, before the final checkpoint (the RL
-    trainer frees its rollout engine there).
+    ``step_fn(step)`` returns the step's metrics with ``skipped`` set (from ``guard.end_step()``), and
+    ``stop`` true to end the run after that step (every rank alike: the RL trainer sets it from reduced
+    validation metrics). Once the guard's budget of skipped steps in a row is spent, the step is
+    logged, a checkpoint is written and :class:`TooManySkippedSteps` propagates. ``after_loop`` runs
+    once the loop ends, however it ends, before the final checkpoint (the RL trainer frees its
+    rollout engine there).
     """
     t = config.trainer
     if D.is_main():
@@ -61,18 +62,14 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
     step = start_step
     try:
         for step in range(start_step + 1, t.max_steps + 1):
-            try:
-                metrics = step_fn(step)
-            except TooManySkippedSteps as exc:
-                if exc.metrics:
-                    logger.log(step, exc.metrics)
-                raise
+            metrics = step_fn(step)
             stop = bool(metrics.pop("stop", False))
-            if step % t.log_every == 0 or step == t.max_steps or stop:
+            if step % t.log_every == 0 or step == t.max_steps or stop or metrics["skipped"]:
                 logger.log(step, metrics)
             if metrics["skipped"]:
                 logger.message(f"step {step}: {skip_reason}, update skipped "
                                f"({guard.skipped_in_row} in a row, {guard.skipped_total} in all)")
+            guard.check_budget(step, skip_reason)
             if stop:
                 logger.message(f"step {step}: stopping early, the validation target is reached")
                 break

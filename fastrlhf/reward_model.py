@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastrlhf import distributed as D
+from fastrlhf.algorithms import bradley_terry_loss
 from fastrlhf.config import RMConfig
 from fastrlhf.data import load_classification_examples, load_pairwise_examples
 from fastrlhf.modeling import base_model, load_sequence_classifier, vocab_size
@@ -39,7 +40,7 @@ def pairwise_loss(engine, pairs, pad_id: int):
     sequences = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
     rewards = scores(engine, sequences, pad_id)[:, 0]
     chosen, rejected = rewards[: len(pairs)], rewards[len(pairs):]
-    loss = -F.logsigmoid(chosen - rejected).mean()
+    loss = bradley_terry_loss(chosen, rejected)
     return loss, {"accuracy": (chosen > rejected).float().mean().item(),
                   "margin": (chosen - rejected).mean().item()}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fastrlhf import distributed as D
+from fastrlhf.algorithms import logprobs_from_logits, nll_loss
 from fastrlhf.config import SFTConfig
 from fastrlhf.data import SFTExample, load_sft_examples
 from fastrlhf.modeling import base_model, load_causal_lm, vocab_size
@@ -45,15 +46,12 @@ def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=No
         logprobs, _ = fused_linear_logprob_entropy(hidden[:, :-1], head.weight, labels, bias=head.bias,
                                                    chunk_size=chunk_size, chunk_bytes=chunk_bytes)
         return logprobs
-    logits = engine(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return logprobs_from_logits(engine(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1], labels)
 
 
 def sft_loss(engine, batch: dict, use_fused: bool = True, chunk_size=None, chunk_bytes=None) -> torch.Tensor:
     """Mean negative log-likelihood over response tokens (prompt and padding masked out)."""
-    logprobs = response_logprobs(engine, batch, use_fused, chunk_size, chunk_bytes)
-    mask = batch["loss_mask"][:, 1:]
-    return -(logprobs * mask).sum() / mask.sum().clamp(min=1.0)
+    return nll_loss(response_logprobs(engine, batch, use_fused, chunk_size, chunk_bytes), batch["loss_mask"][:, 1:])
 
 
 def run(config: SFTConfig, resume: bool = False) -> dict:
@@ -64,7 +62,7 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
     model = load_causal_lm(config.model, zero3_config=engine_config(config))
     pad_id = base_model(model).config.pad_token_id
     pad_id = 0 if pad_id is None else pad_id
-    use_fused = config.trainer.use_fused_loss and config.deepspeed.zero_stage != 3
+    use_fused = config.trainer.fused_loss and config.deepspeed.zero_stage != 3
 
     def loss_fn(engine, micro_batch):
         batch = collate_sft(micro_batch, pad_id)

@@ -15,10 +15,10 @@ import torch
 
 from fastrlhf import comm
 from fastrlhf import distributed as D
-from fastrlhf.config import ConfigError, config_to_dict
+from fastrlhf.config import check_world_size, config_to_dict
 from fastrlhf.data import EpochSampler, shard
 from fastrlhf.distributed import build_train_engine
-from fastrlhf.guards import StepGuard, TooManySkippedSteps
+from fastrlhf.guards import StepGuard
 from fastrlhf.loop import resume_step, run_steps
 from fastrlhf.metrics import MetricsLogger
 from fastrlhf.precision import apply_matmul_precision
@@ -46,9 +46,7 @@ def seed_everything(seed: int) -> None:
 def micro_batch_size(config) -> int:
     """Examples per rank per micro-step; the global batch must split evenly over ranks x grad_accum."""
     t, world = config.trainer, D.world_size()
-    if t.batch_size % (world * t.grad_accum):
-        raise ConfigError("trainer.batch_size", f"{t.batch_size} does not split over {world} ranks x "
-                          f"trainer.grad_accum {t.grad_accum}")
+    check_world_size(config, world)
     return t.batch_size // (world * t.grad_accum)
 
 
@@ -84,24 +82,18 @@ def run_supervised(config, task: Task, resume: bool = False) -> dict:
         sums: dict = {}
         for i in range(0, len(local), micro):
             loss, stats = task.loss_fn(engine, [task.examples[j] for j in local[i:i + micro]])
-            guard.check_loss(loss)
+            guard.loss_ok(loss)  # a bad loss on any rank: the optimizer drops this step's gradients
             engine.backward(loss)
             engine.step()
             for key, value in {"loss": loss.item(), **stats}.items():
                 sums[key] = sums.get(key, 0.0) + value / t.grad_accum
-        try:
-            skipped, stop = guard.end_step(step), None
-        except TooManySkippedSteps as exc:
-            skipped, stop = True, exc
+        skipped = guard.end_step()
         metrics = comm.mean_over_ranks(sums)
         grad_norm = engine.get_global_grad_norm()
         metrics.update(lr=engine.get_lr()[0], skipped=int(skipped), skipped_total=guard.skipped_total,
                        step_time_s=time.perf_counter() - started)
         if grad_norm is not None and not skipped:
             metrics["grad_norm"] = float(grad_norm)
-        if stop is not None:
-            stop.metrics = metrics  # logged by the loop before it stops
-            raise stop
         return metrics
 
     return run_steps(config, one_step, start_step=start_step, stateful=stateful, logger=logger, guard=guard,

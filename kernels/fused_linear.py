@@ -470,12 +470,14 @@ def fused_linear_policy_loss(
     backend: str = "auto",
     *,
     chunk_bytes: int | None = None,
+    policy_loss: str = "vanilla",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped policy loss (+ KL penalty, - entropy bonus) from hidden states and the LM head.
+    """The actor's loss (a registered token-level policy loss + KL penalty - entropy bonus) from hidden
+    states and the LM head.
 
     Equal to :func:`fastrlhf.kernels.fused_policy_loss` of ``logits = hidden @ weight.T + bias``
-    (itself ``policy_loss + kl_coef * agg(kl_penalty) - entropy_coef * agg(entropy)`` of
-    ``fastrlhf.algorithms``), without ever holding those logits: hidden ``[N, H]`` or ``[B, T, H]``,
+    (itself ``aggregate_loss(actor_loss_per_token(...))`` of ``fastrlhf.algorithms``), without ever
+    holding those logits: hidden ``[N, H]`` or ``[B, T, H]``,
     weight ``[V, H]``, bias ``[V]`` or None; labels, old_logprobs, advantages, mask and ref_logprobs
     all of labels' shape (``[B, T]`` for the ``seq-mean-*`` aggregations). Returns the fp32 scalar loss,
     differentiable in hidden, weight and bias, and detached metrics ``clipfrac``, ``approx_kl``,
@@ -508,7 +510,7 @@ def fused_linear_policy_loss(
         loss = (flat_hidden.sum() * 0 + weight.sum() * 0).float() if torch.is_grad_enabled() else zero
         return loss, finalize_metrics({k: zero for k in metric_keys})
     loss_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                       kl_kind=kl_kind, entropy_coef=entropy_coef)
+                       kl_kind=kl_kind, entropy_coef=entropy_coef, policy_loss=policy_loss)
     loss, *sums = _FusedLinearPolicyLoss.apply(
         flat_hidden, weight, bias, flat_labels, flat["old_logprobs"], flat["advantages"], weights,
         flat["ref_logprobs"], loss_kwargs, float(temperature), chunk_size, backend, torch.is_grad_enabled(),

@@ -5,7 +5,7 @@ The loss is evaluated on per-token vectors by :func:`policy_loss_from_token_stat
 token's logprob and entropy; the per-token math therefore has one home. Around it, no [N, V]
 tensor is created besides the gradient:
 
-* Triton backend: forward runs the per-row statistics kernel of ``logprob_entropy.py``; backward
+* Triton backend: forward runs the per-row statistics kernel of ``logprob_entropy_triton.py``; backward
   is one pass of its dlogits kernel, with the per-token gradients scaled by ``grad_output``.
 * torch backend (CPU): a row chunk's softmax is still in cache when its tokens' gradients become
   known, so forward writes that chunk's dlogits at once (the logits are read once, nothing is
@@ -19,13 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from fastrlhf.algorithms import (
-    aggregation_weights,
-    check_same_shape,
-    clipped_surrogate,
-    kl_penalty,
-    masked_sum,
-)
+from fastrlhf.algorithms import actor_loss_per_token, aggregation_weights, check_same_shape, get_policy_loss, masked_sum
 
 from ._backend import on_cpu, resolve_backend
 from .logprob_entropy import (
@@ -65,6 +59,7 @@ def policy_loss_from_token_stats(
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
     entropy_coef: float = 0.0,
+    policy_loss: str = "vanilla",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of a chunk of tokens and its gradient in each token's logprob and entropy.
 
@@ -72,7 +67,7 @@ def policy_loss_from_token_stats(
     (``fastrlhf.algorithms.aggregation_weights``), 0 where a token is masked. Returns
     ``(loss, grad_logprobs, grad_entropy, metric_sums)`` with
 
-        loss = sum(weights * (clipped_surrogate + kl_coef * kl_penalty - entropy_coef * entropy))
+        loss = sum(weights * actor_loss_per_token(...))     (fastrlhf.algorithms: policy term + KL - entropy)
 
     (fp32 scalar, detached) and fp32 ``[n]`` gradients that are exactly 0 at masked tokens whatever
     their inputs hold (-inf, NaN). ``old_logprobs=None`` is the on-policy update: old = the
@@ -91,6 +86,8 @@ def policy_loss_from_token_stats(
     check_same_shape(**tensors)
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")
+    if not get_policy_loss(policy_loss).token_level:
+        raise ValueError(f"policy loss {policy_loss!r} needs whole sequences; the token-chunked kernel cannot fuse it")
 
     weights = weights.detach().float()
     keep = weights > 0
@@ -108,12 +105,9 @@ def policy_loss_from_token_stats(
     ref = kept(ref_logprobs) if ref_logprobs is not None else None
 
     with torch.enable_grad():
-        loss_mat, is_clipped = clipped_surrogate(lp, old, adv, clip_low, clip_high, dual_clip)
-        kl = kl_penalty(lp, ref, kl_kind) if ref is not None else None
-        if kl_coef != 0.0:
-            loss_mat = loss_mat + kl_coef * kl
-        if entropy_coef != 0.0:
-            loss_mat = loss_mat - entropy_coef * ent
+        loss_mat, is_clipped, kl = actor_loss_per_token(lp, ent, old, adv, keep, ref, policy_loss=policy_loss,
+                                                        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                                                        kl_coef=kl_coef, kl_kind=kl_kind, entropy_coef=entropy_coef)
         loss = masked_sum(loss_mat * weights, keep)
         grad_lp, grad_ent = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
 
@@ -202,10 +196,10 @@ class FusedPolicyLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, old_logprobs, advantages, weights, ref_logprobs, clip_low, clip_high,
-                dual_clip, kl_coef, kl_kind, entropy_coef, temperature, backend, need_grad):
-        loss_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                           kl_kind=kl_kind, entropy_coef=entropy_coef)
+    def forward(ctx, logits, labels, old_logprobs, advantages, weights, ref_logprobs, loss_kwargs, temperature,
+                backend, need_grad):
+        """``loss_kwargs``: the keyword arguments of :func:`policy_loss_from_token_stats` (clips, KL, entropy,
+        policy_loss name)."""
         ctx.backend = backend
         _check_labels_in_range(labels, logits.shape[-1])  # once, not per block or chunk
         blocks = row_blocks(logits, labels)
@@ -231,7 +225,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
             )
             ctx.save_for_backward(logits, labels, lse, entropy, grad_lp, grad_ent)
             ctx.temperature = temperature
-            ctx.has_entropy_grad = entropy_coef != 0.0
+            ctx.has_entropy_grad = loss_kwargs["entropy_coef"] != 0.0
         sums = tuple(metric_sums[k] for k in METRIC_SUM_KEYS)
         ctx.mark_non_differentiable(*sums)
         return (loss,) + sums
@@ -249,14 +243,14 @@ class FusedPolicyLossFunction(torch.autograd.Function):
             # The loss is usually backpropagated with grad_output == 1, which the CPU checks for free.
             if not on_cpu(grad_output) or grad_output.item() != 1.0:
                 dlogits.mul_(grad_output.to(dlogits.dtype))
-            return (dlogits,) + (None,) * 14
+            return (dlogits,) + (None,) * 9
         logits, labels, lse, entropy, grad_lp, grad_ent = ctx.saved_tensors
         scale = grad_output.float()
         dlogits = blockwise_grad(
             logits, row_blocks(logits, labels), lse, entropy, grad_lp * scale,
             grad_ent * scale if ctx.has_entropy_grad else None, ctx.temperature, ctx.backend,
         )
-        return (dlogits,) + (None,) * 14
+        return (dlogits,) + (None,) * 9
 
 
 def fused_policy_loss(
@@ -275,13 +269,14 @@ def fused_policy_loss(
     temperature: float = 1.0,
     agg: str = "token-mean",
     backend: str = "auto",
+    policy_loss: str = "vanilla",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped policy loss (+ KL penalty, - entropy bonus) straight from logits; ``(loss, metrics)``.
+    """The actor's loss (a registered token-level policy loss + KL penalty - entropy bonus) straight from
+    logits; ``(loss, metrics)``.
 
-    Equal to ``policy_loss(lp, old_logprobs, advantages, mask, ...)[0]
-    + kl_coef * aggregate_loss(kl_penalty(lp, ref_logprobs, kl_kind), mask, agg)
-    - entropy_coef * aggregate_loss(entropy, mask, agg)`` of ``fastrlhf.algorithms``, with lp and
-    entropy those of softmax(logits / temperature). logits ``[N, V]`` or ``[B, T, V]`` (a strided
+    Equal to ``aggregate_loss(actor_loss_per_token(lp, entropy, old_logprobs, advantages, mask,
+    ref_logprobs, ...)[0], mask, agg)`` of ``fastrlhf.algorithms``, with lp and entropy those of
+    softmax(logits / temperature). logits ``[N, V]`` or ``[B, T, V]`` (a strided
     slice such as ``logits[:, :-1]`` is read in place); every
     per-token tensor has labels' shape. Only ``logits`` receives a gradient (the others are data).
     Metrics ``clipfrac``, ``approx_kl``, ``entropy``, ``kl`` are detached masked means (``kl`` is 0
@@ -299,9 +294,11 @@ def fused_policy_loss(
     def flat(t):
         return t.detach().reshape(-1) if t is not None else None
 
+    loss_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_kind=kl_kind,
+                       entropy_coef=entropy_coef, policy_loss=policy_loss)
     loss, *sums = FusedPolicyLossFunction.apply(
-        logits, labels, flat(old_logprobs), flat(advantages), weights, flat(ref_logprobs),
-        clip_low, clip_high, dual_clip, kl_coef, kl_kind, entropy_coef, temperature, backend,
+        logits, labels, flat(old_logprobs), flat(advantages), weights, flat(ref_logprobs), loss_kwargs,
+        temperature, backend,
         # Decided here: inside forward grad mode is always off, and needs_input_grad ignores no_grad().
         torch.is_grad_enabled() and logits.requires_grad,
     )

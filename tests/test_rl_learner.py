@@ -6,7 +6,7 @@ import torch
 
 from fastrlhf import distributed as D
 from fastrlhf.config import DeepSpeedConfig
-from fastrlhf.rl.learner import as_learner
+from fastrlhf.rl.update import as_learner
 
 
 def test_stage0_engine_reports_the_preclip_grad_norm():

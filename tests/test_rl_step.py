@@ -8,7 +8,9 @@ updated parameter must agree.
 """
 
 import copy
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,10 +29,18 @@ from fastrlhf.algorithms import (
     shape_rewards,
     value_loss,
 )
+from fastrlhf.config import (
+    CriticConfig,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+    TrainerConfig,
+)
 from fastrlhf.models import make_tiny_llama
 from fastrlhf.rl.experience import build_experience
-from fastrlhf.rl.hparams import RLHParams
-from fastrlhf.rl.step import RLStep
+from fastrlhf.rl.step import RLStep, skips_old_logprobs
 from fastrlhf.rollout import Completion
 
 PAD = 2
@@ -90,7 +100,8 @@ class FixedScorer:
 # ----------------------------------------------------------------------------------------------
 
 
-def hand_written_step(hp, actor, ref, opt, completions, scores, step, critic=None, critic_opt=None):
+def hand_written_step(config, actor, ref, opt, completions, scores, step, critic=None, critic_opt=None):
+    hp = flat(config)
     rows = [(i, p, c) for i, p in enumerate(PROMPTS) for c in completions[i]]
     B = len(rows)
     P = max(len(p) for _, p, _ in rows)
@@ -184,20 +195,33 @@ def assert_same_params(a, b, atol=2e-5):
 
 
 def changed(a, b):
-    return max(float((pa - pb).abs().max()) for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
+    return max(float((pa - pb).detach().abs().max()) for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
 
 
-GRPO = dict(algorithm="grpo", n=N, temperature=0.8, minibatch_size=6, grad_accum=2, ppo_epochs=2, lr_=0,
-            clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean", entropy_coef=0.01, kl_coef=0.1, kl_kind="k3",
-            tis_cap=1.5, max_grad_norm=0.5)
-PPO = dict(algorithm="ppo", n=N, temperature=1.0, minibatch_size=4, grad_accum=2, ppo_epochs=2, dual_clip=3.0,
-           agg="token-mean", kl_coef=0.05, kl_kind="k1", kl_in_reward=True, gamma=0.99, lam=0.9, vf_clip=0.2,
-           vf_coef=0.5, max_grad_norm=1.0)
+GRPO = dict(algorithm="grpo", n=N, prompts_per_step=3, temperature=0.8, minibatch_size=6, grad_accum=2,
+            ppo_epochs=2, lr_=0, clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean", entropy_coef=0.01,
+            kl_coef=0.1, kl_kind="k3", tis_cap=1.5, max_grad_norm=0.5)
+PPO = dict(algorithm="ppo", n=N, prompts_per_step=3, temperature=1.0, minibatch_size=4, grad_accum=2, ppo_epochs=2,
+           dual_clip=3.0, agg="token-mean", kl_coef=0.05, kl_kind="k1", kl_in_reward=True, gamma=0.99, lam=0.9,
+           vf_clip=0.2, vf_coef=0.5, max_grad_norm=1.0)
 
 
-def make_hp(spec, **over):
-    spec = {k: v for k, v in {**spec, **over}.items() if k != "lr_"}
-    return RLHParams(**spec)
+def make_config(spec=None, **over) -> TrainConfig:
+    """A run config (RLStep's one input) from flat rollout/trainer keys; paths are never read here."""
+    keys = {k: v for k, v in {**(spec or {}), **over}.items() if k != "lr_"}
+    top = {k: keys.pop(k) for k in ("algorithm", "seed") if k in keys}
+    top.setdefault("algorithm", "grpo")
+    rollout_names = {f.name for f in dataclasses.fields(RolloutConfig)}
+    rollout = RolloutConfig(**{k: keys.pop(k) for k in list(keys) if k in rollout_names})
+    return TrainConfig(output_dir="unused", model=ModelConfig(path="unused"), data=DataConfig(prompts="unused"),
+                       trainer=TrainerConfig(**{"max_steps": 10, **keys}), reward=RewardConfig(function="target_token"),
+                       rollout=rollout, critic=CriticConfig() if top["algorithm"] == "ppo" else None, **top)
+
+
+def flat(config: TrainConfig) -> SimpleNamespace:
+    """The hand-written step reads every setting by its bare name."""
+    return SimpleNamespace(**vars(config.rollout), **vars(config.trainer), algorithm=config.algorithm,
+                           seed=config.seed)
 
 
 @pytest.mark.parametrize("case", ["grpo", "grpo-drgrpo-tokensum", "grpo-unfused", "ppo", "grpo-on-policy",
@@ -205,21 +229,21 @@ def make_hp(spec, **over):
 def test_step_matches_hand_written_unfused_step(case, monkeypatch):
     torch.manual_seed(0)
     if case == "grpo":
-        hp = make_hp(GRPO)
+        hp = make_config(GRPO)
     elif case.startswith("grpo-on-policy"):
         # One optimizer step per batch, no TIS: the step skips the old-logprob pass (the hand-written
         # step still recomputes them), so this proves the shortcut changes nothing but the cost.
-        hp = make_hp(GRPO, ppo_epochs=1, minibatch_size=12, grad_accum=3, tis_cap=None,
+        hp = make_config(GRPO, ppo_epochs=1, minibatch_size=12, grad_accum=3, tis_cap=None,
                      fused_loss=case == "grpo-on-policy")
     elif case == "grpo-drgrpo-tokensum":
-        hp = make_hp(GRPO, scale_by_std=False, agg="seq-mean-token-sum-norm", tis_cap=None, grad_accum=3,
+        hp = make_config(GRPO, scale_by_std=False, agg="seq-mean-token-sum-norm", tis_cap=None, grad_accum=3,
                      minibatch_size=12, loss_chunk_size=5)
     elif case == "grpo-unfused":
-        hp = make_hp(GRPO, fused_loss=False, entropy_coef=0.05)
+        hp = make_config(GRPO, fused_loss=False, entropy_coef=0.05)
     else:
-        hp = make_hp(PPO)
+        hp = make_config(PPO)
     actor, ref = tiny_actor(), tiny_actor(seed=1).eval()  # a reference that differs: KL > 0
-    completions = fixed_completions(actor, hp.temperature)
+    completions = fixed_completions(actor, hp.rollout.temperature)
     actor_ref_copy = copy.deepcopy(actor)
     lr = 5e-3
     opt = torch.optim.AdamW(actor.parameters(), lr=lr, weight_decay=0.01)
@@ -240,13 +264,13 @@ def test_step_matches_hand_written_unfused_step(case, monkeypatch):
                         or original(model, *a, **k))
     metrics = rl(PROMPTS, None, step=3, completions=completions)
     monkeypatch.undo()
-    on_policy = hp.skips_old_logprobs(12)
+    on_policy = skips_old_logprobs(hp)
     assert on_policy == case.startswith("grpo-on-policy")
     assert forward_passes == ([ref] if on_policy else [actor, ref])
     expected = hand_written_step(hp, actor_ref_copy, ref, opt_h, completions, SCORES, 3, critic_h, copt_h)
 
     assert metrics["skipped"] == 0.0
-    assert metrics["optimizer_steps"] == hp.ppo_epochs * 12 // hp.minibatch_size
+    assert metrics["optimizer_steps"] == hp.trainer.ppo_epochs * 12 // hp.trainer.minibatch_size
     assert math.isclose(metrics["policy_loss"], expected["policy_loss"], rel_tol=1e-4, abs_tol=1e-6)
     assert changed(before, actor) > 1e-3  # the step really moved the weights
     assert_same_params(actor, actor_ref_copy)
@@ -271,12 +295,12 @@ def test_step_matches_hand_written_unfused_step(case, monkeypatch):
 def test_gradient_checkpointing_changes_memory_not_the_update(case):
     # model.gradient_checkpointing (non-reentrant) on the actor and critic: the RL step's loss and
     # updated weights must equal those of the same step without it.
-    hp = make_hp(GRPO) if case == "grpo" else make_hp(PPO)
+    hp = make_config(GRPO) if case == "grpo" else make_config(PPO)
     results = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
         actor, ref = tiny_actor(), tiny_actor().eval()
-        completions = fixed_completions(actor, hp.temperature)
+        completions = fixed_completions(actor, hp.rollout.temperature)
         critic = tiny_critic() if case == "ppo" else None
         if checkpointing:
             for model in (actor, critic.lm if critic is not None else None):
@@ -312,10 +336,10 @@ def _guarded_step(hp):
 
 
 def test_nan_reward_skips_step_and_keeps_parameters():
-    hp = make_hp(GRPO)
+    hp = make_config(GRPO)
     rl, actor, opt = _guarded_step(hp)
     before = copy.deepcopy(actor)
-    completions = fixed_completions(actor, hp.temperature)
+    completions = fixed_completions(actor, hp.rollout.temperature)
     bad = SCORES.clone()
     bad[4] = float("nan")
     rl.scorer = FixedScorer(bad)
@@ -332,10 +356,10 @@ def test_nan_reward_skips_step_and_keeps_parameters():
 def test_nan_loss_skips_update_and_keeps_parameters(monkeypatch):
     import fastrlhf.rl.step as step_module
 
-    hp = make_hp(GRPO)
+    hp = make_config(GRPO)
     rl, actor, opt = _guarded_step(hp)
     before = copy.deepcopy(actor)
-    completions = fixed_completions(actor, hp.temperature)
+    completions = fixed_completions(actor, hp.rollout.temperature)
     real = step_module.policy_loss_from_model
 
     def poisoned(*args, **kwargs):
@@ -397,15 +421,12 @@ def test_experience_layout():
 
 
 def test_old_logprobs_are_recomputed_unless_the_update_is_on_policy():
-    on = dict(algorithm="grpo", n=4, minibatch_size=0, ppo_epochs=1, grad_accum=2)
-    assert RLHParams(**on).skips_old_logprobs(16)
-    assert RLHParams(**dict(on, minibatch_size=16)).skips_old_logprobs(16)
+    on = dict(algorithm="grpo", n=4, prompts_per_step=4, minibatch_size=16, ppo_epochs=1, grad_accum=2)
+    assert skips_old_logprobs(make_config(on))
     for change in (dict(ppo_epochs=2), dict(minibatch_size=8), dict(tis_cap=2.0), dict(old_logprobs="recompute"),
                    dict(algorithm="ppo", kl_in_reward=True)):
-        assert not RLHParams(**dict(on, **change)).skips_old_logprobs(16), change
-    assert RLHParams(**dict(on, algorithm="ppo")).skips_old_logprobs(16)  # KL in the loss: no need
-    with pytest.raises(ValueError, match="trainer.old_logprobs"):
-        RLHParams(old_logprobs="sometimes")
+        assert not skips_old_logprobs(make_config(on, **change)), change
+    assert skips_old_logprobs(make_config(on, algorithm="ppo"))  # KL in the loss: no need
 
 
 def test_loss_chunk_bytes_reaches_every_fused_head_call(monkeypatch):
@@ -421,24 +442,13 @@ def test_loss_chunk_bytes_reaches_every_fused_head_call(monkeypatch):
 
     monkeypatch.setattr(fused_linear, "default_chunk_size", spy)
     actor = tiny_actor()
-    hp = RLHParams(algorithm="grpo", n=N, kl_coef=0.1, old_logprobs="recompute", loss_chunk_bytes=4 * 96 * 8)
+    hp = make_config(algorithm="grpo", n=N, prompts_per_step=3, minibatch_size=12, kl_coef=0.1,
+                     old_logprobs="recompute", loss_chunk_bytes=4 * 96 * 8)
     rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=tiny_actor().eval(),
                 actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3), pad_token_id=PAD,
                 rollout_shares_actor=True)
     rl(PROMPTS, None, 1, completions=fixed_completions(actor, 1.0))
     assert len(budgets) >= 3 and set(budgets) == {4 * 96 * 8}, budgets  # old, ref, loss
-
-
-def test_hparams_from_config_maps_names():
-    from types import SimpleNamespace
-
-    cfg = SimpleNamespace(algorithm="ppo", seed=3, rollout=SimpleNamespace(n=2, temperature=0.7, stop_token_ids=[1]),
-                          trainer=SimpleNamespace(kl_kind="low_var_kl", vf_clip=None, tis_cap=2.0, max_steps=5))
-    hp = RLHParams.from_config(cfg)
-    expected = ("low_var_kl", math.inf, 2.0, 2, (1,), 3)
-    assert (hp.kl_kind, hp.vf_clip, hp.tis_cap, hp.n, hp.stop_token_ids, hp.seed) == expected
-    with pytest.raises(ValueError, match="GRPO needs rollout.n >= 2"):
-        RLHParams(algorithm="grpo", n=1)
 
 
 def test_lora_actor_uses_disabled_adapter_as_reference():
@@ -451,18 +461,18 @@ def test_lora_actor_uses_disabled_adapter_as_reference():
         for name, p in actor.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.2)
-    hp = make_hp(GRPO, tis_cap=None)
+    hp = make_config(GRPO, tis_cap=None)
     opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-2)
     rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=None, actor_optimizer=opt,
                 pad_token_id=PAD, rollout_shares_actor=True)
-    completions = fixed_completions(plain, hp.temperature)
+    completions = fixed_completions(plain, hp.rollout.temperature)
     exp = build_experience(PROMPTS, completions, PAD)
     exp.scores = SCORES.clone()
-    rl.prepare(exp)
+    rl.logprobs_and_values(exp)
     with torch.no_grad():
         logits = plain(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
                        position_ids=exp.position_ids).logits[:, exp.response_slice()]
-    base_lp = logprobs_from_logits(logits, exp.labels, hp.temperature) * exp.response_mask
+    base_lp = logprobs_from_logits(logits, exp.labels, hp.rollout.temperature) * exp.response_mask
     assert torch.allclose(exp.ref_logprobs, base_lp, atol=1e-5)
     assert (exp.old_logprobs - base_lp).abs().max() > 1e-3  # the adapter is active for the actor
     frozen = {n: p.clone() for n, p in actor.named_parameters() if not p.requires_grad}
@@ -478,13 +488,32 @@ def test_lora_actor_syncs_merged_weights_into_a_separate_engine():
 
     actor = get_peft_model(tiny_actor(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     engine_model = tiny_actor().eval()
-    hp = make_hp(GRPO, tis_cap=None)
+    hp = make_config(GRPO, tis_cap=None)
     opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-2)
     rl = RLStep(hp, actor, rollout=HFEngine(engine_model), scorer=FixedScorer(SCORES), reference=None,
                 actor_optimizer=opt, pad_token_id=PAD, rollout_shares_actor=False)
-    metrics = rl(PROMPTS, None, step=0, completions=fixed_completions(tiny_actor(), hp.temperature))
+    metrics = rl(PROMPTS, None, step=0, completions=fixed_completions(tiny_actor(), hp.rollout.temperature))
     assert metrics["skipped"] == 0.0 and metrics["sync_bytes"] > 0
     merged = copy.deepcopy(actor).merge_and_unload()
     assert changed(merged, tiny_actor()) > 1e-3  # the adapter learned something, so the merge matters
     for (name, p), (_, q) in zip(merged.named_parameters(), engine_model.named_parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6), name
+
+
+@pytest.mark.parametrize("policy_loss", ["cispo", "gspo"])
+def test_a_registered_policy_loss_trains_the_same_fused_and_unfused(policy_loss):
+    # cispo runs inside the fused loss kernel, gspo (sequence-level) on the fused logprob kernel's
+    # output; trainer.fused_loss: false is the same math on materialised logits.
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        actor, ref = tiny_actor(), tiny_actor(seed=1).eval()
+        hp = make_config(GRPO, policy_loss=policy_loss, fused_loss=fused, clip_low=0.1, clip_high=0.1)
+        rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=ref,
+                    actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=5e-3), pad_token_id=PAD,
+                    rollout_shares_actor=True)
+        results.append((rl(PROMPTS, None, step=3, completions=fixed_completions(actor, 0.8)), actor))
+    (fused_metrics, fused_actor), (plain_metrics, plain_actor) = results
+    assert fused_metrics["skipped"] == 0.0 and changed(tiny_actor(), fused_actor) > 1e-3
+    assert math.isclose(fused_metrics["policy_loss"], plain_metrics["policy_loss"], rel_tol=1e-4, abs_tol=1e-6)
+    assert_same_params(fused_actor, plain_actor)

@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastrlhf.algorithms import masked_whiten
-from fastrlhf.rl.ppo import whiten_across_ranks
+from fastrlhf.algorithms import masked_whiten, whiten_across_ranks
 
 
 def batch():

@@ -1,8 +1,6 @@
-"""The RL core: PPO and GRPO steps (``step.RLStep``) and the ``train`` loop (``trainer.run``).
-
-Modules: ``experience`` (rollouts -> padded tensors), ``rewards`` (reward functions and reward
-models), ``forward`` (logprobs / fused policy loss / values through the models), ``ppo`` and ``grpo``
-(advantages, critic loss), ``update`` (epochs x minibatches x accumulation, NaN-guarded),
-``learner`` (DeepSpeed engine or module + optimizer), ``step`` (one step), ``trainer`` (the run).
-Nothing heavy is imported here.
+"""The RL core: one PPO / GRPO step (``step.RLStep``, read it top to bottom) and the ``train`` run
+(``trainer.run``). ``experience`` (rollouts -> padded tensors), ``rewards`` (reward functions and
+reward models), ``forward`` (model passes and losses), ``update`` (epochs x minibatches x
+accumulation, the learners), ``validation`` (held-out reward during a run), ``lora_sync``. The
+formulas, and the PPO/GRPO registries, are in ``fastrlhf.algorithms``. Nothing heavy is imported here.
 """

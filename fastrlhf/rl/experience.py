@@ -13,7 +13,7 @@ So "the model's outputs for the response" is always ``outputs[:, P - 1 : P - 1 +
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -42,7 +42,6 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # truncated importance-sampling weights (tis_cap)
-    meta: dict = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:

@@ -1,5 +1,5 @@
-"""Model forward passes the RL step needs: logprobs of sampled tokens, the fused policy loss,
-critic values and reward-model scores. Never materialises [B, T, V] logits on the default path.
+"""Model forward passes the RL step needs: logprobs of sampled tokens, the actor's and critic's
+losses, critic values and reward-model scores. Never materialises [B, T, V] logits on the default path.
 
 Every function takes a plain HF module, a PEFT model or a DeepSpeed engine (``.module``). The LM
 head is always CALLED as a module (with its forward temporarily swapped for the fused kernel):
@@ -14,17 +14,19 @@ import contextlib
 import torch
 
 from fastrlhf.algorithms import (
+    actor_loss_per_token,
     aggregate_loss,
     entropy_from_logits,
-    kl_penalty,
+    get_policy_loss,
     logprobs_from_logits,
     masked_mean,
-    policy_loss,
+    value_loss,
 )
 from fastrlhf.rl.experience import Experience
 
 __all__ = [
     "body_and_head",
+    "critic_loss",
     "policy_loss_from_model",
     "reward_model_scores",
     "sequence_logprobs",
@@ -121,47 +123,60 @@ def sequence_logprobs(model, exp: Experience, temperature: float = 1.0, micro_ba
     return torch.cat(lp_rows), torch.cat(ent_rows)
 
 
-def policy_loss_from_model(model, mb: Experience, *, clip_low: float, clip_high: float, dual_clip: float | None,
-                           kl_coef: float, kl_kind: str, entropy_coef: float, temperature: float, agg: str,
-                           chunk_size: int | None = None, fused: bool = True, chunk_bytes: int | None = None):
-    """Clipped policy loss (+ kl_coef * KL to the reference, - entropy bonus) of a micro-batch.
+def policy_loss_from_model(model, mb: Experience, config):
+    """The actor's loss of a micro-batch (``fastrlhf.algorithms.actor_loss_per_token``, aggregated by
+    ``trainer.agg``) and its detached metrics (clipfrac, approx_kl, entropy, kl masked means).
 
     Advantages are ``mb.advantages`` times the truncated importance weights ``mb.is_weights`` when
-    present: the clipped surrogate is positively homogeneous in A (``max(-cA r, -cA clip(r)) =
-    c * max(-A r, -A clip(r))`` for c > 0, dual clip alike), so this multiplies exactly the policy
-    term of each token's loss by its weight, as TIS prescribes, and leaves the KL and entropy terms alone.
-    Returns ``(loss, metrics)``; metrics are detached masked means (clipfrac, approx_kl, entropy, kl).
+    present: every registered policy term is positively homogeneous in A, so this weights exactly
+    each token's policy term, as TIS prescribes, and leaves the KL and entropy terms alone. A
+    token-level loss runs inside the fused kernel; a sequence-level one (GSPO) on the fused
+    kernel's logprobs, through autograd.
     """
+    cfg, temperature = config.trainer, config.rollout.temperature
     advantages = mb.advantages if mb.is_weights is None else mb.advantages * mb.is_weights
+    # The KL goes into PPO's token rewards (trainer.kl_in_reward) or into the loss, never both.
+    kl_coef = 0.0 if (config.algorithm == "ppo" and cfg.kl_in_reward) else cfg.kl_coef
     ref = mb.ref_logprobs if kl_coef != 0.0 else None
+    terms = dict(policy_loss=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                 dual_clip=cfg.dual_clip, kl_coef=kl_coef, kl_kind=cfg.kl_kind, entropy_coef=cfg.entropy_coef)
     hidden = response_hidden(model, mb)
     _, head = body_and_head(model)
+    fused = cfg.fused_loss and get_policy_loss(cfg.policy_loss).token_level
     if fused:
         _, fused_loss = _fused_kernels()
 
         def head_fn(h, labels, old, adv, mask, *ref_lp):
             return fused_loss(h, head.weight, labels, old, adv, mask, ref_logprobs=ref_lp[0] if ref_lp else None,
-                              clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                              kl_kind=kl_kind, entropy_coef=entropy_coef, temperature=temperature, agg=agg,
-                              bias=head.bias, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+                              temperature=temperature, agg=cfg.agg, bias=head.bias, chunk_size=cfg.loss_chunk_size,
+                              chunk_bytes=cfg.loss_chunk_bytes, **terms)
 
         args = (hidden, mb.labels, mb.old_logprobs, advantages, mb.response_mask) + ((ref,) if ref is not None else ())
         with _head_forward(head, head_fn):
             return head(*args)
-    # Unfused path (trainer.fused_loss: false, for debugging): the same math on materialised logits.
-    logits = head(hidden)
-    lp = logprobs_from_logits(logits, mb.labels, temperature)
-    ent = entropy_from_logits(logits, temperature)
-    loss, metrics = policy_loss(lp, mb.old_logprobs, advantages, mb.response_mask, clip_low, clip_high, dual_clip, agg)
-    metrics["entropy"] = masked_mean(ent, mb.response_mask).detach()
-    metrics["kl"] = torch.zeros(())
-    if ref is not None:
-        kl = kl_penalty(lp, ref, kl_kind, mb.response_mask)
-        loss = loss + kl_coef * aggregate_loss(kl, mb.response_mask, agg)
-        metrics["kl"] = masked_mean(kl, mb.response_mask).detach()
-    if entropy_coef:
-        loss = loss - entropy_coef * aggregate_loss(ent, mb.response_mask, agg)
-    return loss, metrics
+    if cfg.fused_loss:  # a sequence-level loss: per-token logprobs from the fused kernel, then autograd
+        with _head_forward(head, _logprob_head_fn(head, temperature, cfg.loss_chunk_size, cfg.loss_chunk_bytes)):
+            lp, ent = head(hidden, mb.labels)
+    else:  # trainer.fused_loss: false, for debugging: the same math on materialised logits
+        logits = head(hidden)
+        lp = logprobs_from_logits(logits, mb.labels, temperature)
+        ent = entropy_from_logits(logits, temperature)
+    mask = mb.response_mask
+    old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
+    loss_mat, is_clipped, kl = actor_loss_per_token(lp, ent, old, advantages, mask, ref, **terms)
+    metrics = {"clipfrac": masked_mean(is_clipped.to(loss_mat.dtype), mask),
+               "approx_kl": masked_mean(old - lp, mask), "entropy": masked_mean(ent, mask),
+               "kl": masked_mean(kl, mask) if kl is not None else torch.zeros(())}
+    return aggregate_loss(loss_mat, mask, cfg.agg), {k: v.detach() for k, v in metrics.items()}
+
+
+def critic_loss(critic, mb: Experience, config):
+    """``trainer.vf_coef`` x the clipped value loss of a micro-batch; returns ``(loss, metrics)``."""
+    cfg = config.trainer
+    values = token_values(critic, mb, grad=True)
+    loss, metrics = value_loss(values, mb.values, mb.returns, mb.response_mask, cfg.vf_clip, cfg.agg)
+    metrics["value_loss"] = loss.detach()
+    return cfg.vf_coef * loss, metrics
 
 
 def _accepts_position_ids(model) -> bool:

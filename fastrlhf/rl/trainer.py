@@ -15,24 +15,6 @@ import time
 __all__ = ["run", "build_rl_step"]
 
 
-def _per_rank_hparams(config, world: int):
-    from fastrlhf.config import ConfigError
-    from fastrlhf.rl.hparams import RLHParams
-
-    t = config.trainer
-    if t.prompts_per_step % world:
-        raise ConfigError("trainer.prompts_per_step", f"{t.prompts_per_step} does not split over {world} ranks "
-                          "(each rank samples whole groups for its own prompts)")
-    if t.minibatch_size % world or (t.minibatch_size // world) % t.grad_accum:
-        raise ConfigError("trainer.minibatch_size", f"{t.minibatch_size} sequences per optimizer step do not split "
-                          f"over {world} ranks x trainer.grad_accum {t.grad_accum}")
-    hp = RLHParams.from_config(config)
-    from dataclasses import replace
-
-    # The config's minibatch_size counts sequences over all ranks; RLStep works per rank.
-    return replace(hp, minibatch_size=t.minibatch_size // world)
-
-
 def _pad_token_id(model) -> int:
     config = model.config
     for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
@@ -72,6 +54,7 @@ def _build_rollout(config, actor_module, num_params: int, device):
 def build_rl_step(config, guard):
     """Load models, build engines; returns ``(rl_step, stateful objects for checkpoints)``."""
     from fastrlhf import distributed as D
+    from fastrlhf.config import check_world_size
     from fastrlhf.distributed import build_frozen_engine, build_train_engine, deepspeed_config
     from fastrlhf.modeling import load_causal_lm, load_value_model
     from fastrlhf.precision import apply_matmul_precision, compute_dtype
@@ -80,8 +63,8 @@ def build_rl_step(config, guard):
 
     t, ds = config.trainer, config.deepspeed
     apply_matmul_precision(config)
-    hp = _per_rank_hparams(config, D.world_size())
-    micro = hp.micro_batch_size(config.rollout_batch_size // D.world_size())
+    check_world_size(config, D.world_size())
+    micro = t.minibatch_size // D.world_size() // t.grad_accum
 
     # ZeRO-3: load straight into partitions (no full replica per rank), with the engines' own configs.
     actor_ds = deepspeed_config(ds, micro, t.grad_accum, t.max_grad_norm) if ds.zero_stage == 3 else None
@@ -123,7 +106,7 @@ def build_rl_step(config, guard):
                           micro_batch=micro)
 
     rollout, shares = _build_rollout(config, actor_engine.module, num_params, device)
-    step = RLStep(hp, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,
+    step = RLStep(config, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,
                   rollout_shares_actor=shares, device=device, guard=guard)
     return step, stateful
 

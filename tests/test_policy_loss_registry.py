@@ -1,0 +1,155 @@
+"""The registries of fastrlhf.algorithms: policy losses and advantage estimators by name, the
+formulas that moved there (TIS weights, the actor-loss composition, SFT and RM losses), and the two
+ways a registered loss is trained (fused into the token-chunked kernel, or on fused logprobs)."""
+
+import math
+
+import pytest
+import torch
+from fastrlhf.kernels import fused_linear_policy_loss, fused_policy_loss
+
+from fastrlhf.algorithms import (
+    ADV_ESTIMATOR_OF,
+    ADV_ESTIMATORS,
+    POLICY_LOSSES,
+    actor_loss_per_token,
+    aggregate_loss,
+    bradley_terry_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    nll_loss,
+    policy_loss,
+    register_policy_loss,
+    truncated_is_weights,
+)
+
+t = torch.tensor
+
+
+def test_registries_name_every_algorithm_and_loss():
+    assert {"vanilla", "cispo", "gspo"} <= set(POLICY_LOSSES)
+    assert POLICY_LOSSES["vanilla"].token_level and POLICY_LOSSES["cispo"].token_level
+    assert not POLICY_LOSSES["gspo"].token_level
+    assert ADV_ESTIMATOR_OF == {"ppo": "gae", "grpo": "grpo"} and set(ADV_ESTIMATOR_OF.values()) <= set(ADV_ESTIMATORS)
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("vanilla")(lambda *a, **k: None)
+    with pytest.raises(ValueError, match="unknown policy loss 'nope'; registered: cispo, gspo, vanilla"):
+        actor_loss_per_token(t([0.0]), t([0.0]), t([0.0]), t([1.0]), t([1.0]), policy_loss="nope")
+
+
+def _batch(seed=0, B=3, T=5):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(B, T, generator=g) * 2
+    old = lp + 0.3 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, T, generator=g)
+    mask = torch.ones(B, T)
+    mask[0, 3:] = 0
+    mask[2, 1:] = 0
+    return lp, old, adv, mask
+
+
+def test_composition_equals_the_sum_of_aggregated_terms():
+    # aggregate(policy + c*KL - e*H) == aggregate(policy) + c*aggregate(KL) - e*aggregate(H): every mode is linear.
+    lp, old, adv, mask = _batch()
+    ref, ent = lp - 0.2, torch.rand(lp.shape)
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        loss_mat, _, kl = actor_loss_per_token(lp, ent, old, adv, mask, ref, clip_low=0.2, clip_high=0.28,
+                                               dual_clip=3.0, kl_coef=0.1, kl_kind="k3", entropy_coef=0.01)
+        expected = (policy_loss(lp, old, adv, mask, 0.2, 0.28, 3.0, agg)[0]
+                    + 0.1 * aggregate_loss(kl_penalty(lp, ref, "k3"), mask, agg)
+                    - 0.01 * aggregate_loss(ent, mask, agg))
+        torch.testing.assert_close(aggregate_loss(loss_mat, mask, agg), expected)
+        torch.testing.assert_close(kl, kl_penalty(lp, ref, "k3", mask))
+
+
+@pytest.mark.parametrize("name", ["cispo", "gspo"])
+def test_on_policy_gradient_equals_vanilla(name):
+    # At ratio 1 every policy loss reduces to the policy gradient -A * grad(logprob).
+    lp, _, adv, mask = _batch(1)
+    grads = {}
+    for loss_name in ("vanilla", name):
+        x = lp.clone().requires_grad_()
+        loss_mat, is_clipped, _ = actor_loss_per_token(x, torch.zeros_like(x), x.detach(), adv, mask,
+                                                       policy_loss=loss_name)
+        aggregate_loss(loss_mat, mask, "seq-mean-token-mean").backward()
+        grads[loss_name] = x.grad
+        assert not is_clipped[mask > 0].any()
+    torch.testing.assert_close(grads[name], grads["vanilla"])
+
+
+def test_cispo_clips_the_detached_weight_not_the_gradient():
+    lp, old, adv, mask = t([[-1.0, -1.0]]), t([[-2.0, -1.0]]), t([[1.0, -2.0]]), torch.ones(1, 2)
+    x = lp.clone().requires_grad_()
+    loss_mat, is_clipped, _ = actor_loss_per_token(x, torch.zeros_like(x), old, adv, mask, policy_loss="cispo",
+                                                   clip_low=0.2, clip_high=0.28)
+    loss_mat.sum().backward()
+    # token 0: r = e^1 clipped to 1.28, the token still gets gradient -A * 1.28; token 1: r = 1.
+    assert is_clipped.tolist() == [[True, False]]
+    torch.testing.assert_close(x.grad, t([[-1.28, 2.0]]))
+    torch.testing.assert_close(loss_mat.detach(), t([[1.28, -2.0]]))
+
+
+def test_gspo_uses_each_sequences_mean_ratio():
+    lp, old, adv, mask = _batch(2)
+    x = lp.clone().requires_grad_()
+    loss_mat, is_clipped, _ = actor_loss_per_token(x, torch.zeros_like(x), old, adv, mask, policy_loss="gspo",
+                                                   clip_low=0.1, clip_high=0.1)
+    aggregate_loss(loss_mat, mask, "seq-mean-token-mean").backward()
+    n_seqs = 3
+    for b in range(3):
+        keep = mask[b] > 0
+        s = math.exp(float((lp[b, keep] - old[b, keep]).mean()))  # by hand, row by row
+        clipped = min(max(s, 0.9), 1.1)
+        for i in torch.nonzero(keep).flatten().tolist():
+            a = float(adv[b, i])
+            assert math.isclose(float(loss_mat.detach()[b, i]), max(-a * s, -a * clipped), rel_tol=1e-5)
+            grad = -a * s if -a * s >= -a * clipped else 0.0  # the clipped branch is constant in lp
+            assert math.isclose(float(x.grad[b, i]), grad / int(keep.sum()) / n_seqs, rel_tol=1e-5, abs_tol=1e-7)
+            assert bool(is_clipped[b, i]) == (-a * clipped > -a * s)
+    with pytest.raises(ValueError, match=r"gspo needs \[B, T\]"):
+        actor_loss_per_token(lp.flatten(), lp.flatten(), old.flatten(), adv.flatten(), mask.flatten(),
+                             policy_loss="gspo")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_kernels_train_a_registered_token_level_loss(backend):
+    g = torch.Generator().manual_seed(3)
+    B, T, H, V = 3, 5, 8, 41
+    hidden = torch.randn(B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.3
+    labels = torch.randint(0, V, (B, T), generator=g)
+    lp0, old, adv, mask = _batch(3)
+    ref = old - 0.1
+    kw = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.05, kl_kind="k2", entropy_coef=0.01, agg="seq-mean-token-mean")
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, _ = fused_linear_policy_loss(h, w, labels, old, adv, mask, ref, policy_loss="cispo", backend=backend, **kw)
+    loss.backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = h2 @ w2.T
+    lp, ent = logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+    loss_mat, _, _ = actor_loss_per_token(lp, ent, old, adv, mask, ref, policy_loss="cispo",
+                                          **{k: v for k, v in kw.items() if k != "agg"})
+    expected = aggregate_loss(loss_mat, mask, kw["agg"])
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="'gspo' needs whole sequences"):
+        fused_policy_loss(logits.detach(), labels, old, adv, mask, policy_loss="gspo", backend=backend)
+
+
+def test_truncated_is_weights():
+    old, engine = t([[0.0, -1.0, 50.0, 3.0]]), t([[0.0, -2.0, 0.0, 0.0]])
+    mask = t([[1.0, 1.0, 1.0, 0.0]])
+    # exp(0) = 1; exp(1) = 2.718 capped at 2; exp(50) clamps its log at 20 first, then the cap; masked -> 0.
+    torch.testing.assert_close(truncated_is_weights(old, engine, mask, 2.0), t([[1.0, 2.0, 2.0, 0.0]]))
+
+
+def test_supervised_losses():
+    logprobs, mask = t([[-1.0, -3.0, float("-inf")]]), t([[1.0, 1.0, 0.0]])
+    assert float(nll_loss(logprobs, mask)) == 2.0  # the masked -inf never enters the mean
+    assert float(nll_loss(logprobs, torch.zeros_like(mask))) == 0.0
+    chosen, rejected = t([2.0, 0.0]), t([0.0, 0.0])
+    expected = (math.log1p(math.exp(-2.0)) + math.log(2.0)) / 2
+    assert math.isclose(float(bradley_terry_loss(chosen, rejected)), expected, rel_tol=1e-6)
