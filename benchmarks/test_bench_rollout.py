@@ -193,10 +193,10 @@ def _measure_sync(benchmark, engine, source) -> None:
 
 def _packed_in_place(engine) -> bool:
     """Whether the engine's GEMMs now run on weights the sync wrote in place (see
-    fastrlhf/rollout/cpu_packed_linear.py) rather than on vLLM's repacked ones."""
-    from fastrlhf.rollout import vllm_adapter
+    fastrlhf/rollout/cpu_inplace_sync.py) rather than on vLLM's repacked ones."""
+    from fastrlhf.rollout import cpu_inplace_sync
 
-    return vllm_adapter.gemm_weight_kinds(engine.llm) == {"in_place"}
+    return cpu_inplace_sync.gemm_weight_kinds(engine.llm) == {"in_place"}
 
 
 def test_generate_after_weight_sync(benchmark, model_dirs):

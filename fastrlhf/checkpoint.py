@@ -4,7 +4,7 @@ Layout under ``output_dir/checkpoints``::
 
     step-40/            one finished checkpoint (renamed into place only when complete)
       actor/            DeepSpeed ``save_checkpoint`` of the engine named "actor" (weights, optimizer, scheduler)
-      rank-0.pt         per-rank state: step, RNG states, extra_state, state of non-engine objects
+      rank-0.pt         per-rank state: step, RNG states, state of non-engine objects
     latest              text file "step-40", replaced atomically after the rename
     .tmp-step-50/       a checkpoint being written (a crash leaves it; the next save removes it)
 
@@ -104,13 +104,11 @@ def _step_dirs(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], extra_state: dict | None = None,
-                    keep_last: int = 0) -> str:
+def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], keep_last: int = 0) -> str:
     """Write checkpoint ``step`` atomically; collective (call on every rank). Returns its folder.
 
     ``engines`` maps names to DeepSpeed engines (saved with their optimizer and scheduler) or to
     any object with ``state_dict``/``load_state_dict`` (optimizers, schedulers, samplers, guards).
-    ``extra_state`` is any picklable per-rank data (step counters, sampler position, ...).
     """
     root = checkpoint_root(output_dir)
     final = os.path.join(root, f"step-{step}")
@@ -127,8 +125,7 @@ def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], extra_s
             obj.save_checkpoint(os.path.join(tmp, name), tag=_DS_TAG, save_latest=False)
         else:
             objects[name] = obj.state_dict()
-    rank_state = {"step": step, "world_size": D.world_size(), "rng": capture_rng(),
-                  "extra_state": extra_state or {}, "objects": objects}
+    rank_state = {"step": step, "world_size": D.world_size(), "rng": capture_rng(), "objects": objects}
     torch.save(rank_state, os.path.join(tmp, f"rank-{D.rank()}.pt"))
     comm.barrier()
 
@@ -166,7 +163,7 @@ def latest_checkpoint(output_dir: str) -> str | None:
 def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states: bool = True) -> dict | None:
     """Restore the newest checkpoint into ``engines`` and this rank's RNG; collective.
 
-    Returns ``{"step": int, "extra_state": dict, "path": str}`` or None when there is none.
+    Returns ``{"step": int, "path": str}`` or None when there is none.
     """
     path = latest_checkpoint(output_dir)
     if path is None:
@@ -190,4 +187,4 @@ def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states:
         else:
             raise CheckpointError(f"{path} holds no state for {name!r}")
     restore_rng(state["rng"])
-    return {"step": state["step"], "extra_state": state["extra_state"], "path": path}
+    return {"step": state["step"], "path": path}

@@ -62,23 +62,9 @@ def _dispatch(command: str, config, resume: bool):
         from fastrlhf.reward_model import run
 
         return run(config, resume=resume)
-    try:
-        from fastrlhf.rl.trainer import run
-    except ImportError as exc:
-        if exc.name is not None and exc.name.startswith("fastrlhf.rl"):
-            raise NotImplementedError("fastrlhf train needs fastrlhf.rl.trainer.run, which is not available in "
-                                      f"this build ({exc})") from None
-        raise
-    return run(config, resume=resume) if _accepts_resume(run) else run(config)
+    from fastrlhf.rl.trainer import run
 
-
-def _accepts_resume(fn) -> bool:
-    import inspect
-
-    try:
-        return "resume" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
+    return run(config, resume=resume)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,9 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except TooManySkippedSteps as exc:
         _error("error", f"{exc} (a checkpoint was saved; fix and rerun with --resume)")
-        return EXIT_FAILED
-    except NotImplementedError as exc:
-        _error("error", str(exc))
         return EXIT_FAILED
     return 0
 

@@ -86,12 +86,6 @@ def test_train_dispatches_to_the_rl_trainer(train_yaml, monkeypatch):
     assert seen["config"].trainer.lr == 2e-6 and seen["resume"] is True
 
 
-def test_train_without_the_rl_trainer_says_so(train_yaml, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "fastrlhf.rl.trainer", None)  # makes the import fail
-    assert cli.main(["train", "--config", train_yaml]) == 1
-    assert "fastrlhf train needs fastrlhf.rl.trainer.run" in capsys.readouterr().err
-
-
 @pytest.mark.slow
 def test_bad_data_lines_are_reported_before_training(tmp_path):
     from fastrlhf.models import save_tiny_llama

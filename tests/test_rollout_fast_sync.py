@@ -1,6 +1,6 @@
-"""The direct CPU weight-update path of ``vllm_adapter.reload_weights`` (weights written in place
-into packed GEMM weights, or vLLM's repack of the changed layers where that is unavailable) against
-the generic ``reload_weights`` path and HF.
+"""The in-place CPU weight update (``cpu_inplace_sync``, reached from ``vllm_adapter.reload_weights``:
+weights written in place into packed GEMM weights, or vLLM's repack of the changed layers where that
+is unavailable) against the generic ``reload_weights`` path and HF.
 
 The tiny Llama (tied and untied embeddings) must take the direct path, end with every linear layer
 and lm_head on an in-place packed weight, and generate exactly what HF generates from the synced
@@ -58,29 +58,37 @@ class _PathSpy:
     """Counts which update path each sync takes."""
 
     def __init__(self, monkeypatch):
-        from fastrlhf.rollout import vllm_adapter
+        from fastrlhf.rollout import cpu_inplace_sync, vllm_adapter
 
         self.fast = 0
         self.generic = 0
-        fast, refresh = vllm_adapter._fast_update, vllm_adapter._refresh_tied_lm_head
+        refresh = vllm_adapter._refresh_tied_lm_head
 
         def counted_fast(worker, named_tensors):
-            self.fast += 1
-            return fast(worker, named_tensors)
+            taken = cpu_inplace_sync.try_update_in_place(worker, named_tensors)
+            self.fast += taken
+            return taken
 
         def counted_generic(worker):  # runs once after every generic reload_weights
             self.generic += 1
             return refresh(worker)
 
-        monkeypatch.setattr(vllm_adapter, "_fast_update", counted_fast)
+        monkeypatch.setattr(vllm_adapter, "IN_PLACE_UPDATERS", (counted_fast,))
         monkeypatch.setattr(vllm_adapter, "_refresh_tied_lm_head", counted_generic)
+
+
+def _generic_only(monkeypatch):
+    from fastrlhf.rollout import vllm_adapter
+
+    monkeypatch.setattr(vllm_adapter, "IN_PLACE_UPDATERS", ())
 
 
 @pytest.mark.parametrize(
     "tied, in_place", [(False, True), (True, True), (False, False)], ids=["untied", "tied", "untied-repack"]
 )
 def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tmp_path, monkeypatch, tied, in_place):
-    from fastrlhf.rollout import cpu_packed_linear, vllm_adapter
+    from fastrlhf.rollout import cpu_packed_linear
+    from fastrlhf.rollout.cpu_inplace_sync import gemm_weight_kinds
 
     if in_place and cpu_packed_linear.load_pack_kernel() is None:
         pytest.skip("no C compiler: the in-place packing is unavailable")
@@ -91,28 +99,27 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
     second = make_tiny_llama(seed=2, **kw)
     engine = _engine(tmp_path / "first")
     try:
-        assert vllm_adapter.uses_fast_update(engine.llm)
         spy = _PathSpy(monkeypatch)
         expected_first = _tokens(HFEngine(first).generate(PROMPTS, GREEDY))
         expected_second = _tokens(HFEngine(second).generate(PROMPTS, GREEDY))
         assert expected_first != expected_second
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
 
-        assert vllm_adapter.gemm_weight_kinds(engine.llm) == {"vllm"}
+        assert gemm_weight_kinds(engine.llm) == {"vllm"}
         # Small buckets: q/k/v and gate/up of a layer arrive in different buckets.
         sync_weights(second, engine, bucket_bytes=16 << 10)
         assert (spy.fast, spy.generic) == (1, 0)
-        assert vllm_adapter.gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
+        assert gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_second
         direct = _samples(engine.generate(PROMPTS[:3], SAMPLED))
 
         # The generic path from the first model to the second gives the very same engine.
-        monkeypatch.setattr(vllm_adapter, "uses_fast_update", lambda llm: False)
+        _generic_only(monkeypatch)
         sync_weights(first, engine)
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
         sync_weights(second, engine)
         assert spy.generic == 2
-        assert vllm_adapter.gemm_weight_kinds(engine.llm) == {"vllm"}
+        assert gemm_weight_kinds(engine.llm) == {"vllm"}
         assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == direct
         monkeypatch.undo()
         if not in_place:
@@ -122,7 +129,7 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
         spy = _PathSpy(monkeypatch)
         sync_weights(first, engine)
         assert (spy.fast, spy.generic) == (1, 0)
-        assert vllm_adapter.gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
+        assert gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
     finally:
         engine.close()
@@ -131,7 +138,8 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
 def test_bf16_engine_is_updated_in_place_and_matches_the_generic_path(tmp_path, monkeypatch):
     """bf16 weights are packed in K-adjacent pairs; the in-place path must give the engine the very
     state vLLM's own reload gives it (HF greedy is not the reference here: bf16 rounding differs)."""
-    from fastrlhf.rollout import cpu_packed_linear, vllm_adapter
+    from fastrlhf.rollout import cpu_packed_linear
+    from fastrlhf.rollout.cpu_inplace_sync import gemm_weight_kinds
 
     if cpu_packed_linear.load_pack_kernel() is None:
         pytest.skip("no C compiler: the in-place packing is unavailable")
@@ -141,14 +149,14 @@ def test_bf16_engine_is_updated_in_place_and_matches_the_generic_path(tmp_path, 
     try:
         before = _samples(engine.generate(PROMPTS[:3], SAMPLED))
         sync_weights(second, engine)
-        assert vllm_adapter.gemm_weight_kinds(engine.llm) == {"in_place"}
+        assert gemm_weight_kinds(engine.llm) == {"in_place"}
         direct = _samples(engine.generate(PROMPTS[:3], SAMPLED))
         assert direct != before
-        monkeypatch.setattr(vllm_adapter, "uses_fast_update", lambda llm: False)
+        _generic_only(monkeypatch)
         sync_weights(first, engine)
         assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == before
         sync_weights(second, engine)
-        assert vllm_adapter.gemm_weight_kinds(engine.llm) == {"vllm"}
+        assert gemm_weight_kinds(engine.llm) == {"vllm"}
         assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == direct
     finally:
         engine.close()
@@ -170,8 +178,6 @@ def test_direct_path_rejects_bad_names_and_shapes(tmp_path):
 
 def test_unhandled_layout_falls_back_to_the_generic_reload(tmp_path, monkeypatch):
     """Biases on q/k/v/o: a Llama the direct path does not handle, detected up front."""
-    from fastrlhf.rollout import vllm_adapter
-
     kw = dict(MODEL_KW, attention_bias=True)
     first = save_tiny_llama(tmp_path / "first", seed=1, **kw)
     second = make_tiny_llama(seed=2, **kw)
@@ -181,7 +187,6 @@ def test_unhandled_layout_falls_back_to_the_generic_reload(tmp_path, monkeypatch
                 p.normal_(0, 0.2)
     engine = _engine(tmp_path / "first")
     try:
-        assert not vllm_adapter.uses_fast_update(engine.llm)
         spy = _PathSpy(monkeypatch)
         sync_weights(second, engine)
         assert (spy.fast, spy.generic) == (0, 1)

@@ -5,8 +5,9 @@
  * multiple of 16, B = 64 on AVX2/AVX-512); for bf16 the words are pairs of K-adjacent values
  * ("BA16a64b2a"), which is the same transpose of W viewed as an [N, K/2] matrix of 4-byte words.
  * fastrlhf.rollout.cpu_packed_linear checks the layout before using this file. Being a transpose,
- * it goes through 8x8 register tiles (AVX) rather than element by element: torch's strided copy
- * and oneDNN's own reorder into a fresh buffer both cost 4-6x a plain copy here, this about 1.5x.
+ * it goes through 8x8 register tiles (AVX) rather than element by element, which keeps it near the
+ * cost of a plain copy; torch's strided copy and oneDNN's reorder into a fresh buffer cost several
+ * times that.
  * Words are only moved (loads, shuffles, stores), never converted, so any 4-byte content is exact.
  *
  * Built at run time with the machine's C compiler (see cpu_packed_linear.load_pack_kernel); the

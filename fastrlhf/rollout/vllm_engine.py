@@ -79,8 +79,9 @@ class VLLMEngine(RolloutEngine):
       creating one; ``close()`` tears vLLM down without destroying the trainer's group.
       Engine construction is then collective: every rank must build its engine.
     - ``update_weights`` reloads in place (for plain Llama on CPU, straight into the GEMMs' packed
-      weights; else the worker's ``reload_weights``; see ``vllm_adapter.reload_weights``) and resets
-      the prefix cache, so the next ``generate`` sees only the new weights.
+      weights, see ``cpu_inplace_sync``; else the worker's ``reload_weights``; see
+      ``vllm_adapter.reload_weights``) and resets the prefix cache, so the next ``generate`` sees
+      only the new weights.
     """
 
     kind = "vllm"
@@ -95,8 +96,8 @@ class VLLMEngine(RolloutEngine):
         enable_prefix_caching: bool = True,
     ):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-            # In-process: starts in ~2 s instead of ~11 s, takes iterators for weight reloads and
-            # keeps one engine per rank under the launcher.
+            # In-process: no engine-core process to spawn and start, weight reloads can take a lazy
+            # iterator, and each rank keeps its own engine under the launcher.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if dtype not in _DTYPES:
             raise ValueError(f"VLLMEngine dtype must be one of float32, bfloat16, float16, got {dtype!r}")

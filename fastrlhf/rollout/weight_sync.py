@@ -1,7 +1,7 @@
 """Trainer -> rollout engine weight sync, in buckets (never one parameter at a time, never all at once).
 
-Per-parameter gathers/broadcasts are what make weight sync take over 40% of a step in other
-trainers; gathering the whole ZeRO-3 model at once defeats ZeRO-3. Here parameters are gathered
+Per-parameter gathers/broadcasts make weight sync a large share of a step in other trainers;
+gathering the whole ZeRO-3 model at once defeats ZeRO-3. Here parameters are gathered
 ``bucket_bytes`` at a time, copied out (converted to the engine's dtype), released, and handed to
 the engine as one lazy stream of Hugging Face-named tensors, so a whole sync is one
 ``update_weights`` call (one prefix-cache reset) while memory stays at about one bucket.
@@ -24,7 +24,7 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 
 @dataclass
 class SyncStats:
-    """What one sync cost; ``as_metrics()`` gives the flat dict the trainer logs."""
+    """What one sync cost."""
 
     seconds: float = 0.0
     gather_seconds: float = 0.0
@@ -34,15 +34,6 @@ class SyncStats:
     bucket_bytes: int = 0
     zero3: bool = False
     bucket_sizes: list[int] = field(default_factory=list, repr=False)
-
-    def as_metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
-        return {
-            f"{prefix}seconds": self.seconds,
-            f"{prefix}gather_seconds": self.gather_seconds,
-            f"{prefix}bytes": float(self.bytes),
-            f"{prefix}num_buckets": float(self.num_buckets),
-            f"{prefix}gbytes_per_second": self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0,
-        }
 
 
 def unwrap_model(source) -> torch.nn.Module:
