@@ -14,7 +14,7 @@ from fastrlhf.algorithms import bradley_terry_loss
 from fastrlhf.config import RMConfig
 from fastrlhf.data import load_classification_examples, load_pairwise_examples
 from fastrlhf.modeling import base_model, load_sequence_classifier, vocab_size
-from fastrlhf.supervised import Task, engine_config, run_supervised, seed_everything
+from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
 
 __all__ = ["pad_batch", "pairwise_loss", "classifier_loss", "run"]
 
@@ -68,4 +68,4 @@ def run(config: RMConfig, resume: bool = False) -> dict:
     def loss_fn(engine, micro_batch):
         return loss(engine, micro_batch, pad_id)
 
-    return run_supervised(config, Task(examples, model, loss_fn, bar_keys=("loss", "accuracy")), resume=resume)
+    return run_supervised(config, SupervisedJob(examples, model, loss_fn, bar_keys=("loss", "accuracy")), resume=resume)

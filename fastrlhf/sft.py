@@ -9,7 +9,7 @@ from fastrlhf.algorithms import logprobs_from_logits, nll_loss
 from fastrlhf.config import SFTConfig
 from fastrlhf.data import SFTExample, load_sft_examples
 from fastrlhf.modeling import base_model, load_causal_lm, vocab_size
-from fastrlhf.supervised import Task, engine_config, run_supervised, seed_everything
+from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
 
 __all__ = ["collate_sft", "sft_loss", "run"]
 
@@ -69,4 +69,4 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
         loss = sft_loss(engine, batch, use_fused, config.trainer.loss_chunk_size, config.trainer.loss_chunk_bytes)
         return loss, {"response_tokens": float(batch["loss_mask"].sum())}
 
-    return run_supervised(config, Task(examples, model, loss_fn, bar_keys=("loss",)), resume=resume)
+    return run_supervised(config, SupervisedJob(examples, model, loss_fn, bar_keys=("loss",)), resume=resume)

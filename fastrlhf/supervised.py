@@ -1,7 +1,7 @@
 """The training loop shared by ``fastrlhf sft`` and ``fastrlhf rm``: DeepSpeed engine, guarded steps,
 metrics, atomic checkpoints with exact resume, and a final Hugging Face export.
 
-The command-specific parts (data, model, loss) come in as a :class:`Task`.
+The command-specific parts (data, model, loss) come in as a :class:`SupervisedJob`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from fastrlhf.loop import resume_step, run_steps
 from fastrlhf.metrics import MetricsLogger
 from fastrlhf.precision import apply_matmul_precision
 
-__all__ = ["Task", "run_supervised", "seed_everything", "engine_config", "micro_batch_size"]
+__all__ = ["SupervisedJob", "run_supervised", "seed_everything", "engine_config", "micro_batch_size"]
 
 
 @dataclass
-class Task:
+class SupervisedJob:
     examples: list
     model: torch.nn.Module
     # (engine, examples of one micro-batch) -> (loss tensor, {metric: float}) -- metrics averaged over micro-batches
@@ -56,22 +56,22 @@ def engine_config(config) -> dict:
     return D.deepspeed_config(config.deepspeed, micro_batch_size(config), t.grad_accum, t.max_grad_norm)
 
 
-def run_supervised(config, task: Task, resume: bool = False) -> dict:
-    """Train ``task`` for ``config.trainer.max_steps`` optimizer steps; returns the last step's metrics."""
+def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
+    """Train ``job`` for ``config.trainer.max_steps`` optimizer steps; returns the last step's metrics."""
     t = config.trainer
     world = D.world_size()
     micro = micro_batch_size(config)
 
     guard = StepGuard(t.max_skipped_steps)
     apply_matmul_precision(config)
-    engine = build_train_engine(task.model, config.deepspeed, lr=t.lr, weight_decay=t.weight_decay,
+    engine = build_train_engine(job.model, config.deepspeed, lr=t.lr, weight_decay=t.weight_decay,
                                 warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
                                 max_grad_norm=t.max_grad_norm, guard=guard)
-    sampler = EpochSampler(len(task.examples), seed=config.seed)
+    sampler = EpochSampler(len(job.examples), seed=config.seed)
     stateful = {"model": engine, "sampler": sampler, "guard": guard}
 
     start_step = resume_step(config.output_dir, stateful, resume)
-    logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=task.bar_keys,
+    logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=job.bar_keys,
                            tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config),
                            resume=resume)
     engine.train()
@@ -81,7 +81,7 @@ def run_supervised(config, task: Task, resume: bool = False) -> dict:
         local = shard(sampler.next_indices(t.batch_size), D.rank(), world)
         sums: dict = {}
         for i in range(0, len(local), micro):
-            loss, stats = task.loss_fn(engine, [task.examples[j] for j in local[i:i + micro]])
+            loss, stats = job.loss_fn(engine, [job.examples[j] for j in local[i:i + micro]])
             guard.loss_ok(loss)  # a bad loss on any rank: the optimizer drops this step's gradients
             engine.backward(loss)
             engine.step()
