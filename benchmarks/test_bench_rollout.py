@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from fastrlhf.models import count_parameters, save_tiny_llama
 from fastrlhf.rollout import CPU_VLLM_CROSSOVER_PARAMS, HFEngine, SamplingConfig, sync_weights
+from fastrlhf.tiny_models import count_parameters, save_tiny_llama
 
 NUM_PROMPTS, PROMPT_LEN, N, NEW_TOKENS = 64, 16, 4, 64
 SAMPLING = SamplingConfig(n=N, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0, ignore_eos=True)

@@ -31,7 +31,7 @@ def env(**extra):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from fastrlhf.models import save_tiny_llama
+    from fastrlhf.tiny_models import save_tiny_llama
 
     root = tmp_path_factory.mktemp("rl")
     # head size 32: the smallest the vLLM CPU backend runs.

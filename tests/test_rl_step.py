@@ -38,10 +38,10 @@ from fastrlhf.config import (
     TrainConfig,
     TrainerConfig,
 )
-from fastrlhf.models import make_tiny_llama
 from fastrlhf.rl.experience import build_experience
 from fastrlhf.rl.step import RLStep, skips_old_logprobs
 from fastrlhf.rollout import Completion
+from fastrlhf.tiny_models import make_tiny_llama
 
 PAD = 2
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
@@ -395,8 +395,8 @@ def test_reward_function_registry_and_module_path():
 def test_reward_model_scores_at_last_real_token():
     from transformers import LlamaForSequenceClassification
 
-    from fastrlhf.models import tiny_llama_config
     from fastrlhf.rl.forward import reward_model_scores
+    from fastrlhf.tiny_models import tiny_llama_config
 
     torch.manual_seed(0)
     rm = LlamaForSequenceClassification(tiny_llama_config(vocab_size=96, hidden_size=32, num_heads=1,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fastrlhf.algorithms import logprobs_from_logits
-from fastrlhf.models import save_tiny_llama
 from fastrlhf.rollout import HFEngine, SamplingConfig, sync_weights
+from fastrlhf.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.slow
 

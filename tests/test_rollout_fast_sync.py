@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
-from fastrlhf.models import make_tiny_llama, save_tiny_llama
 from fastrlhf.rollout import HFEngine, SamplingConfig, sync_weights
+from fastrlhf.tiny_models import make_tiny_llama, save_tiny_llama
 
 pytestmark = pytest.mark.slow
 

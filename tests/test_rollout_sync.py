@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fastrlhf.models import make_tiny_llama
 from fastrlhf.rollout import HFEngine, SamplingConfig, iter_bucketed_weights, sync_weights
 from fastrlhf.rollout.weight_sync import SyncStats
+from fastrlhf.tiny_models import make_tiny_llama
 
 
 def test_buckets_respect_the_byte_limit_and_cover_every_parameter():

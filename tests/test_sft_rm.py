@@ -17,7 +17,7 @@ from launch import run_group
 
 from fastrlhf.distributed import free_port
 from fastrlhf.metrics import read_metrics
-from fastrlhf.models import save_tiny_llama
+from fastrlhf.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -180,7 +180,7 @@ def test_guard_inside_a_zero2_engine_skips_the_update(workdir):
     from fastrlhf import distributed as D
     from fastrlhf.config import DeepSpeedConfig
     from fastrlhf.guards import StepGuard
-    from fastrlhf.models import make_tiny_llama
+    from fastrlhf.tiny_models import make_tiny_llama
 
     D.init_distributed(timeout_s=60)
     guard = StepGuard(3)
@@ -312,8 +312,8 @@ def test_fused_sft_loss_matches_the_plain_cross_entropy(workdir):
     from fastrlhf import distributed as D
     from fastrlhf.config import DeepSpeedConfig
     from fastrlhf.data import SFTExample
-    from fastrlhf.models import make_tiny_llama
     from fastrlhf.sft import collate_sft, sft_loss
+    from fastrlhf.tiny_models import make_tiny_llama
 
     D.init_distributed(timeout_s=60)
     engine = D.build_train_engine(make_tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=1).train(),
@@ -388,7 +388,7 @@ def test_export_saves_the_model_own_weights_without_building_a_second_model(tmp_
     from transformers import LlamaForCausalLM
 
     from fastrlhf.modeling import export_hf
-    from fastrlhf.models import make_tiny_llama
+    from fastrlhf.tiny_models import make_tiny_llama
 
     model = make_tiny_llama(seed=3, tie_word_embeddings=tied)
     built = []

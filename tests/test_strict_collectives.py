@@ -69,7 +69,7 @@ def test_strict_collectives_reject_a_host_tensor_that_comm_did_not_place(one_ran
 def workdir(tmp_path_factory):
     import random
 
-    from fastrlhf.models import save_tiny_llama
+    from fastrlhf.tiny_models import save_tiny_llama
 
     root = tmp_path_factory.mktemp("strict")
     save_tiny_llama(root / "model", vocab_size=VOCAB, hidden_size=32, num_heads=1)

@@ -20,8 +20,8 @@ if __name__ == "__main__":
     import torch
     import torch.distributed as dist
 
-    from fastrlhf.models import make_tiny_llama
     from fastrlhf.rollout import HFEngine, SamplingConfig, VLLMEngine, sync_weights
+    from fastrlhf.tiny_models import make_tiny_llama
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
