@@ -102,7 +102,9 @@ def _plan(root):
     zero3 = {"zero_stage": 3, "extra": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
     small = {"max_steps": 3, "batch_size": 4, "lr": 1e-3, "save_every": 2}
     configs = {
-        "grpo": {**rl, "algorithm": "grpo", "deepspeed": {"zero_stage": 2}},
+        # GRPO with validation: the held-out reward is reduced over the ranks too.
+        "grpo": {**rl, "algorithm": "grpo", "deepspeed": {"zero_stage": 2},
+                 "eval": {"prompts": str(root / "prompts.jsonl"), "every": 2}},
         # PPO: critic, GAE, advantages whitened over both ranks, KL in the reward.
         "ppo": {**rl, "algorithm": "ppo", "critic": {"lr": 1e-3}, "deepspeed": zero3,
                 "trainer": {**rl["trainer"], "kl_in_reward": True}},
@@ -145,8 +147,10 @@ def test_strict_collectives_two_ranks_rl_sft_rm_and_checkpoints(workdir):
         assert report["barriers"].get("fastrlhf.comm", 0) >= 10, report  # checkpoints and exports
         assert sum(report["library"].values()) > 0, report  # DeepSpeed's own, counted not checked
     for name in ("grpo", "ppo", "sft", "rm_pairwise", "rm_classifier"):
-        steps = [json.loads(line)["step"] for line in open(workdir / name / "metrics.jsonl")]
-        assert steps == [1, 2, 3, 4], (name, steps)
+        records = [json.loads(line) for line in open(workdir / name / "metrics.jsonl")]
+        assert [r["step"] for r in records] == [1, 2, 3, 4], name
+        if name == "grpo":  # validated every 2 steps and at each run's last step (3, then 4 after the resume)
+            assert [r["step"] for r in records if "eval_reward" in r] == [2, 3, 4], records
         assert (workdir / name / "final" / "config.json").exists(), name
         # Every command records its resolved config, auto precision made concrete (fp32 on a CPU).
         resolved = yaml.safe_load((workdir / name / "config.yaml").read_text())
