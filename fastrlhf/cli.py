@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastrlhf.checkpoint import CheckpointError
     from fastrlhf.data import DataError
     from fastrlhf.guards import TooManySkippedSteps
+    from fastrlhf.rl.rewards import RewardFunctionError
 
     try:
         _dispatch(args.command, config, args.resume)
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except TooManySkippedSteps as exc:
         _error("error", f"{exc} (a checkpoint was saved; fix and rerun with --resume)")
+        return EXIT_FAILED
+    except RewardFunctionError as exc:
+        _error("reward error", str(exc))
         return EXIT_FAILED
     return 0
 

@@ -213,7 +213,11 @@ def _id_and_text_names(field_name: str) -> tuple[str, ...]:
 
 def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: int | None = None,
                  vocab_size: int | None = None, tokenizer_path: str | None = None) -> list[PromptExample]:
-    """RL prompts: ``{"prompt_ids": [...], "meta": {...}}`` or ``{"prompt": "text"}`` lines (meta optional)."""
+    """RL prompts: ``{"prompt_ids": [...], "meta": {...}}`` or ``{"prompt": "text"}`` lines (meta optional).
+
+    Every other column of a row (``answer``, ``data_source``...) travels in the example's ``meta``, so
+    reward functions receive it; a key in ``meta`` itself wins over a column of the same name.
+    """
     tokenizer = LazyTokenizer(tokenizer_path)
     names = _id_and_text_names(prompt_field)
 
@@ -225,7 +229,8 @@ def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: in
             meta = {}
         if not isinstance(meta, dict):
             raise _BadLine(f"field 'meta' must be an object, got {_short(meta)}")
-        return PromptExample(ids, meta)
+        columns = {k: v for k, v in row.items() if k not in names and k != "meta"}
+        return PromptExample(ids, {**columns, **meta})
 
     return _collect(path, parse)
 

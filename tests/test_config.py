@@ -192,7 +192,7 @@ def test_eval_section(paths):
     assert error_of(grpo(paths, eval={"prompts": paths["out"] + "/nope.jsonl"})).key == "eval.prompts"
     learned = grpo(paths, reward={"function": DROP, "model_path": paths["model"]},
                    eval={"prompts": paths["prompts"]})
-    assert "needed when the training reward is a model" in str(error_of(learned))
+    assert "needed without reward.function (a reward model" in str(error_of(learned))
     learned["eval"]["reward"] = "length"
     assert parse_config(learned).eval.reward == "length"
 
@@ -279,3 +279,20 @@ def test_importing_config_stays_cheap():
     code = "import sys, fastrlhf.config; sys.exit(1 if 'torch' in sys.modules else 0)"
     root = os.path.join(os.path.dirname(__file__), "..")
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+
+
+def test_reward_functions_batch_text_rewards(paths):
+    raw = grpo(paths, reward={"function": None, "functions": [{"function": "mod:exact", "weight": 2.0},
+                                                              {"function": "length"}]})
+    config = parse_config(raw)
+    assert [(f.function, f.weight) for f in config.reward.functions] == [("mod:exact", 2.0), ("length", 1.0)]
+    bad = grpo(paths, reward={"function": None, "functions": [{"function": "a:b:c"}]})
+    assert error_of(bad).key == "reward.functions[0].function"
+    assert error_of(grpo(paths, reward={"function": None, "functions": [{"weight": 1.0}]})).key == \
+        "reward.functions[0].function"
+    assert "set reward.function, reward.functions or reward.model_path" in str(
+        error_of(grpo(paths, reward={"function": None, "functions": []})))
+    # Validation scores with a per-sample function: without reward.function it must be named.
+    with_eval = grpo(paths, reward={"function": None, "functions": [{"function": "length"}]},
+                     eval={"prompts": paths["prompts"]})
+    assert error_of(with_eval).key == "eval.reward"

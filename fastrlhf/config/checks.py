@@ -87,11 +87,14 @@ def _validate_train(c: TrainConfig, base: str):
         raise ConfigError("data.prompt_field", "must be a non-empty field name")
 
     r = c.reward
-    if (r.function is None) == (r.model_path is None):
-        which = "neither" if r.function is None else "both"
-        raise ConfigError("reward", f"set exactly one of reward.function and reward.model_path, got {which}")
+    if r.function is not None and r.model_path is not None:
+        raise ConfigError("reward", "set one of reward.function and reward.model_path, got both")
+    if r.function is None and r.model_path is None and not r.functions:
+        raise ConfigError("reward", "set reward.function, reward.functions or reward.model_path, got neither")
     _check_path(r.model_path, "reward.model_path", base)
     _check_reward_spec(r.function, "reward.function")
+    for i, spec in enumerate(r.functions):
+        _check_reward_spec(spec.function, f"reward.functions[{i}].function")
     _positive(r.label_index, "reward.label_index", strict=False)
 
     if c.algorithm == "ppo":
@@ -160,8 +163,8 @@ def _validate_eval(c: TrainConfig, base: str):
         return
     _check_path(e.prompts, "eval.prompts", base)
     if e.reward is None and c.reward.function is None:
-        raise ConfigError("eval.reward", "needed when the training reward is a model (reward.model_path): "
-                                         "validation scores with a reward function")
+        raise ConfigError("eval.reward", "needed without reward.function (a reward model or batch text rewards): "
+                                         "validation scores with a per-sample reward function")
     _check_reward_spec(e.reward, "eval.reward")
 
 

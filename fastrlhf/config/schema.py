@@ -13,6 +13,7 @@ __all__ = [
     "ReferenceConfig",
     "CriticConfig",
     "RewardConfig",
+    "RewardFunctionConfig",
     "DataConfig",
     "RolloutConfig",
     "EvalConfig",
@@ -54,8 +55,17 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
+class RewardFunctionConfig:
+    """A batch reward on text, TRL's signature: ``fn(prompts, completions, completion_ids, **columns)``."""
+
+    function: str  # "module:function" or a registered name
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class RewardConfig:
-    function: str | None = None  # registered name or "module:function"
+    function: str | None = None  # registered name or "module:function": fn(prompt_ids, completion_ids, meta)
+    functions: list[RewardFunctionConfig] = field(default_factory=list)  # batch rewards on text, weighted
     model_path: str | None = None
     model_kind: Literal["classifier", "value_head"] = "classifier"
     label_index: int = 0

@@ -1,17 +1,30 @@
-"""Rewards: registered reward functions (by name or ``module:function``) and reward-model scoring.
+"""Rewards: reward functions (by registered name or ``module:function``) and reward-model scoring.
 
-A reward function is ``fn(prompt_ids: list[int], completion_ids: list[int], meta: dict) -> float``,
-where ``meta`` is the prompt's record from the data file (e.g. a reference answer).
+Two forms of reward function:
+
+* per sample, on token ids (``reward.function``), for rule rewards that need ids:
+  ``fn(prompt_ids: list[int], completion_ids: list[int], meta: dict) -> float``;
+* per batch, on text (``reward.functions``, TRL's signature):
+  ``fn(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **columns)
+  -> list[float | None]``, where each column of the prompt rows (``answer``...) comes as a list with
+  one value per completion. ``None`` means "not applicable": that function adds nothing for that
+  completion. Several are added up by their ``weight``; each is logged as ``reward/<name>``.
+
+``meta`` / the columns are the prompt's row in the data file (every column but the prompt itself).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["REWARD_FUNCTIONS", "RewardScorer", "register_reward", "resolve_reward_function"]
+__all__ = ["REWARD_FUNCTIONS", "RewardFunctionError", "RewardScorer", "TextReward", "register_reward",
+           "resolve_reward_function", "resolve_text_rewards"]
 
 RewardFn = Callable[[list, list, dict], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
@@ -61,6 +74,10 @@ def resolve_reward_function(spec: str) -> RewardFn:
                              "(or give 'module:function')")
         return REWARD_FUNCTIONS[spec]
     module_name, _, attr = spec.partition(":")
+    # The current directory is importable under `python -m` and the deepspeed launcher but not under
+    # the `fastrlhf` console script: make it so for both (last, so it never shadows an installed module).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -71,21 +88,67 @@ def resolve_reward_function(spec: str) -> RewardFn:
     return fn
 
 
-class RewardScorer:
-    """Scores a batch: ``function`` on each (prompt, completion, meta), and/or a frozen reward model.
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned something unusable; the message is one line naming it."""
 
-    With both, the scores add up. ``reward_model`` is a loaded module (frozen, eval mode).
+
+@dataclass(frozen=True)
+class TextReward:
+    name: str
+    fn: Callable
+    weight: float = 1.0
+
+
+def resolve_text_rewards(specs) -> list[TextReward]:
+    """``reward.functions`` entries (``function``, ``weight``) -> resolved :class:`TextReward` s."""
+    rewards = []
+    for spec in specs:
+        fn = resolve_reward_function(spec.function)
+        rewards.append(TextReward(getattr(fn, "__name__", spec.function), fn, float(spec.weight)))
+    return rewards
+
+
+def _text_scores(reward: TextReward, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                 columns: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, applicable)`` ``[B]`` of one batch reward; None -> not applicable (value 0)."""
+    n = len(completions)
+    try:
+        values = reward.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    except Exception as exc:  # noqa: BLE001 -- any failure is reported as this function's, in one line
+        detail = " ".join(str(exc).split())
+        raise RewardFunctionError(f"reward function {reward.name!r} raised {type(exc).__name__} on a batch of {n} "
+                                  f"completions: {detail}") from exc
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+        raise RewardFunctionError(f"reward function {reward.name!r} returned {got} for a batch of {n} completions; "
+                                  "expected a list with one float (or None) per completion")
+    applicable = torch.tensor([v is not None for v in values], dtype=torch.bool)
+    return torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32), applicable
+
+
+class RewardScorer:
+    """Scores a batch: ``function`` on each (prompt, completion, meta), batch ``text_rewards`` on the
+    decoded text (with ``tokenizer``), and/or a frozen reward model; the scores add up.
+
+    ``reward_model`` is a loaded module (frozen, eval mode). After each call, :attr:`metrics` holds
+    ``reward/<name>``: each text reward's mean over the completions it applied to (0 if none).
     """
 
     def __init__(self, function: str | RewardFn | None = None, reward_model: torch.nn.Module | None = None,
-                 model_kind: str = "classifier", label_index: int = 0, micro_batch: int | None = None):
-        if function is None and reward_model is None:
-            raise ValueError("no reward: set reward.function or reward.model_path")
+                 model_kind: str = "classifier", label_index: int = 0, micro_batch: int | None = None,
+                 text_rewards: list[TextReward] = (), tokenizer=None):
+        if function is None and reward_model is None and not text_rewards:
+            raise ValueError("no reward: set reward.function, reward.functions or reward.model_path")
+        if text_rewards and tokenizer is None:
+            raise ValueError("reward.functions score text: they need the model's tokenizer")
         self.function = resolve_reward_function(function) if isinstance(function, str) else function
+        self.text_rewards = list(text_rewards)
+        self.tokenizer = tokenizer
         self.reward_model = reward_model
         self.model_kind = model_kind
         self.label_index = label_index
         self.micro_batch = micro_batch
+        self.metrics: dict[str, float] = {}
 
     def __call__(self, exp, prompts: list[list[int]], completions: list[list[int]], metas: list[dict]) -> torch.Tensor:
         """[B] fp32 scores of the sequences of ``exp``; ``prompts[b]``/``completions[b]``/``metas[b]`` per row."""
@@ -93,6 +156,16 @@ class RewardScorer:
         if self.function is not None:
             values = [float(self.function(p, c, m)) for p, c, m in zip(prompts, completions, metas, strict=True)]
             scores += torch.tensor(values, dtype=torch.float32)
+        if self.text_rewards:
+            prompt_text = self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
+            completion_text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+            columns = {k: [m.get(k) for m in metas] for k in sorted(set().union(*map(set, metas)))}
+            for reward in self.text_rewards:
+                values, applicable = _text_scores(reward, prompt_text, completion_text, [list(c) for c in completions],
+                                                  columns)
+                scores += reward.weight * values
+                count = int(applicable.sum())
+                self.metrics[f"reward/{reward.name}"] = float(values[applicable].sum()) / count if count else 0.0
         if self.reward_model is not None:
             from fastrlhf.rl.forward import reward_model_scores
 

@@ -98,7 +98,7 @@ class RLStep:
             with clock("reward"):
                 exp = build_experience(prompts, completions, self.pad_token_id, self.device)
                 exp.scores = self.score(exp, prompts, completions, metas)
-            prep = self.logprobs_and_values(exp)
+            prep = {**getattr(self.scorer, "metrics", {}), **self.logprobs_and_values(exp)}
             estimator = ADV_ESTIMATORS[ADV_ESTIMATOR_OF[self.config.algorithm]]
             exp.advantages, exp.returns = estimator(exp, self.config.trainer)
             prep["advantage_mean"] = float(masked_mean(exp.advantages, exp.response_mask))

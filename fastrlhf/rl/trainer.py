@@ -54,16 +54,20 @@ def _build_rollout(config, actor_module, num_params: int, device):
 def build_rl_step(config, guard):
     """Load models, build engines; returns ``(rl_step, stateful objects for checkpoints)``."""
     from fastrlhf import distributed as D
-    from fastrlhf.config import check_world_size
+    from fastrlhf.config import ConfigError, check_world_size
     from fastrlhf.distributed import build_frozen_engine, build_train_engine, deepspeed_config
     from fastrlhf.modeling import load_causal_lm, load_value_model
     from fastrlhf.precision import apply_matmul_precision, compute_dtype
-    from fastrlhf.rl.rewards import RewardScorer
+    from fastrlhf.rl.rewards import RewardScorer, resolve_text_rewards
     from fastrlhf.rl.step import RLStep
 
     t, ds = config.trainer, config.deepspeed
     apply_matmul_precision(config)
     check_world_size(config, D.world_size())
+    try:  # an unknown or unimportable function stops the run before any model loads
+        text_rewards = resolve_text_rewards(config.reward.functions)
+    except ValueError as exc:
+        raise ConfigError("reward.functions", str(exc)) from None
     micro = t.minibatch_size // D.world_size() // t.grad_accum
 
     # ZeRO-3: load straight into partitions (no full replica per rank), with the engines' own configs.
@@ -102,8 +106,13 @@ def build_rl_step(config, guard):
 
         reward_model = AutoModelForSequenceClassification.from_pretrained(
             config.reward.model_path, dtype=torch_dtype(compute_dtype(config))).eval().requires_grad_(False).to(device)
+    tokenizer = None
+    if text_rewards:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     scorer = RewardScorer(config.reward.function, reward_model, config.reward.model_kind, config.reward.label_index,
-                          micro_batch=micro)
+                          micro_batch=micro, text_rewards=text_rewards, tokenizer=tokenizer)
 
     rollout, shares = _build_rollout(config, actor_engine.module, num_params, device)
     step = RLStep(config, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,

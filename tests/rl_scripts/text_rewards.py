@@ -1,0 +1,15 @@
+"""Batch text rewards for tests/test_rl_text_rewards.py (TRL's signature, dataset columns as kwargs)."""
+
+
+def mentions_answer(prompts, completions, completion_ids, answer, **columns):
+    """1.0 where the decoded completion contains the row's ``answer`` column, else 0.0."""
+    return [float(a in c) for c, a in zip(completions, answer, strict=True)]
+
+
+def only_short(prompts, completions, completion_ids, **columns):
+    """Applies to completions of at most 2 tokens; None (not applicable) for the others."""
+    return [1.0 if len(ids) <= 2 else None for ids in completion_ids]
+
+
+def boom(prompts, completions, completion_ids, **columns):
+    raise KeyError("no column 'missing' in this batch")

@@ -1,0 +1,180 @@
+"""Batch reward functions on text (reward.functions, TRL's signature): decoding, dataset columns,
+weights, None, errors; and the columns of a prompt row travelling to the reward."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from fastrlhf.config import RewardFunctionConfig
+from fastrlhf.data import load_prompts
+from fastrlhf.rl.experience import build_experience
+from fastrlhf.rl.rewards import RewardFunctionError, RewardScorer, TextReward, resolve_text_rewards
+from fastrlhf.rollout import Completion
+
+
+class CharTokenizer:
+    """Token id i is the character chr(ord('a') + i); ids >= 26 are special (skipped)."""
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        assert skip_special_tokens
+        return ["".join(chr(ord("a") + t) for t in row if t < 26) for row in rows]
+
+
+PROMPTS = [[0, 1], [2]]  # "ab", "c"
+COMPLETIONS = [[Completion([3, 4, 30], [0.0] * 3, "stop"), Completion([5], [0.0], "length")],
+               [Completion([0], [0.0], "stop"), Completion([1, 1], [0.0] * 2, "stop")]]
+METAS = [{"answer": "de", "source": "x"}, {"answer": "a"}]
+
+
+def score(scorer):
+    exp = build_experience(PROMPTS, COMPLETIONS, pad_token_id=31)
+    rows = [(p, c.token_ids, m) for p, m, samples in zip(PROMPTS, METAS, COMPLETIONS, strict=True) for c in samples]
+    return scorer(exp, *map(list, zip(*rows, strict=True)))
+
+
+def test_text_rewards_get_decoded_text_ids_and_columns_and_add_up_by_weight():
+    seen = {}
+
+    def exact(prompts, completions, completion_ids, answer, **columns):
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer,
+                    columns=columns)
+        return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+    def short(prompts, completions, completion_ids, source, **_):
+        # Not applicable (None) where the row has no source column.
+        return [None if s is None else 1.0 / len(c) for c, s in zip(completions, source, strict=True)]
+
+    scorer = RewardScorer(text_rewards=[TextReward("exact", exact, 2.0), TextReward("short", short, 0.5)],
+                          tokenizer=CharTokenizer())
+    scores = score(scorer)
+    assert seen["prompts"] == ["ab", "ab", "c", "c"]
+    assert seen["completions"] == ["de", "f", "a", "bb"]  # the special id 30 is not text
+    assert seen["completion_ids"] == [[3, 4, 30], [5], [0], [1, 1]]
+    assert seen["answer"] == ["de", "de", "a", "a"] and seen["columns"] == {"source": ["x", "x", None, None]}
+    torch.testing.assert_close(scores, torch.tensor([2.0 + 0.25, 0.5, 2.0, 0.0]))
+    assert scorer.metrics == {"reward/exact": 0.5, "reward/short": 0.75}  # short: mean of its 2 applicable
+
+
+def test_a_reward_function_that_raises_or_miscounts_is_named_in_one_line():
+    def broken(prompts, completions, completion_ids, **_):
+        raise KeyError("answer\nsecond line")
+
+    with pytest.raises(RewardFunctionError) as info:
+        score(RewardScorer(text_rewards=[TextReward("broken", broken)], tokenizer=CharTokenizer()))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("reward function 'broken' raised KeyError on a batch of 4 completions")
+
+    def miscount(prompts, completions, completion_ids, **_):
+        return [1.0]
+
+    with pytest.raises(RewardFunctionError, match="'miscount' returned 1 values for a batch of 4 completions"):
+        score(RewardScorer(text_rewards=[TextReward("miscount", miscount)], tokenizer=CharTokenizer()))
+
+
+def test_nan_from_a_text_reward_reaches_the_scores_so_the_guard_skips_the_step():
+    def nan(prompts, completions, completion_ids, **_):
+        return [math.nan] + [0.0] * (len(completions) - 1)
+
+    scores = score(RewardScorer(text_rewards=[TextReward("nan", nan)], tokenizer=CharTokenizer()))
+    assert math.isnan(float(scores[0])) and not torch.isnan(scores[1:]).any()
+
+
+def test_resolve_text_rewards():
+    rewards = resolve_text_rewards([RewardFunctionConfig("fastrlhf.rl.rewards:length_reward", 0.5)])
+    assert (rewards[0].name, rewards[0].weight) == ("length_reward", 0.5)
+    with pytest.raises(ValueError, match="unknown reward function 'nope'"):
+        resolve_text_rewards([RewardFunctionConfig("nope")])
+
+
+def test_every_column_of_a_prompt_row_travels_in_meta(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt_ids": [1, 2], "answer": "42", "data_source": "gsm"},
+            {"prompt_ids": [3], "answer": "7", "meta": {"answer": "8", "level": 2}}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples = load_prompts(str(path))
+    assert examples[0].meta == {"answer": "42", "data_source": "gsm"}
+    assert examples[1].meta == {"answer": "8", "level": 2}  # meta's own key wins over the column
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    """A tiny Llama with a word-level tokenizer saved beside it (token i is the word ``w<i>``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from fastrlhf.tiny_models import save_tiny_llama
+
+    root = tmp_path_factory.mktemp("text_rl")
+    save_tiny_llama(root / "model", vocab_size=64, hidden_size=32, num_heads=1)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(root / "model")
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"prompt_ids": [5 + i, 6 + i, 7], "answer": f"w{3 + i}"}) + "\n")
+    return root
+
+
+def _run(text_model, name, functions):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = {"algorithm": "grpo", "output_dir": str(text_model / name), "model": {"path": str(text_model / "model")},
+              "reward": {"functions": functions}, "data": {"prompts": str(text_model / "prompts.jsonl")},
+              "rollout": {"engine": "hf", "n": 2, "max_new_tokens": 3},
+              "trainer": {"max_steps": 2, "prompts_per_step": 2, "minibatch_size": 4, "lr": 1e-3},
+              "deepspeed": {"zero_stage": 0}}
+    path = text_model / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", FASTRLHF_NO_PROGRESS="1", FASTRLHF_DIST_TIMEOUT="60",
+               PYTHONPATH=os.pathsep.join([os.path.join(root, "tests", "rl_scripts"), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "fastrlhf", "train", "--config", str(path)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    return proc, text_model / name
+
+
+@pytest.mark.slow
+def test_fastrlhf_train_scores_with_weighted_text_rewards_on_dataset_columns(text_model):
+    proc, out = _run(text_model, "text_ok", [{"function": "text_rewards:mentions_answer", "weight": 2.0},
+                                             {"function": "text_rewards:only_short", "weight": 0.5}])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 0.0 <= r["reward/mentions_answer"] <= 1.0 and r["reward/only_short"] in (0.0, 1.0)
+        assert r["reward_mean"] <= 2.0 * r["reward/mentions_answer"] + 0.5 + 1e-9
+
+
+@pytest.mark.slow
+def test_a_raising_text_reward_ends_the_run_with_one_line_naming_it(text_model):
+    proc, _ = _run(text_model, "text_boom", [{"function": "text_rewards:boom"}])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("reward error")]
+    assert lines == ["reward error: reward function 'boom' raised KeyError on a batch of 4 completions: "
+                     "\"no column 'missing' in this batch\""], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    proc, _ = _run(text_model, "text_unknown", [{"function": "text_rewards:nope"}])
+    assert proc.returncode == 2 and "config error: reward.functions: reward.function 'text_rewards:nope'" \
+        in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_reward_module_in_the_current_directory_resolves_as_under_the_console_script(tmp_path, monkeypatch):
+    import sys
+
+    from fastrlhf.rl.rewards import resolve_reward_function
+
+    (tmp_path / "cwd_reward_mod.py").write_text("def fn(prompts, completions, completion_ids, **kw):\n"
+                                                 "    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    # The console script's sys.path holds neither '' nor the current directory.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    fn = resolve_reward_function("cwd_reward_mod:fn")
+    assert fn(prompts=["a"], completions=["b"], completion_ids=[[1]]) == [1.0]
