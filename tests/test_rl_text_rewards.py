@@ -133,7 +133,8 @@ def _run(text_model, name, functions):
               "deepspeed": {"zero_stage": 0}}
     path = text_model / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", FASTRLHF_NO_PROGRESS="1", FASTRLHF_DIST_TIMEOUT="60",
                PYTHONPATH=os.pathsep.join([os.path.join(root, "tests", "rl_scripts"), env.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "fastrlhf", "train", "--config", str(path)], env=env,
