@@ -11,55 +11,11 @@ Every problem raises :class:`ConfigError` whose message is one line naming the o
 
 from __future__ import annotations
 
+from . import schema
 from .checks import _check_reward_spec, check_world_size, validate  # noqa: F401 (private, imported by name)
 from .errors import ConfigError
 from .loading import RENAMED_KEYS, apply_overrides, config_to_dict, load_config, parse_config
-from .schema import (
-    SCHEMAS,
-    CriticConfig,
-    DataConfig,
-    DeepSpeedConfig,
-    EvalConfig,
-    LoopConfig,
-    ModelConfig,
-    ReferenceConfig,
-    RewardConfig,
-    RewardFunctionConfig,
-    RMConfig,
-    RMDataConfig,
-    RolloutConfig,
-    SFTConfig,
-    SFTDataConfig,
-    SFTTrainerConfig,
-    TrainConfig,
-    TrainerConfig,
-)
+from .schema import *  # noqa: F403 -- every dataclass of the schema is part of this package's API
 
-__all__ = [
-    "ConfigError",
-    "ModelConfig",
-    "ReferenceConfig",
-    "CriticConfig",
-    "RewardConfig",
-    "RewardFunctionConfig",
-    "DataConfig",
-    "RolloutConfig",
-    "EvalConfig",
-    "LoopConfig",
-    "TrainerConfig",
-    "DeepSpeedConfig",
-    "TrainConfig",
-    "SFTDataConfig",
-    "SFTTrainerConfig",
-    "SFTConfig",
-    "RMDataConfig",
-    "RMConfig",
-    "SCHEMAS",
-    "RENAMED_KEYS",
-    "load_config",
-    "parse_config",
-    "apply_overrides",
-    "config_to_dict",
-    "validate",
-    "check_world_size",
-]
+__all__ = ["ConfigError", *schema.__all__, "RENAMED_KEYS", "load_config", "parse_config", "apply_overrides",
+           "config_to_dict", "validate", "check_world_size"]
