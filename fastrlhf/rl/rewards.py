@@ -159,10 +159,10 @@ class RewardScorer:
         if self.text_rewards:
             prompt_text = self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
             completion_text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+            completion_ids = [list(c) for c in completions]
             columns = {k: [m.get(k) for m in metas] for k in sorted(set().union(*map(set, metas)))}
             for reward in self.text_rewards:
-                values, applicable = _text_scores(reward, prompt_text, completion_text, [list(c) for c in completions],
-                                                  columns)
+                values, applicable = _text_scores(reward, prompt_text, completion_text, completion_ids, columns)
                 scores += reward.weight * values
                 count = int(applicable.sum())
                 self.metrics[f"reward/{reward.name}"] = float(values[applicable].sum()) / count if count else 0.0

@@ -41,7 +41,13 @@ from fastrlhf.rl.experience import Experience, build_experience
 from fastrlhf.rl.forward import critic_loss, policy_loss_from_model, sequence_logprobs, token_values, unwrap
 from fastrlhf.rl.update import as_learner, minibatch_order, run_updates
 
-__all__ = ["RLStep", "skips_old_logprobs"]
+__all__ = ["RLStep", "micro_batch_size", "skips_old_logprobs"]
+
+
+def micro_batch_size(config, world: int) -> int:
+    """Sequences per rank per micro-batch: ``trainer.minibatch_size`` counts all ranks' sequences
+    (``config.check_world_size`` has checked that it splits over ranks x grad_accum)."""
+    return config.trainer.minibatch_size // world // config.trainer.grad_accum
 
 
 def skips_old_logprobs(config) -> bool:
@@ -129,10 +135,6 @@ class RLStep:
                 for c in samples]
         return self.scorer(exp, *map(list, zip(*rows, strict=True))).float()
 
-    def _micro_batch(self) -> int:
-        t = self.config.trainer
-        return t.minibatch_size // self.world // t.grad_accum
-
     def logprobs_and_values(self, exp: Experience) -> dict[str, float]:
         """Old logprobs (recomputed by the actor), reference logprobs, TIS weights and values.
 
@@ -141,7 +143,7 @@ class RLStep:
         parameters, same tokens: the same values); ``logprob_mismatch_*`` is then not logged.
         """
         t, mask = self.config.trainer, exp.response_mask
-        micro = t.forward_micro_batch or self._micro_batch()
+        micro = t.forward_micro_batch or micro_batch_size(self.config, self.world)
         lp_kwargs = dict(temperature=self.config.rollout.temperature, micro_batch=micro,
                          chunk_size=t.loss_chunk_size, fused=t.fused_loss, chunk_bytes=t.loss_chunk_bytes)
         metrics = {}
@@ -171,7 +173,8 @@ class RLStep:
         """The actor's (then the critic's) optimizer steps over shuffled minibatches of the batch."""
         t = self.config.trainer
         generator = torch.Generator().manual_seed(self.config.seed * 7919 + step)
-        order = minibatch_order(exp.batch_size, self._micro_batch(), t.grad_accum, t.ppo_epochs, generator)
+        micro = micro_batch_size(self.config, self.world)
+        order = minibatch_order(exp.batch_size, micro, t.grad_accum, t.ppo_epochs, generator)
         unwrap(self.actor.module).train()
         actor = run_updates(self.actor, exp, lambda module, mb: policy_loss_from_model(module, mb, self.config),
                             order)

@@ -59,7 +59,7 @@ def build_rl_step(config, guard):
     from fastrlhf.modeling import load_causal_lm, load_value_model
     from fastrlhf.precision import apply_matmul_precision, compute_dtype
     from fastrlhf.rl.rewards import RewardScorer, resolve_text_rewards
-    from fastrlhf.rl.step import RLStep
+    from fastrlhf.rl.step import RLStep, micro_batch_size
 
     t, ds = config.trainer, config.deepspeed
     apply_matmul_precision(config)
@@ -68,7 +68,7 @@ def build_rl_step(config, guard):
         text_rewards = resolve_text_rewards(config.reward.functions)
     except ValueError as exc:
         raise ConfigError("reward.functions", str(exc)) from None
-    micro = t.minibatch_size // D.world_size() // t.grad_accum
+    micro = micro_batch_size(config, D.world_size())
 
     # ZeRO-3: load straight into partitions (no full replica per rank), with the engines' own configs.
     actor_ds = deepspeed_config(ds, micro, t.grad_accum, t.max_grad_norm) if ds.zero_stage == 3 else None
