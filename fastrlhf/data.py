@@ -1,8 +1,12 @@
-"""Training data: JSONL files or Hugging Face ``datasets`` folders -> validated token-id examples.
+"""Training data: JSONL files, Parquet files or Hugging Face ``datasets`` folders -> validated token-id examples.
 
 Every bad line is found before training starts and reported together, with its line number
 (``data error: prompts.jsonl:17: empty prompt``). Sampling is a seeded, resumable epoch shuffle so
 that a resumed run sees exactly the batches an uninterrupted run would have seen.
+
+A prompt is token ids (``prompt_ids``), text (``prompt``) or a chat (``messages``: a list of
+``{"role", "content"}`` objects), which the tokenizer's chat template turns into ids with the generation
+prompt (``data.chat_template``: auto | true | false, see :func:`load_prompts`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +31,7 @@ __all__ = [
     "load_classification_examples",
     "EpochSampler",
     "LazyTokenizer",
+    "check_columns",
 ]
 
 MAX_REPORTED = 10
@@ -49,10 +55,20 @@ class _BadLine(Exception):
     pass
 
 
+class _Skip(Exception):
+    """A valid row left out on purpose (``data.overlong: skip``)."""
+
+
+CHAT_FIELD = "messages"
+CHAT_TEMPLATE_CHOICES = (True, False, "auto")
+OVERLONG_CHOICES = ("error", "truncate", "skip")
+
+
 @dataclass
 class PromptExample:
     prompt_ids: list[int]
     meta: dict = field(default_factory=dict)
+    source: str = ""  # where the row is: "file:line" or "folder:row N" (for messages naming it)
 
 
 @dataclass
@@ -80,19 +96,47 @@ class LazyTokenizer:
     def __init__(self, model_path: str | None):
         self.model_path = model_path
         self._tokenizer = None
+        self._failure: str | None = None  # why loading failed (tried once, not once per row)
 
     def get(self):
         if self._tokenizer is None:
             if self.model_path is None:
                 raise _BadLine("text field given but no tokenizer is configured; give token ids instead")
-            try:
-                from transformers import AutoTokenizer
+            if self._failure is None:
+                try:
+                    from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            except Exception as exc:  # noqa: BLE001 -- any loading failure means "no usable tokenizer"
+                    self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+                except Exception as exc:  # noqa: BLE001 -- any loading failure means "no usable tokenizer"
+                    self._failure = type(exc).__name__
+            if self._tokenizer is None:
                 raise _BadLine(f"text field given but {self.model_path} has no usable tokenizer "
-                               f"({type(exc).__name__}); give token ids instead") from None
+                               f"({self._failure}); give token ids instead")
         return self._tokenizer
+
+    def chat_ids(self, messages: list[dict], field_name: str, why: str = "") -> list[int]:
+        """``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` as a list of ints."""
+        try:
+            tokenizer = self.get()
+        except _BadLine:
+            tokenizer = None
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            if self.model_path is None:
+                reason = "no tokenizer is configured"
+            elif tokenizer is None:
+                reason = f"{self.model_path} has no usable tokenizer ({self._failure})"
+            else:
+                reason = f"the tokenizer of {self.model_path} has none"
+            raise _BadLine(f"field {field_name!r} needs a tokenizer with a chat template{why} ({reason})")
+        try:
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # noqa: BLE001 -- a template that raises (roles must alternate...) is a bad line
+            detail = " ".join(str(exc).split())
+            raise _BadLine(f"the chat template failed on field {field_name!r} "
+                           f"({type(exc).__name__}: {detail})") from None
+        if hasattr(out, "keys"):  # transformers 5: a BatchEncoding
+            out = out["input_ids"]
+        return [int(t) for t in out]
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.get()(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -107,9 +151,25 @@ class LazyTokenizer:
 # --------------------------------------------------------------------------------------------
 
 
+def _plain(value):
+    """numpy / arrow values (``datasets`` rows, Parquet) -> Python lists, dicts and scalars."""
+    if value is None or isinstance(value, (str, bytes, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    tolist = getattr(value, "tolist", None)  # numpy arrays and scalars
+    return _plain(tolist()) if callable(tolist) else value
+
+
 def _rows(path: str) -> Iterator[tuple[str, Any]]:
-    """Yield ``(where, row_or_BadLine)``; ``where`` is ``file:line`` (JSONL) or ``folder:row N``."""
+    """Yield ``(where, row_or_BadLine)``; ``where`` is ``file:line`` (JSONL) or ``name:row N`` (a ``datasets``
+    folder or a ``.parquet`` file, rows counted from 0)."""
     name = os.path.basename(os.path.normpath(path))
+    if path.endswith(".parquet") and not os.path.isdir(path):
+        yield from _parquet_rows(path, name)
+        return
     if os.path.isdir(path):
         try:
             from datasets import load_from_disk
@@ -123,7 +183,7 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
                 raise DataError([f"{name}: a DatasetDict without a 'train' split (has {', '.join(dataset.keys())})"])
             dataset = dataset["train"]
         for i, row in enumerate(dataset):
-            yield f"{name}:row {i}", row
+            yield f"{name}:row {i}", _plain(row)
         return
     try:
         f = open(path, encoding="utf-8")
@@ -144,20 +204,46 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
             yield f"{name}:{lineno}", row
 
 
-def _collect(path: str, parse: Callable[[dict], Any]) -> list:
-    examples, problems = [], []
+def _parquet_rows(path: str, name: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError([f"{name}: reading Parquet needs pyarrow (pip install pyarrow)"]) from None
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 -- missing, unreadable or not Parquet
+        raise DataError([f"{name}: not a readable Parquet file ({type(exc).__name__}: {exc})"]) from None
+    i = 0
+    for batch in parquet.iter_batches():
+        for row in batch.to_pylist():
+            yield f"{name}:row {i}", row
+            i += 1
+
+
+def _collect(path: str, parse: Callable[[dict, str], Any], skipped_as: str = "") -> list:
+    """Parse every row (``parse(row, where)``); bad lines -> one DataError. A row whose ``parse`` raises
+    ``_Skip`` is left out; rank 0 prints how many were, ``skipped_as`` saying why."""
+    examples, problems, skipped = [], [], 0
     for where, row in _rows(path):
         if isinstance(row, _BadLine):
             problems.append(f"{where}: {row}")
             continue
         try:
-            examples.append(parse(row))
+            examples.append(parse(row, where))
         except _BadLine as exc:
             problems.append(f"{where}: {exc}")
+        except _Skip:
+            skipped += 1
     if problems:
         raise DataError(problems)
+    name = os.path.basename(os.path.normpath(path))
     if not examples:
-        raise DataError([f"{os.path.basename(os.path.normpath(path))}: no examples"])
+        if skipped:
+            raise DataError([f"{name}: no examples: all {skipped} rows were skipped as {skipped_as}"])
+        raise DataError([f"{name}: no examples"])
+    if skipped and os.environ.get("RANK", "0") == "0":
+        print(f"data: skipped {skipped} of {skipped + len(examples)} rows of {path} as {skipped_as}",
+              file=sys.stderr, flush=True)
     return examples
 
 
@@ -182,15 +268,12 @@ def _tokens(row: dict, names: tuple[str, ...], what: str, tokenizer: LazyTokeniz
         raise _BadLine(f"field {name!r} must be text or a list of token ids, got {_short(value)}")
     if required and not ids:
         raise _BadLine(f"empty {what}")
-    if vocab_size is not None:
-        bad = [t for t in ids if t < 0 or t >= vocab_size]
-        if bad:
-            raise _BadLine(f"token id {bad[0]} in {what} is outside the vocabulary [0, {vocab_size})")
+    _check_vocab(ids, vocab_size, what)
     return ids
 
 
 def _short(value) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -211,39 +294,142 @@ def _id_and_text_names(field_name: str) -> tuple[str, ...]:
     return field_name, f"{field_name}_ids"
 
 
+def _is_chat(value) -> bool:
+    return isinstance(value, list) and any(isinstance(m, dict) for m in value)
+
+
+def _chat(value, field_name: str) -> list[dict]:
+    """A validated chat: a non-empty list of objects with text ``role`` and ``content``. Keys that are null
+    (a column of a Parquet/``datasets`` struct that another row has) are left out, as if absent."""
+    if not isinstance(value, list) or not value:
+        raise _BadLine(f"field {field_name!r} must be a non-empty list of {{\"role\": text, \"content\": text}} "
+                       f"objects, got {_short(value)}")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise _BadLine(f"field {field_name!r}: message {i} must be an object with text 'role' and 'content', "
+                           f"got {_short(message)}")
+        messages.append({k: v for k, v in message.items() if v is not None})
+    return messages
+
+
+def _prompt(row: dict, names: tuple[str, ...], tokenizer: LazyTokenizer, vocab_size: int | None,
+            chat_template: bool | str) -> list[int]:
+    """Prompt ids of a row: the first present field of ``names`` + ``messages``; ids as given, text tokenized
+    (``chat_template: true``: as one user message through the template), a chat through the template."""
+    fields = tuple(dict.fromkeys((*names, CHAT_FIELD)))
+    for name in fields:
+        if name in row and row[name] is not None:
+            value = row[name]
+            break
+    else:
+        raise _BadLine(f"missing field {' or '.join(repr(n) for n in fields)}")
+    if name == CHAT_FIELD or _is_chat(value):
+        messages = _chat(value, name)
+        if chat_template is False:
+            raise _BadLine(f"field {name!r} is a chat but data.chat_template is false; "
+                           "set data.chat_template to true or auto")
+        ids = tokenizer.chat_ids(messages, name)
+    elif isinstance(value, str) and chat_template is True:
+        ids = tokenizer.chat_ids([{"role": "user", "content": value}], name, why=" (data.chat_template is true)") \
+            if value else []
+    else:
+        return _tokens({name: value}, (name,), "prompt", tokenizer, vocab_size, special=True)
+    if not ids:
+        raise _BadLine("empty prompt")
+    _check_vocab(ids, vocab_size, "prompt")
+    return ids
+
+
+def _check_vocab(ids: list[int], vocab_size: int | None, what: str):
+    if vocab_size is not None:
+        bad = [t for t in ids if t < 0 or t >= vocab_size]
+        if bad:
+            raise _BadLine(f"token id {bad[0]} in {what} is outside the vocabulary [0, {vocab_size})")
+
+
+def _check_choices(chat_template, overlong=None):
+    if chat_template not in CHAT_TEMPLATE_CHOICES or type(chat_template) not in (bool, str):
+        raise ValueError(f"chat_template must be true, false or 'auto', got {chat_template!r}")
+    if overlong is not None and overlong not in OVERLONG_CHOICES:
+        raise ValueError(f"overlong must be one of {', '.join(OVERLONG_CHOICES)}, got {overlong!r}")
+
+
 def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: int | None = None,
-                 vocab_size: int | None = None, tokenizer_path: str | None = None) -> list[PromptExample]:
-    """RL prompts: ``{"prompt_ids": [...], "meta": {...}}`` or ``{"prompt": "text"}`` lines (meta optional).
+                 vocab_size: int | None = None, tokenizer_path: str | None = None, *,
+                 chat_template: bool | str = "auto", overlong: str = "error") -> list[PromptExample]:
+    """RL prompts, one per row: ``{"prompt_ids": [...]}``, ``{"prompt": "text"}`` or ``{"messages": [{"role",
+    "content"}, ...]}`` (the prompt field's names come from ``prompt_field``; a chat in it works too).
+
+    ``chat_template`` (``data.chat_template``): a chat is always put through the tokenizer's chat template
+    with the generation prompt (``auto``: a bad line when the tokenizer has no template; ``false``: a chat
+    is a bad line); ``true`` also puts text through it as one user message, ``auto``/``false`` tokenize
+    text as it is. Token ids are used as given.
+
+    ``overlong`` (``data.overlong``), for a prompt longer than ``max_prompt_len`` tokens: ``error`` (a bad
+    line), ``truncate`` (keep its last ``max_prompt_len`` tokens, so a template's generation prompt stays) or
+    ``skip`` (leave the row out; rank 0 prints how many; all left out is an error).
 
     Every other column of a row (``answer``, ``data_source``...) travels in the example's ``meta``, so
-    reward functions receive it; a key in ``meta`` itself wins over a column of the same name.
+    reward functions receive it; a key in ``meta`` itself wins over a column of the same name. ``source``
+    is the row's ``file:line``.
     """
+    _check_choices(chat_template, overlong)
     tokenizer = LazyTokenizer(tokenizer_path)
     names = _id_and_text_names(prompt_field)
 
-    def parse(row: dict) -> PromptExample:
-        ids = _tokens(row, names, "prompt", tokenizer, vocab_size, special=True)
-        _check_len(ids, max_prompt_len, "prompt")
+    def parse(row: dict, where: str) -> PromptExample:
+        ids = _prompt(row, names, tokenizer, vocab_size, chat_template)
         meta = row.get("meta", {})
         if meta is None:
             meta = {}
         if not isinstance(meta, dict):
             raise _BadLine(f"field 'meta' must be an object, got {_short(meta)}")
-        columns = {k: v for k, v in row.items() if k not in names and k != "meta"}
-        return PromptExample(ids, {**columns, **meta})
+        if max_prompt_len is not None and len(ids) > max_prompt_len:
+            if overlong == "truncate":
+                ids = ids[-max_prompt_len:]
+            elif overlong == "skip":
+                raise _Skip
+            else:
+                _check_len(ids, max_prompt_len, "prompt")
+        columns = {k: v for k, v in row.items() if k not in names and k not in ("meta", CHAT_FIELD)}
+        return PromptExample(ids, {**columns, **meta}, where)
 
-    return _collect(path, parse)
+    return _collect(path, parse, skipped_as=f"longer than max_prompt_len ({max_prompt_len} tokens)")
 
 
 def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None,
-                      vocab_size: int | None = None, tokenizer_path: str | None = None) -> list[SFTExample]:
-    """SFT pairs: ``{"prompt_ids"/"prompt", "response_ids"/"response"}`` lines."""
-    tokenizer = LazyTokenizer(tokenizer_path)
+                      vocab_size: int | None = None, tokenizer_path: str | None = None, *,
+                      chat_template: bool | str = "auto") -> list[SFTExample]:
+    """SFT pairs: ``{"prompt_ids"/"prompt", "response_ids"/"response"}`` or ``{"messages": [..., {"role":
+    "assistant", "content": ...}]}`` rows.
 
-    def parse(row: dict) -> SFTExample:
-        prompt = _tokens(row, ("prompt_ids", "prompt"), "prompt", tokenizer, vocab_size, special=True)
-        response = _tokens(row, ("response_ids", "response"), "response", tokenizer, vocab_size, special=False,
-                           append_eos=True)
+    A chat's prompt is the template of all its messages but the last, with the generation prompt; its
+    response is the last (assistant) message's text, tokenized without special tokens, plus EOS (as a text
+    response). ``chat_template`` as in :func:`load_prompts`.
+    """
+    _check_choices(chat_template)
+    tokenizer = LazyTokenizer(tokenizer_path)
+    pair_fields = ("prompt_ids", "prompt", "response_ids", "response")
+
+    def parse(row: dict, where: str) -> SFTExample:
+        if row.get(CHAT_FIELD) is not None and all(row.get(k) is None for k in pair_fields):
+            messages = _chat(row[CHAT_FIELD], CHAT_FIELD)
+            if chat_template is False:
+                raise _BadLine(f"field {CHAT_FIELD!r} is a chat but data.chat_template is false; "
+                               "set data.chat_template to true or auto")
+            if len(messages) < 2 or messages[-1]["role"] != "assistant":
+                raise _BadLine(f"field {CHAT_FIELD!r} must end with an assistant message (the response) after at "
+                               f"least one other message, got roles {[m['role'] for m in messages]}")
+            prompt = tokenizer.chat_ids(messages[:-1], CHAT_FIELD)
+            _check_vocab(prompt, vocab_size, "prompt")
+            response = _tokens({"response": messages[-1]["content"]}, ("response",), "response", tokenizer,
+                               vocab_size, special=False, append_eos=True)
+        else:
+            prompt = _prompt(row, ("prompt_ids", "prompt"), tokenizer, vocab_size, chat_template)
+            response = _tokens(row, ("response_ids", "response"), "response", tokenizer, vocab_size, special=False,
+                               append_eos=True)
         _check_len(prompt, max_prompt_len, "prompt")
         _check_len(prompt + response, max_len, "prompt + response")
         return SFTExample(prompt, response)
@@ -256,7 +442,7 @@ def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = Non
     """Preference pairs: ``{"prompt", "chosen", "rejected"}`` (text or ``*_ids`` token lists; prompt optional)."""
     tokenizer = LazyTokenizer(tokenizer_path)
 
-    def parse(row: dict) -> PairExample:
+    def parse(row: dict, where: str) -> PairExample:
         prompt = _tokens(row, ("prompt_ids", "prompt"), "prompt", tokenizer, vocab_size, special=True,
                          required=False)
         chosen = _tokens(row, ("chosen_ids", "chosen"), "chosen", tokenizer, vocab_size, special=not prompt)
@@ -273,7 +459,7 @@ def load_classification_examples(path: str, max_len: int, num_labels: int, vocab
     """Labelled sequences: ``{"text"/"input_ids", "label"}`` lines, label in [0, num_labels)."""
     tokenizer = LazyTokenizer(tokenizer_path)
 
-    def parse(row: dict) -> ClassificationExample:
+    def parse(row: dict, where: str) -> ClassificationExample:
         ids = _tokens(row, ("input_ids", "text"), "text", tokenizer, vocab_size, special=True)
         _check_len(ids, max_len, "text")
         if "label" not in row:
@@ -284,6 +470,21 @@ def load_classification_examples(path: str, max_len: int, num_labels: int, vocab
         return ClassificationExample(ids, label)
 
     return _collect(path, parse)
+
+
+def check_columns(examples: list[PromptExample], required: dict[str, list[str]]) -> None:
+    """Every column that a reward function needs (``{function name: [column, ...]}``, from
+    ``fastrlhf.rl.rewards.required_columns``) is a key of every prompt's ``meta`` (a null value counts as
+    present: the function is then called with None for that row); else a DataError naming each row."""
+    problems = []
+    for example in examples:
+        for name, columns in required.items():
+            for column in columns:
+                if column not in example.meta:
+                    problems.append(f"{example.source or '(unknown row)'}: reward function {name!r} needs column "
+                                    f"{column!r}, which this row lacks")
+    if problems:
+        raise DataError(problems)
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,6 +76,10 @@ class DataConfig:
     prompts: str
     prompt_field: str = "prompt_ids"
     max_prompt_len: int = 256
+    # a `messages` row always goes through the tokenizer's chat template (with the generation prompt);
+    # true: text prompts too (as one user message); auto: only chats; false: chats are bad lines
+    chat_template: bool | Literal["auto"] = "auto"
+    overlong: Literal["error", "truncate", "skip"] = "error"  # prompts over max_prompt_len (truncate keeps the end)
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,7 @@ class SFTDataConfig:
     path: str
     max_len: int = 512  # prompt + response tokens; longer examples are reported as bad lines
     max_prompt_len: int | None = None
+    chat_template: bool | Literal["auto"] = "auto"  # as data.chat_template of `fastrlhf train`
 
 
 @dataclass(frozen=True)

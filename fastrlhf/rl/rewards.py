@@ -16,6 +16,7 @@ Two forms of reward function:
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["REWARD_FUNCTIONS", "RewardFunctionError", "RewardScorer", "TextReward", "register_reward",
-           "resolve_reward_function", "resolve_text_rewards"]
+           "required_columns", "resolve_reward_function", "resolve_text_rewards"]
 
 RewardFn = Callable[[list, list, dict], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
@@ -106,6 +107,22 @@ def resolve_text_rewards(specs) -> list[TextReward]:
         fn = resolve_reward_function(spec.function)
         rewards.append(TextReward(getattr(fn, "__name__", spec.function), fn, float(spec.weight)))
     return rewards
+
+
+TEXT_REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def required_columns(fn: Callable) -> list[str]:
+    """The prompt-row columns a batch text reward ``fn(prompts, completions, completion_ids, **columns)``
+    cannot do without: its named parameters with no default, other than those three (``*args`` and
+    ``**kwargs`` need none). A callable whose signature cannot be read needs none."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters
+            if p.kind in keyword and p.default is inspect.Parameter.empty and p.name not in TEXT_REWARD_ARGUMENTS]
 
 
 def _text_scores(reward: TextReward, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
