@@ -194,3 +194,53 @@ def test_unsupported_head_size_fails_before_startup(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"head size 16 .* expected one of \[32, 64, 80"):
         VLLMEngine(str(tmp_path))
+
+
+def _one_char_per_token_tokenizer(vocab_size=256):
+    """A real fast tokenizer whose every token is one character: printable ASCII, then CJK."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(32 + i) for i in range(95)] + [chr(0x4E00 + i) for i in range(vocab_size - 95)]
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=chars[0]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=chars[1])
+
+
+@pytest.mark.parametrize("engine_kind", ["vllm", "hf"])
+def test_stop_strings_end_completions_at_the_completing_token(models, vllm_engine, engine_kind):
+    tokenizer = _one_char_per_token_tokenizer()
+    hf = HFEngine(models["first"][1], tokenizer=tokenizer)
+    free = hf.generate(PROMPTS[:2], GREEDY)[0][0].token_ids
+    text = tokenizer.decode(free)
+    assert len(text) == len(free)
+    stop = text[4:6]  # a two-token string: the cut falls on the token that completes it
+    end = text.index(stop) + len(stop)
+    engine = hf
+    if engine_kind == "vllm":
+        engine, vllm_engine.tokenizer = vllm_engine, tokenizer
+    try:
+        sampling = SamplingConfig(temperature=0, max_new_tokens=24, ignore_eos=True, stop=(stop,))
+        c = engine.generate(PROMPTS[:1], sampling)[0][0]
+    finally:
+        vllm_engine.tokenizer = None
+    assert c.finish_reason == "stop" and c.token_ids == free[:end] and len(c.logprobs) == end
+    assert tokenizer.decode(c.token_ids).endswith(stop)
+    assert len(hf._stop_string_criteria((stop,))) == 1  # HF also stops the row early, not only cuts it
+    # Without a tokenizer a stop string cannot be seen: refused before any work.
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        HFEngine(models["first"][1]).generate(PROMPTS[:1], sampling)
+
+
+def test_the_tokenizers_eos_stops_generation_too(models):
+    tokenizer = _one_char_per_token_tokenizer()
+    free = HFEngine(models["first"][1]).generate(PROMPTS[:1], GREEDY)[0][0].token_ids
+    engine = HFEngine(models["first"][1], eos_token_id=[], tokenizer=tokenizer)
+    assert engine.eos_token_ids == [tokenizer.eos_token_id]
+    stops = [t for t in free if t == tokenizer.eos_token_id]
+    c = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_new_tokens=24))[0][0]
+    if stops:
+        assert c.finish_reason == "stop" and c.token_ids[-1] == tokenizer.eos_token_id
+    else:
+        assert c.finish_reason == "length"

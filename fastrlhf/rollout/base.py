@@ -9,7 +9,7 @@ import torch
 
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 
-__all__ = ["RolloutEngine", "stop_token_ids_for", "validate_prompts"]
+__all__ = ["RolloutEngine", "cut_at_stop_strings", "eos_token_ids_with", "stop_token_ids_for", "validate_prompts"]
 
 
 def validate_prompts(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[list[int]]:
@@ -50,6 +50,55 @@ def stop_token_ids_for(sampling: SamplingConfig, eos_token_ids: Sequence[int]) -
     return list(dict.fromkeys(eos + list(sampling.stop_token_ids)))
 
 
+def eos_token_ids_with(eos_token_ids: Sequence[int], tokenizer) -> list[int]:
+    """The model's eos ids plus the tokenizer's eos (a chat model's end-of-turn token is often only there)."""
+    ids = list(eos_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is not None and int(eos) not in ids:
+        ids.append(int(eos))
+    return ids
+
+
+def _stop_end(token_ids: list[int], stop: Sequence[str], tokenizer) -> int | None:
+    """The length of the shortest prefix of ``token_ids`` whose text contains a stop string, or None."""
+
+    def hit(k: int) -> bool:
+        text = tokenizer.decode(token_ids[:k], skip_special_tokens=False)
+        return any(s in text for s in stop)
+
+    if not token_ids or not hit(len(token_ids)):
+        return None
+    lo, hi = 1, len(token_ids)  # hit(hi) holds; a longer prefix's text extends a shorter one's
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
+    return lo
+
+
+def cut_at_stop_strings(results: list[list[Completion]], stop: Sequence[str], tokenizer) -> list[list[Completion]]:
+    """Each completion ends at the token that completes its first stop string (kept, like a stop token).
+
+    Token ids, not text, are what the trainer learns from, so the cut falls on a token boundary: the
+    completing token stays and its finish_reason becomes "stop". Completions without a stop string
+    are returned unchanged.
+    """
+    if not stop:
+        return results
+    if tokenizer is None:
+        raise ValueError("stop strings need the engine's tokenizer (rollout engines take tokenizer=...)")
+    out = []
+    for samples in results:
+        row = []
+        for c in samples:
+            end = _stop_end(c.token_ids, stop, tokenizer)
+            if end is None:
+                row.append(c)
+            else:
+                row.append(Completion(c.token_ids[:end], c.logprobs[:end], "stop"))
+        out.append(row)
+    return out
+
+
 class RolloutEngine(abc.ABC):
     """Generates completions from token-id prompts and takes new weights from the trainer.
 
@@ -58,6 +107,8 @@ class RolloutEngine(abc.ABC):
 
     #: "vllm" or "hf", the name ``choose_engine_kind`` returns.
     kind: str = ""
+    #: decodes completions for stop strings (None: token-id stops only)
+    tokenizer = None
     _vocab_size: int
     _max_model_len: int
 

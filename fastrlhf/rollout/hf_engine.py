@@ -10,7 +10,8 @@ from collections.abc import Iterable
 
 import torch
 
-from fastrlhf.rollout.base import RolloutEngine, stop_token_ids_for, validate_prompts
+from fastrlhf.rollout.base import (RolloutEngine, cut_at_stop_strings, eos_token_ids_with, stop_token_ids_for,
+                                   validate_prompts)
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 
 __all__ = ["HFEngine", "apply_sampling_filters"]
@@ -87,7 +88,7 @@ class HFEngine(RolloutEngine):
 
     kind = "hf"
 
-    def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, eos_token_id=None):
+    def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, eos_token_id=None, tokenizer=None):
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "generate"):
             raise ValueError(
@@ -101,7 +102,8 @@ class HFEngine(RolloutEngine):
             eos_token_id = getattr(gen_config, "eos_token_id", None)
             if eos_token_id is None:
                 eos_token_id = config.eos_token_id
-        self.eos_token_ids = _as_id_list(eos_token_id)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids_with(_as_id_list(eos_token_id), tokenizer)
         pad = getattr(config, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or [0])[0])
 
@@ -118,6 +120,8 @@ class HFEngine(RolloutEngine):
         if not isinstance(sampling, SamplingConfig):
             raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         prompts = validate_prompts(prompt_token_ids, self.vocab_size, self.max_model_len)
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: HFEngine(..., tokenizer=...)")
         limits = [min(sampling.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
         stop_ids = stop_token_ids_for(sampling, self.eos_token_ids)
 
@@ -160,13 +164,31 @@ class HFEngine(RolloutEngine):
                     attention_mask=attention_mask.to(device),
                     generation_config=gen_config,
                     logits_processor=LogitsProcessorList([recorder]),
+                    stopping_criteria=self._stop_string_criteria(sampling.stop),
                 )
                 logprobs = recorder.finish(sequences).float().cpu()
         finally:
             self.model.train(was_training)
             self.model.generation_config = saved_gen_config
         new_tokens = sequences[:, width:].cpu()
-        return self._split(new_tokens, logprobs, limits, sampling.n, set(stop_ids))
+        results = self._split(new_tokens, logprobs, limits, sampling.n, set(stop_ids))
+        return cut_at_stop_strings(results, sampling.stop, self.tokenizer)
+
+    def _stop_string_criteria(self, stop: tuple[str, ...]):
+        """HF's early stop for rows whose text ends with a stop string (where it can index the vocab;
+        ``cut_at_stop_strings`` decides the cut either way, so without it rows only run longer)."""
+        from transformers import StoppingCriteriaList
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        if not stop:
+            return StoppingCriteriaList()
+        cache = self.__dict__.setdefault("_stop_criteria", {})
+        if stop not in cache:
+            try:
+                cache[stop] = StopStringCriteria(self.tokenizer, list(stop))
+            except Exception:  # noqa: BLE001 -- a vocab HF cannot clean: no early stop, same result
+                cache[stop] = None
+        return StoppingCriteriaList([cache[stop]] if cache[stop] is not None else [])
 
     @staticmethod
     def _split(new_tokens, logprobs, limits, n, stop_ids) -> list[list[Completion]]:

@@ -20,8 +20,9 @@ class SamplingConfig:
     ``temperature == 0`` means greedy decoding. ``top_k == -1`` and ``top_p == 1`` switch
     truncation off. Generation stops at the model's eos token (unless ``ignore_eos``), at any of
     ``stop_token_ids`` (the stop token is kept in the completion, finish_reason "stop"), or after
-    ``max_new_tokens`` (finish_reason "length"). A given ``seed`` makes sampling reproducible on
-    the same engine.
+    ``max_new_tokens`` (finish_reason "length"). ``stop`` strings end a completion at the first
+    token whose text completes one of them (that token is kept, finish_reason "stop"); they need
+    the engine to have a tokenizer. A given ``seed`` makes sampling reproducible on the same engine.
     """
 
     n: int = 1
@@ -30,6 +31,7 @@ class SamplingConfig:
     top_k: int = -1
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
 
@@ -61,6 +63,9 @@ class SamplingConfig:
                 f"SamplingConfig.stop_token_ids must be a sequence of ints >= 0, got {self.stop_token_ids!r}"
             )
         object.__setattr__(self, "stop_token_ids", stop)
+        if isinstance(self.stop, str) or not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"SamplingConfig.stop must be a sequence of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"SamplingConfig.seed must be an int or None, got {self.seed!r}")
         object.__setattr__(self, "temperature", float(self.temperature))

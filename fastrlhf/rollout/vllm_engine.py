@@ -11,7 +11,8 @@ from collections.abc import Iterable
 import torch
 
 from fastrlhf.rollout import vllm_adapter
-from fastrlhf.rollout.base import RolloutEngine, stop_token_ids_for, validate_prompts
+from fastrlhf.rollout.base import (RolloutEngine, cut_at_stop_strings, eos_token_ids_with, stop_token_ids_for,
+                                   validate_prompts)
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 
 __all__ = ["VLLMEngine", "read_model_config", "check_cpu_head_size"]
@@ -94,6 +95,7 @@ class VLLMEngine(RolloutEngine):
         kv_cache_bytes: int = 256 << 20,
         seed: int = 0,
         enable_prefix_caching: bool = True,
+        tokenizer=None,
     ):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
             # In-process: no engine-core process to spawn and start, weight reloads can take a lazy
@@ -117,7 +119,8 @@ class VLLMEngine(RolloutEngine):
         self.dtype = _DTYPES[dtype]
         self._vocab_size = int(config["vocab_size"])
         self._max_model_len = max_model_len
-        self.eos_token_ids = _eos_ids(model_path, config)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids_with(_eos_ids(model_path, config), tokenizer)
 
         import torch.distributed as dist
 
@@ -158,6 +161,8 @@ class VLLMEngine(RolloutEngine):
         if not isinstance(sampling, SamplingConfig):
             raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         prompts = validate_prompts(prompt_token_ids, self.vocab_size, self.max_model_len)
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: VLLMEngine(..., tokenizer=...)")
         stop_ids = stop_token_ids_for(sampling, self.eos_token_ids)
         limits = [min(sampling.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
         if len(set(limits)) == 1:
@@ -165,7 +170,10 @@ class VLLMEngine(RolloutEngine):
         else:
             params = [vllm_adapter.make_sampling_params(sampling, m, stop_ids) for m in limits]
         raw = vllm_adapter.run_generate(self.llm, prompts, params)
-        return [[Completion(t, lp, fr) for t, lp, fr in samples] for samples in raw]
+        # The engine runs without a tokenizer (token ids in and out), so stop strings are found
+        # here, after generation: a completion runs on to a stop token or the cap, then is cut.
+        return cut_at_stop_strings([[Completion(t, lp, fr) for t, lp, fr in samples] for samples in raw],
+                                   sampling.stop, self.tokenizer)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors and reset the prefix cache.
