@@ -74,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
 
-    from fastrlhf.config import ConfigError, load_config
+    from fastrlhf.config import ConfigError, check_world_size, load_config
 
     try:
         config = load_config(args.config, args.command, args.overrides)
+        # The launcher has set the world size already: batch-vs-ranks errors need no process group.
+        check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as exc:
         _error("config error", str(exc))
         return EXIT_BAD_INPUT
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         _error("error", f"{exc} (a checkpoint was saved; fix and rerun with --resume)")
         return EXIT_FAILED
     except RewardFunctionError as exc:
-        _error("reward error", str(exc))
+        # The rank the function failed on says why (a checkpoint of the last good step was saved).
+        if exc.local or _is_main_process():
+            print(f"reward error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return 0
 

@@ -27,6 +27,7 @@ __all__ = [
     "any_rank_true",
     "barrier",
     "collective_device",
+    "gather_bytes",
     "device_for_backend",
     "is_distributed",
     "mean_over_ranks",
@@ -114,6 +115,27 @@ def any_rank_true(flag) -> bool:
 def all_ranks_true(flag) -> bool:
     """``flag`` AND-ed over ranks, so every rank takes the same branch; collective when distributed."""
     return bool(all_reduce_(_flag(flag).clone(), "min").item())
+
+
+def gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's ``data``, in rank order, on every rank: two all_gathers (sizes, then padded bytes)
+    of tensors placed for the backend, where ``all_gather_object`` would pickle through whatever
+    device is current."""
+    if not is_distributed():
+        return [data]
+    n = world_size()
+    size = to_collective_device(torch.tensor([len(data)], dtype=torch.int64))
+    sizes = [to_collective_device(torch.zeros(1, dtype=torch.int64)) for _ in range(n)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    width = max(max(lengths), 1)
+    payload = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        payload[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    payload = to_collective_device(payload)
+    parts = [to_collective_device(torch.zeros(width, dtype=torch.uint8)) for _ in range(n)]
+    dist.all_gather(parts, payload)
+    return [p[:k].cpu().numpy().tobytes() for p, k in zip(parts, lengths, strict=True)]
 
 
 def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:

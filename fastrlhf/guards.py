@@ -20,7 +20,15 @@ import torch
 
 from fastrlhf import comm
 
-__all__ = ["StepGuard", "GuardedAdamW", "TooManySkippedSteps", "all_finite"]
+__all__ = ["StepGuard", "GuardedAdamW", "StepFailed", "TooManySkippedSteps", "all_finite"]
+
+
+class StepFailed(RuntimeError):
+    """A step failed on every rank before any parameter moved (e.g. a reward function raised).
+
+    The loop keeps what the previous steps did (a checkpoint of the last good step) and re-raises;
+    the caller has rewound whatever the failed step consumed (its prompts), so ``--resume`` retries it.
+    """
 
 
 class TooManySkippedSteps(RuntimeError):

@@ -3,7 +3,7 @@
 Resume from the latest checkpoint, then per step: run it, log its metrics, report a skipped update,
 checkpoint every ``trainer.save_every`` steps. When the guard gives up (too many skipped steps in a
 row) the step in hand is still logged, a checkpoint of the last good weights is written and the
-error propagates; after the last step: a final checkpoint and the Hugging Face export (``final/``).
+error propagates, as it does when a step fails outright (:class:`~fastrlhf.guards.StepFailed`); after the last step: a final checkpoint and the Hugging Face export (``final/``).
 What a step is (RL step, supervised minibatch) is the caller's ``step_fn``.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from fastrlhf import distributed as D
 from fastrlhf.checkpoint import load_latest, save_checkpoint
-from fastrlhf.guards import TooManySkippedSteps
+from fastrlhf.guards import StepFailed, TooManySkippedSteps
 
 __all__ = ["resume_step", "run_steps", "write_run_config"]
 
@@ -78,6 +78,14 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
     except TooManySkippedSteps:
         # The skipped updates left the weights of the last good step: keep them.
         save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
+        logger.close()
+        raise
+    except StepFailed as exc:
+        # Keep the last good step: this one if it completed before failing (in validation), else the one
+        # before (the failed step changed nothing, and its caller rewound its data).
+        good = step if getattr(exc, "completed_step", False) else step - 1
+        if good > start_step:
+            save_checkpoint(config.output_dir, good, stateful, keep_last=t.keep_checkpoints)
         logger.close()
         raise
     finally:

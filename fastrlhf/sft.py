@@ -57,7 +57,8 @@ def sft_loss(engine, batch: dict, use_fused: bool = True, chunk_size=None, chunk
 def run(config: SFTConfig, resume: bool = False) -> dict:
     seed_everything(config.seed)
     examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
-                                 vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path)
+                                 vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path,
+                                 chat_template=config.data.chat_template)
     D.init_distributed()  # after the data checks: bad data fails without starting a process group
     model = load_causal_lm(config.model, zero3_config=engine_config(config))
     pad_id = base_model(model).config.pad_token_id

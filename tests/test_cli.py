@@ -27,6 +27,8 @@ def run_cli(*args, timeout=120):
 @pytest.fixture
 def train_yaml(tmp_path):
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")  # checked for, never read
     (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [3, 4]}\n')
     raw = {"algorithm": "grpo", "output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path / "model")},
            "reward": {"function": "length"}, "data": {"prompts": str(tmp_path / "prompts.jsonl")},

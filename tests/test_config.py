@@ -25,7 +25,8 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 def paths(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2]}\n')
     return {"model": str(model), "prompts": str(prompts), "out": str(tmp_path / "out")}
@@ -182,17 +183,25 @@ def test_example_count():
 
 
 def test_eval_section(paths):
-    config = parse_config(grpo(paths, eval={"prompts": paths["prompts"], "every": 5, "group_by": "kind",
+    config = parse_config(grpo(paths, eval={"data": paths["prompts"], "every": 5, "group_by": "kind",
                                             "stop_at": 0.99}))
     assert config.eval.every == 5 and config.eval.stop_at == 0.99 and config.eval.reward is None
-    assert parse_config(grpo(paths)).eval.prompts is None  # no validation by default
+    assert (config.eval.n, config.eval.temperature, config.eval.before_train) == (1, 0.0, True)
+    assert parse_config(grpo(paths)).eval.data is None  # no validation by default
     assert error_of(grpo(paths, eval={"stop_at": 0.9})).key == "eval.stop_at"
-    assert "needs eval.prompts" in str(error_of(grpo(paths, eval={"group_by": "kind"})))
-    assert error_of(grpo(paths, eval={"prompts": paths["prompts"], "every": 0})).key == "eval.every"
-    assert error_of(grpo(paths, eval={"prompts": paths["out"] + "/nope.jsonl"})).key == "eval.prompts"
-    learned = grpo(paths, reward={"function": DROP, "model_path": paths["model"]},
-                   eval={"prompts": paths["prompts"]})
-    assert "needed without reward.function (a reward model" in str(error_of(learned))
+    assert "needs eval.data" in str(error_of(grpo(paths, eval={"group_by": "kind"})))
+    assert error_of(grpo(paths, eval={"data": paths["prompts"], "every": 0})).key == "eval.every"
+    assert error_of(grpo(paths, eval={"data": paths["out"] + "/nope.jsonl"})).key == "eval.data"
+    # The old key name fails with the new one named.
+    renamed = error_of(grpo(paths, eval={"prompts": paths["prompts"]}))
+    assert renamed.key == "eval.prompts" and "renamed to eval.data" in str(renamed)
+    # pass@n needs sampling: n greedy completions would all be the same.
+    assert error_of(grpo(paths, eval={"data": paths["prompts"], "n": 4})).key == "eval.n"
+    assert parse_config(grpo(paths, eval={"data": paths["prompts"], "n": 4, "temperature": 1.0})).eval.n == 4
+    assert error_of(grpo(paths, eval={"data": paths["prompts"], "temperature": -1})).key == "eval.temperature"
+    # A reward model or batch text rewards validate with the run's own reward: no eval.reward needed.
+    learned = grpo(paths, reward={"function": DROP, "model_path": paths["model"]}, eval={"data": paths["prompts"]})
+    assert parse_config(learned).eval.reward is None
     learned["eval"]["reward"] = "length"
     assert parse_config(learned).eval.reward == "length"
 
@@ -292,7 +301,7 @@ def test_reward_functions_batch_text_rewards(paths):
         "reward.functions[0].function"
     assert "set reward.function, reward.functions or reward.model_path" in str(
         error_of(grpo(paths, reward={"function": None, "functions": []})))
-    # Validation scores with a per-sample function: without reward.function it must be named.
+    # Validation scores with the run's reward, text rewards included.
     with_eval = grpo(paths, reward={"function": None, "functions": [{"function": "length"}]},
-                     eval={"prompts": paths["prompts"]})
-    assert error_of(with_eval).key == "eval.reward"
+                     eval={"data": paths["prompts"]})
+    assert parse_config(with_eval).eval.reward is None

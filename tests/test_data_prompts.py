@@ -281,7 +281,8 @@ def test_config_fields(tmp_path):
     from fastrlhf.config import ConfigError, parse_config
 
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
     prompts = write_lines(tmp_path / "p.jsonl", [{"prompt_ids": [1]}])
 
     def train(**data):

@@ -18,6 +18,8 @@ GPU_EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "gpu", "*.yaml"))
 
 def raw_train(tmp_path, model=None, deepspeed=None, rollout=None):
     (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")  # checked for, never read
     (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
     return {"algorithm": "grpo", "output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path / "model"),
                                                                                **(model or {})},
@@ -96,6 +98,9 @@ def gpu_example_dir(tmp_path, monkeypatch):
     """A working directory holding the local folders and files the GPU examples name."""
     for name in ("models/Qwen2.5-1.5B-Instruct", "models/rm-qwen2.5-1.5b", "data"):
         (tmp_path / name).mkdir(parents=True, exist_ok=True)
+    for name in ("models/Qwen2.5-1.5B-Instruct", "models/rm-qwen2.5-1.5b"):  # what a model folder is checked for
+        (tmp_path / name / "config.json").write_text('{"model_type": "qwen2"}')
+        (tmp_path / name / "model.safetensors").write_bytes(b"")
     for name in ("data/gsm8k_train.jsonl", "data/prompts.jsonl"):
         (tmp_path / name).write_text('{"prompt": "1 + 1 ="}\n')
     monkeypatch.chdir(tmp_path)

@@ -345,12 +345,50 @@ def test_nan_reward_skips_step_and_keeps_parameters():
     rl.scorer = FixedScorer(bad)
     metrics = rl(PROMPTS, None, step=0, completions=completions)
     assert metrics["skipped"] == 1.0 and metrics["skipped_steps"] == 1.0
+    assert metrics["reward_nonfinite"] == 1.0  # counted, and the mean is over the finite ones
+    assert metrics["reward_mean"] == pytest.approx(float(torch.cat([SCORES[:4], SCORES[5:]]).mean()))
     assert changed(before, actor) == 0.0
     assert not opt.state  # the optimizer never stepped
     rl.scorer = FixedScorer(SCORES)
     metrics = rl(PROMPTS, None, step=1, completions=completions)
     assert metrics["skipped"] == 0.0 and metrics["skipped_steps"] == 1.0
     assert changed(before, actor) > 1e-3
+
+
+def test_truncated_completions_are_counted_and_can_get_their_own_reward():
+    from fastrlhf.config import RewardConfig
+
+    completions = fixed_completions(tiny_actor(), 1.0)
+    for samples in completions:  # every other completion stopped at eos; the rest hit the cap
+        for j, c in enumerate(samples):
+            c.finish_reason = "stop" if j % 2 else "length"
+    cut = torch.tensor([c.finish_reason == "length" for samples in completions for c in samples])
+    seen = {}
+    for truncated_reward in (None, -1.0):
+        config = dataclasses.replace(make_config(GRPO), reward=RewardConfig(function="length",
+                                                                          truncated_reward=truncated_reward))
+        rl, _, _ = _guarded_step(config)
+        exp = build_experience(PROMPTS, completions, PAD)
+        seen[truncated_reward] = rl.score(exp, PROMPTS, completions, [{}] * len(PROMPTS))
+        metrics = rl(PROMPTS, None, step=0, completions=completions)
+        assert metrics["truncated_fraction"] == pytest.approx(float(cut.float().mean()))
+    assert torch.equal(seen[None], SCORES)
+    assert torch.equal(seen[-1.0], torch.where(cut, -1.0, SCORES))
+
+
+def test_a_failing_reward_function_fails_the_step_before_any_update():
+    from fastrlhf.rl.rewards import RewardFunctionError
+
+    class Failing(FixedScorer):
+        def __call__(self, exp, prompts, completions, metas):
+            raise RewardFunctionError("reward function 'f' raised KeyError on a batch of 12 completions: 'x'")
+
+    rl, actor, opt = _guarded_step(make_config(GRPO))
+    before = copy.deepcopy(actor)
+    rl.scorer = Failing(SCORES)
+    with pytest.raises(RewardFunctionError, match="'f' raised KeyError") as info:
+        rl(PROMPTS, None, step=0, completions=fixed_completions(actor, 1.0))
+    assert info.value.local and changed(before, actor) == 0.0 and not opt.state
 
 
 def test_nan_loss_skips_update_and_keeps_parameters(monkeypatch):

@@ -111,14 +111,18 @@ def text_model(tmp_path_factory):
     save_tiny_llama(root / "model", vocab_size=64, hidden_size=32, num_heads=1)
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(root / "model")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    # A chat template in this vocabulary: w40 <content> w41 per message, w42 opens the assistant's turn.
+    tokenizer.chat_template = ("{% for m in messages %}w40 {{ m['content'] }} w41 {% endfor %}"
+                               "{% if add_generation_prompt %}w42{% endif %}")
+    tokenizer.save_pretrained(root / "model")
     with open(root / "prompts.jsonl", "w") as f:
         for i in range(4):
             f.write(json.dumps({"prompt_ids": [5 + i, 6 + i, 7], "answer": f"w{3 + i}"}) + "\n")
     return root
 
 
-def _run(text_model, name, functions):
+def _run(text_model, name, functions, launcher=False, trainer=None, **sections):
     import os
     import subprocess
     import sys
@@ -129,14 +133,25 @@ def _run(text_model, name, functions):
     config = {"algorithm": "grpo", "output_dir": str(text_model / name), "model": {"path": str(text_model / "model")},
               "reward": {"functions": functions}, "data": {"prompts": str(text_model / "prompts.jsonl")},
               "rollout": {"engine": "hf", "n": 2, "max_new_tokens": 3},
-              "trainer": {"max_steps": 2, "prompts_per_step": 2, "minibatch_size": 4, "lr": 1e-3},
+              "trainer": {"max_steps": 2, "prompts_per_step": 2, "minibatch_size": 4, "lr": 1e-3, **(trainer or {})},
               "deepspeed": {"zero_stage": 0}}
+    for key, value in sections.items():
+        config[key] = {**config.get(key, {}), **value}
     path = text_model / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", FASTRLHF_NO_PROGRESS="1", FASTRLHF_DIST_TIMEOUT="60",
                PYTHONPATH=os.pathsep.join([os.path.join(root, "tests", "rl_scripts"), env.get("PYTHONPATH", "")]))
+    if launcher:
+        from launch import run_group
+
+        from fastrlhf.distributed import free_port
+
+        deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        rc, out = run_group([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "fastrlhf",
+                             "train", "--config", str(path)], timeout=240, env=env)
+        return subprocess.CompletedProcess([], rc, out, out), text_model / name
     proc = subprocess.run([sys.executable, "-m", "fastrlhf", "train", "--config", str(path)], env=env,
                           capture_output=True, text=True, timeout=240)
     return proc, text_model / name
@@ -167,6 +182,54 @@ def test_a_raising_text_reward_ends_the_run_with_one_line_naming_it(text_model):
         in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_reward_failing_on_one_rank_stops_both_with_its_line_and_the_last_good_checkpoint(text_model):
+    proc, out = _run(text_model, "text_boom_rank1", [{"function": "text_rewards:boom_on_rank_1_at_step_2"}],
+                     launcher=True, trainer={"max_steps": 3})
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    # One line from each rank (the launcher may interleave the two ranks' writes, so count, not split).
+    own = ("reward error: reward function 'boom_on_rank_1_at_step_2' raised ValueError on a batch of 2 "
+           "completions: could not parse the answer of row 7")
+    other = "reward error: a reward function failed on rank 1 (its message is that rank's)"
+    assert proc.stdout.count("reward error: ") == 2, proc.stdout[-4000:]
+    assert proc.stdout.count(own) == 1 and proc.stdout.count(other) == 1, proc.stdout[-4000:]
+    assert "Traceback" not in proc.stdout
+    # Step 1 completed on both ranks: its weights are kept; step 2 changed nothing and is retried on --resume.
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-1"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+
+
+@pytest.mark.slow
+def test_chat_prompts_stop_strings_and_validation_end_to_end(text_model):
+    """messages rows through the chat template, a stop string, and validation before training, every
+    2 steps and at the end, with eval/accuracy and the completions written as text."""
+    rows = [{"messages": [{"role": "user", "content": f"w{5 + i} w{6 + i}"}], "answer": f"w{3 + i}"}
+            for i in range(4)]
+    (text_model / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc, out = _run(text_model, "text_chat", [{"function": "text_rewards:mentions_answer"}],
+                     trainer={"max_steps": 3}, data={"prompts": str(text_model / "chats.jsonl")},
+                     rollout={"max_new_tokens": 6, "stop": ["w9"]},
+                     eval={"data": str(text_model / "chats.jsonl"), "every": 2, "n": 2, "temperature": 1.0})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    validated = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in validated] == [0, 2, 3]
+    for r in validated:
+        assert 0.0 <= r["eval/accuracy"] <= r["eval/pass@2"] <= 1.0 and 0.0 <= r["eval/reward_mean"] <= 1.0
+    assert all(0.0 <= r["truncated_fraction"] <= 1.0 for r in records if r["step"] > 0)
+    written = [json.loads(line) for line in (out / "eval" / "step-3.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in written] == [0, 0, 1, 1, 2, 2, 3, 3]
+    for r in written:
+        # The template wrapped the chat; a completion ends at its first w9, if it has one.
+        assert r["prompt"].startswith("w40 ") and r["prompt"].endswith(" w41 w42"), r
+        words = r["completion"].split()
+        assert "w9" not in words[:-1] and (words[-1:] == ["w9"]) == (r["finish_reason"] == "stop" and
+                                                                      "w9" in words), r
+        assert r["correct"] == (r["answer"] in r["completion"]) and r["reward"] == float(r["correct"])
+
+
 def test_a_reward_module_in_the_current_directory_resolves_as_under_the_console_script(tmp_path, monkeypatch):
     import sys
 
@@ -179,3 +242,43 @@ def test_a_reward_module_in_the_current_directory_resolves_as_under_the_console_
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     fn = resolve_reward_function("cwd_reward_mod:fn")
     assert fn(prompts=["a"], completions=["b"], completion_ids=[[1]]) == [1.0]
+
+
+def test_a_reward_model_with_another_vocabulary_reads_the_text_re_tokenized():
+    """Policy word w<i> is id i; the reward model's tokenizer numbers the same words backwards (62 - i)
+    and adds a BOS: its scores must equal its own forward on those ids, not on the policy's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    from fastrlhf.rl.experience import build_experience
+    from fastrlhf.rl.forward import reward_model_scores
+    from fastrlhf.tiny_models import tiny_llama_config
+
+    def word_tokenizer(mapping, bos=None):
+        tok = Tokenizer(models.WordLevel(mapping, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        if bos is not None:
+            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, mapping[bos])])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token=bos, pad_token="<pad>")
+
+    policy = word_tokenizer({**{f"w{i}": i for i in range(62)}, "<unk>": 62, "<pad>": 63})
+    theirs = word_tokenizer({**{f"w{i}": 62 - i for i in range(61)}, "<s>": 0, "<unk>": 1, "<pad>": 63}, bos="<s>")
+    torch.manual_seed(0)
+    rm = LlamaForSequenceClassification(tiny_llama_config(vocab_size=64, hidden_size=32, num_heads=1,
+                                                          num_labels=1)).eval()
+    prompts, completions = [[5, 6], [7]], [[9, 10, 11], [12]]
+    exp = build_experience(prompts, [[Completion(c, [0.0] * len(c), "stop")] for c in completions], 2)
+    scorer = RewardScorer(reward_model=rm, tokenizer=policy, reward_tokenizer=theirs)
+    got = scorer(exp, prompts, completions, [{}, {}])
+
+    from types import SimpleNamespace
+
+    expected = []
+    for p, c in zip(prompts, completions):
+        ids = torch.tensor([[0] + [62 - t for t in p + c]])
+        one = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids),
+                              position_ids=torch.arange(ids.shape[1])[None], batch_size=1)
+        expected.append(reward_model_scores(rm, one, "classifier"))
+    assert torch.allclose(got, torch.cat(expected), atol=1e-5)
+    same_vocab = RewardScorer(reward_model=rm)(exp, prompts, completions, [{}, {}])
+    assert not torch.allclose(same_vocab, got, atol=1e-3)  # reading the policy's ids would give other scores

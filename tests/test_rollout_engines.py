@@ -244,3 +244,10 @@ def test_the_tokenizers_eos_stops_generation_too(models):
         assert c.finish_reason == "stop" and c.token_ids[-1] == tokenizer.eos_token_id
     else:
         assert c.finish_reason == "length"
+
+
+def test_the_head_size_table_checked_before_start_up_is_vllms_own():
+    pytest.importorskip("vllm")
+    from fastrlhf.rollout import vllm_adapter
+
+    assert vllm_adapter.CPU_SUPPORTED_HEAD_SIZES == vllm_adapter.cpu_supported_head_sizes()

@@ -6,6 +6,7 @@ the ones that also need the number of ranks (once the launched world is known).
 
 from __future__ import annotations
 
+import json
 import os
 
 from .errors import ConfigError
@@ -34,8 +35,31 @@ def _check_reward_spec(spec: str | None, key: str):
         raise ConfigError(key, f"expected a registered name or 'module:function', got {spec!r}")
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def _check_model_folder(path: str | None, key: str, base: str):
+    """A ``save_pretrained`` folder: config.json naming a model_type, and weights (read, not loaded)."""
+    if path is None:
+        return
+    _check_path(path, key, base)
+    folder = path if os.path.isabs(path) else os.path.join(base, path)
+    if not os.path.isdir(folder):
+        raise ConfigError(key, f"{path} is a file; expected a model folder (save_pretrained output)")
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        raise ConfigError(key, f"{path} is not a model folder: no readable config.json") from None
+    if not model_type:
+        raise ConfigError(key, f"{path} is not a model folder: its config.json names no model_type")
+    if not any(os.path.exists(os.path.join(folder, name)) for name in WEIGHT_FILES):
+        raise ConfigError(key, f"{path} has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])})")
+
+
 def _check_model(m: ModelConfig, base: str, key: str = "model"):
-    _check_path(m.path, f"{key}.path", base)
+    _check_model_folder(m.path, f"{key}.path", base)
     _positive(m.lora_r, f"{key}.lora_r", strict=False)
     if m.lora_r > 0 and not m.lora_targets:
         raise ConfigError(f"{key}.lora_targets", "must name at least one module when lora_r > 0")
@@ -80,7 +104,7 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
 
 def _validate_train(c: TrainConfig, base: str):
     _check_model(c.model, base)
-    _check_path(c.reference.path, "reference.path", base)
+    _check_model_folder(c.reference.path, "reference.path", base)
     _check_path(c.data.prompts, "data.prompts", base)
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
     if not c.data.prompt_field:
@@ -91,7 +115,7 @@ def _validate_train(c: TrainConfig, base: str):
         raise ConfigError("reward", "set one of reward.function and reward.model_path, got both")
     if r.function is None and r.model_path is None and not r.functions:
         raise ConfigError("reward", "set reward.function, reward.functions or reward.model_path, got neither")
-    _check_path(r.model_path, "reward.model_path", base)
+    _check_model_folder(r.model_path, "reward.model_path", base)
     _check_reward_spec(r.function, "reward.function")
     for i, spec in enumerate(r.functions):
         _check_reward_spec(spec.function, f"reward.functions[{i}].function")
@@ -101,7 +125,7 @@ def _validate_train(c: TrainConfig, base: str):
         if c.critic is None:
             raise ConfigError("critic", "algorithm ppo needs a critic section (critic: {path: null} uses model.path "
                                         "with a value head)")
-        _check_path(c.critic.path, "critic.path", base)
+        _check_model_folder(c.critic.path, "critic.path", base)
         _positive(c.critic.lr, "critic.lr")
 
     ro = c.rollout
@@ -117,6 +141,8 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(ro.max_new_tokens, "rollout.max_new_tokens")
     _positive(ro.sync_bucket_bytes, "rollout.sync_bucket_bytes")
     _positive(ro.kv_cache_bytes, "rollout.kv_cache_bytes")
+    if any(not isinstance(x, str) or not x for x in ro.stop):
+        raise ConfigError("rollout.stop", f"stop strings must be non-empty strings, got {ro.stop!r}")
 
     t = c.trainer
     _check_loop(t)
@@ -156,15 +182,19 @@ def _validate_train(c: TrainConfig, base: str):
 def _validate_eval(c: TrainConfig, base: str):
     e = c.eval
     _positive(e.every, "eval.every")
-    if e.prompts is None:
-        for name in ("reward", "group_by", "stop_at"):
+    _positive(e.n, "eval.n")
+    if e.temperature < 0:
+        raise ConfigError("eval.temperature", f"must be >= 0 (0 = greedy), got {e.temperature}")
+    if e.n > 1 and e.temperature == 0:
+        raise ConfigError("eval.n", f"{e.n} greedy completions of a prompt are all the same; set eval.temperature > 0 "
+                                    "for pass@n")
+    _positive(e.max_new_tokens, "eval.max_new_tokens")
+    if e.data is None:
+        for name in ("reward", "group_by", "stop_at", "max_reward"):
             if getattr(e, name) is not None:
-                raise ConfigError(f"eval.{name}", "needs eval.prompts (the validation prompts)")
+                raise ConfigError(f"eval.{name}", "needs eval.data (the validation prompts)")
         return
-    _check_path(e.prompts, "eval.prompts", base)
-    if e.reward is None and c.reward.function is None:
-        raise ConfigError("eval.reward", "needed without reward.function (a reward model or batch text rewards): "
-                                         "validation scores with a per-sample reward function")
+    _check_path(e.data, "eval.data", base)
     _check_reward_spec(e.reward, "eval.reward")
 
 

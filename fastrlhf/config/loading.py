@@ -20,6 +20,7 @@ __all__ = ["RENAMED_KEYS", "apply_overrides", "parse_config", "load_config", "co
 # one line saying what it is called now (never silently ignored, never silently accepted).
 RENAMED_KEYS: dict[str, str] = {
     "trainer.use_fused_loss": "trainer.fused_loss",
+    "eval.prompts": "eval.data",
 }
 
 

@@ -69,6 +69,7 @@ class RewardConfig:
     model_path: str | None = None
     model_kind: Literal["classifier", "value_head"] = "classifier"
     label_index: int = 0
+    truncated_reward: float | None = None  # the reward of a completion cut at max_new_tokens; null: scored as any
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 64
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's and the tokenizer's eos
+    stop: list[str] = field(default_factory=list)  # stop strings (the completing token is kept)
     sync_bucket_bytes: int = 268435456
     kv_cache_bytes: int = 1073741824
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, else the actor's
@@ -98,13 +100,19 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Validation during RL (``fastrlhf.rl.validation``): greedy completions of held-out prompts."""
+    """Validation during RL (``fastrlhf.rl.validation``): completions of held-out prompts, scored."""
 
-    prompts: str | None = None  # JSONL in the data.prompts format; null: no validation
+    data: str | None = None  # held-out prompts, any data.prompts format; null: no validation
     every: int = 10  # steps between validations (the last step is always validated)
-    reward: str | None = None  # the validation score (e.g. exact match); null: reward.function
-    group_by: str | None = None  # a meta key: eval_reward/<value> for each of its values
-    stop_at: float | None = None  # end the run once eval_reward >= stop_at (checkpoint + export as usual)
+    n: int = 1  # completions per prompt; n > 1 also logs eval/pass@n
+    temperature: float = 0.0  # 0: greedy
+    max_new_tokens: int | None = None  # null: rollout.max_new_tokens
+    before_train: bool = True  # also validate the starting weights (logged as step 0; not on --resume)
+    reward: str | None = None  # a per-sample reward function for validation only; null: the run's reward
+    max_reward: float | None = None  # eval/accuracy counts rewards >= this; null: 1.0, or with
+    # reward.functions the sum of their positive weights (each function scoring at most 1)
+    group_by: str | None = None  # a meta key: eval/reward_mean/<value> for each of its values
+    stop_at: float | None = None  # end the run once eval/reward_mean >= stop_at (checkpoint + export as usual)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastrlhf.guards import StepFailed
+
 __all__ = ["REWARD_FUNCTIONS", "RewardFunctionError", "RewardScorer", "TextReward", "register_reward",
            "required_columns", "resolve_reward_function", "resolve_text_rewards"]
 
@@ -89,8 +91,15 @@ def resolve_reward_function(spec: str) -> RewardFn:
     return fn
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function raised or returned something unusable; the message is one line naming it."""
+class RewardFunctionError(StepFailed):
+    """A reward function raised or returned something unusable; the message is one line naming it.
+
+    ``local``: it failed on this rank (else: on another rank, and this rank stops with it).
+    """
+
+    def __init__(self, message: str, local: bool = True):
+        super().__init__(message)
+        self.local = local
 
 
 @dataclass(frozen=True)
@@ -143,9 +152,31 @@ def _text_scores(reward: TextReward, prompts: list[str], completions: list[str],
     return torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32), applicable
 
 
+def retokenized(prompts: list[list[int]], completions: list[list[int]], tokenizer, reward_tokenizer, device):
+    """The batch as a reward model with another vocabulary reads it: each prompt + completion decoded by
+    the policy's tokenizer (special tokens dropped: the two vocabularies need not share them) and
+    tokenized by the reward model's; right-padded, with ``input_ids``/``attention_mask``/``position_ids``."""
+    from types import SimpleNamespace
+
+    texts = [tokenizer.decode(list(p) + list(c), skip_special_tokens=True) for p, c in zip(prompts, completions,
+                                                                                            strict=True)]
+    rows = [list(reward_tokenizer(t, add_special_tokens=True)["input_ids"]) or [0] for t in texts]
+    pad = reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, :len(r)] = torch.tensor(r)
+        attention_mask[i, :len(r)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return SimpleNamespace(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                           position_ids=position_ids.to(device), batch_size=len(rows))
+
+
 class RewardScorer:
     """Scores a batch: ``function`` on each (prompt, completion, meta), batch ``text_rewards`` on the
-    decoded text (with ``tokenizer``), and/or a frozen reward model; the scores add up.
+    decoded text (with ``tokenizer``), and/or a frozen reward model; the scores add up. A reward model
+    with a vocabulary of its own (``reward_tokenizer``) reads the text re-tokenized (:func:`retokenized`).
 
     ``reward_model`` is a loaded module (frozen, eval mode). After each call, :attr:`metrics` holds
     ``reward/<name>``: each text reward's mean over the completions it applied to (0 if none).
@@ -153,15 +184,17 @@ class RewardScorer:
 
     def __init__(self, function: str | RewardFn | None = None, reward_model: torch.nn.Module | None = None,
                  model_kind: str = "classifier", label_index: int = 0, micro_batch: int | None = None,
-                 text_rewards: list[TextReward] = (), tokenizer=None):
+                 text_rewards: list[TextReward] = (), tokenizer=None, reward_tokenizer=None):
         if function is None and reward_model is None and not text_rewards:
             raise ValueError("no reward: set reward.function, reward.functions or reward.model_path")
-        if text_rewards and tokenizer is None:
-            raise ValueError("reward.functions score text: they need the model's tokenizer")
+        if (text_rewards or reward_tokenizer is not None) and tokenizer is None:
+            raise ValueError("reward.functions and a reward model with its own tokenizer read text: they need the "
+                             "policy's tokenizer")
         self.function = resolve_reward_function(function) if isinstance(function, str) else function
         self.text_rewards = list(text_rewards)
         self.tokenizer = tokenizer
         self.reward_model = reward_model
+        self.reward_tokenizer = reward_tokenizer
         self.model_kind = model_kind
         self.label_index = label_index
         self.micro_batch = micro_batch
@@ -186,6 +219,9 @@ class RewardScorer:
         if self.reward_model is not None:
             from fastrlhf.rl.forward import reward_model_scores
 
-            scores += reward_model_scores(self.reward_model, exp, self.model_kind, self.label_index,
+            batch = exp
+            if self.reward_tokenizer is not None:
+                batch = retokenized(prompts, completions, self.tokenizer, self.reward_tokenizer, exp.input_ids.device)
+            scores += reward_model_scores(self.reward_model, batch, self.model_kind, self.label_index,
                                           self.micro_batch).cpu()
         return scores.to(exp.input_ids.device)

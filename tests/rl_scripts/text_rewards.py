@@ -13,3 +13,16 @@ def only_short(prompts, completions, completion_ids, **columns):
 
 def boom(prompts, completions, completion_ids, **columns):
     raise KeyError("no column 'missing' in this batch")
+
+
+_calls = {"n": 0}
+
+
+def boom_on_rank_1_at_step_2(prompts, completions, completion_ids, **columns):
+    """Fine on rank 0; raises on rank 1 at its second batch (step 2), as a row only that rank drew would."""
+    import os
+
+    _calls["n"] += 1
+    if os.environ.get("RANK") == "1" and _calls["n"] == 2:
+        raise ValueError("could not parse the answer of row 7")
+    return [0.5] * len(completions)
