@@ -33,11 +33,11 @@ def test_short_demo_reward_rises_and_report_is_written(tmp_path):
     assert last > first + 0.1, rewards
     assert report["accuracy_after"] > report["accuracy_before"], report
     # Validation every 10 steps, per requested script, on prompts that are neither RL nor test prompts.
-    validated = [r for r in records if "eval_reward" in r]
+    validated = [r for r in records if "eval/reward_mean" in r]
     assert [r["step"] for r in validated] == [10, 20, 30]
     for r in validated:
-        per_script = [r[f"eval_reward/{s}"] for s in task.SCRIPTS]
-        assert min(per_script) <= r["eval_reward"] <= max(per_script), r
+        per_script = [r[f"eval/reward_mean/{s}"] for s in task.SCRIPTS]
+        assert min(per_script) <= r["eval/reward_mean"] <= max(per_script), r
     assert set(report["per_script_after"]) == set(task.SCRIPTS)
 
     saved = json.load(open(run_dir / "report.json"))

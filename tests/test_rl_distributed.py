@@ -161,15 +161,21 @@ def test_validation_runs_every_k_steps_and_stops_the_run_at_its_target(tiny):
     out = tiny / "eval_run"
     # stop_at 0: the first validation (step 2) reaches it, so steps 3-6 never run.
     path = _resume_config(tiny, out, reward="target_token", trainer={"max_steps": 6, "save_every": 0},
-                          eval={"prompts": str(tiny / "prompts.jsonl"), "every": 2, "group_by": "target_token",
+                          eval={"data": str(tiny / "prompts.jsonl"), "every": 2, "group_by": "target_token",
                                 "stop_at": 0.0})
     rc, text = run_group([PY, "-m", "fastrlhf", "train", "--config", path], env=env(), timeout=300)
     assert rc == 0, text[-4000:]
     assert "stopping early" in text, text[-4000:]
     records = _metrics(out)
-    assert sorted(records) == [1, 2]
-    assert "eval_reward" not in records[1]
-    assert 0.0 <= records[2]["eval_reward"] <= 1.0
-    assert records[2]["eval_reward/3"] == records[2]["eval_reward"]  # every prompt is in group 3
+    assert sorted(records) == [0, 1, 2]  # step 0: validation before training
+    assert "eval/reward_mean" not in records[1] and "reward_mean" not in records[0]
+    assert 0.0 <= records[2]["eval/reward_mean"] <= 1.0
+    assert records[2]["eval/reward_mean/3"] == records[2]["eval/reward_mean"]  # every prompt is in group 3
+    # Every held-out prompt's completion, gathered from both ranks, in prompt order.
+    for step in (0, 2):
+        lines = [json.loads(x) for x in (out / "eval" / f"step-{step}.jsonl").read_text().splitlines()]
+        n_prompts = sum(1 for x in (tiny / "prompts.jsonl").read_text().splitlines() if x.strip())
+        assert [r["index"] for r in lines] == list(range(n_prompts))
+        assert all(r["finish_reason"] in ("stop", "length") and "completion_ids" in r for r in lines)
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-2"
     assert (out / "final" / "model.safetensors").exists()

@@ -104,7 +104,7 @@ def _plan(root):
     configs = {
         # GRPO with validation: the held-out reward is reduced over the ranks too.
         "grpo": {**rl, "algorithm": "grpo", "deepspeed": {"zero_stage": 2},
-                 "eval": {"prompts": str(root / "prompts.jsonl"), "every": 2}},
+                 "eval": {"data": str(root / "prompts.jsonl"), "every": 2}},
         # PPO: critic, GAE, advantages whitened over both ranks, KL in the reward.
         "ppo": {**rl, "algorithm": "ppo", "critic": {"lr": 1e-3}, "deepspeed": zero3,
                 "trainer": {**rl["trainer"], "kl_in_reward": True}},
@@ -148,9 +148,11 @@ def test_strict_collectives_two_ranks_rl_sft_rm_and_checkpoints(workdir):
         assert sum(report["library"].values()) > 0, report  # DeepSpeed's own, counted not checked
     for name in ("grpo", "ppo", "sft", "rm_pairwise", "rm_classifier"):
         records = [json.loads(line) for line in open(workdir / name / "metrics.jsonl")]
+        if name == "grpo":  # validated before training, every 2 steps and at each run's last step (3, then 4)
+            assert [r["step"] for r in records if "eval/reward_mean" in r] == [0, 2, 3, 4], records
+            assert sorted(os.listdir(workdir / name / "eval")) == [f"step-{s}.jsonl" for s in (0, 2, 3, 4)]
+            records = [r for r in records if r["step"] > 0]
         assert [r["step"] for r in records] == [1, 2, 3, 4], name
-        if name == "grpo":  # validated every 2 steps and at each run's last step (3, then 4 after the resume)
-            assert [r["step"] for r in records if "eval_reward" in r] == [2, 3, 4], records
         assert (workdir / name / "final" / "config.json").exists(), name
         # Every command records its resolved config, auto precision made concrete (fp32 on a CPU).
         resolved = yaml.safe_load((workdir / name / "config.yaml").read_text())

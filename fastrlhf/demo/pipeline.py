@@ -337,7 +337,7 @@ def run_demo(opts: DemoOptions) -> dict:
     if opts.reward == "model" and os.path.exists(_config(f"{opts.algo}_learned_reward.yaml")):
         rl_cfg = _config(f"{opts.algo}_learned_reward.yaml")
     sets = [f"output_dir={run_dir}", f"model.path={paths['pretrained']}", f"data.prompts={data_file['rl_prompts']}",
-            f"eval.prompts={data_file['val']}", f"seed={opts.rl_seed}"]
+            f"eval.data={data_file['val']}", f"seed={opts.rl_seed}"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a new run, not a continuation of the last one
     os.makedirs(run_dir)
     exact_log = os.path.join(run_dir, "exact_match.log")

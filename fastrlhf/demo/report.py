@@ -101,8 +101,8 @@ def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict
         acc_label = "sampled completions (T=1)"
     eval_x = [0, steps]
     eval_y = [before["accuracy"], after["accuracy"]]
-    val_lines = [("validation, greedy: all", *_series(records, "eval_reward"), {"marker": ".", "linewidth": 2})]
-    val_lines += [(f"validation: {script}", *_series(records, f"eval_reward/{script}"),
+    val_lines = [("validation, greedy: all", *_series(records, "eval/reward_mean"), {"marker": ".", "linewidth": 2})]
+    val_lines += [(f"validation: {script}", *_series(records, f"eval/reward_mean/{script}"),
                    {"marker": ".", "linestyle": "--", "alpha": 0.8}) for script in before["per_script"]]
     plots = {}
     plot_lines = {
@@ -131,8 +131,8 @@ def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict
         "scripts_after": after["scripts"],
         "per_script_before": before["per_script"],
         "per_script_after": after["per_script"],
-        "validation": [{k: v for k, v in r.items() if k == "step" or k.startswith("eval_reward")}
-                       for r in records if "eval_reward" in r],
+        "validation": [{k: v for k, v in r.items() if k == "step" or k.startswith("eval/reward_mean")}
+                       for r in records if "eval/reward_mean" in r],
         "eval_prompts": before["n"],
         "steps": steps,
         "ranks": ranks,
@@ -190,11 +190,11 @@ def _markdown(r: dict) -> str:
     ]
     lines += [f"![{name}]({file})" for name, file in r["plots"].items()]
     if r["validation"]:
-        groups = [k.removeprefix("eval_reward/") for k in r["validation"][0] if k.startswith("eval_reward/")]
+        groups = [k.removeprefix("eval/reward_mean/") for k in r["validation"][0] if k.startswith("eval/reward_mean/")]
         lines += ["", "## Validation during RL (greedy exact match on the validation prompts)", "",
                   "| step | all | " + " | ".join(groups) + " |", "|---|---|" + "---|" * len(groups)]
-        lines += [f"| {v['step']} | {v['eval_reward']:.1%} | "
-                  + " | ".join(f"{v.get(f'eval_reward/{g}', float('nan')):.1%}" for g in groups) + " |"
+        lines += [f"| {v['step']} | {v['eval/reward_mean']:.1%} | "
+                  + " | ".join(f"{v.get(f'eval/reward_mean/{g}', float('nan')):.1%}" for g in groups) + " |"
                   for v in r["validation"]]
     for when in ("before", "after"):
         lines += ["", f"## Sample completions {when} RL", "", "| prompt | completion | expected | ok |",
