@@ -158,16 +158,13 @@ def retokenized(prompts: list[list[int]], completions: list[list[int]], tokenize
     tokenized by the reward model's; right-padded, with ``input_ids``/``attention_mask``/``position_ids``."""
     from types import SimpleNamespace
 
+    from fastrlhf.reward_model import pad_batch
+
     texts = [tokenizer.decode(list(p) + list(c), skip_special_tokens=True) for p, c in zip(prompts, completions,
                                                                                             strict=True)]
     rows = [list(reward_tokenizer(t, add_special_tokens=True)["input_ids"]) or [0] for t in texts]
     pad = reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        input_ids[i, :len(r)] = torch.tensor(r)
-        attention_mask[i, :len(r)] = 1
+    input_ids, attention_mask = pad_batch(rows, pad)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return SimpleNamespace(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                            position_ids=position_ids.to(device), batch_size=len(rows))
