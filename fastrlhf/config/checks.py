@@ -141,6 +141,10 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(ro.max_new_tokens, "rollout.max_new_tokens")
     _positive(ro.sync_bucket_bytes, "rollout.sync_bucket_bytes")
     _positive(ro.kv_cache_bytes, "rollout.kv_cache_bytes")
+    if ro.gpu_memory_utilization != "auto" and not 0.0 < ro.gpu_memory_utilization <= 1.0:
+        raise ConfigError("rollout.gpu_memory_utilization", f"must be in (0, 1] or auto, got "
+                                                             f"{ro.gpu_memory_utilization}")
+    _positive(ro.tensor_parallel_size, "rollout.tensor_parallel_size")
     if any(not isinstance(x, str) or not x for x in ro.stop):
         raise ConfigError("rollout.stop", f"stop strings must be non-empty strings, got {ro.stop!r}")
 

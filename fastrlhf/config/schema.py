@@ -96,6 +96,12 @@ class RolloutConfig:
     sync_bucket_bytes: int = 268435456
     kv_cache_bytes: int = 1073741824
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, else the actor's
+    # vLLM on CUDA: the share of each GPU it may take (auto: from the memory the trainer's models leave, see
+    # fastrlhf plan), sleep mode between generations, tensor parallelism, CUDA graphs (auto: on CUDA, not CPU)
+    gpu_memory_utilization: float | Literal["auto"] = "auto"
+    sleep: bool = False
+    tensor_parallel_size: int = 1
+    enforce_eager: bool | Literal["auto"] = "auto"
 
 
 @dataclass(frozen=True)
