@@ -145,6 +145,8 @@ def _validate_train(c: TrainConfig, base: str):
         raise ConfigError("rollout.gpu_memory_utilization", f"must be in (0, 1] or auto, got "
                                                              f"{ro.gpu_memory_utilization}")
     _positive(ro.tensor_parallel_size, "rollout.tensor_parallel_size")
+    _positive(ro.max_logprob_mismatch, "rollout.max_logprob_mismatch")
+    _positive(ro.mismatch_probe, "rollout.mismatch_probe")
     if any(not isinstance(x, str) or not x for x in ro.stop):
         raise ConfigError("rollout.stop", f"stop strings must be non-empty strings, got {ro.stop!r}")
 

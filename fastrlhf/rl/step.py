@@ -43,7 +43,7 @@ from fastrlhf.rl.experience import Experience, build_experience
 from fastrlhf.rl.forward import critic_loss, policy_loss_from_model, sequence_logprobs, token_values, unwrap
 from fastrlhf.rl.update import as_learner, minibatch_order, run_updates
 
-__all__ = ["RLStep", "micro_batch_size", "skips_old_logprobs"]
+__all__ = ["RLStep", "empty_device_cache", "micro_batch_size", "skips_old_logprobs"]
 
 
 def micro_batch_size(config, world: int) -> int:
@@ -102,6 +102,9 @@ class RLStep:
         with clock("generate"):
             if completions is None:
                 completions = self.rollout.generate(prompts, self.sampling(step))
+            if not self.rollout_shares_actor:  # its device memory is the update's until the sync
+                self.rollout.sleep()
+                empty_device_cache(self.device)
         with clock("score"):
             with clock("reward"):
                 exp = build_experience(prompts, completions, self.pad_token_id, self.device)
@@ -174,7 +177,9 @@ class RLStep:
 
         On-policy (:func:`skips_old_logprobs`) the old logprobs stay None: the update takes its own,
         detached, and the rollout ``kl`` / ``rollout_entropy`` come from the update instead (same
-        parameters, same tokens: the same values); ``logprob_mismatch_*`` is then not logged.
+        parameters, same tokens: the same values). ``logprob_mismatch_*`` (actor vs engine) is logged
+        every step: over the batch when the old logprobs are recomputed, else over a probe of
+        ``rollout.mismatch_probe`` sequences; :meth:`check_engine_weights` stops a stale engine.
         """
         t, mask = self.config.trainer, exp.response_mask
         micro = t.forward_micro_batch or micro_batch_size(self.config, self.world)
@@ -183,10 +188,13 @@ class RLStep:
         metrics = {}
         if not skips_old_logprobs(self.config):
             exp.old_logprobs, old_entropy = sequence_logprobs(self.actor.module, exp, **lp_kwargs)
-            diff = torch.where(mask > 0, (exp.old_logprobs - exp.engine_logprobs).abs(), 0.0)
-            metrics.update(logprob_mismatch_mean=float(masked_mean(diff, mask)),
-                           logprob_mismatch_max=float(diff.max()) if diff.numel() else 0.0,
+            metrics.update(_mismatch(exp.old_logprobs, exp.engine_logprobs, mask),
                            rollout_entropy=float(masked_mean(old_entropy, mask)))
+        else:
+            probe = exp.select(slice(0, min(self.config.rollout.mismatch_probe, exp.batch_size)))
+            actor_logprobs, _ = sequence_logprobs(self.actor.module, probe, **lp_kwargs)
+            metrics.update(_mismatch(actor_logprobs, probe.engine_logprobs, probe.response_mask))
+        self.check_engine_weights(metrics["logprob_mismatch_mean"])
         if t.kl_coef != 0.0:
             reference, context = self.reference, contextlib.nullcontext()
             if reference is None:  # a LoRA actor with its adapter disabled is the reference
@@ -202,6 +210,21 @@ class RLStep:
         if self.critic is not None:
             exp.values = token_values(self.critic.module, exp, micro)
         return metrics
+
+    def check_engine_weights(self, local_mismatch: float) -> None:
+        """Stop (on every rank) before training on completions of an engine whose weights are not the
+        actor's: a sync or sleep/wake that left it stale. Top-k/top-p renormalise the engine's logprobs
+        over the kept tokens, so there a mismatch is expected and only logged."""
+        ro = self.config.rollout
+        if ro.max_logprob_mismatch is None or ro.top_k != -1 or ro.top_p < 1.0:
+            return
+        worst = comm.reduce_floats([local_mismatch], "max")[0]
+        if worst > ro.max_logprob_mismatch:
+            from fastrlhf.guards import StepFailed
+
+            raise StepFailed(f"the rollout engine's logprobs differ from the actor's by {worst:.3g} nats per token "
+                             f"(rollout.max_logprob_mismatch {ro.max_logprob_mismatch}): it is generating with "
+                             "other weights than the actor's (a failed weight sync or wake-up?)")
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
         """The actor's (then the critic's) optimizer steps over shuffled minibatches of the batch."""
@@ -234,10 +257,13 @@ class RLStep:
         from fastrlhf.rollout.weight_sync import sync_weights
 
         source, bucket = getattr(self.actor, "engine", self.actor.module), self.config.rollout.sync_bucket_bytes
+        empty_device_cache(self.device)  # the update's activations and logits go before the weights come back
+        self.rollout.wake_up(("weights",))
         if is_peft_model(unwrap(self.actor.module)):
             stats = sync_lora_weights(source, self.rollout, bucket)
         else:
             stats = sync_weights(source, self.rollout, bucket_bytes=bucket)
+        self.rollout.wake_up(("kv_cache",))
         return {"sync_bytes": float(stats.bytes), "sync_buckets": float(stats.num_buckets)}
 
     # ------------------------------------------------------------------ metrics
@@ -264,6 +290,18 @@ class RLStep:
                        skipped=float(skipped), skipped_steps=float(self.guard.skipped_total),
                        mean_response_length=total[3] / max(1, exp.batch_size * self.world))
         return metrics
+
+
+def _mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    diff = torch.where(mask > 0, (actor_logprobs - engine_logprobs).abs(), 0.0)
+    return {"logprob_mismatch_mean": float(masked_mean(diff, mask)),
+            "logprob_mismatch_max": float(diff.max()) if diff.numel() else 0.0}
+
+
+def empty_device_cache(device: torch.device) -> None:
+    """Give cached, unused blocks back to the device, so a colocated engine can take them."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class _Clock:

@@ -66,9 +66,38 @@ def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None
             return HFEngine(actor_module, max_model_len=max_len, tokenizer=tokenizer), True
         rollout_model = load_causal_lm(config.model, trainable=False, dtype=ro.dtype).to(device)
         return HFEngine(rollout_model, max_model_len=max_len, tokenizer=tokenizer), False
+    on_cuda = getattr(device, "type", str(device)) == "cuda"
     engine = VLLMEngine(config.model.path, dtype=ro.dtype, max_model_len=max_len, kv_cache_bytes=ro.kv_cache_bytes,
-                        seed=config.seed + D.rank(), tokenizer=tokenizer)
+                        seed=config.seed + D.rank(), tokenizer=tokenizer,
+                        gpu_memory_utilization=_gpu_memory_utilization(ro) if on_cuda else None,
+                        sleep=ro.sleep and on_cuda, tensor_parallel_size=ro.tensor_parallel_size,
+                        enforce_eager=ro.enforce_eager is True)
     return engine, False
+
+
+# What vLLM may not take of the memory the trainer's models leave free: room for the update's
+# activations and the allocator's fragmentation (vLLM itself asks for a fraction of the *total*).
+FREE_MEMORY_MARGIN = 0.10
+
+
+def _gpu_memory_utilization(ro) -> float:
+    """``rollout.gpu_memory_utilization``, or for ``auto`` the share of this GPU's total memory still
+    free now that the trainer's models are placed, less a margin (vLLM's default 0.9 would refuse
+    to start beside them)."""
+    if ro.gpu_memory_utilization != "auto":
+        return float(ro.gpu_memory_utilization)
+    import torch
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    share = int((free / total - FREE_MEMORY_MARGIN) * 100) / 100
+    if share < 0.05:
+        from fastrlhf.config import ConfigError
+
+        raise ConfigError("rollout.gpu_memory_utilization", f"only {free / 2**30:.1f} of {total / 2**30:.1f} GiB "
+                          "are free after the trainer's models: no room for vLLM (try deepspeed.zero_stage 3, "
+                          "offload, or engine: hf)")
+    return share
 
 
 def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokenizer=None):

@@ -133,6 +133,12 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; the next ``generate`` uses only the new weights (no stale cache)."""
 
+    def sleep(self) -> None:  # noqa: B027 (engines without a sleep mode stay awake)
+        """Free the engine's device memory (weights to host, KV cache dropped) until the next use."""
+
+    def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:  # noqa: B027
+        """Bring back what :meth:`sleep` freed; ``generate`` and ``update_weights`` wake what they need."""
+
     def close(self) -> None:  # noqa: B027 (engines without resources need nothing here)
         """Release the engine's resources (the trainer's process group survives)."""
 

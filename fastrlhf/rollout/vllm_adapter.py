@@ -21,7 +21,10 @@ __all__ = [
     "VLLM_FINISH_REASONS",
     "IN_PLACE_UPDATERS",
     "cpu_supported_head_sizes",
+    "llm_kwargs",
     "make_llm",
+    "sleep_llm",
+    "wake_llm",
     "make_sampling_params",
     "run_generate",
     "reload_weights",
@@ -46,38 +49,78 @@ def cpu_supported_head_sizes() -> tuple[int, ...]:
         return CPU_SUPPORTED_HEAD_SIZES
 
 
-def make_llm(
+def llm_kwargs(
     model_path: str,
     *,
     dtype: str,
     max_model_len: int,
-    kv_cache_bytes: int,
     seed: int,
     distributed_executor_backend: str | None,
     enable_prefix_caching: bool,
-):
-    from vllm import LLM
+    on_cuda: bool,
+    kv_cache_bytes: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    sleep: bool = False,
+    tensor_parallel_size: int = 1,
+    enforce_eager: bool | None = None,
+) -> dict:
+    """The ``vllm.LLM`` arguments for this device, checked; separate from ``make_llm`` so that the CUDA
+    branch is tested on machines without a GPU.
 
-    kwargs = {}
-    if distributed_executor_backend is not None:
-        kwargs["distributed_executor_backend"] = distributed_executor_backend
-    return LLM(
+    CUDA: ``gpu_memory_utilization`` (required: vLLM's default 0.9 refuses to start beside a trainer
+    that already holds its models) sizes the KV cache; CUDA graphs unless ``enforce_eager``; sleep mode
+    and tensor parallelism on request. CPU: the KV cache is ``kv_cache_bytes`` (vLLM-CPU otherwise takes
+    a share of RAM), eager, no sleep mode (it needs CUDA's allocator), one rank per engine.
+    """
+    kwargs = dict(
         model=model_path,
         # Prompts arrive as token ids; skipping the tokenizer also lets a bare weights folder load.
         skip_tokenizer_init=True,
         dtype=dtype,
         max_model_len=max_model_len,
-        kv_cache_memory_bytes=kv_cache_bytes,
         seed=seed,
-        # CUDA graphs would capture the weight tensors' addresses; reload_weights copies in place so
-        # they stay valid, but eager keeps start-up short on CPU where graphs do not exist anyway.
-        enforce_eager=True,
         enable_prefix_caching=enable_prefix_caching,
         # Sampled-token logprobs after temperature/top-k/top-p, i.e. of the sampling distribution
         # (the default "raw_logprobs" is before temperature).
         logprobs_mode="processed_logprobs",
-        **kwargs,
     )
+    if distributed_executor_backend is not None:
+        kwargs["distributed_executor_backend"] = distributed_executor_backend
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+    if on_cuda:
+        if gpu_memory_utilization is None or not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"on CUDA gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        # CUDA graphs capture the weight tensors' addresses; reloads copy in place, so they stay valid.
+        kwargs.update(gpu_memory_utilization=float(gpu_memory_utilization), enforce_eager=bool(enforce_eager),
+                      enable_sleep_mode=bool(sleep), tensor_parallel_size=tensor_parallel_size)
+        return kwargs
+    if sleep:
+        raise ValueError("vLLM sleep mode needs CUDA; set rollout.sleep: false on CPU")
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs CUDA; on CPU each rank runs one engine")
+    if not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0:
+        raise ValueError(f"on CPU kv_cache_bytes must be a positive int (bytes), got {kv_cache_bytes!r}")
+    # No CUDA graphs exist on CPU; eager also keeps start-up short.
+    kwargs.update(kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True)
+    return kwargs
+
+
+def make_llm(**kwargs):
+    """A ``vllm.LLM`` from :func:`llm_kwargs`."""
+    from vllm import LLM
+
+    return LLM(**kwargs)
+
+
+def sleep_llm(llm) -> None:
+    # Level 1: weights to host memory, KV cache discarded. Level 2 would drop the weights, which a
+    # step whose update was skipped (no sync follows) still needs.
+    llm.sleep(level=1)
+
+
+def wake_llm(llm, tags: Sequence[str]) -> None:
+    llm.wake_up(tags=list(tags))
 
 
 def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int]):

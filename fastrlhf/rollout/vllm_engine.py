@@ -100,6 +100,10 @@ class VLLMEngine(RolloutEngine):
         seed: int = 0,
         enable_prefix_caching: bool = True,
         tokenizer=None,
+        gpu_memory_utilization: float | None = None,
+        sleep: bool = False,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
     ):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
             # In-process: no engine-core process to spawn and start, weight reloads can take a lazy
@@ -109,15 +113,14 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"VLLMEngine dtype must be one of float32, bfloat16, float16, got {dtype!r}")
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"VLLMEngine max_model_len must be an int >= 2, got {max_model_len!r}")
-        if not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0:
-            raise ValueError(f"VLLMEngine kv_cache_bytes must be a positive int (bytes), got {kv_cache_bytes!r}")
         config = read_model_config(model_path)
         if max_model_len > config.get("max_position_embeddings", max_model_len):
             raise ValueError(
                 f"VLLMEngine max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{config['max_position_embeddings']}"
             )
-        if not torch.cuda.is_available():
+        on_cuda = torch.cuda.is_available()
+        if not on_cuda:
             check_cpu_head_size(config)
         self.model_path = str(model_path)
         self.dtype = _DTYPES[dtype]
@@ -137,16 +140,16 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
         # vLLM only destroys the default group on close if it created it.
         self._owns_group = not initialized
-        t0 = time.perf_counter()
-        self.llm = vllm_adapter.make_llm(
-            self.model_path,
-            dtype=self.dtype,
-            max_model_len=max_model_len,
-            kv_cache_bytes=kv_cache_bytes,
-            seed=seed,
+        kwargs = vllm_adapter.llm_kwargs(
+            self.model_path, dtype=self.dtype, max_model_len=max_model_len, seed=seed,
             distributed_executor_backend="external_launcher" if under_launcher else None,
-            enable_prefix_caching=enable_prefix_caching,
-        )
+            enable_prefix_caching=enable_prefix_caching, on_cuda=on_cuda, kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, sleep=sleep, tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager)
+        self.sleep_mode = bool(kwargs.get("enable_sleep_mode"))
+        self._asleep: set[str] = set()
+        t0 = time.perf_counter()
+        self.llm = vllm_adapter.make_llm(**kwargs)
         self.startup_seconds = time.perf_counter() - t0
         # If the user drops the engine without close(), the garbage collector must not take the
         # trainer's process group with it.
@@ -160,8 +163,21 @@ class VLLMEngine(RolloutEngine):
         if not self._finalizer.alive:
             raise RuntimeError("VLLMEngine is closed")
 
+    def sleep(self) -> None:
+        if self.sleep_mode and not self._asleep:
+            self._check_open()
+            vllm_adapter.sleep_llm(self.llm)
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags=("weights", "kv_cache")) -> None:
+        waking = [t for t in ("weights", "kv_cache") if t in tags and t in self._asleep]
+        if waking:
+            vllm_adapter.wake_llm(self.llm, waking)
+            self._asleep -= set(waking)
+
     def generate(self, prompt_token_ids, sampling: SamplingConfig) -> list[list[Completion]]:
         self._check_open()
+        self.wake_up()
         if not isinstance(sampling, SamplingConfig):
             raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         prompts = validate_prompts(prompt_token_ids, self.vocab_size, self.max_model_len)
@@ -187,6 +203,7 @@ class VLLMEngine(RolloutEngine):
         model as a lazy iterator (see ``fastrlhf.rollout.weight_sync``).
         """
         self._check_open()
+        self.wake_up(("weights",))  # the KV cache stays asleep until the next generate
         vllm_adapter.reload_weights(self.llm, named_tensors)
         vllm_adapter.reset_prefix_cache(self.llm)
 
