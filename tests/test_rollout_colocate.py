@@ -132,3 +132,37 @@ def test_auto_utilization_is_what_the_trainers_models_leave_free_less_a_margin(m
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * gib, 80 * gib))
     with pytest.raises(ConfigError, match="only 10.0 of 80.0 GiB are free"):
         trainer._gpu_memory_utilization(RolloutConfig())
+
+
+class EchoEngine:
+    """Answers each prompt with its last token; records the batches it was asked for."""
+
+    kind, tokenizer, vocab_size, max_model_len, weight_dtype = "vllm", None, 100, 64, torch.float32
+
+    def __init__(self):
+        self.batches = []
+
+    def generate(self, prompts, sampling):
+        from fastrlhf.rollout import Completion
+
+        self.batches.append(prompts)
+        return [[Completion([p[-1]], [0.0], "stop")] for p in prompts]
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_a_tensor_parallel_group_generates_its_ranks_prompts_together_and_splits_the_results(rank, monkeypatch):
+    from fastrlhf import comm
+    from fastrlhf.rollout import SamplingConfig
+    from fastrlhf.rollout.tensor_parallel import TensorParallelGroup
+
+    import json
+
+    per_rank = [[[1, 10], [1, 11]], [[2, 20]], [[3, 30], [3, 31], [3, 32]], [[4, 40]]]  # 4 ranks, groups of 2
+    mine = per_rank[rank]
+    monkeypatch.setattr(comm, "gather_bytes", lambda data: [json.dumps(p).encode() if r != rank else data
+                                                             for r, p in enumerate(per_rank)])
+    engine = EchoEngine()
+    results = TensorParallelGroup(engine, group_size=2, rank=rank).generate(mine, SamplingConfig())
+    group = per_rank[0] + per_rank[1] if rank < 2 else per_rank[2] + per_rank[3]
+    assert engine.batches == [group]  # both ranks of the group submit the same requests, in rank order
+    assert [c.token_ids for (c,) in results] == [[p[-1]] for p in mine]  # each keeps its own

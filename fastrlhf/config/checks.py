@@ -145,6 +145,8 @@ def _validate_train(c: TrainConfig, base: str):
         raise ConfigError("rollout.gpu_memory_utilization", f"must be in (0, 1] or auto, got "
                                                              f"{ro.gpu_memory_utilization}")
     _positive(ro.tensor_parallel_size, "rollout.tensor_parallel_size")
+    if ro.tensor_parallel_size > 1 and ro.engine == "hf":
+        raise ConfigError("rollout.tensor_parallel_size", "tensor parallelism is vLLM's; set rollout.engine: vllm")
     _positive(ro.max_logprob_mismatch, "rollout.max_logprob_mismatch")
     _positive(ro.mismatch_probe, "rollout.mismatch_probe")
     if any(not isinstance(x, str) or not x for x in ro.stop):
@@ -252,6 +254,10 @@ def check_world_size(config, world: int) -> None:
         raise ValueError(f"world must be a positive number of ranks, got {world!r}")
     t = config.trainer
     if isinstance(config, TrainConfig):
+        tp = config.rollout.tensor_parallel_size
+        if world % tp:
+            raise ConfigError("rollout.tensor_parallel_size", f"{tp} does not divide the {world} ranks (each "
+                              f"{tp} consecutive ranks share one vLLM engine)")
         if t.prompts_per_step % world:
             raise ConfigError("trainer.prompts_per_step", f"{t.prompts_per_step} does not split over {world} ranks "
                               "(each rank samples whole groups for its own prompts)")

@@ -131,8 +131,10 @@ class RLStep:
         from fastrlhf.rollout import SamplingConfig
 
         ro = self.config.rollout
-        # A seed per (step, rank): different samples on each rank, the same ones after a resume.
-        seed = (self.config.seed * 1_000_003 + step * self.world + D.rank()) % (2**31)
+        # A seed per (step, engine): different samples on each rank's engine, the same ones after a resume.
+        # The ranks of a tensor-parallel group drive one engine and must agree on it.
+        tp = 1 if self.rollout_shares_actor else ro.tensor_parallel_size
+        seed = (self.config.seed * 1_000_003 + step * self.world + D.rank() // tp) % (2**31)
         return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                               max_new_tokens=ro.max_new_tokens, stop_token_ids=tuple(ro.stop_token_ids),
                               stop=tuple(ro.stop), seed=seed)

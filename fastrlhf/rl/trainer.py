@@ -67,11 +67,16 @@ def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None
         rollout_model = load_causal_lm(config.model, trainable=False, dtype=ro.dtype).to(device)
         return HFEngine(rollout_model, max_model_len=max_len, tokenizer=tokenizer), False
     on_cuda = getattr(device, "type", str(device)) == "cuda"
+    tp = ro.tensor_parallel_size
     engine = VLLMEngine(config.model.path, dtype=ro.dtype, max_model_len=max_len, kv_cache_bytes=ro.kv_cache_bytes,
-                        seed=config.seed + D.rank(), tokenizer=tokenizer,
+                        seed=config.seed + D.rank() // tp, tokenizer=tokenizer,
                         gpu_memory_utilization=_gpu_memory_utilization(ro) if on_cuda else None,
                         sleep=ro.sleep and on_cuda, tensor_parallel_size=ro.tensor_parallel_size,
                         enforce_eager=ro.enforce_eager is True)
+    if tp > 1:
+        from fastrlhf.rollout.tensor_parallel import TensorParallelGroup
+
+        engine = TensorParallelGroup(engine, tp, D.rank())
     return engine, False
 
 
