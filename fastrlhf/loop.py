@@ -3,7 +3,8 @@
 Resume from the latest checkpoint, then per step: run it, log its metrics, report a skipped update,
 checkpoint every ``trainer.save_every`` steps. When the guard gives up (too many skipped steps in a
 row) the step in hand is still logged, a checkpoint of the last good weights is written and the
-error propagates, as it does when a step fails outright (:class:`~fastrlhf.guards.StepFailed`); after the last step: a final checkpoint and the Hugging Face export (``final/``).
+error propagates, as it does when a step fails outright (:class:`~fastrlhf.guards.StepFailed`);
+after the last step: a final checkpoint and the Hugging Face export (``final/``).
 What a step is (RL step, supervised minibatch) is the caller's ``step_fn``.
 """
 

@@ -274,7 +274,7 @@ def test_a_reward_model_with_another_vocabulary_reads_the_text_re_tokenized():
     from types import SimpleNamespace
 
     expected = []
-    for p, c in zip(prompts, completions):
+    for p, c in zip(prompts, completions, strict=True):
         ids = torch.tensor([[0] + [62 - t for t in p + c]])
         one = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids),
                               position_ids=torch.arange(ids.shape[1])[None], batch_size=1)

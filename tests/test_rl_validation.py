@@ -25,7 +25,7 @@ class RecordingEngine:
 
 
 def exact(prompts, completions, metas):
-    return torch.tensor([float(c.token_ids == [m["answer"]]) for m, samples in zip(metas, completions)
+    return torch.tensor([float(c.token_ids == [m["answer"]]) for m, samples in zip(metas, completions, strict=True)
                          for c in samples])
 
 

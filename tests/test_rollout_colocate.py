@@ -90,7 +90,8 @@ def test_a_step_sleeps_after_generating_and_wakes_weights_then_kv_cache_around_t
                 "actor_logprobs:2",  # the stale-engine probe: on-policy, 2 sequences re-scored by the actor
                 "empty_cache", "wake:weights", "update_weights", "wake:kv_cache"]
     assert log == one_step * 2
-    assert all(torch.equal(a, b) for a, b in zip(actor.state_dict().values(), engine.model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(actor.state_dict().values(), engine.model.state_dict().values(),
+                                                   strict=True))
 
 
 class BrokenWakeEngine(RecordingEngine):
@@ -151,11 +152,11 @@ class EchoEngine:
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
 def test_a_tensor_parallel_group_generates_its_ranks_prompts_together_and_splits_the_results(rank, monkeypatch):
+    import json
+
     from fastrlhf import comm
     from fastrlhf.rollout import SamplingConfig
     from fastrlhf.rollout.tensor_parallel import TensorParallelGroup
-
-    import json
 
     per_rank = [[[1, 10], [1, 11]], [[2, 20]], [[3, 30], [3, 31], [3, 32]], [[4, 40]]]  # 4 ranks, groups of 2
     mine = per_rank[rank]

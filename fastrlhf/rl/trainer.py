@@ -262,19 +262,20 @@ def _max_reward(config) -> float:
 
 def build_validator(config, eval_examples, rl_step, tokenizer):
     """The :class:`~fastrlhf.rl.validation.Validator` of ``eval``: the run's reward, or ``eval.reward``."""
+    import torch
+
     from fastrlhf import distributed as D
     from fastrlhf.rl.rewards import resolve_reward_function
     from fastrlhf.rl.validation import Validator
     from fastrlhf.rollout import SamplingConfig
-
-    import torch
 
     e, ro = config.eval, config.rollout
     if e.reward is not None:
         fn = resolve_reward_function(e.reward)
 
         def score(prompts, completions, metas):
-            return torch.tensor([float(fn(p, c.token_ids, m)) for p, m, samples in zip(prompts, metas, completions)
+            return torch.tensor([float(fn(p, c.token_ids, m))
+                                 for p, m, samples in zip(prompts, metas, completions, strict=True)
                                  for c in samples], dtype=torch.float64)
     else:
         score = rl_step.score_rollout

@@ -10,8 +10,13 @@ from collections.abc import Iterable
 
 import torch
 
-from fastrlhf.rollout.base import (RolloutEngine, cut_at_stop_strings, eos_token_ids_with, stop_token_ids_for,
-                                   validate_prompts)
+from fastrlhf.rollout.base import (
+    RolloutEngine,
+    cut_at_stop_strings,
+    eos_token_ids_with,
+    stop_token_ids_for,
+    validate_prompts,
+)
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 
 __all__ = ["HFEngine", "apply_sampling_filters"]

@@ -11,8 +11,13 @@ from collections.abc import Iterable
 import torch
 
 from fastrlhf.rollout import vllm_adapter
-from fastrlhf.rollout.base import (RolloutEngine, cut_at_stop_strings, eos_token_ids_with, stop_token_ids_for,
-                                   validate_prompts)
+from fastrlhf.rollout.base import (
+    RolloutEngine,
+    cut_at_stop_strings,
+    eos_token_ids_with,
+    stop_token_ids_for,
+    validate_prompts,
+)
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 
 __all__ = ["VLLMEngine", "read_model_config", "check_cpu_head_size"]
