@@ -27,14 +27,14 @@ def test_short_demo_reward_rises_and_report_is_written(tmp_path):
     run_dir = workdir / "grpo-rule"
 
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert len(records) == 30
-    rewards = [r["reward_mean"] for r in records]
+    assert [r["step"] for r in records] == list(range(31))  # step 0: validation before training
+    rewards = [r["reward_mean"] for r in records[1:]]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.1, rewards
     assert report["accuracy_after"] > report["accuracy_before"], report
     # Validation every 10 steps, per requested script, on prompts that are neither RL nor test prompts.
     validated = [r for r in records if "eval/reward_mean" in r]
-    assert [r["step"] for r in validated] == [10, 20, 30]
+    assert [r["step"] for r in validated] == [0, 10, 20, 30]
     for r in validated:
         per_script = [r[f"eval/reward_mean/{s}"] for s in task.SCRIPTS]
         assert min(per_script) <= r["eval/reward_mean"] <= max(per_script), r
