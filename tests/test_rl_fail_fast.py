@@ -38,6 +38,7 @@ def root(tmp_path_factory):
             {"prompt": "w10", "answer": "w11"}]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "long.jsonl").write_text(json.dumps({"prompt_ids": list(range(3, 40))}) + "\n")
+    (root / "one.jsonl").write_text(json.dumps(rows[0]) + "\n")
     return root
 
 
@@ -48,7 +49,7 @@ def _config(root, name, **sections):
               "rollout": {"engine": "hf", "n": 2, "max_new_tokens": 3},
               "trainer": {"max_steps": 1, "prompts_per_step": 2, "minibatch_size": 4}, "deepspeed": {"zero_stage": 0}}
     for key, value in sections.items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -71,6 +72,8 @@ CASES = {
     "vllm_head_size": ({"model": {"path": "model16"}, "rollout": {"engine": "vllm"}},
                        "config error: rollout.engine: vllm cannot run this model: model head size 16", ""),
     "missing_column": ({}, "data error: prompts.jsonl:3: reward function 'mentions_answer' needs column 'answer'", ""),
+    "eval_under_ranks": ({"eval": {"data": "one.jsonl"}}, "config error: eval.data: has 1 prompts, fewer than the 2 "
+                         "ranks", ""),
     "overlong": ({"data": {"prompts": "long.jsonl"}},
                  "data error: long.jsonl:1: prompt of 37 tokens is longer than the limit of 16", ""),
 }
@@ -81,7 +84,7 @@ def _resolve(root, sections):
     out = {}
     for key, value in sections.items():
         value = dict(value)
-        for field in ("path", "prompts"):
+        for field in ("path", "prompts", "data"):
             if field in value and not os.path.isabs(value[field]):
                 value[field] = str(root / value[field])
         out[key] = value

@@ -245,6 +245,9 @@ def preflight(config) -> Prepared:
 
     examples = load(d.prompts)
     eval_examples = load(config.eval.data) if config.eval.data is not None else None
+    if eval_examples is not None and len(eval_examples) < D.world_size():
+        # Scoring agrees across ranks (a collective): every rank needs at least one prompt to score.
+        raise ConfigError("eval.data", f"has {len(eval_examples)} prompts, fewer than the {D.world_size()} ranks")
     required = {r.name: required_columns(r.fn) for r in text_rewards}
     check_columns(examples, required)
     if eval_examples is not None and config.eval.reward is None:
