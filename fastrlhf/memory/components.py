@@ -1,0 +1,187 @@
+"""The arithmetic of each component of a memory plan (:mod:`fastrlhf.plan`), one function each.
+
+Byte counts per rank; ``w`` is the bytes of the dtype the trained models compute in. The rules and
+where they come from are in :mod:`fastrlhf.plan`'s docstring. No torch: the constants of
+torch-importing modules that the rules need are mirrored here, and ``tests/test_plan.py`` keeps the
+mirrors equal to their sources.
+"""
+
+from __future__ import annotations
+
+from .architecture import ModelShape
+
+# vLLM's KV-cache block (tokens): 16 on CUDA, 128 with the CPU attention backend.
+VLLM_BLOCK_TOKENS = {"cuda": 16, "cpu": 128}
+# vLLM's defaults for the offline LLM class (vllm/engine/arg_utils.py, 0.32): tokens per forward
+# (max_num_batched_tokens) and sequences per step (max_num_seqs), on a CPU, a GPU of 70 (1 << 30) or more, others.
+VLLM_BATCHED_TOKENS = {"cpu": 4096, "large_gpu": 16384, "gpu": 8192}
+VLLM_MAX_NUM_SEQS = {"cpu": 256, "large_gpu": 1024, "gpu": 256}
+# Mirrors, kept equal by tests/test_plan.py, of constants whose modules import torch:
+# fastrlhf.rollout.engine_choice.CPU_VLLM_CROSSOVER_PARAMS, vllm_adapter.CPU_SUPPORTED_HEAD_SIZES,
+# fastrlhf.kernels' chunk budgets and floors (kernels/_backend.py, kernels/fused_linear.py).
+CPU_VLLM_CROSSOVER_PARAMS = 2_000_000
+CPU_SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_CHUNK_BYTES = 64 << 20
+GPU_CHUNK_BYTES = 1 << 30
+GPU_FREE_MEMORY_FRACTION = 0.25
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    return _DTYPE_BYTES[dtype]
+
+
+def seq_len(config) -> int:
+    return config.data.max_prompt_len + config.rollout.max_new_tokens
+
+
+def engine_kind(config, shape: ModelShape, device: str) -> str:
+    """``rollout.engine`` resolved as the trainer does (``choose_engine_kind``, and HF where vLLM-CPU
+    lacks the head size), from the parameter count instead of a loaded model."""
+    kind = config.rollout.engine
+    if kind != "auto":
+        return kind
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "hf"
+    if device == "cuda":
+        return "vllm"
+    if shape.causal_lm_params() < CPU_VLLM_CROSSOVER_PARAMS or shape.head_dim not in CPU_SUPPORTED_HEAD_SIZES:
+        return "hf"
+    return "vllm"
+
+
+def micro_batch(config, world: int) -> int:
+    """Sequences per update micro-batch: ``fastrlhf.rl.step.micro_batch_size`` (mirrored; a test keeps them equal)."""
+    return config.trainer.minibatch_size // world // config.trainer.grad_accum
+
+
+def sequences(config, world: int) -> int:
+    return config.trainer.prompts_per_step // world * config.rollout.n
+
+
+def optimizer_bytes_per_param(ds, w: int) -> int:
+    """Adam's moments plus DeepSpeed's fp32 master copy (see the module docstring), per trained parameter."""
+    if ds.zero_stage == 0 and ds.bf16 is not True:
+        return 2 * w  # a plain torch AdamW: moments in the weights' dtype, no master copy
+    master = 0 if (ds.zero_stage == 3 and w == 4 and not ds.offload_optimizer) else 4
+    return 8 + master
+
+
+def trained_engine(name: str, params: int, trained: int, w: int, ds, gpus: int, device: str, out: dict, host: dict):
+    """Weights, gradients and optimizer states of one DeepSpeed engine, on the device or offloaded."""
+    stage, on_host = ds.zero_stage, device == "cpu"
+    weights = params * w // (gpus if stage == 3 else 1)
+    grads = trained * w // (gpus if stage >= 2 else 1)
+    states = trained * optimizer_bytes_per_param(ds, w) // (gpus if stage >= 1 else 1)
+    if ds.offload_param and stage == 3 and not on_host:
+        host[f"{name} weights"] = weights
+        weights = 0
+    if ds.offload_optimizer and stage >= 1 and not on_host:
+        host[f"{name} optimizer states"] = states
+        states = 0
+        if stage >= 2:  # ZeRO-Offload accumulates the gradient partition on the host, in fp32
+            host[f"{name} gradients"] = trained * 4 // gpus
+            grads = 0
+    out[f"{name} weights"] = weights
+    out[f"{name} gradients"] = grads
+    out[f"{name} optimizer states"] = states
+
+
+def _zero_extra(config) -> dict:
+    extra = (config.deepspeed.extra or {}).get("zero_optimization", {})
+    return extra if isinstance(extra, dict) else {}
+
+
+def zero_buffers(config, trained_counts: list[int], shapes: list[ModelShape], w: int, device: str) -> int:
+    ds, z = config.deepspeed, _zero_extra(config)
+    if ds.zero_stage == 0:
+        return 0
+    bucket = int(z.get("reduce_bucket_size", 5e8))
+    overlap = z.get("overlap_comm", ds.zero_stage == 3)
+    copies = 2 if overlap and ds.zero_stage < 3 else 1
+    if ds.zero_stage < 3 and z.get("contiguous_gradients", True) is False and not ds.offload_optimizer:
+        copies = 0
+    total = sum((bucket if device == "cuda" else min(bucket, t)) * w * copies for t in trained_counts)
+    if ds.zero_stage == 3:
+        # Gathered for compute, by each ZeRO-3 engine (actor, reference, critic): DeepSpeed keeps up to
+        # stage3_max_live_parameters (1e9) gathered plus the prefetch bucket, and does not release a
+        # parameter it will use again within stage3_max_reuse_distance (1e9): a model smaller than that
+        # stays gathered whole, also between steps.
+        live = int(z.get("stage3_max_live_parameters", 1e9)) + int(z.get("stage3_prefetch_bucket_size", 5e7))
+        total += sum(min(max(live, s.largest_module_params()), s.causal_lm_params()) for s in shapes) * w
+    return total
+
+
+def optimizer_step_temporaries(ds, trained_counts: list[int], w: int, gpus: int, device: str) -> int:
+    """The optimizer step's transient memory, for the larger trained engine (actor and critic step in
+    turn): ZeRO 1-3 flatten the rank's gradient partition into fp32 (per ``sub_group_size`` at ZeRO-3),
+    and torch's AdamW makes a denominator of the same size; ZeRO-0 only the denominator, in the
+    weights' dtype. Offloaded optimizer states step on the host."""
+    if ds.offload_optimizer and ds.zero_stage >= 1 and device == "cuda":
+        return 0
+    z = (ds.extra or {}).get("zero_optimization", {}) if isinstance(ds.extra, dict) else {}
+    largest = max(trained_counts)
+    if ds.zero_stage == 0:
+        return largest * w
+    shard = largest // gpus
+    if ds.zero_stage == 3:
+        shard = min(shard, int(z.get("sub_group_size", 1e9)))
+    return shard * 8
+
+
+def activations(config, shape: ModelShape, micro: int, a: int) -> int:
+    tokens, per_layer = micro * seq_len(config), shape.layer_activation_bytes_per_token(a)
+    final_norm = 2 * (4 + a) * shape.hidden
+    if config.model.gradient_checkpointing:
+        per_token = shape.layers * a * shape.hidden + 2 * per_layer + final_norm
+    else:
+        per_token = (shape.layers + 1) * per_layer + final_norm
+    mask = micro * seq_len(config) ** 2  # the [B, 1, T, T] bool mask HF builds for SDPA
+    return tokens * per_token + mask
+
+
+def chunk_tokens(config, tokens: int, vocab: int, device: str, free: int | None) -> int:
+    """``fastrlhf.kernels.fused_linear.default_chunk_size`` (mirrored; a test keeps them equal)."""
+    t = config.trainer
+    if t.loss_chunk_size:
+        return max(1, min(t.loss_chunk_size, tokens))
+    budget = t.loss_chunk_bytes
+    if budget is None:
+        budget = CPU_CHUNK_BYTES if device == "cpu" else GPU_CHUNK_BYTES
+        if device == "cuda" and free is not None:
+            budget = max(1, min(GPU_CHUNK_BYTES, int(free * GPU_FREE_MEMORY_FRACTION)))
+    floor, multiple = (16, 8) if device == "cpu" else (512, 64)
+    rows = max(floor, budget // (4 * max(1, vocab)) // multiple * multiple)
+    return max(1, min(rows, tokens))
+
+
+def fused_loss(config, shape: ModelShape, micro: int, w: int, device: str, free: int | None) -> int:
+    # The head sees the completion positions only (fastrlhf.rl.forward.response_hidden).
+    tokens, vocab, h = micro * config.rollout.max_new_tokens, shape.vocab, shape.hidden
+    if not config.trainer.fused_loss:  # materialised logits, their fp32 log-softmax and softmax
+        return tokens * vocab * (w + 8)
+    chunk = chunk_tokens(config, tokens, vocab, device, free)
+    if device == "cpu":  # the torch path: logits, fp32 probabilities, and p * z for bf16 or T != 1
+        extra = 4 if (w != 4 or config.rollout.temperature != 1.0) else 0
+        buffers = chunk * vocab * (w + 4 + extra)
+    else:  # Triton: the logits chunk alone, dlogits written in place
+        buffers = chunk * vocab * w
+    head_trained = config.model.lora_r == 0 or "lm_head" in config.model.lora_targets
+    head_grad = vocab * h * (4 + (w if w != 4 else 0)) if head_trained else 0
+    return buffers + head_grad + tokens * h * w
+
+
+def rollout_working(config, shape: ModelShape, kind: str, seqs: int, dtype_bytes: int, device: str,
+                     budget: int) -> int:
+    """One generation forward's MLP activations (``3 I + 4 h`` per token) and the sampler's fp32 logits
+    (three ``[sequences, V]`` copies). vLLM's start-up profile runs its largest forward
+    (``max_num_batched_tokens``) and sampler (``max_num_seqs``), and keeps that memory; HF's prefill
+    runs the whole batch's prompts at once."""
+    if kind == "vllm":
+        size = "cpu" if device == "cpu" else ("large_gpu" if budget >= 70 * (1 << 30) else "gpu")
+        tokens, seqs = VLLM_BATCHED_TOKENS[size], VLLM_MAX_NUM_SEQS[size]
+    else:
+        tokens = seqs * config.data.max_prompt_len
+    return tokens * (3 * shape.intermediate + 4 * shape.hidden) * dtype_bytes + 3 * seqs * shape.vocab * 4
