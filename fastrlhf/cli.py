@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dry-run", action="store_true",
                        help="validate the config, print it with every auto setting resolved for this machine, exit")
         p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    from fastrlhf.plan import PLAN_HELP, add_arguments  # no torch: plans answer before anything heavy loads
+
+    add_arguments(sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP))
     return parser
 
 
@@ -73,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command == "plan":
+        from fastrlhf.plan import main as plan
+
+        return plan(args)
 
     from fastrlhf.config import ConfigError, check_world_size, load_config
 
