@@ -329,14 +329,14 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     engine = {"rollout weights": 0 if shares_actor else actor.causal_lm_params() * rollout_bytes // tp}
     generation: dict[str, int] = {}
     if kind == "vllm":  # allocated at start-up and held
-        engine["rollout KV cache"] = ro.kv_cache_bytes
+        kv = need_kv if ro.kv_cache_bytes == "auto" else ro.kv_cache_bytes  # auto: what the trainer gives vLLM
+        engine["rollout KV cache"] = kv
         engine["rollout working memory"] = C.rollout_working(config, actor, kind, seqs, rollout_bytes, device, budget)
         if device == "cpu":
             engine["vLLM runtime"] = CPU_VLLM_RUNTIME_BYTES
-        if ro.kv_cache_bytes < need_kv:
-            notes.append(f"rollout.kv_cache_bytes ({_gib(ro.kv_cache_bytes)} GiB) holds "
-                         f"{ro.kv_cache_bytes / need_kv:.0%} of the batch's KV cache ({_gib(need_kv)} GiB): vLLM "
-                         "generates it in waves")
+        if kv < need_kv:
+            notes.append(f"rollout.kv_cache_bytes ({_gib(kv)} GiB) holds {kv / need_kv:.0%} of the batch's KV "
+                         f"cache ({_gib(need_kv)} GiB): vLLM generates it in waves")
     else:  # HF generate allocates its cache and logits per call
         generation["rollout KV cache"] = seqs * C.seq_len(config) * actor.kv_bytes_per_token(rollout_bytes)
         generation["rollout working memory"] = C.rollout_working(config, actor, kind, seqs, rollout_bytes, device,

@@ -167,3 +167,34 @@ def test_a_tensor_parallel_group_generates_its_ranks_prompts_together_and_splits
     group = per_rank[0] + per_rank[1] if rank < 2 else per_rank[2] + per_rank[3]
     assert engine.batches == [group]  # both ranks of the group submit the same requests, in rank order
     assert [c.token_ids for (c,) in results] == [[p[-1]] for p in mine]  # each keeps its own
+
+
+def test_a_run_that_cannot_fit_its_gpus_stops_at_launch_with_the_plans_line(tmp_path, monkeypatch, capsys):
+    import time
+
+    import fastrlhf.plan as plan_module
+    import fastrlhf.precision as precision
+    from fastrlhf.plan import PlanError
+    from fastrlhf.rl import trainer
+    from test_plan import QWEN25_1_5B, gpu_grpo, model_folder
+
+    config = gpu_grpo(model_folder(tmp_path / "qwen", QWEN25_1_5B), zero_stage=2)
+    monkeypatch.setattr(precision, "gpu_available", lambda: True)  # as on a GPU node
+    monkeypatch.setattr(plan_module, "_cuda_budget", lambda: 16 * 2**30)
+    started = time.perf_counter()
+    with pytest.raises(PlanError, match=r"^plan: needs .* GiB per GPU, over the 16.0 GiB budget .*; largest: "):
+        trainer._memory_plan(config, 8)
+    assert time.perf_counter() - started < 1.0
+    monkeypatch.setattr(plan_module, "_cuda_budget", lambda: 80 * 2**30)
+    plan = trainer._memory_plan(config, 8)
+    assert plan.fits and 0.0 < plan.gpu_memory_utilization < 1.0
+    # auto takes the lower of what is free at engine start (less 10%) and what the plan leaves.
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (79 * 2**30, 80 * 2**30))
+    auto = trainer._gpu_memory_utilization(config.rollout.__class__(gpu_memory_utilization="auto"), plan)
+    assert auto == min(plan.gpu_memory_utilization, 0.88)
+    # On a CPU the budget moves with whatever else runs: the plan only warns.
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)
+    monkeypatch.setattr(plan_module, "_host_budget", lambda ranks: 2**20)
+    assert not trainer._memory_plan(config, 8).fits
+    assert "warning: memory plan:" in capsys.readouterr().out

@@ -140,7 +140,8 @@ def _validate_train(c: TrainConfig, base: str):
         raise ConfigError("rollout.top_k", f"must be -1 (off) or >= 1, got {ro.top_k}")
     _positive(ro.max_new_tokens, "rollout.max_new_tokens")
     _positive(ro.sync_bucket_bytes, "rollout.sync_bucket_bytes")
-    _positive(ro.kv_cache_bytes, "rollout.kv_cache_bytes")
+    if ro.kv_cache_bytes != "auto":
+        _positive(ro.kv_cache_bytes, "rollout.kv_cache_bytes")
     if ro.gpu_memory_utilization != "auto" and not 0.0 < ro.gpu_memory_utilization <= 1.0:
         raise ConfigError("rollout.gpu_memory_utilization", f"must be in (0, 1] or auto, got "
                                                              f"{ro.gpu_memory_utilization}")

@@ -42,7 +42,7 @@ def _vllm_cannot_run(config) -> str | None:
     return None
 
 
-def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None):
+def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None, plan=None):
     """(engine, shares_actor): HF generates with the actor's own module when it holds whole weights.
 
     Otherwise (ZeRO-3, or vLLM) the engine holds its own plain copy, synced after every step (LoRA
@@ -68,9 +68,12 @@ def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None
         return HFEngine(rollout_model, max_model_len=max_len, tokenizer=tokenizer), False
     on_cuda = getattr(device, "type", str(device)) == "cuda"
     tp = ro.tensor_parallel_size
-    engine = VLLMEngine(config.model.path, dtype=ro.dtype, max_model_len=max_len, kv_cache_bytes=ro.kv_cache_bytes,
+    kv_cache_bytes = ro.kv_cache_bytes
+    if kv_cache_bytes == "auto":  # the step's whole batch at once, from the plan (1 GiB without one)
+        kv_cache_bytes = plan.kv_cache_bytes if plan is not None and plan.kv_cache_bytes else 1 << 30
+    engine = VLLMEngine(config.model.path, dtype=ro.dtype, max_model_len=max_len, kv_cache_bytes=kv_cache_bytes,
                         seed=config.seed + D.rank() // tp, tokenizer=tokenizer,
-                        gpu_memory_utilization=_gpu_memory_utilization(ro) if on_cuda else None,
+                        gpu_memory_utilization=_gpu_memory_utilization(ro, plan) if on_cuda else None,
                         sleep=ro.sleep and on_cuda, tensor_parallel_size=ro.tensor_parallel_size,
                         enforce_eager=ro.enforce_eager is True)
     if tp > 1:
@@ -85,10 +88,11 @@ def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None
 FREE_MEMORY_MARGIN = 0.10
 
 
-def _gpu_memory_utilization(ro) -> float:
-    """``rollout.gpu_memory_utilization``, or for ``auto`` the share of this GPU's total memory still
-    free now that the trainer's models are placed, less a margin (vLLM's default 0.9 would refuse
-    to start beside them)."""
+def _gpu_memory_utilization(ro, plan=None) -> float:
+    """``rollout.gpu_memory_utilization``, or for ``auto``: the share of this GPU's total memory still
+    free now that the trainer's models are placed, less a margin (vLLM's default 0.9 would refuse to
+    start beside them), and no more than the plan leaves once the update's activations, loss chunks
+    and optimizer step are counted (they are not allocated yet when the engine starts)."""
     if ro.gpu_memory_utilization != "auto":
         return float(ro.gpu_memory_utilization)
     import torch
@@ -96,6 +100,8 @@ def _gpu_memory_utilization(ro) -> float:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     share = int((free / total - FREE_MEMORY_MARGIN) * 100) / 100
+    if plan is not None and plan.gpu_memory_utilization is not None:
+        share = min(share, plan.gpu_memory_utilization)
     if share < 0.05:
         from fastrlhf.config import ConfigError
 
@@ -105,11 +111,12 @@ def _gpu_memory_utilization(ro) -> float:
     return share
 
 
-def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokenizer=None):
+def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokenizer=None, plan=None):
     """Load models, build engines; returns ``(rl_step, stateful objects for checkpoints)``.
 
     ``tokenizer``: the policy's (for text rewards and stop strings); ``text_rewards``: resolved
-    ``reward.functions``; ``reward_tokenizer``: a reward model's own (see :func:`preflight`).
+    ``reward.functions``; ``reward_tokenizer``: a reward model's own; ``plan``: the memory plan that
+    sizes vLLM's ``auto`` settings (see :func:`preflight`).
     """
     from fastrlhf import distributed as D
     from fastrlhf.distributed import build_frozen_engine, build_train_engine, deepspeed_config
@@ -162,7 +169,7 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
                           micro_batch=micro, text_rewards=text_rewards, tokenizer=tokenizer,
                           reward_tokenizer=reward_tokenizer)
 
-    rollout, shares = _build_rollout(config, actor_engine.module, num_params, device, tokenizer)
+    rollout, shares = _build_rollout(config, actor_engine.module, num_params, device, tokenizer, plan)
     step = RLStep(config, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,
                   rollout_shares_actor=shares, device=device, guard=guard)
     return step, stateful
@@ -204,6 +211,7 @@ def _load_tokenizer(config, needed_for: list[str]):
 
 
 class Prepared(NamedTuple):
+    plan: Any  # fastrlhf.plan.MemoryPlan of this launch, or None (an architecture the plan cannot count)
     examples: list  # the prompts (fastrlhf.data.PromptExample)
     eval_examples: list | None
     text_rewards: list  # resolved reward.functions
@@ -224,6 +232,7 @@ def preflight(config) -> Prepared:
     check_world_size(config, D.world_size())
     if config.rollout.engine == "vllm" and (why := _vllm_cannot_run(config)):
         raise ConfigError("rollout.engine", f"vllm cannot run this model: {why}")
+    plan = _memory_plan(config, D.world_size())
     try:
         text_rewards = resolve_text_rewards(config.reward.functions)
     except ValueError as exc:
@@ -252,7 +261,29 @@ def preflight(config) -> Prepared:
     check_columns(examples, required)
     if eval_examples is not None and config.eval.reward is None:
         check_columns(eval_examples, required)
-    return Prepared(examples, eval_examples, text_rewards, tokenizer, _reward_tokenizer(config, tokenizer))
+    return Prepared(plan, examples, eval_examples, text_rewards, tokenizer, _reward_tokenizer(config, tokenizer))
+
+
+def _memory_plan(config, world: int):
+    """``fastrlhf plan`` for this launch: on CUDA a run that cannot fit stops here, in a second, with one
+    line naming the largest component. On a CPU the budget (MemAvailable) moves with whatever else
+    runs, so there it only warns. None where the plan cannot count the model's architecture."""
+    from fastrlhf import distributed as D
+    from fastrlhf.config import ConfigError
+    from fastrlhf.plan import plan_for_launch
+
+    try:
+        plan = plan_for_launch(config, world)
+    except ConfigError as exc:
+        if D.is_main():
+            print(f"warning: no memory plan for this run ({exc})", flush=True)
+        return None
+    if plan.device == "cuda":
+        plan.check()
+    elif not plan.fits and D.is_main():
+        print(f"warning: memory plan: {plan.total / 2**30:.1f} GiB per rank planned, "
+              f"{plan.budget / 2**30:.1f} GiB available (see fastrlhf plan)", flush=True)
+    return plan
 
 
 def _max_reward(config) -> float:
@@ -308,7 +339,8 @@ def run(config, resume: bool = False) -> dict:
     D.init_distributed()
     seed_everything(config.seed)
     guard = StepGuard(t.max_skipped_steps)
-    rl_step, stateful = build_rl_step(config, guard, tokenizer, prepared.text_rewards, prepared.reward_tokenizer)
+    rl_step, stateful = build_rl_step(config, guard, tokenizer, prepared.text_rewards, prepared.reward_tokenizer,
+                                      prepared.plan)
     sampler = EpochSampler(len(examples), seed=config.seed)
     stateful.update(sampler=sampler, guard=guard)
 
