@@ -6,7 +6,15 @@ import os
 
 import torch
 
-__all__ = ["tiny_llama_config", "make_tiny_llama", "save_tiny_llama", "count_parameters"]
+__all__ = [
+    "tiny_llama_config",
+    "make_tiny_llama",
+    "save_tiny_llama",
+    "tiny_qwen2_config",
+    "make_tiny_qwen2",
+    "save_tiny_qwen2",
+    "count_parameters",
+]
 
 
 def tiny_llama_config(
@@ -60,6 +68,72 @@ def make_tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **config_
 def save_tiny_llama(directory: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
     """Create a tiny Llama and ``save_pretrained`` it (safetensors) into ``directory``; returns the model."""
     model = make_tiny_llama(seed=seed, dtype=dtype, **config_kwargs)
+    model.save_pretrained(str(directory))
+    return model
+
+
+def tiny_qwen2_config(
+    vocab_size: int = 256,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = True,
+    **overrides,
+):
+    """A Qwen2Config small enough for CPU tests, shaped like the small Qwen2/Qwen2.5 models: q/k/v
+    biases (always, in Qwen2), grouped-query attention (half as many key/value heads as query heads
+    unless ``num_kv_heads`` says otherwise) and tied embeddings.
+
+    The defaults give head size 32, the smallest the vLLM CPU attention backend runs.
+    """
+    from transformers import Qwen2Config
+
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size must be divisible by num_heads, got {hidden_size} and {num_heads}")
+    num_kv_heads = num_kv_heads or max(1, num_heads // 2)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads must be a multiple of num_kv_heads, got {num_heads} and {num_kv_heads}")
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        **overrides,
+    )
+
+
+def make_tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
+    """A random-init Qwen2ForCausalLM (deterministic for a given seed), in eval mode.
+
+    Its q/k/v biases are drawn like its weights (normal, std ``initializer_range``): HF starts them
+    at zero, and a zero bias would let a weight sync that drops biases go unnoticed.
+    """
+    from transformers import Qwen2ForCausalLM
+
+    config = tiny_qwen2_config(**config_kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, config.initializer_range)
+    return model.to(dtype).eval()
+
+
+def save_tiny_qwen2(directory: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
+    """Create a tiny Qwen2 and ``save_pretrained`` it (safetensors) into ``directory``; returns the model."""
+    model = make_tiny_qwen2(seed=seed, dtype=dtype, **config_kwargs)
     model.save_pretrained(str(directory))
     return model
 
