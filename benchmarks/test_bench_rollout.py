@@ -8,6 +8,8 @@ the trainer generates with). Reported as ``target_met``; a miss fails
 only with ``FASTRLHF_BENCH_STRICT=1``, as in the end-to-end benchmarks (a loaded shared machine
 moves these ratios). The per-size ratios also give the crossover behind
 ``fastrlhf.rollout.CPU_VLLM_CROSSOVER_PARAMS``, which is always checked against this run.
+The sync is also timed per architecture, side by side: an ~80M Llama and an ~41M Qwen2-shaped model
+(q/k/v biases, tied embeddings, GQA, Qwen2's 151,936-row vocabulary), with the Qwen2/Llama ratio.
 """
 
 import gc
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from fastrlhf.rollout import CPU_VLLM_CROSSOVER_PARAMS, HFEngine, SamplingConfig, sync_weights
-from fastrlhf.tiny_models import count_parameters, save_tiny_llama
+from fastrlhf.tiny_models import count_parameters, save_tiny_llama, save_tiny_qwen2
 
 NUM_PROMPTS, PROMPT_LEN, N, NEW_TOKENS = 64, 16, 4, 64
 SAMPLING = SamplingConfig(n=N, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0, ignore_eos=True)
@@ -38,10 +40,21 @@ TARGET_SIZE = "20M"
 MIN_VLLM_SPEEDUP = 2.0
 MAX_SYNC_OVER_COPY = 3.0
 SYNC_ROUNDS = 9
+# Weight sync per architecture: name -> (family, config kwargs). The Llama is untied, MHA, no biases;
+# the Qwen2 has q/k/v biases, tied embeddings, 2 key/value heads for 4 query heads and the real
+# Qwen2 vocabulary, so most of its parameters are the tied embedding / lm_head. Head size 64 both.
+SYNC_ARCHITECTURES = {
+    "llama-80M": ("llama", dict(vocab_size=32000, hidden_size=640, num_layers=8, num_heads=10, intermediate_size=1728)),
+    "qwen2-41M": (
+        "qwen2",
+        dict(vocab_size=151936, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=1024),
+    ),
+}
 PARITY_BAND = 0.1  # vLLM/HF ratios within 10% of 1.0 are ties for the crossover check
 STRICT = os.environ.get("FASTRLHF_BENCH_STRICT") == "1"
 
 _tokens_per_s: dict[tuple[str, str], float] = {}
+_sync_seconds: dict[str, float] = {}
 _state: dict = {}
 
 
@@ -150,8 +163,9 @@ def test_weight_sync_vs_plain_copy(benchmark, model_dirs):
     _measure_sync(benchmark, _vllm_engine(dirs, TARGET_SIZE), models[TARGET_SIZE])
 
 
-def _measure_sync(benchmark, engine, source) -> None:
-    """Median sync of ``source`` into ``engine`` against a plain copy_ of the same state dict."""
+def _measure_sync(benchmark, engine, source, size: str = TARGET_SIZE) -> float:
+    """Median sync of ``source`` into ``engine`` against a plain copy_ of the same state dict; returns
+    the median sync seconds."""
     src = {k: v.detach() for k, v in source.state_dict().items()}
     dst = {k: v.clone() for k, v in src.items()}
 
@@ -176,7 +190,7 @@ def _measure_sync(benchmark, engine, source) -> None:
     sync_s = benchmark.stats.stats.median
     ratio = sync_s / copy_s
     benchmark.extra_info.update(
-        size=TARGET_SIZE,
+        size=size,
         dtype=str(next(source.parameters()).dtype).removeprefix("torch."),
         bytes_per_sync=stats.bytes,
         num_buckets=stats.num_buckets,
@@ -189,6 +203,7 @@ def _measure_sync(benchmark, engine, source) -> None:
     )
     if STRICT:
         assert ratio <= MAX_SYNC_OVER_COPY, f"sync takes {ratio:.2f}x a plain copy_ (target <= {MAX_SYNC_OVER_COPY}x)"
+    return sync_s
 
 
 def _packed_in_place(engine) -> bool:
@@ -243,3 +258,48 @@ def test_weight_sync_vs_plain_copy_bf16(benchmark, model_dirs):
     finally:
         engine.close()
         _state.clear()
+
+
+@pytest.fixture(scope="module")
+def architecture_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_sync_architectures")
+    save = {"llama": save_tiny_llama, "qwen2": save_tiny_qwen2}
+    dirs, models = {}, {}
+    for name, (family, kw) in SYNC_ARCHITECTURES.items():
+        dirs[name] = root / name
+        models[name] = save[family](dirs[name], seed=0, max_position_embeddings=256, **kw)
+    return dirs, models
+
+
+@pytest.mark.parametrize("arch", list(SYNC_ARCHITECTURES))
+def test_weight_sync_per_architecture(benchmark, architecture_dirs, arch):
+    """Seconds per step of the trainer -> vLLM sync (one ``sync_weights`` of the whole fp32 model, as
+    after every update of an RL run) for a Llama and a Qwen2-shaped model; the Qwen2 row also gives
+    its time over the Llama's (``over_llama``), with its bytes over the Llama's for scale."""
+    pytest.importorskip("vllm")
+    dirs, models = architecture_dirs
+    model, config = models[arch], models[arch].config
+    engine = _vllm_engine(dirs, arch)
+    try:
+        sync_s = _measure_sync(benchmark, engine, model, size=arch)
+    finally:
+        engine.close()
+        _state.clear()
+    _sync_seconds[arch] = sync_s
+    benchmark.extra_info.update(
+        architecture=type(model).__name__,
+        num_params=count_parameters(model),
+        vocab_size=config.vocab_size,
+        tied=bool(config.tie_word_embeddings),
+        qkv_bias=any(n.endswith("q_proj.bias") for n, _ in model.named_parameters()),
+        heads=f"{config.num_attention_heads}/{config.num_key_value_heads}",
+        sync_s_per_step=round(sync_s, 4),
+    )
+    llama, qwen2 = SYNC_ARCHITECTURES
+    if arch == qwen2 and llama in _sync_seconds:
+        llama_bytes = count_parameters(models[llama]) * 4
+        benchmark.extra_info.update(
+            llama_sync_s_per_step=round(_sync_seconds[llama], 4),
+            over_llama=round(sync_s / _sync_seconds[llama], 3),
+            bytes_over_llama=round(benchmark.extra_info["bytes_per_sync"] / llama_bytes, 3),
+        )
