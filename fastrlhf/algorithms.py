@@ -54,6 +54,7 @@ __all__ = [
     "kl_penalty",
     "last_token_index",
     "logprobs_from_logits",
+    "loss_weights",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -307,12 +308,31 @@ def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
     return weights
 
 
-def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def loss_weights(mask: torch.Tensor, mode: str, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-token weights a loss is aggregated with: ``aggregation_weights(mask, mode)``, or
+    ``weights`` when the caller already has them (detached, of mask's shape).
+
+    Precomputed weights are how a minibatch split into micro-batches keeps exactly its loss: the
+    weights come from :func:`aggregation_weights` of the WHOLE minibatch's ``[B, T]`` mask, each
+    micro-batch (padded rows, or packed tokens flattened to ``[n]``) carries its tokens' share,
+    and the micro-batches' ``sum(w * loss)`` add up to the minibatch's aggregate, in every mode and
+    whatever the grouping. Every function with a ``weights=`` argument (:func:`aggregate_loss`,
+    :func:`policy_loss`, :func:`value_loss`, the fused kernels) resolves it here.
+    """
+    if weights is None:
+        return aggregation_weights(mask, mode)
+    check_same_shape(mask=mask, weights=weights)
+    return weights.detach()
+
+
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce a per-token loss to a scalar: ``token-mean`` over all kept tokens, or a mean over
     sequences (fully masked rows left out) of each row's token mean / token sum / token sum over T.
+    ``weights``: precomputed per-token weights instead (see :func:`loss_weights`).
     """
     check_same_shape(loss_mat=loss_mat, mask=mask)
-    weights = aggregation_weights(mask, mode).to(loss_mat.dtype)
+    weights = loss_weights(mask, mode, weights).to(loss_mat.dtype)
     return masked_sum(loss_mat * weights, mask)
 
 
@@ -347,8 +367,10 @@ def policy_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (with clip-higher and optional dual clip); returns ``(loss, metrics)``.
+    ``weights``: precomputed aggregation weights instead of ``agg`` (:func:`loss_weights`).
 
     ``old_logprobs=None`` is the on-policy update (the first and only optimizer step on a rollout
     batch): old = ``logprobs.detach()``, so the ratio is exactly 1 and its gradient is ``grad logprobs``.
@@ -361,7 +383,7 @@ def policy_loss(
         "clipfrac": masked_mean(is_clipped.to(loss_mat.dtype), mask).detach(),
         "approx_kl": masked_mean(old_logprobs - logprobs, mask).detach(),
     }
-    return aggregate_loss(loss_mat, mask, agg), metrics
+    return aggregate_loss(loss_mat, mask, agg, weights), metrics
 
 
 def value_loss(
@@ -371,8 +393,10 @@ def value_loss(
     mask: torch.Tensor,
     clip: float | None = 0.2,
     agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss ``0.5 * agg(max((v-R)^2, (old + clamp(v-old, -clip, clip) - R)^2))``; None: unclipped."""
+    """Clipped value loss ``0.5 * agg(max((v-R)^2, (old + clamp(v-old, -clip, clip) - R)^2))``; None: unclipped.
+    ``weights``: precomputed aggregation weights instead of ``agg`` (:func:`loss_weights`)."""
     check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     clip = math.inf if clip is None else clip
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
@@ -380,7 +404,7 @@ def value_loss(
     clipped_sq = (clipped_values - returns).square()
     loss_mat = torch.maximum(unclipped_sq, clipped_sq)
     metrics = {"vf_clipfrac": masked_mean((clipped_sq > unclipped_sq).to(loss_mat.dtype), mask).detach()}
-    return 0.5 * aggregate_loss(loss_mat, mask, agg), metrics
+    return 0.5 * aggregate_loss(loss_mat, mask, agg, weights), metrics
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import torch
 
-from fastrlhf.algorithms import _check_temperature, aggregation_weights
+from fastrlhf.algorithms import _check_temperature, loss_weights
 
 from ._backend import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES, chunk_budget_bytes, on_cpu, resolve_backend
 
@@ -471,6 +471,7 @@ def fused_linear_policy_loss(
     *,
     chunk_bytes: int | None = None,
     policy_loss: str = "vanilla",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's loss (a registered token-level policy loss + KL penalty - entropy bonus) from hidden
     states and the LM head.
@@ -492,6 +493,12 @@ def fused_linear_policy_loss(
 
     Chunking as in :func:`fused_linear_logprob_entropy`: ``chunk_size`` tokens, else
     :func:`default_chunk_size` of ``chunk_bytes`` (default: the device's budget).
+
+    ``weights`` (labels' shape): the per-token aggregation weights, precomputed, instead of
+    ``aggregation_weights(mask, agg)`` (``fastrlhf.algorithms.loss_weights``): a micro-batch of a
+    larger minibatch passes its tokens' share of the minibatch's weights, so that the micro-batches'
+    losses and gradients add up to the minibatch's. Packed sequences pass flat ``[n]`` tokens with
+    their weights, whatever ``agg`` was.
     """
     backend = resolve_backend(backend, hidden)
     flat_hidden, flat_labels, chunk_size = _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size,
@@ -503,7 +510,7 @@ def fused_linear_policy_loss(
         for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask),
                         ("ref_logprobs", ref_logprobs))
     }
-    weights = aggregation_weights(mask.detach(), agg).reshape(-1).float()
+    weights = loss_weights(mask.detach(), agg, weights).reshape(-1).float()
     _, finalize_metrics, metric_keys = _loss_primitives()
     if flat_hidden.shape[0] == 0:
         zero = torch.zeros((), dtype=torch.float32, device=hidden.device)

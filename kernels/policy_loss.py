@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from fastrlhf.algorithms import actor_loss_per_token, aggregation_weights, check_same_shape, get_policy_loss, masked_sum
+from fastrlhf.algorithms import actor_loss_per_token, check_same_shape, get_policy_loss, loss_weights, masked_sum
 
 from ._backend import on_cpu, resolve_backend
 from .logprob_entropy import (
@@ -270,6 +270,7 @@ def fused_policy_loss(
     agg: str = "token-mean",
     backend: str = "auto",
     policy_loss: str = "vanilla",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's loss (a registered token-level policy loss + KL penalty - entropy bonus) straight from
     logits; ``(loss, metrics)``.
@@ -280,7 +281,8 @@ def fused_policy_loss(
     slice such as ``logits[:, :-1]`` is read in place); every
     per-token tensor has labels' shape. Only ``logits`` receives a gradient (the others are data).
     Metrics ``clipfrac``, ``approx_kl``, ``entropy``, ``kl`` are detached masked means (``kl`` is 0
-    without ``ref_logprobs``). ``old_logprobs=None``: on-policy (old = lp, detached).
+    without ``ref_logprobs``). ``old_logprobs=None``: on-policy (old = lp, detached). ``weights``: the
+    per-token aggregation weights, precomputed, instead of ``agg`` (``fastrlhf.algorithms.loss_weights``).
     """
     backend = resolve_backend(backend, logits)
     per_token = dict(labels=labels, advantages=advantages, mask=mask)
@@ -289,7 +291,7 @@ def fused_policy_loss(
             per_token[name] = t
     check_same_shape(**per_token)
     row_blocks(logits, labels)  # shape errors now, not inside autograd
-    weights = aggregation_weights(mask, agg).reshape(-1)
+    weights = loss_weights(mask, agg, weights).reshape(-1)
 
     def flat(t):
         return t.detach().reshape(-1) if t is not None else None

@@ -344,3 +344,39 @@ def test_property_random_shapes(n, h, v, chunk, bias, temperature, seed):
     check_logprob_entropy((n,), h, v, "torch", bias=bias, temperature=temperature, chunk_size=chunk, seed=seed)
     check_policy_loss("torch", shape=(n,), h=h, v=v, bias=bias, temperature=temperature, chunk_size=chunk,
                       seed=seed, kl_coef=0.1, entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg", A.AGG_MODES)
+def test_policy_loss_precomputed_weights_split_and_flattened(backend, agg):
+    # A minibatch's aggregation weights carried by its micro-batches (rows split 2 + 1, the second
+    # one as flat packed tokens: only its kept tokens, [n] and [n, H]) give micro losses, metrics
+    # sums and gradients that add up to the whole minibatch's, in every aggregation mode.
+    kw = dict(LOSS_DEFAULTS, agg=agg, kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0)
+    hidden, weight, b, labels, d = make_inputs((3, 5), 8, 40, seed=3)
+    d["mask"][2, 3:] = 0.0
+    whole, whole_metrics = fused_linear_policy_loss(hidden, weight, labels, d["old_logprobs"], d["advantages"],
+                                                    d["mask"], ref_logprobs=d["ref_logprobs"], bias=b, chunk_size=3,
+                                                    backend=backend, **kw)
+    want = grads_of(whole, leaves(hidden, weight, b))
+    w = A.aggregation_weights(d["mask"], agg)
+    kw.pop("agg")
+    top = fused_linear_policy_loss(hidden[:2], weight, labels[:2], d["old_logprobs"][:2], d["advantages"][:2],
+                                   d["mask"][:2], ref_logprobs=d["ref_logprobs"][:2], bias=b, chunk_size=3,
+                                   backend=backend, weights=w[:2], agg="token-mean", **kw)
+    keep = d["mask"][2] > 0
+    flat = {k: v[2][keep] for k, v in d.items()}
+    bottom = fused_linear_policy_loss(hidden[2][keep], weight, labels[2][keep], flat["old_logprobs"],
+                                      flat["advantages"], flat["mask"], ref_logprobs=flat["ref_logprobs"], bias=b,
+                                      chunk_size=2, backend=backend, weights=w[2][keep], **kw)
+    got = grads_of(top[0] + bottom[0], leaves(hidden, weight, b))
+    torch.testing.assert_close(top[0] + bottom[0], whole, rtol=1e-5, atol=1e-6)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    counts = (d["mask"][:2] > 0).sum(), keep.sum()
+    for k in whole_metrics:  # masked means over all the minibatch's tokens
+        mixed = (top[1][k] * counts[0] + bottom[1][k] * counts[1]) / (counts[0] + counts[1])
+        torch.testing.assert_close(mixed, whole_metrics[k], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        fused_linear_policy_loss(hidden, weight, labels, d["old_logprobs"], d["advantages"], d["mask"],
+                                 weights=w[:2], backend=backend)

@@ -342,3 +342,26 @@ def test_no_grad_mode_skips_the_gradient(monkeypatch):
     loss_grad, _ = fused_policy_loss(x, labels, old, adv, mask, backend="torch")
     assert calls[-1] is not None
     torch.testing.assert_close(loss, loss_grad.detach())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_precomputed_weights_of_a_minibatch_split_into_micro_batches(backend, agg):
+    # Rows 0-1 and row 2 of a minibatch as two micro-batches with their share of the minibatch's
+    # weights (row 2 flattened to its kept tokens, as a packed micro-batch holds them): their losses
+    # and logits gradients are exactly the whole minibatch's, whatever the aggregation mode.
+    logits, labels, old, adv, mask, ref = make_batch((3, 5), seed=4, masked_row=False)
+    args = (0.2, 0.28, 3.0, 0.1, "k3", 0.01, 0.8)
+    x = logits.detach().clone().requires_grad_()
+    whole, _ = fused_policy_loss(x, labels, old, adv, mask, ref, *args, agg, backend=backend)
+    whole.backward()
+    w = aggregation_weights(mask, agg)
+    y = logits.detach().clone().requires_grad_()
+    top, _ = fused_policy_loss(y[:2], labels[:2], old[:2], adv[:2], mask[:2], ref[:2], *args, backend=backend,
+                               weights=w[:2])
+    keep = mask[2] > 0
+    bottom, _ = fused_policy_loss(y[2][keep], labels[2][keep], old[2][keep], adv[2][keep], mask[2][keep],
+                                  ref[2][keep], *args, backend=backend, weights=w[2][keep])
+    (top + bottom).backward()
+    torch.testing.assert_close(top + bottom, whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y.grad, x.grad, rtol=1e-5, atol=1e-6)
