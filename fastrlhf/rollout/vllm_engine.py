@@ -88,8 +88,8 @@ class VLLMEngine(RolloutEngine):
       executor, which builds vLLM's groups on top of the trainer's default group instead of
       creating one; ``close()`` tears vLLM down without destroying the trainer's group.
       Engine construction is then collective: every rank must build its engine.
-    - ``update_weights`` reloads in place (for plain Llama on CPU, straight into the GEMMs' packed
-      weights, see ``cpu_inplace_sync``; else the worker's ``reload_weights``; see
+    - ``update_weights`` reloads in place (for plain Llama and Qwen2 on CPU, straight into the GEMMs'
+      packed weights, see ``cpu_inplace_sync``; else the worker's ``reload_weights``; see
       ``vllm_adapter.reload_weights``) and resets the prefix cache, so the next ``generate`` sees
       only the new weights.
     """
