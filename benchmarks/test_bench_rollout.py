@@ -214,6 +214,15 @@ def _packed_in_place(engine) -> bool:
     return cpu_inplace_sync.gemm_weight_kinds(engine.llm) == {"in_place"}
 
 
+def _update_path(engine) -> str:
+    """Which update the engine's syncs take: "in_place:<family>" (cpu_inplace_sync) or "generic"
+    (vLLM's reload_weights)."""
+    from fastrlhf.rollout import cpu_inplace_sync
+
+    family = cpu_inplace_sync.in_place_layout(engine.llm)
+    return f"in_place:{family}" if family else "generic"
+
+
 def test_generate_after_weight_sync(benchmark, model_dirs):
     """Tokens/s of the engine the trainer generates with: synced at least once, so its GEMMs run on
     the packed weights the sync writes in place. Same workload as test_generate_tokens_per_second;
@@ -282,6 +291,7 @@ def test_weight_sync_per_architecture(benchmark, architecture_dirs, arch):
     engine = _vllm_engine(dirs, arch)
     try:
         sync_s = _measure_sync(benchmark, engine, model, size=arch)
+        benchmark.extra_info["update_path"] = _update_path(engine)
     finally:
         engine.close()
         _state.clear()
