@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_matrix(args.workdir, progress=not args.no_progress)
 
-    from fastrlhf.demo.pipeline import DemoOptions, StageFailed, run_demo
+    from fastrlhf.demo.pipeline import DemoOptions, run_demo
+    from fastrlhf.demo.stages import StageFailed
 
     opts = DemoOptions(algo=args.algo, reward=args.reward, fresh=args.fresh, workdir=args.workdir,
                        pretrain_set=args.pretrain_set, rm_set=args.rm_set, rl_set=args.rl_set,

@@ -15,8 +15,9 @@ import time
 from dataclasses import dataclass
 
 from fastrlhf.demo.data import EVAL_SIZE
-from fastrlhf.demo.pipeline import DemoOptions, StageFailed, run_demo
+from fastrlhf.demo.pipeline import DemoOptions, run_demo
 from fastrlhf.demo.report import per_script_line
+from fastrlhf.demo.stages import StageFailed
 
 __all__ = ["MatrixRun", "MATRIX", "run_matrix"]
 

@@ -15,17 +15,15 @@ second run goes straight to RL; ``--fresh`` redoes everything. Child processes w
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 from fastrlhf.demo import data as demo_data
+from fastrlhf.demo.stages import child_env, resolved_config, run_stage, stamp_key
 from fastrlhf.distributed import free_port
 
 __all__ = ["DemoOptions", "run_demo", "prepare_for_prefixes"]
@@ -52,92 +50,11 @@ class DemoOptions:
     threads: int = 2  # torch threads per single-process stage (pretrain, RM, evaluation); RL: threads // ranks
 
 
-class StageFailed(RuntimeError):
-    pass
-
-
 # ----------------------------------------------------------------------------------------------- helpers
-
-
-def _child_env(threads: int, **extra) -> dict:
-    env = dict(os.environ)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    # Threads are set, not left to torch's default: the results differ with the thread count
-    # (reduction order), and more OpenMP threads than cores per machine spin against each other.
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), FASTRLHF_NO_PROGRESS="1",
-               TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p))
-    env.update(extra)
-    return env
-
-
-def _read_last_step(metrics_path: str) -> int:
-    try:
-        with open(metrics_path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = [line for line in f.read().splitlines() if line.strip()]
-        for line in reversed(lines):
-            try:
-                return int(json.loads(line)["step"])
-            except (ValueError, KeyError):
-                continue
-    except OSError:
-        pass
-    return 0
-
-
-def _run_stage(name: str, cmd: list[str], log_path: str, metrics_path: str | None, total: int | None,
-               progress: bool, env: dict) -> float:
-    """Run ``cmd`` with output to ``log_path``, a tqdm bar following ``metrics_path``; returns wall seconds."""
-    from tqdm import tqdm
-
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    if metrics_path and os.path.exists(metrics_path):
-        os.remove(metrics_path)
-    started = time.perf_counter()
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, cwd=os.getcwd(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        bar = tqdm(total=total, desc=name, unit="step", disable=not progress, dynamic_ncols=True)
-        try:
-            while proc.poll() is None:
-                time.sleep(0.5)
-                if metrics_path:
-                    done = min(_read_last_step(metrics_path), total or 0)
-                    if done > bar.n:
-                        bar.update(done - bar.n)
-            if metrics_path and proc.returncode == 0:
-                bar.update(max(0, _read_last_step(metrics_path) - bar.n))
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
-            raise
-        finally:
-            bar.close()
-    if proc.returncode != 0:
-        with open(log_path, errors="replace") as f:
-            tail = f.read()[-3000:]
-        raise StageFailed(f"stage {name!r} failed (exit {proc.returncode}); log: {log_path}\n{tail}")
-    return time.perf_counter() - started
 
 
 def _config(name: str) -> str:
     return os.path.join(CONFIG_DIR, name)
-
-
-def _stamp_key(*parts) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        if isinstance(part, str) and os.path.isfile(part):
-            with open(part, "rb") as f:
-                h.update(f.read())
-        else:
-            h.update(json.dumps(part, sort_keys=True, default=str).encode())
-    return h.hexdigest()[:16]
 
 
 def _cached(folder: str, key: str) -> bool:
@@ -194,17 +111,6 @@ def prepare_for_prefixes(src: str, dst: str) -> None:
             shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
     shutil.rmtree(dst, ignore_errors=True)
     os.replace(tmp, dst)
-
-
-def _resolved(command: str, config_path: str, sets: list[str]):
-    """The config a ``fastrlhf <command> --config config_path --set ...`` child runs with (defaults
-    filled, overrides applied), validated here so that a bad override stops the demo before the stage."""
-    from fastrlhf.config import ConfigError, load_config
-
-    try:
-        return load_config(config_path, command, sets)
-    except ConfigError as exc:
-        raise StageFailed(f"{config_path}: {exc}") from None
 
 
 def _config_args(config_path: str, sets: list[str]) -> list[str]:
@@ -269,7 +175,7 @@ def run_demo(opts: DemoOptions) -> dict:
 
     # ---- 1-3: data, init, pretrain, prepare (cached together)
     pretrain_cfg = _config("pretrain.yaml")
-    pre_key = _stamp_key(pretrain_cfg, opts.pretrain_set, opts.model_shape, demo_data.MODEL_SHAPE, opts.pretrain_seed,
+    pre_key = stamp_key(pretrain_cfg, opts.pretrain_set, opts.model_shape, demo_data.MODEL_SHAPE, opts.pretrain_seed,
                          opts.threads, demo_data.split_numbers(), "v2")
     if not opts.fresh and _cached(paths["pretrained"], pre_key):
         for name in stages[:3]:
@@ -286,11 +192,11 @@ def run_demo(opts: DemoOptions) -> dict:
         sets = [f"output_dir={paths['pretrain']}", f"model.path={paths['init']}",
                 f"data.path={os.path.join(paths['data'], 'pretrain.jsonl')}", f"seed={opts.pretrain_seed}",
                 *opts.pretrain_set]
-        pre_steps = _resolved("sft", pretrain_cfg, sets).trainer.max_steps
+        pre_steps = resolved_config("sft", pretrain_cfg, sets).trainer.max_steps
         cmd = [py, "-m", "fastrlhf", "sft", *_config_args(pretrain_cfg, sets)]
-        times["pretrain"] = _run_stage("pretrain", cmd, os.path.join(paths["logs"], "pretrain.log"),
+        times["pretrain"] = run_stage("pretrain", cmd, os.path.join(paths["logs"], "pretrain.log"),
                                        os.path.join(paths["pretrain"], "metrics.jsonl"), pre_steps, opts.progress,
-                                       env=_child_env(opts.threads))
+                                       env=child_env(opts.threads))
 
         announce(stages[2])
         t0 = time.perf_counter()
@@ -304,7 +210,7 @@ def run_demo(opts: DemoOptions) -> dict:
     env_extra = {}
     if opts.reward == "model":
         rm_cfg = _config("rm.yaml")
-        rm_key = _stamp_key(pre_key, rm_cfg, opts.rm_set, "classifier-data-v2")
+        rm_key = stamp_key(pre_key, rm_cfg, opts.rm_set, "classifier-data-v2")
         rm_final = os.path.join(paths["rm"], "final")
         if not opts.fresh and _cached(rm_final, rm_key):
             announce(stages[3], f": cached in {rm_final}")
@@ -313,11 +219,11 @@ def run_demo(opts: DemoOptions) -> dict:
             demo_data.write_classifier_data(data_file["classifier"])
             sets = [f"output_dir={paths['rm']}", f"model.path={paths['pretrained']}",
                     f"data.path={data_file['classifier']}", *opts.rm_set]
-            rm_steps = _resolved("rm", rm_cfg, sets).trainer.max_steps
+            rm_steps = resolved_config("rm", rm_cfg, sets).trainer.max_steps
             cmd = [py, "-m", "fastrlhf", "rm", *_config_args(rm_cfg, sets)]
-            times["reward_model"] = _run_stage("reward model", cmd, os.path.join(paths["logs"], "rm.log"),
+            times["reward_model"] = run_stage("reward model", cmd, os.path.join(paths["logs"], "rm.log"),
                                                os.path.join(paths["rm"], "metrics.jsonl"), rm_steps, opts.progress,
-                                               env=_child_env(opts.threads))
+                                               env=child_env(opts.threads))
             _write_stamp(rm_final, rm_key)
         env_extra["FASTRLHF_DEMO_CLASSIFIER"] = os.path.abspath(rm_final)
 
@@ -345,13 +251,13 @@ def run_demo(opts: DemoOptions) -> dict:
         sets += ["reward.function=fastrlhf.demo.rewards:script_classifier"]  # a no-op for *_learned_reward.yaml
         env_extra["FASTRLHF_DEMO_EXACT_LOG"] = os.path.abspath(exact_log)
     sets += opts.rl_set
-    rl_config = _resolved("train", rl_cfg, sets)
+    rl_config = resolved_config("train", rl_cfg, sets)
     deepspeed = os.path.join(os.path.dirname(py), "deepspeed")
     cmd = [deepspeed, "--num_gpus", str(opts.ranks), "--master_port", str(free_port()), "--module", "fastrlhf",
            "train", *_config_args(rl_cfg, sets)]
-    times["rl"] = _run_stage(f"RL {opts.algo}", cmd, os.path.join(paths["logs"], f"{run_name}.log"),
+    times["rl"] = run_stage(f"RL {opts.algo}", cmd, os.path.join(paths["logs"], f"{run_name}.log"),
                              os.path.join(run_dir, "metrics.jsonl"), rl_config.trainer.max_steps, opts.progress,
-                             env=_child_env(max(1, opts.threads // opts.ranks), **env_extra))
+                             env=child_env(max(1, opts.threads // opts.ranks), **env_extra))
 
     # ---- 7: evaluate after
     announce(stages[-2])
