@@ -403,7 +403,10 @@ def value_loss(
     unclipped_sq = (values - returns).square()
     clipped_sq = (clipped_values - returns).square()
     loss_mat = torch.maximum(unclipped_sq, clipped_sq)
-    metrics = {"vf_clipfrac": masked_mean((clipped_sq > unclipped_sq).to(loss_mat.dtype), mask).detach()}
+    # Clipped: the clamp is active and its term is the larger. Where it is not active, old + (v - old)
+    # rounds to v give or take an ulp, and that rounding must not count.
+    is_clipped = (clipped_sq > unclipped_sq) & ((values - old_values).abs() > clip)
+    metrics = {"vf_clipfrac": masked_mean(is_clipped.to(loss_mat.dtype), mask).detach()}
     return 0.5 * aggregate_loss(loss_mat, mask, agg, weights), metrics
 
 

@@ -371,6 +371,11 @@ def fused_linear_logprob_entropy(
                                                            chunk_bytes)
     if flat_hidden.shape[0] == 0:
         empty = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            # No tokens (a packed micro-batch of empty completions): outputs still in the graph, so
+            # that a loss built on them backpropagates (zero gradients) like any other micro-batch's.
+            anchor = (flat_hidden.sum() * 0 + weight.sum() * 0).float()
+            return empty + anchor, empty + anchor
         return empty, empty.clone()
     logprobs, entropy = _FusedLinearLogprobEntropy.apply(
         flat_hidden, weight, bias, flat_labels, float(temperature), chunk_size, backend

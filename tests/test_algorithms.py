@@ -248,6 +248,17 @@ def test_value_loss_hand_computed():
     close(metrics["vf_clipfrac"], 0.5)
 
 
+def test_vf_clipfrac_counts_active_clipping_only():
+    # old + (v - old) is v give or take an ulp; an unclipped token must not count as clipped because
+    # of that rounding (it would make the metric depend on how a batch was split into micro-batches).
+    v = t([[0.3, -1.7, 2.9, 0.05]])
+    old = v + t([[1e-7, -1e-7, 3e-7, -2e-8]])
+    _, metrics = value_loss(v, old, t([[5.0, -5.0, -5.0, 5.0]]), torch.ones(1, 4), clip=0.2)
+    assert float(metrics["vf_clipfrac"]) == 0.0
+    _, metrics = value_loss(v, old - 1.0, t([[5.0, -5.0, -5.0, 5.0]]), torch.ones(1, 4), clip=0.2)
+    assert float(metrics["vf_clipfrac"]) > 0.0
+
+
 def test_shape_mismatch_names_both_shapes():
     a, b = torch.zeros(2, 3), torch.zeros(2, 4)
     for call in (lambda: policy_loss(a, a, a, b), lambda: value_loss(a, a, b, a), lambda: masked_mean(a, b),

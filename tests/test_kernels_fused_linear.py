@@ -380,3 +380,16 @@ def test_policy_loss_precomputed_weights_split_and_flattened(backend, agg):
     with pytest.raises(ValueError, match="shape mismatch"):
         fused_linear_policy_loss(hidden, weight, labels, d["old_logprobs"], d["advantages"], d["mask"],
                                  weights=w[:2], backend=backend)
+
+
+def test_logprob_entropy_without_tokens_stays_in_the_graph():
+    # A packed micro-batch of empty completions has no token: a loss on its (empty) outputs still
+    # backpropagates, with zero gradients, like any other micro-batch's.
+    hidden = torch.randn(0, 8, requires_grad=True)
+    weight = torch.randn(20, 8, requires_grad=True)
+    lp, ent = fused_linear_logprob_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))
+    assert lp.shape == ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+    with torch.no_grad():
+        assert not fused_linear_logprob_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))[0].requires_grad
