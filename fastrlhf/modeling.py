@@ -17,6 +17,7 @@ __all__ = [
     "torch_dtype",
     "zero3_loading",
     "load_causal_lm",
+    "use_packed_attention",
     "load_sequence_classifier",
     "CausalLMWithValueHead",
     "load_value_model",
@@ -80,6 +81,27 @@ def zero3_loading(ds_config: dict | None):
         del keep_alive
 
 
+def use_packed_attention(model, packing: bool) -> str | None:
+    """The attention a model runs packed sequences with (``trainer.packing``); returns its name.
+
+    On a GPU with ``flash_attn`` installed and half-precision weights: ``flash_attention_2``, whose
+    variable-length kernel reads the sequence boundaries from the packed position ids. Otherwise
+    the model keeps its own (sdpa or eager; flex): transformers builds a block-diagonal causal mask
+    from the position ids (correct, but an ``[N, N]`` mask per micro-batch of N tokens).
+    """
+    import importlib.util
+
+    if not packing:
+        return None
+    hf = base_model(model)
+    current = getattr(hf.config, "_attn_implementation", None)
+    if (torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+            and hf.dtype in (torch.bfloat16, torch.float16) and current != "flash_attention_2"):
+        hf.set_attn_implementation("flash_attention_2")
+        current = "flash_attention_2"
+    return current
+
+
 def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True, zero3_config: dict | None = None,
                    dtype: str | None = None):
     """``AutoModelForCausalLM`` from ``path`` (default ``model_cfg.path``); LoRA applied only if trainable.
@@ -127,9 +149,12 @@ class CausalLMWithValueHead(nn.Module):
             nn.init.zeros_(self.v_head.bias)
         self.v_head.to(next(lm.parameters()).dtype)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        """``[B, L]`` fp32 values. ``attention_mask`` None with ``position_ids`` restarting at 0: packed
+        sequences (no cache is built: with one, transformers would not see the packing)."""
         decoder = base_model(self.lm).get_decoder()
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=use_cache)
         hidden = out.last_hidden_state
         return self.v_head(hidden).squeeze(-1).float()
 

@@ -18,6 +18,7 @@ import torch
 import fastrlhf.rl.step as step_module
 from fastrlhf.algorithms import (
     aggregate_loss,
+    aggregation_weights,
     clipped_surrogate,
     compute_gae,
     compute_grpo_advantages,
@@ -156,33 +157,38 @@ def hand_written_step(config, actor, ref, opt, completions, scores, step, critic
         plan += [perm[s:s + minibatch] for s in range(0, B, minibatch)]
 
     def optimise(model, optimizer, loss_of):
+        # One minibatch, one loss: its aggregate over all its rows (trainer.agg), which each
+        # micro-batch's rows contribute to with the minibatch's per-token weights.
         losses = []
         for mb in plan:
+            w = dict(zip(mb.tolist(), aggregation_weights(mask[mb], hp.agg), strict=True))
+            total = 0.0
             for r in mb.view(hp.grad_accum, micro):
-                loss = loss_of(r)
-                (loss / hp.grad_accum).backward()
-                losses.append(float(loss.detach()))
+                loss = loss_of(r, torch.stack([w[int(i)] for i in r]))
+                loss.backward()
+                total += float(loss.detach())
+            losses.append(total)
             torch.nn.utils.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad()
         return sum(losses) / len(losses)
 
-    def actor_loss(r):
+    def actor_loss(r, w):
         logits = logits_of(actor, r)
         lp = logprobs_from_logits(logits, labels[r], hp.temperature)
         m = mask[r]
         loss_mat, _ = clipped_surrogate(lp, old[r], adv[r] * weights[r], hp.clip_low, hp.clip_high, hp.dual_clip)
-        loss = aggregate_loss(loss_mat, m, hp.agg)
+        loss = aggregate_loss(loss_mat, m, hp.agg, w)
         if loss_kl:
-            loss = loss + loss_kl * aggregate_loss(kl_penalty(lp, ref_lp[r], hp.kl_kind), m, hp.agg)
+            loss = loss + loss_kl * aggregate_loss(kl_penalty(lp, ref_lp[r], hp.kl_kind), m, hp.agg, w)
         if hp.entropy_coef:
-            loss = loss - hp.entropy_coef * aggregate_loss(entropy_from_logits(logits, hp.temperature), m, hp.agg)
+            loss = loss - hp.entropy_coef * aggregate_loss(entropy_from_logits(logits, hp.temperature), m, hp.agg, w)
         return loss
 
     result = {"policy_loss": optimise(actor, opt, actor_loss), **rollout}
     if critic is not None:
-        def critic_loss(r):
-            loss, _ = value_loss(values_of(r), old_values[r], returns[r], mask[r], hp.vf_clip, hp.agg)
+        def critic_loss(r, w):
+            loss, _ = value_loss(values_of(r), old_values[r], returns[r], mask[r], hp.vf_clip, hp.agg, w)
             return hp.vf_coef * loss
 
         result["value_loss"] = optimise(critic, critic_opt, critic_loss) / hp.vf_coef

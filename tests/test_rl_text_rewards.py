@@ -271,13 +271,9 @@ def test_a_reward_model_with_another_vocabulary_reads_the_text_re_tokenized():
     scorer = RewardScorer(reward_model=rm, tokenizer=policy, reward_tokenizer=theirs)
     got = scorer(exp, prompts, completions, [{}, {}])
 
-    from types import SimpleNamespace
-
     expected = []
     for p, c in zip(prompts, completions, strict=True):
-        ids = torch.tensor([[0] + [62 - t for t in p + c]])
-        one = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids),
-                              position_ids=torch.arange(ids.shape[1])[None], batch_size=1)
+        one = build_experience([[0] + [62 - t for t in p + c]], [[Completion([], [], "stop")]], 63)
         expected.append(reward_model_scores(rm, one, "classifier"))
     assert torch.allclose(got, torch.cat(expected), atol=1e-5)
     same_vocab = RewardScorer(reward_model=rm)(exp, prompts, completions, [{}, {}])

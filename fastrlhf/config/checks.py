@@ -95,6 +95,10 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
     _positive(t.max_grad_norm, f"{prefix}.max_grad_norm")
     _positive(t.loss_chunk_size, f"{prefix}.loss_chunk_size")
     _positive(t.loss_chunk_bytes, f"{prefix}.loss_chunk_bytes")
+    _positive(t.max_tokens_per_microbatch, f"{prefix}.max_tokens_per_microbatch")
+    if t.max_tokens_per_microbatch is not None and t.grad_accum != 1:
+        raise ConfigError(f"{prefix}.grad_accum", f"must be 1 with {prefix}.max_tokens_per_microbatch (the token "
+                                                  f"budget decides the micro-batches), got {t.grad_accum}")
     _positive(t.save_every, f"{prefix}.save_every", strict=False)
     _positive(t.keep_checkpoints, f"{prefix}.keep_checkpoints", strict=False)
     _positive(t.max_skipped_steps, f"{prefix}.max_skipped_steps")
@@ -184,6 +188,9 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(t.vf_clip, "trainer.vf_clip")
     _positive(t.vf_coef, "trainer.vf_coef", strict=False)
     _positive(t.tis_cap, "trainer.tis_cap")
+    if t.forward_micro_batch is not None and t.max_tokens_per_microbatch is not None:
+        raise ConfigError("trainer.forward_micro_batch", "conflicts with trainer.max_tokens_per_microbatch, which "
+                                                         "sizes the no-grad passes too; set one of them")
     _validate_eval(c, base)
     _check_deepspeed(c.deepspeed, c.model)
 

@@ -141,6 +141,10 @@ class LoopConfig:
     loss_chunk_size: int | None = None  # tokens per fused-loss chunk; null: from loss_chunk_bytes
     loss_chunk_bytes: int | None = None  # fp32 logits per chunk; null: 64 MiB on CPU, 1 GiB on GPU (free-memory cap)
     fused_loss: bool = True  # false: the same loss on materialised logits (for debugging)
+    # Micro-batches of at most this many tokens per rank (real tokens packed, rows x padded width otherwise),
+    # in every forward/backward, instead of a fixed count of sequences; the loss is the same. null: by count
+    max_tokens_per_microbatch: int | None = None
+    packing: bool = False  # true: a micro-batch's sequences end to end in one row, no padding (same loss)
     save_every: int = 0
     keep_checkpoints: int = 0  # 0 keeps all
     max_skipped_steps: int = 3

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["Experience", "build_experience", "split_batch"]
+__all__ = ["Experience", "build_experience", "pad_response", "split_batch"]
 
 
 @dataclass
@@ -42,6 +42,13 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # truncated importance-sampling weights (tis_cap)
+    # Host-side token counts of each row (known from the rollout: grouping and packing read them,
+    # never the device); None: counted once from the masks by :meth:`with_lengths`.
+    prompt_lens: list[int] | None = None
+    completion_lens: list[int] | None = None
+    # [B, T] per-token loss weights of the minibatch the rows belong to (fastrlhf.algorithms.loss_weights),
+    # set by the update; None: a loss aggregates its own rows by trainer.agg.
+    loss_weights: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -60,14 +67,72 @@ class Experience:
         """Positions whose outputs predict the completion tokens."""
         return slice(self.prompt_width - 1, self.prompt_width - 1 + self.response_width)
 
-    def select(self, index: torch.Tensor | slice) -> Experience:
-        """Rows ``index`` of every batch tensor (a minibatch); padding columns are kept as they are."""
+    def select(self, index: torch.Tensor | slice | list[int]) -> Experience:
+        """Rows ``index`` of every batch tensor (a minibatch); padding columns are kept as they are.
+        ``index`` is a host tensor, list or slice (the host-side lengths are selected with it)."""
+        if isinstance(index, list):
+            index = torch.tensor(index, dtype=torch.long)
         updates = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == self.batch_size:
-                updates[f.name] = value[index]
+                updates[f.name] = value[index.to(value.device) if isinstance(index, torch.Tensor) else index]
+            elif isinstance(value, list):
+                updates[f.name] = ([value[i] for i in index.tolist()] if isinstance(index, torch.Tensor)
+                                   else value[index])
         return replace(self, **updates)
+
+    def with_lengths(self) -> Experience:
+        """This batch with ``prompt_lens`` / ``completion_lens`` filled in (counted from the masks, one
+        host read, when the builder did not record them)."""
+        if self.prompt_lens is not None and self.completion_lens is not None:
+            return self
+        P = self.prompt_width
+        counts = torch.stack([self.attention_mask[:, :P].sum(-1), self.attention_mask[:, P:].sum(-1)]).tolist()
+        return replace(self, prompt_lens=counts[0], completion_lens=counts[1])
+
+    def token_parts(self) -> list[tuple[int, int]]:
+        """``(prompt, completion)`` real tokens of each row, as micro-batch grouping counts them."""
+        exp = self.with_lengths()
+        return list(zip(exp.prompt_lens, exp.completion_lens, strict=True))
+
+    def trimmed(self) -> Experience:
+        """The same rows without the padding columns no row needs: prompts left-padded to the longest
+        prompt among them, completions right-padded to the longest completion (at least one column).
+
+        Nothing a model computes changes (positions count real tokens; the dropped columns are
+        masked everywhere); per-token ``[B, T]`` tensors keep their first columns. Outputs go back to
+        the batch's width with :func:`pad_response`.
+        """
+        exp = self.with_lengths()
+        P, T = self.prompt_width, self.response_width
+        P2 = max(exp.prompt_lens) if exp.prompt_lens else P
+        T2 = max(1, max(exp.completion_lens, default=0))
+        if (P2, T2) == (P, T):
+            return exp
+        updates = {"prompt_width": P2}
+        for f in fields(self):
+            value = getattr(exp, f.name)
+            if not isinstance(value, torch.Tensor) or value.dim() != 2:
+                continue
+            if value.shape[1] == P + T:
+                updates[f.name] = value[:, P - P2:P + T2]
+            elif value.shape[1] == T:
+                updates[f.name] = value[:, :T2]
+        return replace(exp, **updates)
+
+    def packed_layout(self):
+        """The :class:`fastrlhf.packing.PackedLayout` of these rows (all in one packed row)."""
+        from fastrlhf.packing import PackedLayout
+
+        exp = self.with_lengths()
+        return PackedLayout.build(exp.prompt_lens, exp.completion_lens, self.response_width, self.prompt_width,
+                                  self.input_ids.device)
+
+
+def pad_response(values: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, T']`` per-token values right-padded with zeros to ``[B, width]``."""
+    return torch.nn.functional.pad(values, (0, width - values.shape[1])) if values.shape[1] < width else values
 
 
 def build_experience(
@@ -116,6 +181,8 @@ def build_experience(
         prompt_width=P,
         group_ids=group_ids.to(device),
         engine_logprobs=engine_logprobs.to(device),
+        prompt_lens=[len(prompt) for _, prompt, _ in rows],
+        completion_lens=[len(c.token_ids) for _, _, c in rows],
     )
 
 

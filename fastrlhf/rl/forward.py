@@ -10,23 +10,27 @@ reduce-scatter its gradient afterwards, exactly as for an ordinary ``nn.Linear``
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 
 from fastrlhf.algorithms import (
     actor_loss_per_token,
     aggregate_loss,
+    aggregation_weights,
     entropy_from_logits,
     get_policy_loss,
     logprobs_from_logits,
     masked_mean,
     value_loss,
 )
-from fastrlhf.rl.experience import Experience
+from fastrlhf.rl.experience import Experience, pad_response
 
 __all__ = [
+    "MicroBatch",
     "body_and_head",
     "critic_loss",
+    "micro_batches",
     "policy_loss_from_model",
     "reward_model_scores",
     "sequence_logprobs",
@@ -71,12 +75,81 @@ def _head_forward(head: torch.nn.Module, fn):
         del head.forward
 
 
-def response_hidden(model, exp: Experience) -> torch.Tensor:
-    """[B, T, H] final hidden states at the positions that predict the completion tokens."""
+class MicroBatch:
+    """One micro-batch as a forward pass takes it: padded rows (trimmed to the widths its own rows need)
+    or packed (:class:`fastrlhf.packing.PackedLayout`: every sequence end to end in one row, no padding).
+
+    :meth:`tokens` gives a ``[B, T]`` per-token tensor in the shape the loss math sees: the trimmed
+    ``[b, T']`` rows padded, the ``[M]`` completion tokens packed (flat, as the fused kernels take
+    them); :meth:`rows` turns such outputs back into ``[b, T]`` rows (zeros elsewhere).
+    """
+
+    def __init__(self, exp: Experience, packed: bool):
+        self.packed = packed
+        self.width = exp.response_width
+        self.exp = exp if packed else exp.trimmed()
+        self.layout = exp.packed_layout() if packed else None
+
+    def tokens(self, per_token: torch.Tensor | None) -> torch.Tensor | None:
+        if per_token is None or not self.packed:
+            return per_token
+        return self.layout.take(per_token)
+
+    def rows(self, values: torch.Tensor) -> torch.Tensor:
+        """``[b, T]`` rows of per-token ``values`` (``[b, T']`` padded or ``[M]`` packed)."""
+        return self.layout.put(values) if self.packed else pad_response(values, self.width)
+
+    def model_inputs(self) -> dict:
+        """``input_ids``, ``attention_mask``, ``position_ids`` of the forward pass (packed: no mask, so
+        transformers reads the position restarts as sequence boundaries)."""
+        if self.packed:
+            return dict(input_ids=self.layout.pack_padded(self.exp.input_ids), attention_mask=None,
+                        position_ids=self.layout.position_ids)
+        return dict(input_ids=self.exp.input_ids, attention_mask=self.exp.attention_mask,
+                    position_ids=self.exp.position_ids)
+
+    def at_response(self, per_position: torch.Tensor) -> torch.Tensor:
+        """Outputs ``[b, L, ...]`` of every position -> those that predict the completion tokens:
+        ``[b, T', ...]`` padded, ``[M, ...]`` packed."""
+        if self.packed:
+            return per_position[0, self.layout.hidden_index]
+        return per_position[:, self.exp.response_slice()]
+
+    def at_last_token(self, per_position: torch.Tensor) -> torch.Tensor:
+        """``[b, ...]`` outputs at each sequence's last real token."""
+        if self.packed:
+            return per_position[0, self.layout.last_index]
+        mask = self.exp.attention_mask
+        last = ((mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)).long().argmax(-1)
+        return per_position[torch.arange(mask.shape[0], device=mask.device), last]
+
+
+def micro_batches(exp: Experience, groups: list[list[int]] | None, micro_batch: int | None, packed: bool):
+    """``(rows, MicroBatch)`` for each micro-batch of ``exp``: ``groups`` (row indices), else consecutive
+    runs of ``micro_batch`` rows (all rows: one)."""
+    from fastrlhf.packing import fixed_count_groups
+
+    if groups is None:
+        groups = fixed_count_groups(exp.batch_size, micro_batch or exp.batch_size)
+    exp = exp.with_lengths()  # once, not per micro-batch
+    for rows in groups:
+        yield rows, MicroBatch(exp.select(rows), packed)
+
+
+def _scatter_rows(out: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+    out[torch.tensor(rows, dtype=torch.long).to(out.device)] = values.to(out.dtype)
+
+
+def _decoder_hidden(body, inputs: dict) -> torch.Tensor:
+    return body(**inputs, use_cache=False).last_hidden_state
+
+
+def response_hidden(model, mb: Experience | MicroBatch) -> torch.Tensor:
+    """Final hidden states at the positions that predict the completion tokens: ``[B, T, H]`` of a
+    padded batch (an Experience), ``[M, H]`` of a packed micro-batch."""
+    mb = mb if isinstance(mb, MicroBatch) else MicroBatch(mb, packed=False)
     body, _ = body_and_head(model)
-    out = body(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
-               use_cache=False)
-    return out.last_hidden_state[:, exp.response_slice()]
+    return mb.at_response(_decoder_hidden(body, mb.model_inputs()))
 
 
 def _fused_kernels():
@@ -95,102 +168,137 @@ def _logprob_head_fn(head, temperature, chunk_size, chunk_bytes):
     return head_fn
 
 
+def _token_logprobs(model, mb: MicroBatch, temperature, chunk_size, chunk_bytes, fused):
+    """Per-token ``(logprobs, entropy)`` of a micro-batch's completion tokens (``mb.tokens`` shape)."""
+    hidden = response_hidden(model, mb)
+    labels = mb.tokens(mb.exp.labels)
+    _, head = body_and_head(model)
+    if fused:
+        with _head_forward(head, _logprob_head_fn(head, temperature, chunk_size, chunk_bytes)):
+            return head(hidden, labels)
+    logits = head(hidden)
+    return logprobs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
+
+
 def sequence_logprobs(model, exp: Experience, temperature: float = 1.0, micro_batch: int | None = None,
                       chunk_size: int | None = None, fused: bool = True,
-                      chunk_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_bytes: int | None = None, groups: list[list[int]] | None = None,
+                      packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(logprobs, entropy)`` ``[B, T]`` of the completion tokens, without gradients.
 
-    0 at masked positions. ``micro_batch`` bounds how many sequences go through the model at once.
+    0 at masked positions. ``groups``: the rows of each micro-batch (``fastrlhf.packing``), else
+    ``micro_batch`` sequences at a time; ``packed``: each micro-batch's sequences in one row.
     """
-    B = exp.batch_size
-    micro_batch = micro_batch or B
-    lp_rows, ent_rows = [], []
+    B, T = exp.batch_size, exp.response_width
+    device = exp.response_mask.device
+    lp_out = torch.zeros(B, T, dtype=torch.float32, device=device)
+    ent_out = torch.zeros_like(lp_out)
     with torch.no_grad():
-        for start in range(0, B, micro_batch):
-            mb = exp.select(slice(start, start + micro_batch))
-            hidden = response_hidden(model, mb)
-            _, head = body_and_head(model)
-            if fused:
-                with _head_forward(head, _logprob_head_fn(head, temperature, chunk_size, chunk_bytes)):
-                    lp, ent = head(hidden, mb.labels)
-            else:
-                logits = head(hidden)
-                lp = logprobs_from_logits(logits, mb.labels, temperature)
-                ent = entropy_from_logits(logits, temperature)
-            keep = mb.response_mask > 0
-            lp_rows.append(torch.where(keep, lp.float(), 0.0))
-            ent_rows.append(torch.where(keep, ent.float(), 0.0))
-    return torch.cat(lp_rows), torch.cat(ent_rows)
+        for rows, mb in micro_batches(exp, groups, micro_batch, packed):
+            lp, ent = _token_logprobs(model, mb, temperature, chunk_size, chunk_bytes, fused)
+            keep = mb.tokens(mb.exp.response_mask) > 0
+            _scatter_rows(lp_out, rows, mb.rows(torch.where(keep, lp.float(), 0.0)))
+            _scatter_rows(ent_out, rows, mb.rows(torch.where(keep, ent.float(), 0.0)))
+    return lp_out, ent_out
+
+
+def _with_loss_weights(mb: Experience, agg: str) -> Experience:
+    """``mb`` carrying per-token loss weights: the minibatch's (set by the update), else its own by ``agg``."""
+    if mb.loss_weights is not None:
+        return mb
+    return replace(mb, loss_weights=aggregation_weights(mb.response_mask, agg))
 
 
 def policy_loss_from_model(model, mb: Experience, config):
-    """The actor's loss of a micro-batch (``fastrlhf.algorithms.actor_loss_per_token``, aggregated by
-    ``trainer.agg``) and its detached metrics (clipfrac, approx_kl, entropy, kl masked means).
+    """The actor's loss of a micro-batch (``fastrlhf.algorithms.actor_loss_per_token``, aggregated with
+    ``mb.loss_weights``: its tokens' share of the minibatch's ``trainer.agg`` weights, or by
+    ``trainer.agg`` over its own rows when None) and its detached metrics (clipfrac, approx_kl,
+    entropy, kl masked means over its tokens).
+
+    ``trainer.packing``: the micro-batch runs packed, and the LM head sees only the ``[M, H]``
+    hidden states that predict completion tokens, token-flat, with their labels and per-token data.
 
     Advantages are ``mb.advantages`` times the truncated importance weights ``mb.is_weights`` when
     present: every registered policy term is positively homogeneous in A, so this weights exactly
     each token's policy term, as TIS prescribes, and leaves the KL and entropy terms alone. A
     token-level loss runs inside the fused kernel; a sequence-level one (GSPO) on the fused
-    kernel's logprobs, through autograd.
+    kernel's logprobs, through autograd, on ``[b, T]`` rows (packed logprobs are put back in rows).
     """
     cfg, temperature = config.trainer, config.rollout.temperature
-    advantages = mb.advantages if mb.is_weights is None else mb.advantages * mb.is_weights
+    view = MicroBatch(_with_loss_weights(mb, cfg.agg), cfg.packing)
+    e = view.exp
+    advantages = e.advantages if e.is_weights is None else e.advantages * e.is_weights
     # The KL goes into PPO's token rewards (trainer.kl_in_reward) or into the loss, never both.
     kl_coef = 0.0 if (config.algorithm == "ppo" and cfg.kl_in_reward) else cfg.kl_coef
-    ref = mb.ref_logprobs if kl_coef != 0.0 else None
+    ref = e.ref_logprobs if kl_coef != 0.0 else None
     terms = dict(policy_loss=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                  dual_clip=cfg.dual_clip, kl_coef=kl_coef, kl_kind=cfg.kl_kind, entropy_coef=cfg.entropy_coef)
-    hidden = response_hidden(model, mb)
-    _, head = body_and_head(model)
-    fused = cfg.fused_loss and get_policy_loss(cfg.policy_loss).token_level
-    if fused:
+    token_level = get_policy_loss(cfg.policy_loss).token_level
+    if cfg.fused_loss and token_level:
+        hidden = response_hidden(model, view)
+        _, head = body_and_head(model)
         _, fused_loss = _fused_kernels()
 
-        def head_fn(h, labels, old, adv, mask, *ref_lp):
+        def head_fn(h, labels, old, adv, mask, weights, *ref_lp):
             return fused_loss(h, head.weight, labels, old, adv, mask, ref_logprobs=ref_lp[0] if ref_lp else None,
                               temperature=temperature, agg=cfg.agg, bias=head.bias, chunk_size=cfg.loss_chunk_size,
-                              chunk_bytes=cfg.loss_chunk_bytes, **terms)
+                              chunk_bytes=cfg.loss_chunk_bytes, weights=weights, **terms)
 
-        args = (hidden, mb.labels, mb.old_logprobs, advantages, mb.response_mask) + ((ref,) if ref is not None else ())
+        args = (hidden,) + tuple(view.tokens(t) for t in (e.labels, e.old_logprobs, advantages, e.response_mask,
+                                                          e.loss_weights))
+        args += (view.tokens(ref),) if ref is not None else ()
         with _head_forward(head, head_fn):
             return head(*args)
-    if cfg.fused_loss:  # a sequence-level loss: per-token logprobs from the fused kernel, then autograd
-        with _head_forward(head, _logprob_head_fn(head, temperature, cfg.loss_chunk_size, cfg.loss_chunk_bytes)):
-            lp, ent = head(hidden, mb.labels)
-    else:  # trainer.fused_loss: false, for debugging: the same math on materialised logits
-        logits = head(hidden)
-        lp = logprobs_from_logits(logits, mb.labels, temperature)
-        ent = entropy_from_logits(logits, temperature)
-    mask = mb.response_mask
-    old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
-    loss_mat, is_clipped, kl = actor_loss_per_token(lp, ent, old, advantages, mask, ref, **terms)
+    # A sequence-level loss (per-token logprobs from the fused kernel, then autograd), or
+    # trainer.fused_loss: false (for debugging: the same math on materialised logits).
+    lp, ent = _token_logprobs(model, view, temperature, cfg.loss_chunk_size, cfg.loss_chunk_bytes, cfg.fused_loss)
+    tokens = view.tokens if token_level else (lambda t: t)
+    if not token_level and view.packed:
+        lp, ent = view.rows(lp), view.rows(ent)
+    mask, weights = tokens(e.response_mask), tokens(e.loss_weights)
+    old = tokens(e.old_logprobs) if e.old_logprobs is not None else lp.detach()
+    loss_mat, is_clipped, kl = actor_loss_per_token(lp, ent, old, tokens(advantages), mask, tokens(ref), **terms)
     metrics = {"clipfrac": masked_mean(is_clipped.to(loss_mat.dtype), mask),
                "approx_kl": masked_mean(old - lp, mask), "entropy": masked_mean(ent, mask),
                "kl": masked_mean(kl, mask) if kl is not None else torch.zeros(())}
-    return aggregate_loss(loss_mat, mask, cfg.agg), {k: v.detach() for k, v in metrics.items()}
+    return aggregate_loss(loss_mat, mask, cfg.agg, weights), {k: v.detach() for k, v in metrics.items()}
 
 
 def critic_loss(critic, mb: Experience, config):
-    """``trainer.vf_coef`` x the clipped value loss of a micro-batch; returns ``(loss, metrics)``."""
+    """``trainer.vf_coef`` x the clipped value loss of a micro-batch (weighted like the actor's, see
+    :func:`policy_loss_from_model`; packed with ``trainer.packing``); returns ``(loss, metrics)``."""
     cfg = config.trainer
-    values = token_values(critic, mb, grad=True)
-    loss, metrics = value_loss(values, mb.values, mb.returns, mb.response_mask, cfg.vf_clip, cfg.agg)
+    view = MicroBatch(_with_loss_weights(mb, cfg.agg), cfg.packing)
+    e = view.exp
+    values = _response_values(critic, view)
+    loss, metrics = value_loss(values, view.tokens(e.values), view.tokens(e.returns), view.tokens(e.response_mask),
+                               cfg.vf_clip, cfg.agg, weights=view.tokens(e.loss_weights))
     metrics["value_loss"] = loss.detach()
     return cfg.vf_coef * loss, metrics
 
 
 def _accepts_position_ids(model) -> bool:
+    return _accepts(model, "position_ids")
+
+
+def _accepts(model, name: str) -> bool:
     import inspect
 
     params = inspect.signature(unwrap(model).forward).parameters
-    return "position_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _per_token_outputs(model, input_ids, attention_mask, position_ids) -> torch.Tensor:
-    """[B, L] scalar output per position of a critic / value-head model."""
+    """[B, L] scalar output per position of a critic / value-head model (packed: ``attention_mask``
+    None, positions restarting per sequence)."""
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask)
     if _accepts_position_ids(model):
         kwargs["position_ids"] = position_ids
+    elif attention_mask is None:
+        raise ValueError(f"{type(unwrap(model)).__name__}.forward takes no position_ids: it cannot run packed "
+                         "sequences (set trainer.packing: false)")
+    if _accepts(model, "use_cache"):
+        kwargs["use_cache"] = False  # a cache would also hide packed sequences from the attention mask
     out = model(**kwargs)
     if isinstance(out, torch.Tensor):
         v = out
@@ -205,54 +313,64 @@ def _per_token_outputs(model, input_ids, attention_mask, position_ids) -> torch.
     return v.float()
 
 
-def token_values(critic, exp: Experience, micro_batch: int | None = None, grad: bool = False) -> torch.Tensor:
+def _response_values(critic, mb: MicroBatch) -> torch.Tensor:
+    inputs = mb.model_inputs()
+    return mb.at_response(_per_token_outputs(critic, inputs["input_ids"], inputs["attention_mask"],
+                                             inputs["position_ids"]))
+
+
+def token_values(critic, exp: Experience, micro_batch: int | None = None, grad: bool = False,
+                 groups: list[list[int]] | None = None, packed: bool = False) -> torch.Tensor:
     """[B, T] critic values of the states before each completion token (0 where masked).
 
     The critic is any model whose per-position output is a scalar: a ``*ForTokenClassification``
     with one label, or a causal LM with a value head returning ``[B, L]`` / ``[B, L, 1]``.
+    Micro-batches as :func:`sequence_logprobs`.
     """
-    B = exp.batch_size
-    micro_batch = micro_batch or B
-    rows = []
+    out = torch.zeros(exp.batch_size, exp.response_width, dtype=torch.float32, device=exp.response_mask.device)
+    parts = []
     with torch.set_grad_enabled(grad):
-        for start in range(0, B, micro_batch):
-            mb = exp.select(slice(start, start + micro_batch))
-            v = _per_token_outputs(critic, mb.input_ids, mb.attention_mask, mb.position_ids)[:, mb.response_slice()]
-            rows.append(torch.where(mb.response_mask > 0, v, 0.0))
-    return torch.cat(rows)
+        for rows, mb in micro_batches(exp, groups, micro_batch, packed):
+            v = _response_values(critic, mb)
+            v = mb.rows(torch.where(mb.tokens(mb.exp.response_mask) > 0, v, 0.0))
+            if grad:
+                parts.append((rows, v))
+            else:
+                _scatter_rows(out, rows, v)
+    if grad:  # differentiable: rows put together in batch order
+        index = torch.tensor([r for rows, _ in parts for r in rows], dtype=torch.long)
+        stacked = torch.cat([v for _, v in parts])
+        return stacked[torch.argsort(index).to(stacked.device)]
+    return out
 
 
 def reward_model_scores(reward_model, exp: Experience, kind: str = "classifier", label_index: int = 0,
-                        micro_batch: int | None = None) -> torch.Tensor:
+                        micro_batch: int | None = None, groups: list[list[int]] | None = None,
+                        packed: bool = False) -> torch.Tensor:
     """[B] score of each whole sequence (prompt + completion) at its last real token.
 
     ``classifier``: a ``*ForSequenceClassification``; its body runs and its score head is applied to
     the last attended position (not to the last non-pad id, which breaks when a completion emits the
     pad id). ``value_head``: a model with per-position scalar outputs, read at the last token.
+    Micro-batches as :func:`sequence_logprobs`.
     """
     if kind not in ("classifier", "value_head"):
         raise ValueError(f"reward model_kind must be 'classifier' or 'value_head', got {kind!r}")
     m = unwrap(reward_model)
-    last = (exp.attention_mask.cumsum(-1) == exp.attention_mask.sum(-1, keepdim=True)) & (exp.attention_mask > 0)
-    last_index = last.long().argmax(-1)
-    B = exp.batch_size
-    micro_batch = micro_batch or B
-    out = []
+    out = torch.zeros(exp.batch_size, dtype=torch.float32, device=exp.input_ids.device)
     with torch.no_grad():
-        for start in range(0, B, micro_batch):
-            sl = slice(start, start + micro_batch)
-            ids, am, pos = exp.input_ids[sl], exp.attention_mask[sl], exp.position_ids[sl]
-            rows = torch.arange(ids.shape[0], device=ids.device)
+        for rows, mb in micro_batches(exp, groups, micro_batch, packed):
+            inputs = mb.model_inputs()
             if kind == "value_head":
-                out.append(_per_token_outputs(m, ids, am, pos)[rows, last_index[sl]])
+                values = _per_token_outputs(m, inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"])
+                _scatter_rows(out, rows, mb.at_last_token(values))
                 continue
             body = getattr(m, getattr(m, "base_model_prefix", "model"))
             head = getattr(m, "score", None) or getattr(m, "classifier", None)
             if head is None:
                 raise ValueError(f"reward model {type(m).__name__} has no 'score' or 'classifier' head")
-            hidden = body(input_ids=ids, attention_mask=am, position_ids=pos).last_hidden_state
-            logits = head(hidden[rows, last_index[sl]])
+            logits = head(mb.at_last_token(_decoder_hidden(body, inputs)))
             if not 0 <= label_index < logits.shape[-1]:
                 raise ValueError(f"reward label_index {label_index} out of range for {logits.shape[-1]} labels")
-            out.append(logits[:, label_index].float())
-    return torch.cat(out)
+            _scatter_rows(out, rows, logits[:, label_index].float())
+    return out

@@ -155,19 +155,16 @@ def _text_scores(reward: TextReward, prompts: list[str], completions: list[str],
 def retokenized(prompts: list[list[int]], completions: list[list[int]], tokenizer, reward_tokenizer, device):
     """The batch as a reward model with another vocabulary reads it: each prompt + completion decoded by
     the policy's tokenizer (special tokens dropped: the two vocabularies need not share them) and
-    tokenized by the reward model's; right-padded, with ``input_ids``/``attention_mask``/``position_ids``."""
-    from types import SimpleNamespace
-
-    from fastrlhf.reward_model import pad_batch
+    tokenized by the reward model's; an Experience whose "prompts" are those whole sequences (and
+    whose completions are empty), so that the reward model reads each at its last token."""
+    from fastrlhf.rl.experience import build_experience
+    from fastrlhf.rollout import Completion
 
     texts = [tokenizer.decode(list(p) + list(c), skip_special_tokens=True) for p, c in zip(prompts, completions,
                                                                                             strict=True)]
     rows = [list(reward_tokenizer(t, add_special_tokens=True)["input_ids"]) or [0] for t in texts]
     pad = reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0
-    input_ids, attention_mask = pad_batch(rows, pad)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return SimpleNamespace(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                           position_ids=position_ids.to(device), batch_size=len(rows))
+    return build_experience(rows, [[Completion([], [], "stop")] for _ in rows], pad, device)
 
 
 class RewardScorer:
@@ -181,7 +178,8 @@ class RewardScorer:
 
     def __init__(self, function: str | RewardFn | None = None, reward_model: torch.nn.Module | None = None,
                  model_kind: str = "classifier", label_index: int = 0, micro_batch: int | None = None,
-                 text_rewards: list[TextReward] = (), tokenizer=None, reward_tokenizer=None):
+                 text_rewards: list[TextReward] = (), tokenizer=None, reward_tokenizer=None,
+                 max_tokens: int | None = None, packed: bool = False):
         if function is None and reward_model is None and not text_rewards:
             raise ValueError("no reward: set reward.function, reward.functions or reward.model_path")
         if (text_rewards or reward_tokenizer is not None) and tokenizer is None:
@@ -195,6 +193,8 @@ class RewardScorer:
         self.model_kind = model_kind
         self.label_index = label_index
         self.micro_batch = micro_batch
+        # trainer.max_tokens_per_microbatch and trainer.packing, for the reward model's forward passes
+        self.max_tokens, self.packed = max_tokens, packed
         self.metrics: dict[str, float] = {}
 
     def __call__(self, exp, prompts: list[list[int]], completions: list[list[int]], metas: list[dict]) -> torch.Tensor:
@@ -219,6 +219,11 @@ class RewardScorer:
             batch = exp
             if self.reward_tokenizer is not None:
                 batch = retokenized(prompts, completions, self.tokenizer, self.reward_tokenizer, exp.input_ids.device)
+            groups = None
+            if self.max_tokens is not None:  # a replica on each rank: no count to agree on
+                from fastrlhf.packing import token_budget_groups
+
+                groups = token_budget_groups(batch.token_parts(), self.max_tokens, self.packed)
             scores += reward_model_scores(self.reward_model, batch, self.model_kind, self.label_index,
-                                          self.micro_batch).cpu()
+                                          self.micro_batch, groups=groups, packed=self.packed).cpu()
         return scores.to(exp.input_ids.device)

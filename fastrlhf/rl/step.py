@@ -41,7 +41,7 @@ from fastrlhf.algorithms import ADV_ESTIMATOR_OF, ADV_ESTIMATORS, kl_penalty, ma
 from fastrlhf.guards import StepGuard
 from fastrlhf.rl.experience import Experience, build_experience
 from fastrlhf.rl.forward import critic_loss, policy_loss_from_model, sequence_logprobs, token_values, unwrap
-from fastrlhf.rl.update import as_learner, minibatch_order, run_updates
+from fastrlhf.rl.update import Minibatch, as_learner, minibatch_order, run_updates
 
 __all__ = ["RLStep", "empty_device_cache", "micro_batch_size", "skips_old_logprobs"]
 
@@ -81,12 +81,12 @@ class RLStep:
         t = config.trainer
         self.config, self.world = config, D.world_size()
         self.guard = guard if guard is not None else StepGuard(t.max_skipped_steps)
-        self.actor = as_learner(actor, actor_optimizer, t.grad_accum, t.max_grad_norm, self.guard)
+        self.actor = as_learner(actor, actor_optimizer, t.max_grad_norm, self.guard)
         self.critic = None
         if config.algorithm == "ppo":
             if critic is None:
                 raise ValueError("PPO needs a critic (critic.path, or the actor's path for a fresh value head)")
-            self.critic = as_learner(critic, critic_optimizer, t.grad_accum, t.max_grad_norm, self.guard)
+            self.critic = as_learner(critic, critic_optimizer, t.max_grad_norm, self.guard)
         self.rollout, self.scorer, self.reference = rollout, scorer, reference
         self.pad_token_id, self.rollout_shares_actor = int(pad_token_id), rollout_shares_actor
         self.device = torch.device(device)
@@ -186,15 +186,18 @@ class RLStep:
         t, mask = self.config.trainer, exp.response_mask
         micro = t.forward_micro_batch or micro_batch_size(self.config, self.world)
         lp_kwargs = dict(temperature=self.config.rollout.temperature, micro_batch=micro,
-                         chunk_size=t.loss_chunk_size, fused=t.fused_loss, chunk_bytes=t.loss_chunk_bytes)
+                         chunk_size=t.loss_chunk_size, fused=t.fused_loss, chunk_bytes=t.loss_chunk_bytes,
+                         packed=t.packing)
+        groups = self.forward_groups(exp, micro)
         metrics = {}
         if not skips_old_logprobs(self.config):
-            exp.old_logprobs, old_entropy = sequence_logprobs(self.actor.module, exp, **lp_kwargs)
+            exp.old_logprobs, old_entropy = sequence_logprobs(self.actor.module, exp, groups=groups, **lp_kwargs)
             metrics.update(_mismatch(exp.old_logprobs, exp.engine_logprobs, mask),
                            rollout_entropy=float(masked_mean(old_entropy, mask)))
         else:
             probe = exp.select(slice(0, min(self.config.rollout.mismatch_probe, exp.batch_size)))
-            actor_logprobs, _ = sequence_logprobs(self.actor.module, probe, **lp_kwargs)
+            actor_logprobs, _ = sequence_logprobs(self.actor.module, probe, groups=self.forward_groups(probe, micro),
+                                                  **lp_kwargs)
             metrics.update(_mismatch(actor_logprobs, probe.engine_logprobs, probe.response_mask))
         self.check_engine_weights(metrics["logprob_mismatch_mean"])
         if t.kl_coef != 0.0:
@@ -202,7 +205,7 @@ class RLStep:
             if reference is None:  # a LoRA actor with its adapter disabled is the reference
                 reference, context = self.actor.module, unwrap(self.actor.module).disable_adapter()
             with context:
-                exp.ref_logprobs, _ = sequence_logprobs(reference, exp, **lp_kwargs)
+                exp.ref_logprobs, _ = sequence_logprobs(reference, exp, groups=groups, **lp_kwargs)
             if exp.old_logprobs is not None:
                 metrics["kl"] = float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, t.kl_kind, mask),
                                                   mask))
@@ -210,8 +213,38 @@ class RLStep:
             exp.is_weights = truncated_is_weights(exp.old_logprobs, exp.engine_logprobs, mask, t.tis_cap)
             metrics["tis_weight_mean"] = float(masked_mean(exp.is_weights, mask))
         if self.critic is not None:
-            exp.values = token_values(self.critic.module, exp, micro)
+            exp.values = token_values(self.critic.module, exp, micro, groups=groups, packed=t.packing)
         return metrics
+
+    def forward_groups(self, exp: Experience, micro: int) -> list[list[int]] | None:
+        """The micro-batches (row indices) of the no-grad passes over ``exp``: by
+        ``trainer.max_tokens_per_microbatch`` when set, as many on every rank (under ZeRO each forward
+        is a collective); else None, ``micro`` rows at a time."""
+        from fastrlhf.packing import agree_group_counts, token_budget_groups
+
+        t = self.config.trainer
+        if t.max_tokens_per_microbatch is None:
+            return None
+        parts = exp.token_parts()
+        return agree_group_counts([token_budget_groups(parts, t.max_tokens_per_microbatch, t.packing)], [parts])[0]
+
+    def update_plan(self, exp: Experience, step: int) -> list[Minibatch]:
+        """The optimizer steps of the update: shuffled minibatches of ``trainer.minibatch_size / world``
+        rows each epoch, each in micro-batches of ``minibatch_size / world / grad_accum`` rows, or by the
+        token budget (``trainer.max_tokens_per_microbatch``; then as many on every rank). The minibatches
+        are the same either way: only their split into micro-batches differs."""
+        from fastrlhf.packing import agree_group_counts, micro_batch_groups
+
+        t = self.config.trainer
+        generator = torch.Generator().manual_seed(self.config.seed * 7919 + step)
+        order = minibatch_order(exp.batch_size, t.minibatch_size // self.world, t.ppo_epochs, generator)
+        token_parts = exp.token_parts()
+        parts = [[token_parts[r] for r in rows.tolist()] for rows in order]
+        micro = micro_batch_size(self.config, self.world)
+        groups = [micro_batch_groups(p, micro, t.max_tokens_per_microbatch, t.packing) for p in parts]
+        if t.max_tokens_per_microbatch is not None:
+            groups = agree_group_counts(groups, parts)
+        return [Minibatch(rows, g) for rows, g in zip(order, groups, strict=True)]
 
     def check_engine_weights(self, local_mismatch: float) -> None:
         """Stop (on every rank) before training on completions of an engine whose weights are not the
@@ -231,12 +264,10 @@ class RLStep:
     def update(self, exp: Experience, step: int) -> dict[str, float]:
         """The actor's (then the critic's) optimizer steps over shuffled minibatches of the batch."""
         t = self.config.trainer
-        generator = torch.Generator().manual_seed(self.config.seed * 7919 + step)
-        micro = micro_batch_size(self.config, self.world)
-        order = minibatch_order(exp.batch_size, micro, t.grad_accum, t.ppo_epochs, generator)
+        order = self.update_plan(exp, step)
         unwrap(self.actor.module).train()
         actor = run_updates(self.actor, exp, lambda module, mb: policy_loss_from_model(module, mb, self.config),
-                            order)
+                            order, t.agg)
         metrics = {"policy_loss": actor.get("loss", float("nan")), "loss_kl": actor.get("kl", float("nan")),
                    **{k: actor.get(k, float("nan")) for k in ("clipfrac", "approx_kl", "entropy")},
                    "grad_norm": actor["grad_norm"], "optimizer_steps": actor["optimizer_steps"]}
@@ -246,7 +277,8 @@ class RLStep:
                 metrics["kl"] = metrics["loss_kl"]
         if self.critic is not None and not actor["aborted"]:
             unwrap(self.critic.module).train()
-            critic = run_updates(self.critic, exp, lambda module, mb: critic_loss(module, mb, self.config), order)
+            critic = run_updates(self.critic, exp, lambda module, mb: critic_loss(module, mb, self.config), order,
+                                 t.agg)
             metrics.update(value_loss=critic.get("value_loss", float("nan")),
                            vf_clipfrac=critic.get("vf_clipfrac", float("nan")), critic_grad_norm=critic["grad_norm"])
         return metrics

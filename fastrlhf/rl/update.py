@@ -1,9 +1,13 @@
-"""The optimisation part of a step: epochs x minibatches x accumulated micro-batches, NaN-guarded.
+"""The optimisation part of a step: epochs x minibatches x micro-batches, NaN-guarded.
 
 A learner is "a model that learns": a DeepSpeed engine, or a plain module with a torch optimizer
-(:class:`TorchLearner`, so the step runs unchanged single-process without DeepSpeed). Both follow
-DeepSpeed's contract, per micro-batch ``backward(loss)`` then ``step()``: the loss is divided by the
-accumulation count, and only every ``grad_accum``-th ``step()`` runs the optimizer, after clipping.
+(:class:`TorchLearner`, so the step runs unchanged single-process without DeepSpeed). Both take, per
+micro-batch, ``backward(loss, boundary)`` then ``step()``: the loss is the micro-batch's SHARE of
+its minibatch's loss (its tokens weighted by the minibatch's aggregation weights, see
+``fastrlhf.algorithms.loss_weights``), so it is not divided by anything, and ``boundary`` marks the
+minibatch's last micro-batch, whose ``step()`` clips and runs the optimizer. The caller says where
+the boundary is because a minibatch's number of micro-batches is not fixed: with
+``trainer.max_tokens_per_microbatch`` it depends on the lengths of its sequences.
 
 :func:`run_updates` drives the actor (policy loss) and the critic (value loss) alike. Each loss
 goes through the step's guard (``fastrlhf.guards``): a non-finite loss on any rank makes the
@@ -15,34 +19,37 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
+from fastrlhf.algorithms import aggregation_weights
 from fastrlhf.guards import StepGuard, grads_finite
 from fastrlhf.rl.experience import Experience, split_batch
 
-__all__ = ["DeepSpeedLearner", "TorchLearner", "UpdateResult", "as_learner", "minibatch_order", "run_updates"]
+__all__ = ["DeepSpeedLearner", "Minibatch", "TorchLearner", "UpdateResult", "as_learner", "minibatch_order",
+           "run_updates"]
 
 
 class TorchLearner:
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_accum: int = 1,
-                 max_grad_norm: float = 0.0, guard: StepGuard | None = None):
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float = 0.0,
+                 guard: StepGuard | None = None):
         self.module = module
         self.optimizer = optimizer
-        self.grad_accum = int(grad_accum)
         self.max_grad_norm = float(max_grad_norm or 0.0)
         self.guard = guard if guard is not None else StepGuard()
-        self.micro_steps = 0
         self.last_grad_norm: float | None = None
+        self._boundary = True
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.grad_accum).backward()
+    def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
+        """Accumulate the gradient of ``loss`` (a micro-batch's share of its minibatch's loss, as it is)."""
+        self._boundary = boundary
+        loss.backward()
 
     def step(self) -> bool:
-        """Count a micro-batch; at the accumulation boundary clip, step (unless the guard says skip) and
-        zero the gradients. True if the optimizer stepped."""
-        self.micro_steps += 1
-        if self.micro_steps % self.grad_accum:
+        """At the accumulation boundary (the last ``backward``'s): clip, step (unless the guard says
+        skip) and zero the gradients. True if the optimizer stepped."""
+        if not self._boundary:
             return False
         params = [p for p in self.module.parameters() if p.grad is not None]
         stepped = not self.guard.should_skip(grads_finite(params))
@@ -60,16 +67,21 @@ class TorchLearner:
 
 class DeepSpeedLearner:
     """A DeepSpeed engine built by ``fastrlhf.distributed.build_train_engine(..., guard=guard)``: its
-    GuardedAdamW asks the guard at every boundary, under every ZeRO stage."""
+    GuardedAdamW asks the guard at every boundary, under every ZeRO stage.
+
+    The engine would divide each loss by its ``gradient_accumulation_steps`` and find the boundary by
+    counting micro-steps; both are taken over here: ``backward(loss, boundary)`` sets the boundary
+    (``engine.set_gradient_accumulation_boundary``, before the backward, where ZeRO reduces the
+    gradients) and backpropagates the loss unscaled (``scale_wrt_gas=False``)."""
 
     def __init__(self, engine, guard: StepGuard):
         self.engine = engine
         self.guard = guard
         self.module = engine.module
-        self.grad_accum = engine.gradient_accumulation_steps()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+    def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> bool:
         boundary = self.engine.is_gradient_accumulation_boundary()
@@ -81,7 +93,7 @@ class DeepSpeedLearner:
         return None if norm is None else float(norm)
 
 
-def as_learner(obj, optimizer=None, grad_accum: int = 1, max_grad_norm: float = 0.0, guard: StepGuard | None = None):
+def as_learner(obj, optimizer=None, max_grad_norm: float = 0.0, guard: StepGuard | None = None):
     """Wrap a DeepSpeed engine, or a module + optimizer, in the learner interface (learners pass through)."""
     if isinstance(obj, (TorchLearner, DeepSpeedLearner)):
         return obj
@@ -89,25 +101,31 @@ def as_learner(obj, optimizer=None, grad_accum: int = 1, max_grad_norm: float = 
         return DeepSpeedLearner(obj, guard if guard is not None else StepGuard())
     if optimizer is None:
         raise ValueError("a plain module needs an optimizer to learn")
-    return TorchLearner(obj, optimizer, grad_accum, max_grad_norm, guard)
+    return TorchLearner(obj, optimizer, max_grad_norm, guard)
+
+
+@dataclass
+class Minibatch:
+    """One optimizer step: ``rows`` of the step's batch, and its micro-batches as lists of positions
+    in ``rows`` (every position exactly once)."""
+
+    rows: torch.Tensor
+    groups: list[list[int]]
 
 
 class UpdateResult(dict):
-    """Metrics of an update: losses (``loss`` and ``*_loss``) averaged over micro-batches, as the
-    optimizer saw them; every other metric (a masked mean over a micro-batch's tokens) weighted by
-    its micro-batch's kept tokens, i.e. the masked mean over all tokens the update saw. Plus
-    ``grad_norm`` (mean over optimizer steps), ``optimizer_steps`` and ``aborted`` (a non-finite loss
-    stopped the update)."""
+    """Metrics of an update: losses (``loss`` and ``*_loss``) per minibatch (the sum of its micro-batches'
+    shares: the loss the optimizer stepped on) averaged over minibatches; every other metric (a masked
+    mean over a micro-batch's tokens) weighted by its micro-batch's kept tokens, i.e. the masked mean
+    over all tokens the update saw. Plus ``grad_norm`` (mean over optimizer steps), ``optimizer_steps``
+    and ``aborted`` (a non-finite loss stopped the update)."""
 
 
-def minibatch_order(batch_size: int, micro_batch: int, grad_accum: int, epochs: int,
-                    generator: torch.Generator) -> list[list[torch.Tensor]]:
-    """For each optimizer step, the row indices of its ``grad_accum`` micro-batches (reshuffled each epoch)."""
-    minibatch = micro_batch * grad_accum
+def minibatch_order(batch_size: int, minibatch: int, epochs: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """For each optimizer step, the row indices of its minibatch (``minibatch`` rows, reshuffled each epoch)."""
     steps = []
     for _ in range(epochs):
-        for rows in split_batch(batch_size, batch_size // minibatch, generator, shuffle=True):
-            steps.append(list(rows.view(grad_accum, micro_batch)))
+        steps += split_batch(batch_size, batch_size // minibatch, generator, shuffle=True)
     return steps
 
 
@@ -115,29 +133,39 @@ def _is_loss(name: str) -> bool:
     return name == "loss" or name.endswith("_loss")
 
 
-def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[list[torch.Tensor]]) -> UpdateResult:
-    """``loss_fn(module, micro_exp) -> (loss, metrics)``; one optimizer step per entry of ``order``."""
+def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibatch], agg: str) -> UpdateResult:
+    """``loss_fn(module, micro_exp) -> (loss, metrics)``; one optimizer step per entry of ``order``.
+
+    Each minibatch's aggregation weights (``trainer.agg`` over all its rows) are computed once and
+    handed to its micro-batches (``Experience.loss_weights``): their losses add up to the
+    minibatch's loss in every aggregation mode, whatever the grouping.
+    """
     sums: dict[str, float] = defaultdict(float)
-    micro_count, tokens = 0, 0.0
+    minibatches, tokens = 0, 0.0
     grad_norms = []
     optimizer_steps = 0
     aborted = False
-    for micro_rows in order:
-        for rows in micro_rows:
-            mb = exp.select(rows)
+    for minibatch in order:
+        mini = exp.select(minibatch.rows)
+        mini = replace(mini, loss_weights=aggregation_weights(mini.response_mask, agg))
+        mini_losses: dict[str, float] = defaultdict(float)
+        for index, group in enumerate(minibatch.groups):
+            mb = mini.select(group)
             loss, metrics = loss_fn(learner.module, mb)
             # A bad loss on any rank: this minibatch's remaining micro-batches still run (the
             # accumulation boundary must be reached everywhere), its optimizer step is dropped.
             aborted = not learner.guard.loss_ok(loss) or aborted
-            learner.backward(loss)
+            learner.backward(loss, boundary=index == len(minibatch.groups) - 1)
             stepped = learner.step()
             if aborted:
                 continue
-            sums["loss"] += float(loss.detach())
-            mb_tokens = float((mb.response_mask > 0).sum())
+            mini_losses["loss"] += float(loss.detach())
+            mb_tokens = float(sum(mb.with_lengths().completion_lens))
             for name, value in metrics.items():
-                sums[name] += float(value) * (1.0 if _is_loss(name) else mb_tokens)
-            micro_count += 1
+                if _is_loss(name):
+                    mini_losses[name] += float(value)
+                else:
+                    sums[name] += float(value) * mb_tokens
             tokens += mb_tokens
             if stepped:
                 optimizer_steps += 1
@@ -147,7 +175,10 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[list[to
         if aborted or learner.guard.update_skipped:  # later minibatches are not run
             aborted = True
             break
-    result = UpdateResult({k: v / (max(1, micro_count) if _is_loss(k) else max(1.0, tokens)) for k, v in sums.items()})
+        minibatches += 1
+        for name, value in mini_losses.items():
+            sums[name] += value
+    result = UpdateResult({k: v / (max(1, minibatches) if _is_loss(k) else max(1.0, tokens)) for k, v in sums.items()})
     result["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     result["optimizer_steps"] = float(optimizer_steps)
     result["aborted"] = aborted
