@@ -80,6 +80,12 @@ class DeepSpeedLearner:
         self.module = engine.module
 
     def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
+        # engine.forward() starts with this; the step calls the module's body and head, never
+        # engine.forward, and without it ZeRO-3 never advances its micro-step, so each micro-batch's
+        # gradient would replace the previous one's instead of adding to it.
+        clear = getattr(getattr(self.engine, "optimizer", None), "clear_backward_seen_flag", None)
+        if clear is not None:
+            clear()
         self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss, scale_wrt_gas=False)
 
