@@ -337,3 +337,49 @@ def test_config_fields_and_their_checks(tmp_path):
         with pytest.raises(ConfigError) as info:
             parse_config(raw(**bad))
         assert info.value.key == key and message in str(info.value) and "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Two ranks under the deepspeed launcher, ZeRO-2 and ZeRO-3
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_zero2_zero3_packed_step_equals_the_padded_step(tmp_path):
+    import json
+    import os
+    import sys
+
+    from launch import run_group
+
+    from fastrlhf.distributed import free_port
+    from fastrlhf.tiny_models import save_tiny_llama
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    scripts = os.path.join(root, "tests", "rl_scripts")
+    save_tiny_llama(tmp_path / "model", vocab_size=64, hidden_size=32, num_heads=1)
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"prompt_ids": [5 + i, 6, 7 + 2 * i][: 1 + i % 3], "meta": {"target_token": 3}}) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", FASTRLHF_DIST_TIMEOUT="60", FASTRLHF_NO_PROGRESS="1",
+               PYTHONPATH=os.pathsep.join([scripts, env.get("PYTHONPATH", "")]))
+    cases = ["ppo:2", "grpo:2", "ppo:3", "grpo:3"]
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    rc, out = run_group([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()),
+                         os.path.join(scripts, "packing_two_ranks.py"), str(tmp_path / "model"),
+                         str(tmp_path / "prompts.jsonl"), str(tmp_path), *cases], timeout=220, env=env)
+    assert rc == 0, out[-4000:]
+    for case in cases:
+        result = json.load(open(tmp_path / f"{case.replace(':', '-')}.json"))
+        padded, packed = result["padded"], result["packed"]
+        assert padded["skipped"] == packed["skipped"] == 0.0 and padded["optimizer_steps"] == 2.0
+        keys = ["policy_loss", "grad_norm", "clipfrac", "approx_kl", "entropy", "kl", "rollout_entropy"]
+        keys += ["value_loss", "critic_grad_norm", "vf_clipfrac"] if case.startswith("ppo") else ["loss_kl"]
+        for key in keys:
+            assert math.isclose(packed[key], padded[key], rel_tol=1e-4, abs_tol=1e-6), (case, key, packed[key],
+                                                                                         padded[key])
+        # The same update: the weights moved, and by the same amount in both layouts.
+        assert result["max_weight_change"] > 1e-4
+        assert result["max_weight_diff"] < 1e-5, (case, result["max_weight_diff"])
