@@ -13,10 +13,10 @@ from fastrlhf import distributed as D
 from fastrlhf.algorithms import bradley_terry_loss
 from fastrlhf.config import RMConfig
 from fastrlhf.data import load_classification_examples, load_pairwise_examples
-from fastrlhf.modeling import base_model, load_sequence_classifier, vocab_size
+from fastrlhf.modeling import base_model, load_sequence_classifier, unwrap, use_packed_attention, vocab_size
 from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
 
-__all__ = ["pad_batch", "pairwise_loss", "classifier_loss", "run"]
+__all__ = ["pad_batch", "pairwise_loss", "classifier_loss", "rm_token_parts", "scores", "run"]
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,26 +30,57 @@ def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return input_ids, attention_mask
 
 
-def scores(engine, sequences: list[list[int]], pad_id: int) -> torch.Tensor:
-    input_ids, attention_mask = pad_batch(sequences, pad_id)
-    return engine(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False) -> torch.Tensor:
+    """``[S, num_labels]`` fp32 logits of each sequence at its last token. ``packed``: all sequences in
+    one row (``fastrlhf.packing.PackedLayout``), the model's body run on it and its score head on each
+    sequence's last hidden state; otherwise right-padded, through the model's own forward."""
+    if not packed:
+        input_ids, attention_mask = pad_batch(sequences, pad_id)
+        return engine(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    from fastrlhf.packing import PackedLayout
+
+    model = base_model(unwrap(engine))
+    device = getattr(engine, "device", None) or next(model.parameters()).device
+    layout = PackedLayout.build([len(s) for s in sequences], [0] * len(sequences), device=device)
+    input_ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)[None]
+    body = getattr(model, model.base_model_prefix)
+    hidden = body(input_ids=input_ids, position_ids=layout.position_ids, use_cache=False).last_hidden_state
+    head = getattr(model, "score", None) or model.classifier
+    return head(hidden[0, layout.last_index]).float()
 
 
-def pairwise_loss(engine, pairs, pad_id: int):
-    # Chosen and rejected go through one forward pass: one batch of 2B sequences.
+def pairwise_loss(engine, pairs, pad_id: int, scale: float | None = None, packed: bool = False):
+    """Bradley-Terry loss: the mean over ``pairs`` (``scale``: ``scale`` x the sum, a micro-batch's share of
+    a larger batch's mean); metrics ``accuracy`` and ``margin``, means (with ``scale``: sums)."""
+    # Chosen and rejected go through one forward pass (one micro-batch): one batch of 2B sequences.
     sequences = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
-    rewards = scores(engine, sequences, pad_id)[:, 0]
+    rewards = scores(engine, sequences, pad_id, packed)[:, 0]
     chosen, rejected = rewards[: len(pairs)], rewards[len(pairs):]
-    loss = bradley_terry_loss(chosen, rejected)
-    return loss, {"accuracy": (chosen > rejected).float().mean().item(),
-                  "margin": (chosen - rejected).mean().item()}
+    if scale is None:
+        loss = bradley_terry_loss(chosen, rejected)
+        return loss, {"accuracy": (chosen > rejected).float().mean().item(),
+                      "margin": (chosen - rejected).mean().item()}
+    loss = bradley_terry_loss(chosen, rejected) * (len(pairs) * scale)
+    return loss, {"accuracy": (chosen > rejected).float().sum().item(), "margin": (chosen - rejected).sum().item()}
 
 
-def classifier_loss(engine, examples, pad_id: int):
-    logits = scores(engine, [e.input_ids for e in examples], pad_id)
-    labels = torch.tensor([e.label for e in examples])
-    loss = F.cross_entropy(logits, labels)
-    return loss, {"accuracy": (logits.argmax(-1) == labels).float().mean().item()}
+def classifier_loss(engine, examples, pad_id: int, scale: float | None = None, packed: bool = False):
+    """Cross-entropy, mean over ``examples`` (``scale``: ``scale`` x the sum); ``accuracy`` (with ``scale``: a sum)."""
+    logits = scores(engine, [e.input_ids for e in examples], pad_id, packed)
+    labels = torch.tensor([e.label for e in examples], device=logits.device)
+    if scale is None:
+        return F.cross_entropy(logits, labels), {"accuracy": (logits.argmax(-1) == labels).float().mean().item()}
+    loss = F.cross_entropy(logits, labels, reduction="sum") * scale
+    return loss, {"accuracy": (logits.argmax(-1) == labels).float().sum().item()}
+
+
+def rm_token_parts(example, packed: bool) -> tuple[int, ...]:
+    """Tokens an example costs a micro-batch: a pair's two sequences (padded, each row as wide as the
+    longer: two rows per pair), or one sequence."""
+    if hasattr(example, "chosen_ids"):
+        chosen, rejected = (len(example.prompt_ids) + len(ids) for ids in (example.chosen_ids, example.rejected_ids))
+        return (chosen, rejected) if packed else (max(chosen, rejected),)
+    return (len(example.input_ids),)
 
 
 def run(config: RMConfig, resume: bool = False) -> dict:
@@ -62,10 +93,14 @@ def run(config: RMConfig, resume: bool = False) -> dict:
                                                 vocab, config.model.path)
     D.init_distributed()  # after the data checks: bad data fails without starting a process group
     model = load_sequence_classifier(config.model, config.resolved_num_labels, zero3_config=engine_config(config))
+    use_packed_attention(model, config.trainer.packing)
     pad_id = base_model(model).config.pad_token_id
     loss = pairwise_loss if config.kind == "pairwise" else classifier_loss
 
-    def loss_fn(engine, micro_batch):
-        return loss(engine, micro_batch, pad_id)
+    def loss_fn(engine, micro_batch, scale):
+        return loss(engine, micro_batch, pad_id, scale, config.trainer.packing)
 
-    return run_supervised(config, SupervisedJob(examples, model, loss_fn, bar_keys=("loss", "accuracy")), resume=resume)
+    # The loss is the mean over the rank's step batch of pairs (examples); a pair stays in one micro-batch.
+    job = SupervisedJob(examples, model, loss_fn, bar_keys=("loss", "accuracy"), token_parts=rm_token_parts,
+                        rows_per_item=2 if config.kind == "pairwise" else 1, mean_metrics=("accuracy", "margin"))
+    return run_supervised(config, job, resume=resume)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from fastrlhf import distributed as D
-from fastrlhf.algorithms import logprobs_from_logits, nll_loss
+from fastrlhf.algorithms import logprobs_from_logits, masked_sum, nll_loss
 from fastrlhf.config import SFTConfig
 from fastrlhf.data import SFTExample, load_sft_examples
-from fastrlhf.modeling import base_model, load_causal_lm, vocab_size
+from fastrlhf.modeling import base_model, load_causal_lm, unwrap, use_packed_attention, vocab_size
 from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
 
-__all__ = ["collate_sft", "sft_loss", "run"]
+__all__ = ["collate_sft", "packed_response_logprobs", "sft_loss", "sft_token_parts", "run"]
 
 
 def collate_sft(examples: list[SFTExample], pad_id: int) -> dict:
@@ -49,9 +49,51 @@ def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=No
     return logprobs_from_logits(engine(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1], labels)
 
 
-def sft_loss(engine, batch: dict, use_fused: bool = True, chunk_size=None, chunk_bytes=None) -> torch.Tensor:
-    """Mean negative log-likelihood over response tokens (prompt and padding masked out)."""
-    return nll_loss(response_logprobs(engine, batch, use_fused, chunk_size, chunk_bytes), batch["loss_mask"][:, 1:])
+def sft_loss(engine, batch: dict, use_fused: bool = True, chunk_size=None, chunk_bytes=None,
+             scale: float | None = None) -> torch.Tensor:
+    """Mean negative log-likelihood over response tokens (prompt and padding masked out); with
+    ``scale``, ``scale`` x their sum instead (a micro-batch's share of a larger batch's mean)."""
+    logprobs, mask = response_logprobs(engine, batch, use_fused, chunk_size, chunk_bytes), batch["loss_mask"][:, 1:]
+    if scale is None:
+        return nll_loss(logprobs, mask)
+    return -masked_sum(logprobs, mask) * scale
+
+
+def _predicted(e: SFTExample) -> tuple[list[int], list[int]]:
+    """(context, predicted tokens) of an example: the response, except a first response token that
+    no prompt token precedes (as in the padded layout, where nothing predicts position 0)."""
+    if e.prompt_ids:
+        return e.prompt_ids, e.response_ids
+    return e.response_ids[:1], e.response_ids[1:]
+
+
+def packed_response_logprobs(engine, examples: list[SFTExample], use_fused: bool = True, chunk_size=None,
+                             chunk_bytes=None) -> torch.Tensor:
+    """``[M]`` fp32 log-probabilities of the examples' response tokens, all examples packed in one row
+    (``fastrlhf.packing.PackedLayout``: positions restart per example, no padding, no attention
+    across examples). The LM head runs on the ``[M, H]`` hidden states that predict response tokens,
+    called as a module (so under ZeRO-3 its weight is gathered for the fused kernel too)."""
+    from fastrlhf.packing import PackedLayout
+    from fastrlhf.rl.forward import _head_forward, _logprob_head_fn, body_and_head
+
+    device = getattr(engine, "device", None) or next(unwrap(engine).parameters()).device
+    split = [_predicted(e) for e in examples]
+    layout = PackedLayout.build([len(c) for c, _ in split], [len(r) for _, r in split], device=device)
+    input_ids = torch.tensor([t for c, r in split for t in c + r], dtype=torch.long, device=device)[None]
+    labels = torch.tensor([t for _, r in split for t in r], dtype=torch.long, device=device)
+    body, head = body_and_head(engine)
+    hidden = body(input_ids=input_ids, position_ids=layout.position_ids, use_cache=False).last_hidden_state
+    hidden = hidden[0, layout.hidden_index]
+    if use_fused:
+        with _head_forward(head, _logprob_head_fn(head, 1.0, chunk_size, chunk_bytes)):
+            return head(hidden, labels)[0]
+    return logprobs_from_logits(head(hidden), labels)
+
+
+def sft_token_parts(e: SFTExample, packed: bool) -> tuple[int, ...]:
+    """Tokens an example costs a micro-batch: its own when packed; right-padded, prompt and response
+    share one width."""
+    return (len(e.prompt_ids), len(e.response_ids)) if packed else (len(e.prompt_ids) + len(e.response_ids),)
 
 
 def run(config: SFTConfig, resume: bool = False) -> dict:
@@ -61,13 +103,24 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
                                  chat_template=config.data.chat_template)
     D.init_distributed()  # after the data checks: bad data fails without starting a process group
     model = load_causal_lm(config.model, zero3_config=engine_config(config))
+    use_packed_attention(model, config.trainer.packing)
     pad_id = base_model(model).config.pad_token_id
     pad_id = 0 if pad_id is None else pad_id
-    use_fused = config.trainer.fused_loss and config.deepspeed.zero_stage != 3
+    t = config.trainer
+    # Padded, the fused head reads lm_head.weight directly, which ZeRO-3 partitions; packed, the head
+    # is called as a module (its hooks gather the weight), so the fused kernel runs at every stage.
+    use_fused = t.fused_loss and (t.packing or config.deepspeed.zero_stage != 3)
 
-    def loss_fn(engine, micro_batch):
+    def loss_fn(engine, micro_batch, scale):
+        tokens = float(sum(len(_predicted(e)[1]) for e in micro_batch))
+        if t.packing:
+            logprobs = packed_response_logprobs(engine, micro_batch, use_fused, t.loss_chunk_size, t.loss_chunk_bytes)
+            return -logprobs.sum() * scale, {"response_tokens": tokens}
         batch = collate_sft(micro_batch, pad_id)
-        loss = sft_loss(engine, batch, use_fused, config.trainer.loss_chunk_size, config.trainer.loss_chunk_bytes)
-        return loss, {"response_tokens": float(batch["loss_mask"].sum())}
+        loss = sft_loss(engine, batch, use_fused, t.loss_chunk_size, t.loss_chunk_bytes, scale=scale)
+        return loss, {"response_tokens": tokens}
 
-    return run_supervised(config, SupervisedJob(examples, model, loss_fn, bar_keys=("loss",)), resume=resume)
+    # The loss is the mean over the rank's step batch of its response tokens' negative log-likelihood.
+    job = SupervisedJob(examples, model, loss_fn, bar_keys=("loss",), weight_of=lambda e: len(_predicted(e)[1]),
+                        token_parts=sft_token_parts)
+    return run_supervised(config, job, resume=resume)

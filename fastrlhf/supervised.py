@@ -21,18 +21,34 @@ from fastrlhf.distributed import build_train_engine
 from fastrlhf.guards import StepGuard
 from fastrlhf.loop import resume_step, run_steps
 from fastrlhf.metrics import MetricsLogger
+from fastrlhf.packing import agree_group_counts, fixed_count_groups, token_budget_groups
 from fastrlhf.precision import apply_matmul_precision
+from fastrlhf.rl.update import DeepSpeedLearner
 
-__all__ = ["SupervisedJob", "run_supervised", "seed_everything", "engine_config", "micro_batch_size"]
+__all__ = ["SupervisedJob", "run_supervised", "seed_everything", "engine_config", "micro_batch_size", "micro_batches"]
 
 
 @dataclass
 class SupervisedJob:
+    """A command's data, model and loss for :func:`run_supervised`.
+
+    ``loss_fn(engine, examples, scale) -> (loss, {metric: float})``: ``scale`` x the SUM of the loss over
+    the micro-batch's ``examples`` (``scale`` is 1 / the total ``weight_of`` the rank's whole step batch,
+    so the micro-batches' losses add up to the batch's mean whatever the split), and metrics summed
+    over those examples (those named in ``mean_metrics`` are then divided by the batch's examples).
+    ``token_parts(example, packed)``: the token counts a micro-batch pays for the example (see
+    ``fastrlhf.packing.group_cost``; ``rows_per_item`` rows per example when padded), for
+    ``trainer.max_tokens_per_microbatch``.
+    """
+
     examples: list
     model: torch.nn.Module
-    # (engine, examples of one micro-batch) -> (loss tensor, {metric: float}) -- metrics averaged over micro-batches
     loss_fn: Callable
     bar_keys: tuple = ("loss",)
+    weight_of: Callable = lambda example: 1.0
+    token_parts: Callable | None = None
+    rows_per_item: int = 1
+    mean_metrics: tuple = ()
 
 
 def seed_everything(seed: int) -> None:
@@ -56,6 +72,18 @@ def engine_config(config) -> dict:
     return D.deepspeed_config(config.deepspeed, micro_batch_size(config), t.grad_accum, t.max_grad_norm)
 
 
+def micro_batches(job: SupervisedJob, batch: list, micro: int, max_tokens: int | None, packed: bool) -> list[list[int]]:
+    """The micro-batches of a rank's step batch (positions in it): ``micro`` examples at a time, or by
+    the token budget, as many on every rank (ZeRO's collectives run once per micro-batch)."""
+    if max_tokens is None:
+        return fixed_count_groups(len(batch), micro)
+    if job.token_parts is None:
+        raise ValueError("trainer.max_tokens_per_microbatch: this command cannot count its examples' tokens")
+    parts = [tuple(job.token_parts(e, packed)) for e in batch]
+    groups = token_budget_groups(parts, max_tokens, packed, job.rows_per_item)
+    return agree_group_counts([groups], [parts])[0]
+
+
 def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
     """Train ``job`` for ``config.trainer.max_steps`` optimizer steps; returns the last step's metrics."""
     t = config.trainer
@@ -76,17 +104,24 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
                            resume=resume)
     engine.train()
 
+    learner = DeepSpeedLearner(engine, guard)
+
     def one_step(step: int) -> dict:
         started = time.perf_counter()
-        local = shard(sampler.next_indices(t.batch_size), D.rank(), world)
+        batch = [job.examples[j] for j in shard(sampler.next_indices(t.batch_size), D.rank(), world)]
+        scale = 1.0 / max(sum(job.weight_of(e) for e in batch), 1e-12)
+        groups = micro_batches(job, batch, micro, t.max_tokens_per_microbatch, t.packing)
         sums: dict = {}
-        for i in range(0, len(local), micro):
-            loss, stats = job.loss_fn(engine, [job.examples[j] for j in local[i:i + micro]])
+        for index, group in enumerate(groups):
+            loss, stats = job.loss_fn(engine, [batch[i] for i in group], scale)
             guard.loss_ok(loss)  # a bad loss on any rank: the optimizer drops this step's gradients
-            engine.backward(loss)
-            engine.step()
+            learner.backward(loss, boundary=index == len(groups) - 1)
+            learner.step()
             for key, value in {"loss": loss.item(), **stats}.items():
-                sums[key] = sums.get(key, 0.0) + value / t.grad_accum
+                sums[key] = sums.get(key, 0.0) + value
+        for key in job.mean_metrics:
+            if key in sums:
+                sums[key] /= max(len(batch), 1)
         skipped = guard.end_step()
         metrics = comm.mean_over_ranks(sums)
         grad_norm = engine.get_global_grad_norm()
