@@ -29,7 +29,8 @@ train`` run holds at its peak, by component, without loading a weight or importi
   keeps, for HF the prefill of the whole batch's prompts. With ``rollout.sleep`` (vLLM on CUDA)
   generation and the update are never held at once: the peak is the larger of the two.
 - **activations** of one update micro-batch (``micro_batch_size`` sequences of
-  ``max_prompt_len + max_new_tokens`` tokens): per layer and token what autograd keeps
+  ``max_prompt_len + max_new_tokens`` tokens, or ``trainer.max_tokens_per_microbatch`` tokens,
+  see :func:`fastrlhf.memory.components.update_micro_batch`): per layer and token what autograd keeps
   (:meth:`~fastrlhf.memory.ModelShape.layer_activation_bytes_per_token`, ``12h + 10 heads d + 8I``
   bytes in bf16), for every layer plus one layer's backward; with ``gradient_checkpointing`` only
   each layer's input (``h`` activations) plus one layer recomputed and its backward; and the

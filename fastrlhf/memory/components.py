@@ -131,14 +131,32 @@ def optimizer_step_temporaries(ds, trained_counts: list[int], w: int, gpus: int,
     return shard * 8
 
 
+def update_micro_batch(config, micro: int) -> tuple[int, int, int]:
+    """``(tokens, attention-mask bytes, completion tokens)`` of the largest update micro-batch.
+
+    By count: ``micro`` sequences of ``max_prompt_len + max_new_tokens``, and the ``[B, 1, T, T]``
+    bool mask HF builds for SDPA. With ``trainer.max_tokens_per_microbatch``: the budget (or one
+    longest sequence, which gets a micro-batch of its own), at most the whole minibatch share; packed,
+    one ``[N, N]`` block-diagonal mask (none with flash-attention, not counted on), padded at most
+    ``tokens x T`` (its rows x T^2).
+    """
+    t, length = config.trainer, seq_len(config)
+    completion = micro * config.rollout.max_new_tokens
+    if t.max_tokens_per_microbatch is None:
+        return micro * length, micro * length ** 2, completion
+    tokens = min(max(t.max_tokens_per_microbatch, length), micro * length)
+    mask = tokens * tokens if t.packing else tokens * length
+    return tokens, mask, min(tokens, completion)
+
+
 def activations(config, shape: ModelShape, micro: int, a: int) -> int:
-    tokens, per_layer = micro * seq_len(config), shape.layer_activation_bytes_per_token(a)
+    tokens, mask, _ = update_micro_batch(config, micro)
+    per_layer = shape.layer_activation_bytes_per_token(a)
     final_norm = 2 * (4 + a) * shape.hidden
     if config.model.gradient_checkpointing:
         per_token = shape.layers * a * shape.hidden + 2 * per_layer + final_norm
     else:
         per_token = (shape.layers + 1) * per_layer + final_norm
-    mask = micro * seq_len(config) ** 2  # the [B, 1, T, T] bool mask HF builds for SDPA
     return tokens * per_token + mask
 
 
@@ -159,7 +177,7 @@ def chunk_tokens(config, tokens: int, vocab: int, device: str, free: int | None)
 
 def fused_loss(config, shape: ModelShape, micro: int, w: int, device: str, free: int | None) -> int:
     # The head sees the completion positions only (fastrlhf.rl.forward.response_hidden).
-    tokens, vocab, h = micro * config.rollout.max_new_tokens, shape.vocab, shape.hidden
+    tokens, vocab, h = update_micro_batch(config, micro)[2], shape.vocab, shape.hidden
     if not config.trainer.fused_loss:  # materialised logits, their fp32 log-softmax and softmax
         return tokens * vocab * (w + 8)
     chunk = chunk_tokens(config, tokens, vocab, device, free)
