@@ -233,12 +233,14 @@ def lora(model):
                                             init_lora_weights=False))
 
 
-def run_step(config, with_lora):
+def run_step(config, with_lora, checkpointing=False):
     from fastrlhf.modeling import CausalLMWithValueHead
 
     torch.manual_seed(0)
     actor = make_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=1).train()
     reference = None if with_lora else make_tiny_llama(seed=1, vocab_size=VOCAB, hidden_size=32, num_heads=1)
+    if checkpointing:
+        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if with_lora:
         actor = lora(actor)
     trainable = [(n, p) for n, p in actor.named_parameters() if p.requires_grad]
@@ -270,8 +272,8 @@ METRICS = ("policy_loss", "loss_kl", "clipfrac", "approx_kl", "entropy", "grad_n
            "logprob_mismatch_mean", "advantage_mean", "optimizer_steps")
 
 
-def check_same_update(config, reference_config, with_lora=False):
-    got, grads, critic_grads = run_step(config, with_lora)
+def check_same_update(config, reference_config, with_lora=False, checkpointing=False):
+    got, grads, critic_grads = run_step(config, with_lora, checkpointing)
     want, want_grads, want_critic = run_step(reference_config, with_lora)
     assert got["skipped"] == want["skipped"] == 0.0
     assert want["optimizer_steps"] == 4.0
@@ -296,7 +298,7 @@ def test_packed_token_budget_update_equals_the_padded_update(agg, algorithm, wit
 
 
 @pytest.mark.parametrize("case", ["padded-budget", "padded-grad-accum", "packed-by-count", "packed-unfused",
-                                  "packed-gspo"])
+                                  "packed-gspo", "packed-checkpointing"])
 def test_other_groupings_and_loss_paths_equal_the_padded_update(case):
     agg = "seq-mean-token-sum-norm"
     extra = {}
@@ -307,8 +309,10 @@ def test_other_groupings_and_loss_paths_equal_the_padded_update(case):
               "padded-grad-accum": dict(grad_accum=3),  # today's fixed micro-batches, one minibatch loss
               "packed-by-count": dict(packing=True, grad_accum=2),
               "packed-unfused": dict(packing=True, max_tokens_per_microbatch=20, fused_loss=False),
-              "packed-gspo": dict(packing=True, max_tokens_per_microbatch=20)}[case]
-    check_same_update(make_config("grpo", agg, **change, **extra), padded)
+              "packed-gspo": dict(packing=True, max_tokens_per_microbatch=20),
+              "packed-checkpointing": dict(packing=True, max_tokens_per_microbatch=20)}[case]
+    check_same_update(make_config("grpo", agg, **change, **extra), padded,
+                      checkpointing=case == "packed-checkpointing")
 
 
 def test_config_fields_and_their_checks(tmp_path):

@@ -102,16 +102,18 @@ def _plan(root):
     zero3 = {"zero_stage": 3, "extra": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
     small = {"max_steps": 3, "batch_size": 4, "lr": 1e-3, "save_every": 2}
     configs = {
-        # GRPO with validation: the held-out reward is reduced over the ranks too.
+        # GRPO with validation: the held-out reward is reduced over the ranks too. Packed, with a token
+        # budget: the ranks agree on their micro-batch counts in one more collective.
         "grpo": {**rl, "algorithm": "grpo", "deepspeed": {"zero_stage": 2},
-                 "eval": {"data": str(root / "prompts.jsonl"), "every": 2}},
+                 "eval": {"data": str(root / "prompts.jsonl"), "every": 2},
+                 "trainer": {**rl["trainer"], "grad_accum": 1, "packing": True, "max_tokens_per_microbatch": 12}},
         # PPO: critic, GAE, advantages whitened over both ranks, KL in the reward.
         "ppo": {**rl, "algorithm": "ppo", "critic": {"lr": 1e-3}, "deepspeed": zero3,
                 "trainer": {**rl["trainer"], "kl_in_reward": True}},
         "sft": {"data": {"path": str(root / "sft.jsonl"), "max_len": 16}, "trainer": small,
                 "deepspeed": {"zero_stage": 2}},
         "rm_pairwise": {"kind": "pairwise", "data": {"path": str(root / "pairs.jsonl"), "max_len": 16},
-                        "trainer": small, "deepspeed": zero3},
+                        "trainer": {**small, "packing": True, "max_tokens_per_microbatch": 16}, "deepspeed": zero3},
         "rm_classifier": {"kind": "classifier", "data": {"path": str(root / "cls.jsonl"), "max_len": 16},
                           "trainer": small, "deepspeed": {"zero_stage": 1}},
     }
