@@ -9,6 +9,11 @@ Layout of one batch of B sequences (prompt p_i, completion c_i)::
 Every per-token RL tensor (logprobs, values, advantages...) is ``[B, T]`` and aligned on the
 completion: column t is completion token t, predicted by the hidden state at position ``P - 1 + t``.
 So "the model's outputs for the response" is always ``outputs[:, P - 1 : P - 1 + T]``.
+
+The host keeps each row's token counts (``prompt_lens``, ``completion_lens``): micro-batch grouping
+and packing (``fastrlhf.packing``, :meth:`Experience.packed_layout`) are computed from them, never
+from device values. A forward pass may take rows :meth:`Experience.trimmed` (no column that no row
+needs) or packed; per-token results come back in this ``[B, T]`` layout.
 """
 
 from __future__ import annotations

@@ -5,6 +5,13 @@ Every function takes a plain HF module, a PEFT model or a DeepSpeed engine (``.m
 head is always CALLED as a module (with its forward temporarily swapped for the fused kernel):
 under ZeRO-3 that is what makes DeepSpeed's hooks gather ``lm_head.weight`` for the kernel and
 reduce-scatter its gradient afterwards, exactly as for an ordinary ``nn.Linear``.
+
+Each pass runs micro-batch by micro-batch (:class:`MicroBatch`): ``groups`` of rows (by count, or by
+``trainer.max_tokens_per_microbatch``, see ``fastrlhf.packing``), each either padded (trimmed to the
+widths its rows need) or packed (``trainer.packing``: one row, positions restarting per sequence,
+no attention mask; the LM head and the value head see only the ``[M, H]`` positions that predict
+completion tokens, token-flat). Results go back to ``[B, T]`` / ``[B]`` in the batch's row order.
+A loss micro-batch carries its share of its minibatch's aggregation weights (``Experience.loss_weights``).
 """
 
 from __future__ import annotations
