@@ -16,7 +16,7 @@ GPU_TRITON := $(shell sed -n 's/.*"triton==\([0-9][0-9.]*\)".*/\1/p' setup.py)
 TRITON_GPU_DIR := $(VENV)/triton-gpu
 TRITON_GPU := $(TRITON_GPU_DIR)/triton-$(GPU_TRITON).dist-info
 
-.PHONY: install test bench demo demo-matrix clean check-gpu-install
+.PHONY: install test bench demo demo-matrix arithmetic clean check-gpu-install
 
 install: $(STAMP) $(TRITON_GPU)
 
@@ -55,6 +55,12 @@ demo: $(STAMP)
 # 2 cores); writes runs/demo/matrix.md. Not part of `make test`.
 demo-matrix: $(STAMP)
 	$(PY) -m fastrlhf.demo --matrix
+
+# make arithmetic [SEEDS="0 1"] [ENGINE=hf|vllm] [FRESH=1]: the word-problem example (examples/arithmetic):
+# a 151,936-vocabulary Qwen2 from random init, pretraining, fastrlhf sft, GRPO with rewards on text;
+# about 12 minutes per seed on 2 cores; writes runs/arithmetic/report.md. Not part of `make test`.
+arithmetic: $(STAMP)
+	$(PY) -m examples.arithmetic.run --seed $(or $(SEEDS),0) --engine $(or $(ENGINE),hf) $(if $(FRESH),--fresh)
 
 # Needs the package registry, not the venv: proves that `pip install '.[gpu]'` resolves on a CUDA
 # machine (a dry run against PyPI, nothing installed) and prints the torch/vllm/triton/nvidia-* it picks.
