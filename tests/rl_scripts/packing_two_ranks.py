@@ -12,16 +12,7 @@ import os
 import sys
 
 import torch
-
-
-def gathered_actor_state(engine, zero3):
-    import deepspeed
-
-    params = list(engine.module.named_parameters())
-    if zero3:
-        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-            return {n: p.detach().clone() for n, p in params}
-    return {n: p.detach().clone() for n, p in params}
+from two_rank_steps import gathered_actor_state  # this script's folder is on sys.path
 
 
 def completions_of(rank, prompts):
