@@ -1,7 +1,10 @@
 """Child script: fastrlhf's GRPO trainer (``fastrlhf.rl.trainer.run``) on one workload; prints E2E_RESULT.
 
-``python benchmarks/e2e_ours.py '<json spec>'`` (see ``test_bench_e2e.py``). Single rank, ZeRO
-stage 0 (one rank has nothing to partition), fp32, fused loss, ``rollout.engine`` from the spec
+``python benchmarks/e2e_ours.py '<json spec>'`` (see ``test_bench_e2e.py``). Workloads A and B:
+single rank, ZeRO stage 0 (one rank has nothing to partition). Workload C: ``nproc`` ranks under
+``torch.distributed.run`` at the default ZeRO stage (2), ``trainer.packing`` and
+``trainer.max_tokens_per_microbatch`` from the spec (``trainer`` keys), the vLLM KV cache sized by
+the plan (``kv_cache_bytes: auto``). All: fp32, fused loss, ``rollout.engine`` from the spec
 (``auto`` by default: it picks what a user gets). One optimizer step per RL step (minibatch = the
 whole rollout batch), constant learning rate, k3 KL in the loss, token-mean aggregation.
 
@@ -9,7 +12,8 @@ Timing: ``metrics.jsonl``'s ``time/*`` keys per step; the actor's old-logprob an
 logprob passes are split out of ``time/score`` by timing ``sequence_logprobs`` (the old-logprob
 pass is skipped here: one optimizer step per RL step is on-policy, ``trainer.old_logprobs: auto``).
 Checkpointing and the final HF export are switched off: they are not part of a step and TRL's run
-does neither.
+does neither. Under several ranks the metrics are rank-reduced (token counts summed over the ranks,
+times the slowest rank's); rank 0 reports them, the other ranks only their peak RSS.
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.e2e_common import child_setup, emit, peak_rss_bytes, read_spec, summarize  # noqa: E402
+from benchmarks.e2e_common import child_setup, emit, peak_rss_bytes, rank, read_spec, summarize  # noqa: E402
+
+REWARDS = {"doubling": "benchmarks.e2e_common:doubling_reward",
+           "llama32k": "benchmarks.e2e_common:even_fraction_reward",
+           "qwen2_151k": "benchmarks.e2e_common:length_band_reward"}
 
 
 def main(spec: dict) -> dict:
-    child_setup(spec["threads"])
+    child_setup(spec["threads"], spec.get("nproc", 1))
     import fastrlhf.loop
     import fastrlhf.modeling
     import fastrlhf.rl.step as step_module
@@ -60,8 +68,8 @@ def main(spec: dict) -> dict:
     engine_kind = {}
     original_build = trainer._build_rollout
 
-    def build_rollout(config, module, num_params, device):
-        engine, shares = original_build(config, module, num_params, device)
+    def build_rollout(config, module, num_params, device, *args, **kwargs):
+        engine, shares = original_build(config, module, num_params, device, *args, **kwargs)
         engine_kind["kind"] = type(engine).__name__
         engine_kind["num_params"] = num_params
         return engine, shares
@@ -69,8 +77,7 @@ def main(spec: dict) -> dict:
     trainer._build_rollout = build_rollout
 
     batch = spec["prompts_per_step"] * spec["n"]
-    reward = {"doubling": "benchmarks.e2e_common:doubling_reward",
-              "llama32k": "benchmarks.e2e_common:even_fraction_reward"}[spec["model"]]
+    reward = REWARDS[spec["model"]]
     total_steps = spec["warmup"] + spec["steps"]
     raw = {
         "algorithm": "grpo", "output_dir": spec["out_dir"], "seed": 0,
@@ -78,17 +85,21 @@ def main(spec: dict) -> dict:
         "reward": {"function": reward},
         "data": {"prompts": spec["prompts"], "max_prompt_len": max(spec["prompt_len"], 16)},
         "rollout": {"engine": spec.get("engine", "auto"), "n": spec["n"], "temperature": 1.0,
-                    "max_new_tokens": spec["max_new_tokens"], "kv_cache_bytes": 256 << 20},
+                    "max_new_tokens": spec["max_new_tokens"],
+                    "kv_cache_bytes": spec.get("kv_cache_bytes", 256 << 20)},
         "trainer": {"max_steps": total_steps, "prompts_per_step": spec["prompts_per_step"], "minibatch_size": batch,
                     "lr": spec["lr"], "warmup_steps": 0, "kl_coef": spec["kl_coef"], "kl_kind": "k3",
-                    "agg": "token-mean", "max_grad_norm": 1.0, "fused_loss": True, "log_every": 1},
-        "deepspeed": {"zero_stage": 0},
+                    "agg": "token-mean", "max_grad_norm": 1.0, "fused_loss": True, "log_every": 1,
+                    **spec.get("trainer", {})},
+        "deepspeed": {"zero_stage": spec.get("zero_stage", 0)},
     }
     config = parse_config(raw, "train")
     t0 = time.perf_counter()
     trainer.run(config)
     run_s = time.perf_counter() - t0
     peak = peak_rss_bytes()
+    if rank() != 0:
+        return {"trainer": "fastrlhf", "rank": rank(), "peak_rss_bytes": peak}
 
     with open(os.path.join(spec["out_dir"], "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -112,11 +123,18 @@ def main(spec: dict) -> dict:
             "generated_tokens_per_s": tokens / r["time/generate"] if r["time/generate"] else 0.0,
             "trained_tokens_per_s": tokens / wall,
             "reward": r["reward_mean"],
+            # Step 1 of the padded and the packed run must agree on these (test_bench_e2e.py).
+            "policy_loss": r.get("policy_loss", 0.0),
+            "grad_norm": r.get("grad_norm", 0.0),
+            "entropy": r.get("entropy", 0.0),
+            "mean_completion_len": r.get("mean_response_length", 0.0),
+            "truncated_fraction": r.get("truncated_fraction", 0.0),
         })
     return {
         "trainer": "fastrlhf", "engine": engine_kind.get("kind"), "num_params": engine_kind.get("num_params"),
         "steps": steps, "median": summarize(steps, spec["warmup"]), "final_reward": steps[-1]["reward"],
-        "peak_rss_bytes": peak, "run_s": run_s, "threads": spec["threads"],
+        "peak_rss_bytes": peak, "run_s": run_s, "threads": spec["threads"], "rank": 0,
+        "config": {k: raw[k] for k in ("rollout", "trainer", "deepspeed")},
     }
 
 
