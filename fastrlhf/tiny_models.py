@@ -17,6 +17,25 @@ __all__ = [
 ]
 
 
+def _tiny_shape(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                max_position_embeddings, tie_word_embeddings) -> dict:
+    """The config fields every tiny architecture shares."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        # Token ids are arbitrary in tests; keep the special ids inside the vocab.
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+
+
 def tiny_llama_config(
     vocab_size: int = 256,
     hidden_size: int = 64,
@@ -37,21 +56,9 @@ def tiny_llama_config(
 
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size must be divisible by num_heads, got {hidden_size} and {num_heads}")
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads or num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        # Token ids are arbitrary in tests; keep the special ids inside the vocab.
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        **overrides,
-    )
+    shape = _tiny_shape(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads or num_heads, intermediate_size,
+                        max_position_embeddings, tie_word_embeddings)
+    return LlamaConfig(**{**shape, **overrides})
 
 
 def make_tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
@@ -96,20 +103,9 @@ def tiny_qwen2_config(
     num_kv_heads = num_kv_heads or max(1, num_heads // 2)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads must be a multiple of num_kv_heads, got {num_heads} and {num_kv_heads}")
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        **overrides,
-    )
+    shape = _tiny_shape(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                        max_position_embeddings, tie_word_embeddings)
+    return Qwen2Config(**{**shape, **overrides})
 
 
 def make_tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
