@@ -39,7 +39,7 @@ __all__ = [
     "agree_group_counts",
     "fixed_count_groups",
     "group_cost",
-    "micro_batch_groups",
+    "micro_batch_plan",
     "split_to_count",
     "token_budget_groups",
 ]
@@ -141,13 +141,15 @@ def agree_group_counts(plans: list[list[list[int]]], parts_of: list[Sequence[Seq
     return [split_to_count(plan, parts, int(c)) for plan, parts, c in zip(plans, parts_of, counts, strict=True)]
 
 
-def micro_batch_groups(parts: Sequence[Sequence[int]], micro_batch: int, max_tokens: int | None, packed: bool,
-                       rows_per_item: int = 1) -> list[list[int]]:
-    """The micro-batches of one minibatch: by the token budget when there is one, else consecutive
-    ``micro_batch`` items (the grouping without a budget, packed or not)."""
+def micro_batch_plan(parts_of: Sequence[Sequence[Sequence[int]]], micro_batch: int, max_tokens: int | None,
+                     packed: bool, rows_per_item: int = 1) -> list[list[list[int]]]:
+    """The micro-batches of each minibatch (``parts_of[k]``: its items' token counts): by the token
+    budget when there is one, as many on every rank (:func:`agree_group_counts`); else consecutive
+    ``micro_batch`` items (the same count everywhere already, packed or not)."""
     if max_tokens is None:
-        return fixed_count_groups(len(parts), micro_batch)
-    return token_budget_groups(parts, max_tokens, packed, rows_per_item)
+        return [fixed_count_groups(len(parts), micro_batch) for parts in parts_of]
+    plans = [token_budget_groups(parts, max_tokens, packed, rows_per_item) for parts in parts_of]
+    return agree_group_counts(plans, parts_of)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from fastrlhf.distributed import build_train_engine
 from fastrlhf.guards import StepGuard
 from fastrlhf.loop import resume_step, run_steps
 from fastrlhf.metrics import MetricsLogger
-from fastrlhf.packing import agree_group_counts, fixed_count_groups, token_budget_groups
+from fastrlhf.packing import fixed_count_groups, micro_batch_plan
 from fastrlhf.precision import apply_matmul_precision
 from fastrlhf.rl.update import DeepSpeedLearner
 
@@ -80,8 +80,7 @@ def micro_batches(job: SupervisedJob, batch: list, micro: int, max_tokens: int |
     if job.token_parts is None:
         raise ValueError("trainer.max_tokens_per_microbatch: this command cannot count its examples' tokens")
     parts = [tuple(job.token_parts(e, packed)) for e in batch]
-    groups = token_budget_groups(parts, max_tokens, packed, job.rows_per_item)
-    return agree_group_counts([groups], [parts])[0]
+    return micro_batch_plan([parts], micro, max_tokens, packed, job.rows_per_item)[0]
 
 
 def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:

@@ -220,30 +220,27 @@ class RLStep:
         """The micro-batches (row indices) of the no-grad passes over ``exp``: by
         ``trainer.max_tokens_per_microbatch`` when set, as many on every rank (under ZeRO each forward
         is a collective); else None, ``micro`` rows at a time."""
-        from fastrlhf.packing import agree_group_counts, token_budget_groups
+        from fastrlhf.packing import micro_batch_plan
 
         t = self.config.trainer
         if t.max_tokens_per_microbatch is None:
             return None
-        parts = exp.token_parts()
-        return agree_group_counts([token_budget_groups(parts, t.max_tokens_per_microbatch, t.packing)], [parts])[0]
+        return micro_batch_plan([exp.token_parts()], micro, t.max_tokens_per_microbatch, t.packing)[0]
 
     def update_plan(self, exp: Experience, step: int) -> list[Minibatch]:
         """The optimizer steps of the update: shuffled minibatches of ``trainer.minibatch_size / world``
         rows each epoch, each in micro-batches of ``minibatch_size / world / grad_accum`` rows, or by the
         token budget (``trainer.max_tokens_per_microbatch``; then as many on every rank). The minibatches
         are the same either way: only their split into micro-batches differs."""
-        from fastrlhf.packing import agree_group_counts, micro_batch_groups
+        from fastrlhf.packing import micro_batch_plan
 
         t = self.config.trainer
         generator = torch.Generator().manual_seed(self.config.seed * 7919 + step)
         order = minibatch_order(exp.batch_size, t.minibatch_size // self.world, t.ppo_epochs, generator)
         token_parts = exp.token_parts()
         parts = [[token_parts[r] for r in rows.tolist()] for rows in order]
-        micro = micro_batch_size(self.config, self.world)
-        groups = [micro_batch_groups(p, micro, t.max_tokens_per_microbatch, t.packing) for p in parts]
-        if t.max_tokens_per_microbatch is not None:
-            groups = agree_group_counts(groups, parts)
+        groups = micro_batch_plan(parts, micro_batch_size(self.config, self.world), t.max_tokens_per_microbatch,
+                                  t.packing)
         return [Minibatch(rows, g) for rows, g in zip(order, groups, strict=True)]
 
     def check_engine_weights(self, local_mismatch: float) -> None:
