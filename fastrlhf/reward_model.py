@@ -38,14 +38,14 @@ def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False
         input_ids, attention_mask = pad_batch(sequences, pad_id)
         return engine(input_ids=input_ids, attention_mask=attention_mask).logits.float()
     from fastrlhf.packing import PackedLayout
+    from fastrlhf.rl.forward import classifier_body_and_head
 
     model = base_model(unwrap(engine))
     device = getattr(engine, "device", None) or next(model.parameters()).device
     layout = PackedLayout.build([len(s) for s in sequences], [0] * len(sequences), device=device)
     input_ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)[None]
-    body = getattr(model, model.base_model_prefix)
+    body, head = classifier_body_and_head(model)
     hidden = body(input_ids=input_ids, position_ids=layout.position_ids, use_cache=False).last_hidden_state
-    head = getattr(model, "score", None) or model.classifier
     return head(hidden[0, layout.last_index]).float()
 
 

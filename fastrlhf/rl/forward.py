@@ -36,6 +36,7 @@ from fastrlhf.rl.experience import Experience, pad_response
 __all__ = [
     "MicroBatch",
     "body_and_head",
+    "classifier_body_and_head",
     "critic_loss",
     "micro_batches",
     "policy_loss_from_model",
@@ -284,10 +285,6 @@ def critic_loss(critic, mb: Experience, config):
     return cfg.vf_coef * loss, metrics
 
 
-def _accepts_position_ids(model) -> bool:
-    return _accepts(model, "position_ids")
-
-
 def _accepts(model, name: str) -> bool:
     import inspect
 
@@ -299,7 +296,7 @@ def _per_token_outputs(model, input_ids, attention_mask, position_ids) -> torch.
     """[B, L] scalar output per position of a critic / value-head model (packed: ``attention_mask``
     None, positions restarting per sequence)."""
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask)
-    if _accepts_position_ids(model):
+    if _accepts(model, "position_ids"):
         kwargs["position_ids"] = position_ids
     elif attention_mask is None:
         raise ValueError(f"{type(unwrap(model)).__name__}.forward takes no position_ids: it cannot run packed "
@@ -351,6 +348,15 @@ def token_values(critic, exp: Experience, micro_batch: int | None = None, grad: 
     return out
 
 
+def classifier_body_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(decoder body, score head) of a ``*ForSequenceClassification`` reward model."""
+    m = unwrap(model)
+    head = getattr(m, "score", None) or getattr(m, "classifier", None)
+    if head is None:
+        raise ValueError(f"reward model {type(m).__name__} has no 'score' or 'classifier' head")
+    return getattr(m, getattr(m, "base_model_prefix", "model")), head
+
+
 def reward_model_scores(reward_model, exp: Experience, kind: str = "classifier", label_index: int = 0,
                         micro_batch: int | None = None, groups: list[list[int]] | None = None,
                         packed: bool = False) -> torch.Tensor:
@@ -372,10 +378,7 @@ def reward_model_scores(reward_model, exp: Experience, kind: str = "classifier",
                 values = _per_token_outputs(m, inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"])
                 _scatter_rows(out, rows, mb.at_last_token(values))
                 continue
-            body = getattr(m, getattr(m, "base_model_prefix", "model"))
-            head = getattr(m, "score", None) or getattr(m, "classifier", None)
-            if head is None:
-                raise ValueError(f"reward model {type(m).__name__} has no 'score' or 'classifier' head")
+            body, head = classifier_body_and_head(m)
             logits = head(mb.at_last_token(_decoder_hidden(body, inputs)))
             if not 0 <= label_index < logits.shape[-1]:
                 raise ValueError(f"reward label_index {label_index} out of range for {logits.shape[-1]} labels")
