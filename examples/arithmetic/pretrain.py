@@ -25,24 +25,7 @@ import os
 import random
 import time
 
-__all__ = ["load_chats", "full_vocab_log_softmax", "pretrain"]
-
-
-def load_chats(path: str, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """``(prompt_ids, response_ids)`` of each chat, as ``fastrlhf sft`` makes them: the template of all
-    messages but the last with the generation prompt; the last message's text plus EOS."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            messages = json.loads(line)["messages"]
-            prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
-            if hasattr(prompt, "keys"):
-                prompt = prompt["input_ids"]
-            response = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
-            out.append((list(prompt), list(response) + [tokenizer.eos_token_id]))
-    return out
+__all__ = ["full_vocab_log_softmax", "pretrain"]
 
 
 def full_vocab_log_softmax(hidden, rows_weight, padded_row, padded_count: int):
@@ -65,13 +48,17 @@ def pretrain(init_dir: str, data_path: str, out_dir: str, steps: int = 2000, bat
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from fastrlhf.data import load_sft_examples
+
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
     full_rows = model.get_input_embeddings().weight.shape[0]
     rows = len(tokenizer)  # every id the tokenizer makes is below this
-    examples = load_chats(data_path, tokenizer)
-    assert max(max(p + r) for p, r in examples) < rows
+    # The chats tokenized exactly as `fastrlhf sft` reads them (template, response + EOS); every id
+    # must be one of the first `rows` (the loader names the line of one that is not).
+    examples = [(e.prompt_ids, e.response_ids) for e in load_sft_examples(
+        data_path, model.config.max_position_embeddings, vocab_size=rows, tokenizer_path=init_dir, chat_template=True)]
 
     with torch.no_grad():
         padded = model.get_input_embeddings().weight[rows:].mean(0).clone()
