@@ -288,12 +288,10 @@ def run_child(trainer: str, spec: dict, timeout_s: float = 1200.0) -> dict:
     import subprocess
 
     nproc = int(spec.get("nproc", 1))
-    threads = str(max(1, spec["threads"] // nproc))
-    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
-               FASTRLHF_NO_PROGRESS="1", PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
-                                                                    if p))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET"):
-        env.pop(key, None)
+    from fastrlhf.demo.stages import child_env
+
+    env = child_env(max(1, spec["threads"] // nproc))
+    env.pop("TRITON_INTERPRET", None)  # a test session's interpreter mode must not reach the measured children
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), SCRIPTS[trainer])
     cmd = [sys.executable, script, json.dumps(spec)]
     if nproc > 1:

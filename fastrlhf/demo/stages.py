@@ -1,6 +1,7 @@
 """Running the stages of a multi-stage example as child processes: their environment, a progress
 bar that follows the child's ``metrics.jsonl``, one-line failures with the log's tail, and cache
-keys. Shared by ``make demo`` (fastrlhf.demo.pipeline) and ``examples/arithmetic/run.py``.
+keys. Shared by ``make demo`` (fastrlhf.demo.pipeline), ``examples/arithmetic/run.py`` and the
+end-to-end benchmarks' children (benchmarks/e2e_common.py).
 """
 
 from __future__ import annotations
