@@ -85,9 +85,10 @@ def use_packed_attention(model, packing: bool) -> str | None:
     """The attention a model runs packed sequences with (``trainer.packing``); returns its name.
 
     On a GPU with ``flash_attn`` installed and half-precision weights: ``flash_attention_2``, whose
-    variable-length kernel reads the sequence boundaries from the packed position ids. Otherwise
-    the model keeps its own (sdpa or eager; flex): transformers builds a block-diagonal causal mask
-    from the position ids (correct, but an ``[N, N]`` mask per micro-batch of N tokens).
+    variable-length kernel reads the sequence boundaries from the packed position ids. On a CPU, a
+    model on sdpa moves to ``fastrlhf_packed_sdpa`` (:mod:`fastrlhf.packed_attention`: sdpa per packed
+    sequence, padded batches unchanged). Otherwise the model keeps its own attention, and
+    transformers gives a packed row a block-diagonal ``[N, N]`` mask (correct, but quadratic in N).
     """
     import importlib.util
 
@@ -99,6 +100,11 @@ def use_packed_attention(model, packing: bool) -> str | None:
             and hf.dtype in (torch.bfloat16, torch.float16) and current != "flash_attention_2"):
         hf.set_attn_implementation("flash_attention_2")
         current = "flash_attention_2"
+    elif current == "sdpa" and not torch.cuda.is_available():
+        from fastrlhf import packed_attention
+
+        hf.set_attn_implementation(packed_attention.register())
+        current = packed_attention.NAME
     return current
 
 

@@ -29,6 +29,7 @@ from fastrlhf.config import (
     TrainConfig,
     TrainerConfig,
 )
+from fastrlhf.modeling import use_packed_attention
 from fastrlhf.packing import (
     PackedLayout,
     fixed_count_groups,
@@ -127,10 +128,12 @@ def ragged_batch(seed=0, num_prompts=3, n=4, long=24, empty=True):
     return prompts, completions
 
 
+@pytest.mark.parametrize("per_sequence_attention", [False, True], ids=["dense-mask", "per-sequence"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_packed_hidden_states_and_logprobs_equal_the_padded_ones(family):
+def test_packed_hidden_states_and_logprobs_equal_the_padded_ones(family, per_sequence_attention):
     make = make_tiny_llama if family == "llama" else make_tiny_qwen2
     model = make(vocab_size=VOCAB, hidden_size=64, num_heads=2, num_layers=2)
+    use_packed_attention(model, per_sequence_attention)  # else transformers' block-diagonal mask under sdpa
     prompts, completions = ragged_batch()
     exp = build_experience(prompts, completions, PAD)
     parts = exp.token_parts()
@@ -250,6 +253,9 @@ def run_step(config, with_lora, checkpointing=False):
         torch.manual_seed(3)
         critic = CausalLMWithValueHead(make_tiny_llama(seed=5, vocab_size=VOCAB, hidden_size=32, num_heads=1)).train()
         copt = RecordingSGD(list(critic.named_parameters()), lr=0.01)
+    for model in (actor, reference, critic and critic.lm):  # as the trainer does: per-sequence attention on CPU
+        if model is not None:
+            use_packed_attention(model, config.trainer.packing)
     prompts, completions = ragged_batch(seed=4)
     scores = torch.linspace(-1.0, 1.0, 12)[torch.randperm(12, generator=torch.Generator().manual_seed(1))]
     rl = RLStep(config, actor, rollout=None, scorer=lambda exp, *a: scores.clone(), reference=reference,
