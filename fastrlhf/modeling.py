@@ -81,7 +81,7 @@ def zero3_loading(ds_config: dict | None):
         del keep_alive
 
 
-def use_packed_attention(model, packing: bool) -> str | None:
+def use_packed_attention(model, packing: bool, share_prompts: bool = False) -> str | None:
     """The attention a model runs packed sequences with (``trainer.packing``); returns its name.
 
     On a GPU with ``flash_attn`` installed and half-precision weights: ``flash_attention_2``, whose
@@ -89,6 +89,7 @@ def use_packed_attention(model, packing: bool) -> str | None:
     model on sdpa moves to ``fastrlhf_packed_sdpa`` (:mod:`fastrlhf.packed_attention`: sdpa per packed
     sequence, padded batches unchanged). Otherwise the model keeps its own attention, and
     transformers gives a packed row a block-diagonal ``[N, N]`` mask (correct, but quadratic in N).
+    ``share_prompts`` (``trainer.share_prompts``) needs ``fastrlhf_packed_sdpa``: anything else raises.
     """
     import importlib.util
 
@@ -105,6 +106,12 @@ def use_packed_attention(model, packing: bool) -> str | None:
 
         hf.set_attn_implementation(packed_attention.register())
         current = packed_attention.NAME
+    if share_prompts:
+        from fastrlhf import packed_attention
+
+        if current != packed_attention.NAME:
+            raise ValueError(f"trainer.share_prompts: needs the {packed_attention.NAME} attention (no GPU, a model on "
+                             f"sdpa); this run's model uses {current!r} (set trainer.share_prompts: false)")
     return current
 
 
@@ -155,12 +162,13 @@ class CausalLMWithValueHead(nn.Module):
             nn.init.zeros_(self.v_head.bias)
         self.v_head.to(next(lm.parameters()).dtype)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, **attention_kwargs):
         """``[B, L]`` fp32 values. ``attention_mask`` None with ``position_ids`` restarting at 0: packed
-        sequences (no cache is built: with one, transformers would not see the packing)."""
+        sequences (no cache is built: with one, transformers would not see the packing);
+        ``attention_kwargs`` reach the attention (shared-prompt segments)."""
         decoder = base_model(self.lm).get_decoder()
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=use_cache)
+                      use_cache=use_cache, **attention_kwargs)
         hidden = out.last_hidden_state
         return self.v_head(hidden).squeeze(-1).float()
 

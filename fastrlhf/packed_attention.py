@@ -30,13 +30,17 @@ def sequence_bounds(position_ids: torch.Tensor) -> list[int]:
 
 
 def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                          sliding_window=None, position_ids=None, **kwargs):
+                          sliding_window=None, position_ids=None, fastrlhf_segments=None, **kwargs):
     """transformers attention interface: ``query`` ``[B, Hq, N, D]``, ``key``/``value`` ``[B, Hkv, N, D]``
-    -> (``[B, N, Hq, D]``, None)."""
+    -> (``[B, N, Hq, D]``, None). ``fastrlhf_segments``: a row with shared prompts
+    (``fastrlhf.packing.PackedLayout.segments``)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def sdpa(q, k, v, mask):
         return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+
+    if fastrlhf_segments is not None:
+        return _shared_prompt_attention(sdpa, query, key, value, fastrlhf_segments, sliding_window), None
 
     packed = (attention_mask is None and position_ids is not None and query.shape[2] == key.shape[2] > 1)
     if not packed:
@@ -53,6 +57,40 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     rows = [torch.cat([sdpa(query[i:i + 1, :, s:e], key[i:i + 1, :, s:e], value[i:i + 1, :, s:e], None)
                        for s, e in zip(b, b[1:])], dim=1) for i, b in enumerate(bounds)]
     return (rows[0] if len(rows) == 1 else torch.cat(rows)), None
+
+
+def _shared_prompt_attention(sdpa, query, key, value, segments, sliding_window):
+    """One packed row (B = 1) of segments ``(start, end, prefix_start, prefix_end)``: the tokens
+    ``start:end`` attend to the whole prefix and causally to themselves, as the same tokens right after
+    the prefix would in a sequence of their own."""
+    if query.shape[0] != 1:
+        raise ValueError(f"{NAME}: shared-prompt segments describe one packed row, got a batch of {query.shape[0]}")
+    longest = max(end - start + prefix_end - prefix_start for start, end, prefix_start, prefix_end in segments)
+    if sliding_window is not None and longest > sliding_window:
+        raise ValueError(f"{NAME}: a sequence of {longest} tokens is longer than the model's sliding window "
+                         f"({sliding_window}); set trainer.packing: false for this model")
+    outs = []
+    for start, end, prefix_start, prefix_end in segments:
+        q = query[:, :, start:end]
+        if prefix_end == prefix_start:
+            outs.append(sdpa(q, key[:, :, start:end], value[:, :, start:end], None))
+            continue
+        k = torch.cat([key[:, :, prefix_start:prefix_end], key[:, :, start:end]], dim=2)
+        v = torch.cat([value[:, :, prefix_start:prefix_end], value[:, :, start:end]], dim=2)
+        # Query i (0-based in the segment) sees the prefix and segment keys 0..i: causal, lower-right aligned.
+        prefix = prefix_end - prefix_start
+        mask = torch.ones(end - start, prefix + end - start, dtype=torch.bool, device=q.device).tril(prefix)
+        outs.append(sdpa(q, k, v, mask[None, None]))
+    return torch.cat(outs, dim=1)
+
+
+def check_model(model) -> None:
+    """Raise unless ``model`` (a transformers model or decoder) runs this attention: a row with shared
+    prompts given to any other would run without its segments, attending across sequences."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl != NAME:
+        raise ValueError(f"shared-prompt packing (trainer.share_prompts) needs the {NAME} attention (CPU, sdpa "
+                         f"models); this model runs {impl!r}")
 
 
 def _mask(*, attention_mask=None, **kwargs):

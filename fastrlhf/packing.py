@@ -53,12 +53,17 @@ def fixed_count_groups(num_items: int, size: int) -> list[list[int]]:
     return [list(range(start, min(start + size, num_items))) for start in range(0, num_items, size)]
 
 
-def group_cost(parts: Sequence[Sequence[int]], members: Sequence[int], packed: bool, rows_per_item: int = 1) -> int:
-    """Tokens a micro-batch of ``members`` holds: packed, the sum of their parts; padded, its rows
-    times the sum over parts of the widest member's part (a prompt left-padded to the longest
-    prompt, a completion right-padded to the longest completion)."""
+def group_cost(parts: Sequence[Sequence[int]], members: Sequence[int], packed: bool, rows_per_item: int = 1,
+               keys: Sequence[int] | None = None) -> int:
+    """Tokens a micro-batch of ``members`` holds: packed, the sum of their parts (with ``keys``, shared
+    prompts: each key's prompt, ``parts[i][0]``, once); padded, its rows times the sum over parts of the
+    widest member's part (a prompt left-padded to the longest prompt, a completion right-padded to the
+    longest completion)."""
     if not members:
         return 0
+    if packed and keys is not None:
+        prompts = {keys[i]: parts[i][0] for i in members}
+        return sum(prompts.values()) + sum(sum(parts[i][1:]) for i in members)
     if packed:
         return sum(sum(parts[i]) for i in members)
     widths = [max(parts[i][k] for i in members) for k in range(len(parts[members[0]]))]
@@ -66,13 +71,16 @@ def group_cost(parts: Sequence[Sequence[int]], members: Sequence[int], packed: b
 
 
 def token_budget_groups(parts: Sequence[Sequence[int]], max_tokens: int, packed: bool,
-                        rows_per_item: int = 1) -> list[list[int]]:
+                        rows_per_item: int = 1, keys: Sequence[int] | None = None) -> list[list[int]]:
     """Items (their token counts ``parts[i]``, e.g. ``(prompt, completion)``) grouped into micro-batches
-    of at most ``max_tokens`` tokens (:func:`group_cost`), first-fit decreasing.
+    of at most ``max_tokens`` tokens (:func:`group_cost`), first-fit decreasing. ``keys`` (packed only):
+    items with the same key share their prompt, counted once per micro-batch.
 
     Returns lists of item indices; each list in increasing index order, the lists by their first
     item. An item over the budget on its own gets a micro-batch of its own, with one warning per process.
     """
+    if packed and keys is not None:
+        return _shared_prompt_groups(parts, max_tokens, keys)
     global _warned_over_budget
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -109,6 +117,32 @@ def token_budget_groups(parts: Sequence[Sequence[int]], max_tokens: int, packed:
     return sorted((sorted(g) for g in groups), key=lambda g: g[0])
 
 
+def _shared_prompt_groups(parts, max_tokens: int, keys) -> list[list[int]]:
+    """:func:`token_budget_groups` of packed items whose prompts are shared by key: first-fit decreasing
+    where joining a micro-batch that already holds the item's prompt costs only its completion."""
+    global _warned_over_budget
+    order = sorted(range(len(parts)), key=lambda i: (-sum(parts[i]), i))
+    groups: list[list[int]] = []
+    state: list[tuple[int, set]] = []  # per group: tokens, prompt keys in it
+    for i in order:
+        size, prompt = sum(parts[i]), parts[i][0]
+        for g, members in enumerate(groups):
+            tokens, in_group = state[g]
+            cost = size - prompt if keys[i] in in_group else size
+            if tokens + cost <= max_tokens:
+                members.append(i)
+                state[g] = (tokens + cost, in_group | {keys[i]})
+                break
+        else:
+            if size > max_tokens and not _warned_over_budget:
+                _warned_over_budget = True
+                warnings.warn(f"a sequence of {size} tokens does not fit trainer.max_tokens_per_microbatch "
+                              f"{max_tokens}; it gets a micro-batch of its own (reported once)", stacklevel=3)
+            groups.append([i])
+            state.append((size if size <= max_tokens else max_tokens + 1, {keys[i]}))
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+
+
 def split_to_count(groups: list[list[int]], parts: Sequence[Sequence[int]], count: int) -> list[list[int]]:
     """``groups`` split until there are ``count`` of them: the micro-batch with the most tokens
     (of those with two items or more) is cut in two halves of about equal tokens, again and again.
@@ -142,13 +176,17 @@ def agree_group_counts(plans: list[list[list[int]]], parts_of: list[Sequence[Seq
 
 
 def micro_batch_plan(parts_of: Sequence[Sequence[Sequence[int]]], micro_batch: int, max_tokens: int | None,
-                     packed: bool, rows_per_item: int = 1) -> list[list[list[int]]]:
-    """The micro-batches of each minibatch (``parts_of[k]``: its items' token counts): by the token
-    budget when there is one, as many on every rank (:func:`agree_group_counts`); else consecutive
-    ``micro_batch`` items (the same count everywhere already, packed or not)."""
+                     packed: bool, rows_per_item: int = 1,
+                     keys_of: Sequence[Sequence[int]] | None = None) -> list[list[list[int]]]:
+    """The micro-batches of each minibatch (``parts_of[k]``: its items' token counts; ``keys_of[k]``
+    their prompt keys when packed prompts are shared): by the token budget when there is one, as many
+    on every rank (:func:`agree_group_counts`); else consecutive ``micro_batch`` items (the same count
+    everywhere already, packed or not)."""
     if max_tokens is None:
         return [fixed_count_groups(len(parts), micro_batch) for parts in parts_of]
-    plans = [token_budget_groups(parts, max_tokens, packed, rows_per_item) for parts in parts_of]
+    keys_of = keys_of if keys_of is not None else [None] * len(parts_of)
+    plans = [token_budget_groups(parts, max_tokens, packed, rows_per_item, keys)
+             for parts, keys in zip(parts_of, keys_of, strict=True)]
     return agree_group_counts(plans, parts_of)
 
 
@@ -174,10 +212,16 @@ class PackedLayout:
     token_index: torch.Tensor
     last_index: torch.Tensor
     source_index: torch.Tensor | None
+    # Shared prompts only (build's prompt_groups): host (start, end, prefix_start, prefix_end) per
+    # attention segment: tokens start:end attend to prefix_start:prefix_end, then causally to themselves.
+    segments: list[tuple[int, int, int, int]] | None = None
 
     @classmethod
     def build(cls, prompt_lens: Sequence[int], completion_lens: Sequence[int], response_width: int | None = None,
-              prompt_width: int | None = None, device: torch.device | str = "cpu") -> PackedLayout:
+              prompt_width: int | None = None, device: torch.device | str = "cpu",
+              prompt_groups: Sequence[int] | None = None) -> PackedLayout:
+        """``prompt_groups[b]``: sequences with the same value have the same prompt (a GRPO group), which
+        is then packed once, followed by each of their completions (see :meth:`_build_shared`)."""
         prompt_lens, completion_lens = [int(x) for x in prompt_lens], [int(x) for x in completion_lens]
         if len(prompt_lens) != len(completion_lens) or not prompt_lens:
             raise ValueError(f"need one prompt and one completion length per sequence, got {len(prompt_lens)} and "
@@ -186,6 +230,8 @@ class PackedLayout:
             raise ValueError("a packed completion needs a prompt of at least one token (the position that predicts "
                              "its first token)")
         T = max(completion_lens) if response_width is None else int(response_width)
+        if prompt_groups is not None:
+            return cls._build_shared(prompt_lens, completion_lens, T, prompt_width, device, list(prompt_groups))
         p = torch.tensor(prompt_lens, dtype=torch.long)
         n = torch.tensor(completion_lens, dtype=torch.long)
         lengths = p + n
@@ -207,6 +253,58 @@ class PackedLayout:
             last_index=(starts + lengths - 1).to(device),
             source_index=None if source is None else source.to(device),
         )
+
+    @classmethod
+    def _build_shared(cls, prompt_lens, completion_lens, T, prompt_width, device, groups) -> PackedLayout:
+        """Each group's prompt once, then its members' completions, each positioned as if it followed the
+        prompt alone (positions p..p+n-1). Every completion attends to its prompt and causally to itself
+        (``segments``), so each token sees exactly what it sees in its own sequence; the prompt's hidden
+        states are computed once and their gradient is the sum over the group, as with separate copies."""
+        if len(groups) != len(prompt_lens):
+            raise ValueError(f"need one prompt group per sequence, got {len(groups)} for {len(prompt_lens)}")
+        members: dict[int, list[int]] = {}
+        for b, g in enumerate(groups):
+            members.setdefault(g, []).append(b)
+        width = None if prompt_width is None else int(prompt_width) + T
+        positions, source, hidden, token, segments = [], [], [], [], []
+        last = [0] * len(prompt_lens)
+        for rows in members.values():
+            p = prompt_lens[rows[0]]
+            if any(prompt_lens[b] != p for b in rows):
+                raise ValueError(f"sequences of one prompt group have prompts of {sorted({prompt_lens[b] for b in rows})} "
+                                 "tokens: a shared prompt must be the same prompt")
+            start = len(positions)
+            positions += range(p)
+            if width is not None:
+                first = rows[0] * width + int(prompt_width) - p
+                source += range(first, first + p)
+            segments.append((start, start + p, start, start))
+            for b in rows:
+                n, at = completion_lens[b], len(positions)
+                positions += range(p, p + n)
+                if width is not None:
+                    first = b * width + int(prompt_width)
+                    source += range(first, first + n)
+                hidden += [start + p - 1] + list(range(at, at + n - 1)) if n else []
+                token += range(b * T, b * T + n)
+                last[b] = at + n - 1 if n else start + p - 1
+                if n:
+                    segments.append((at, at + n, start, start + p))
+
+        def long(values):
+            return torch.tensor(values, dtype=torch.long).to(device)
+
+        return cls(prompt_lens=prompt_lens, completion_lens=completion_lens, response_width=T,
+                   position_ids=long(positions).view(1, -1), hidden_index=long(hidden), token_index=long(token),
+                   last_index=long(last), source_index=None if width is None else long(source), segments=segments)
+
+    def model_kwargs(self) -> dict:
+        """What a forward pass of this row takes besides ``input_ids``: ``position_ids``, no attention
+        mask, and with shared prompts the segments (read by ``fastrlhf.packed_attention``)."""
+        kwargs = dict(attention_mask=None, position_ids=self.position_ids)
+        if self.segments is not None:
+            kwargs["fastrlhf_segments"] = self.segments
+        return kwargs
 
     @property
     def num_sequences(self) -> int:

@@ -130,3 +130,22 @@ def test_selection_and_the_saved_config(tmp_path):
     use_packed_attention(model, True)
     model.save_pretrained(tmp_path)
     assert packed_attention.NAME not in (tmp_path / "config.json").read_text()
+
+
+def test_shared_prompts_refuse_any_other_attention():
+    import fastrlhf.rl.forward as forward
+    from fastrlhf.rl.experience import build_experience
+    from fastrlhf.rollout import Completion
+
+    eager = make("llama", attn_implementation="eager")
+    with pytest.raises(ValueError, match="trainer.share_prompts: needs the fastrlhf_packed_sdpa attention"):
+        use_packed_attention(eager, True, share_prompts=True)
+    # A shared-prompt row reaching a model on plain sdpa would attend across sequences: refused.
+    plain = make("llama")
+    exp = build_experience([[5, 6, 7]], [[Completion([8, 9], [-1.0, -1.0], "stop"),
+                                          Completion([10], [-1.0], "stop")]], pad_token_id=2)
+    with pytest.raises(ValueError, match="needs the fastrlhf_packed_sdpa attention"):
+        forward.sequence_logprobs(plain, exp, packed="shared")
+    use_packed_attention(plain, True, share_prompts=True)
+    shared, _ = forward.sequence_logprobs(plain, exp, packed="shared")
+    torch.testing.assert_close(shared, forward.sequence_logprobs(plain, exp)[0], rtol=1e-5, atol=1e-5)

@@ -105,6 +105,28 @@ def test_packed_layout_indices():
         PackedLayout.build([0], [2])
 
 
+def test_shared_prompt_layout_and_its_budget():
+    # Rows 0 and 2 share a 3-token prompt (group 7), row 1 has its own 2-token prompt; row 2's completion is empty.
+    layout = PackedLayout.build([3, 2, 3], [2, 1, 0], response_width=2, prompt_width=3, prompt_groups=[7, 5, 7])
+    # Group 7's prompt once, then row 0's completion (row 2 has none); then row 1's prompt and completion.
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    assert layout.segments == [(0, 3, 0, 0), (3, 5, 0, 3), (5, 7, 5, 5), (7, 8, 5, 7)]
+    assert layout.hidden_index.tolist() == [2, 3, 6]  # prompt's last token predicts each first completion token
+    assert layout.token_index.tolist() == [0, 1, 2]  # [B, T] places: row 0 t 0-1, row 1 t 0
+    assert layout.last_index.tolist() == [4, 7, 2]  # an empty completion ends at its prompt's last token
+    assert layout.source_index.tolist() == [0, 1, 2, 3, 4, 6, 7, 8]  # rows of width 3 + 2: row 0's prompt, ...
+    with pytest.raises(ValueError, match="a shared prompt must be the same prompt"):
+        PackedLayout.build([3, 2], [1, 1], prompt_groups=[0, 0])
+    # Token budget: a group's prompt counts once per micro-batch.
+    parts, keys = [(10, 4), (10, 5), (10, 6), (3, 2)], [0, 0, 0, 1]
+    assert group_cost(parts, [0, 1, 2], True, keys=keys) == 10 + 15
+    assert group_cost(parts, [0, 1, 2], True) == 45
+    groups = token_budget_groups(parts, 25, packed=True, keys=keys)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
+    assert all(group_cost(parts, g, True, keys=keys) <= 25 for g in groups)
+    assert [0, 1, 2] in groups  # without sharing these three need 45 tokens
+
+
 # ----------------------------------------------------------------------------------------------
 # Packed forward passes
 # ----------------------------------------------------------------------------------------------
@@ -128,23 +150,26 @@ def ragged_batch(seed=0, num_prompts=3, n=4, long=24, empty=True):
     return prompts, completions
 
 
-@pytest.mark.parametrize("per_sequence_attention", [False, True], ids=["dense-mask", "per-sequence"])
+@pytest.mark.parametrize("attention", ["dense-mask", "per-sequence", "shared-prompts"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_packed_hidden_states_and_logprobs_equal_the_padded_ones(family, per_sequence_attention):
+def test_packed_hidden_states_and_logprobs_equal_the_padded_ones(family, attention):
     make = make_tiny_llama if family == "llama" else make_tiny_qwen2
     model = make(vocab_size=VOCAB, hidden_size=64, num_heads=2, num_layers=2)
-    use_packed_attention(model, per_sequence_attention)  # else transformers' block-diagonal mask under sdpa
+    # dense-mask: transformers' block-diagonal mask under sdpa; else fastrlhf_packed_sdpa.
+    use_packed_attention(model, attention != "dense-mask")
+    mode = "shared" if attention == "shared-prompts" else True
     prompts, completions = ragged_batch()
     exp = build_experience(prompts, completions, PAD)
     parts = exp.token_parts()
+    keys = exp.prompt_keys() if mode == "shared" else None
     longest = max(sum(p) for p in parts)
     padded = sequence_logprobs(model, exp, micro_batch=exp.batch_size)
     # One budget that the longest sequence fills exactly, one it overflows (alone in its micro-batch),
     # and all sequences in one row.
     for budget in (longest, 12, sum(sum(p) for p in parts)):
-        groups = token_budget_groups(parts, budget, packed=True)
+        groups = token_budget_groups(parts, budget, packed=True, keys=keys)
         for fused in (True, False):
-            got = sequence_logprobs(model, exp, groups=groups, packed=True, fused=fused)
+            got = sequence_logprobs(model, exp, groups=groups, packed=mode, fused=fused)
             for a, b in zip(got, padded, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # Hidden states, sequence by sequence: packed row vs each sequence alone.
@@ -185,6 +210,10 @@ def test_packed_values_and_reward_model_scores_equal_the_padded_ones():
     torch.manual_seed(0)
     critic = CausalLMWithValueHead(make_tiny_llama(vocab_size=VOCAB, hidden_size=32, num_heads=1)).eval()
     torch.testing.assert_close(token_values(critic, exp, groups=groups, packed=True), token_values(critic, exp),
+                               rtol=1e-5, atol=1e-5)
+    use_packed_attention(critic.lm, True, share_prompts=True)
+    shared = token_budget_groups(exp.token_parts(), 16, packed=True, keys=exp.prompt_keys())
+    torch.testing.assert_close(token_values(critic, exp, groups=shared, packed="shared"), token_values(critic, exp),
                                rtol=1e-5, atol=1e-5)
     rm = LlamaForSequenceClassification(tiny_llama_config(vocab_size=VOCAB, hidden_size=32, num_heads=1,
                                                           num_labels=2)).eval()
@@ -255,7 +284,7 @@ def run_step(config, with_lora, checkpointing=False):
         copt = RecordingSGD(list(critic.named_parameters()), lr=0.01)
     for model in (actor, reference, critic and critic.lm):  # as the trainer does: per-sequence attention on CPU
         if model is not None:
-            use_packed_attention(model, config.trainer.packing)
+            use_packed_attention(model, config.trainer.packing, config.trainer.share_prompts)
     prompts, completions = ragged_batch(seed=4)
     scores = torch.linspace(-1.0, 1.0, 12)[torch.randperm(12, generator=torch.Generator().manual_seed(1))]
     rl = RLStep(config, actor, rollout=None, scorer=lambda exp, *a: scores.clone(), reference=reference,
@@ -291,14 +320,16 @@ def check_same_update(config, reference_config, with_lora=False, checkpointing=F
         assert_same_grads(critic_grads, want_critic)
 
 
+@pytest.mark.parametrize("share_prompts", [False, True], ids=["rows", "shared-prompts"])
 @pytest.mark.parametrize("with_lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 @pytest.mark.parametrize("agg", AGG_MODES)
-def test_packed_token_budget_update_equals_the_padded_update(agg, algorithm, with_lora):
+def test_packed_token_budget_update_equals_the_padded_update(agg, algorithm, with_lora, share_prompts):
     # 12 sequences of 2-29 tokens, minibatches of 6: a 14-token budget makes micro-batches of 1 to
     # about 5 sequences, the 29-token one alone (over the budget), sorted by length, not by row.
+    # Shared prompts: the minibatches mix samples of 3 prompts, so micro-batches hold 1-4 of a group.
     padded = make_config(algorithm, agg, tis_cap=1.5 if algorithm == "grpo" else None)
-    packed = make_config(algorithm, agg, packing=True, max_tokens_per_microbatch=14,
+    packed = make_config(algorithm, agg, packing=True, max_tokens_per_microbatch=14, share_prompts=share_prompts,
                          tis_cap=1.5 if algorithm == "grpo" else None)
     check_same_update(packed, padded, with_lora)
 
@@ -316,7 +347,7 @@ def test_other_groupings_and_loss_paths_equal_the_padded_update(case):
               "packed-by-count": dict(packing=True, grad_accum=2),
               "packed-unfused": dict(packing=True, max_tokens_per_microbatch=20, fused_loss=False),
               "packed-gspo": dict(packing=True, max_tokens_per_microbatch=20),
-              "packed-checkpointing": dict(packing=True, max_tokens_per_microbatch=20)}[case]
+              "packed-checkpointing": dict(packing=True, max_tokens_per_microbatch=20, share_prompts=True)}[case]
     check_same_update(make_config("grpo", agg, **change, **extra), padded,
                       checkpointing=case == "packed-checkpointing")
 
@@ -343,6 +374,7 @@ def test_config_fields_and_their_checks(tmp_path):
         (dict(max_tokens_per_microbatch=64, grad_accum=2), "trainer.grad_accum", "must be 1 with"),
         (dict(max_tokens_per_microbatch=64, forward_micro_batch=4), "trainer.forward_micro_batch", "conflicts"),
         (dict(packing="yes"), "trainer.packing", ""),
+        (dict(share_prompts=True), "trainer.share_prompts", "needs trainer.packing: true"),
     ]:
         with pytest.raises(ConfigError) as info:
             parse_config(raw(**bad))
@@ -354,7 +386,7 @@ def test_config_fields_and_their_checks(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_two_ranks_zero2_zero3_packed_step_equals_the_padded_step(tmp_path):
     import json
     import os
@@ -375,11 +407,11 @@ def test_two_ranks_zero2_zero3_packed_step_equals_the_padded_step(tmp_path):
                                                             "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", FASTRLHF_DIST_TIMEOUT="60", FASTRLHF_NO_PROGRESS="1",
                PYTHONPATH=os.pathsep.join([scripts, env.get("PYTHONPATH", "")]))
-    cases = ["ppo:2", "grpo:2", "ppo:3", "grpo:3"]
+    cases = ["ppo:2", "grpo:2", "ppo:3", "grpo:3", "grpo:2:shared", "ppo:3:shared"]
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     rc, out = run_group([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()),
                          os.path.join(scripts, "packing_two_ranks.py"), str(tmp_path / "model"),
-                         str(tmp_path / "prompts.jsonl"), str(tmp_path), *cases], timeout=220, env=env)
+                         str(tmp_path / "prompts.jsonl"), str(tmp_path), *cases], timeout=340, env=env)
     assert rc == 0, out[-4000:]
     for case in cases:
         result = json.load(open(tmp_path / f"{case.replace(':', '-')}.json"))

@@ -178,6 +178,9 @@ class TrainerConfig(LoopConfig):
     scale_by_std: bool = True
     tis_cap: float | None = None
     forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None: minibatch share
+    # With packing: the samples of one prompt share one copy of it in a packed row (each completion attends
+    # to it and to itself; the same loss). Needs the CPU packed attention (fastrlhf.packed_attention).
+    share_prompts: bool = False
     # auto: skip the old-logprob pass when the update is on-policy (one epoch, one minibatch, no TIS,
     # KL not in the reward); recompute: always (also logs logprob_mismatch_* against the engine)
     old_logprobs: Literal["auto", "recompute"] = "auto"

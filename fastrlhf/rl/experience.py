@@ -51,6 +51,9 @@ class Experience:
     # never the device); None: counted once from the masks by :meth:`with_lengths`.
     prompt_lens: list[int] | None = None
     completion_lens: list[int] | None = None
+    # Host copy of group_ids (rows with the same value share their prompt's tokens); None: unknown,
+    # every row its own (nothing is shared).
+    prompt_groups: list[int] | None = None
     # [B, T] per-token loss weights of the minibatch the rows belong to (fastrlhf.algorithms.loss_weights),
     # set by the update; None: a loss aggregates its own rows by trainer.agg.
     loss_weights: torch.Tensor | None = None
@@ -126,13 +129,18 @@ class Experience:
                 updates[f.name] = value[:, :T2]
         return replace(exp, **updates)
 
-    def packed_layout(self):
-        """The :class:`fastrlhf.packing.PackedLayout` of these rows (all in one packed row)."""
+    def prompt_keys(self) -> list[int]:
+        """Per row, a key equal for rows with the same prompt (each row its own when not recorded)."""
+        return self.prompt_groups if self.prompt_groups is not None else [-1 - b for b in range(self.batch_size)]
+
+    def packed_layout(self, share_prompts: bool = False):
+        """The :class:`fastrlhf.packing.PackedLayout` of these rows (all in one packed row); with
+        ``share_prompts`` each prompt group's prompt once."""
         from fastrlhf.packing import PackedLayout
 
         exp = self.with_lengths()
         return PackedLayout.build(exp.prompt_lens, exp.completion_lens, self.response_width, self.prompt_width,
-                                  self.input_ids.device)
+                                  self.input_ids.device, prompt_groups=self.prompt_keys() if share_prompts else None)
 
 
 def pad_response(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -188,6 +196,7 @@ def build_experience(
         engine_logprobs=engine_logprobs.to(device),
         prompt_lens=[len(prompt) for _, prompt, _ in rows],
         completion_lens=[len(c.token_ids) for _, _, c in rows],
+        prompt_groups=[group_offset + i for i, _, _ in rows],
     )
 
 

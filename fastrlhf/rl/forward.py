@@ -92,11 +92,13 @@ class MicroBatch:
     them); :meth:`rows` turns such outputs back into ``[b, T]`` rows (zeros elsewhere).
     """
 
-    def __init__(self, exp: Experience, packed: bool):
-        self.packed = packed
+    def __init__(self, exp: Experience, packed: bool | str):
+        """``packed``: False (padded rows), True (packed) or ``"shared"`` (packed, each prompt group's
+        prompt once: :func:`packing_mode`)."""
+        self.packed = bool(packed)
         self.width = exp.response_width
         self.exp = exp if packed else exp.trimmed()
-        self.layout = exp.packed_layout() if packed else None
+        self.layout = exp.packed_layout(share_prompts=packed == "shared") if packed else None
 
     def tokens(self, per_token: torch.Tensor | None) -> torch.Tensor | None:
         if per_token is None or not self.packed:
@@ -111,8 +113,7 @@ class MicroBatch:
         """``input_ids``, ``attention_mask``, ``position_ids`` of the forward pass (packed: no mask, so
         transformers reads the position restarts as sequence boundaries)."""
         if self.packed:
-            return dict(input_ids=self.layout.pack_padded(self.exp.input_ids), attention_mask=None,
-                        position_ids=self.layout.position_ids)
+            return dict(input_ids=self.layout.pack_padded(self.exp.input_ids), **self.layout.model_kwargs())
         return dict(input_ids=self.exp.input_ids, attention_mask=self.exp.attention_mask,
                     position_ids=self.exp.position_ids)
 
@@ -132,7 +133,12 @@ class MicroBatch:
         return per_position[torch.arange(mask.shape[0], device=mask.device), last]
 
 
-def micro_batches(exp: Experience, groups: list[list[int]] | None, micro_batch: int | None, packed: bool):
+def packing_mode(trainer) -> bool | str:
+    """How ``trainer`` (the config section) lays out a micro-batch: False, True or ``"shared"``."""
+    return "shared" if trainer.packing and getattr(trainer, "share_prompts", False) else bool(trainer.packing)
+
+
+def micro_batches(exp: Experience, groups: list[list[int]] | None, micro_batch: int | None, packed: bool | str):
     """``(rows, MicroBatch)`` for each micro-batch of ``exp``: ``groups`` (row indices), else consecutive
     runs of ``micro_batch`` rows (all rows: one)."""
     from fastrlhf.packing import fixed_count_groups
@@ -148,7 +154,17 @@ def _scatter_rows(out: torch.Tensor, rows: list[int], values: torch.Tensor) -> N
     out[torch.tensor(rows, dtype=torch.long).to(out.device)] = values.to(out.dtype)
 
 
+def _check_segments(model, inputs: dict) -> None:
+    """Shared-prompt segments are read by one attention only; any other would ignore them."""
+    if "fastrlhf_segments" in inputs:
+        from fastrlhf.packed_attention import check_model
+
+        m = _hf_model(model)
+        check_model(_hf_model(m.lm) if hasattr(m, "lm") and not hasattr(m, "config") else m)
+
+
 def _decoder_hidden(body, inputs: dict) -> torch.Tensor:
+    _check_segments(body, inputs)
     return body(**inputs, use_cache=False).last_hidden_state
 
 
@@ -233,7 +249,7 @@ def policy_loss_from_model(model, mb: Experience, config):
     kernel's logprobs, through autograd, on ``[b, T]`` rows (packed logprobs are put back in rows).
     """
     cfg, temperature = config.trainer, config.rollout.temperature
-    view = MicroBatch(_with_loss_weights(mb, cfg.agg), cfg.packing)
+    view = MicroBatch(_with_loss_weights(mb, cfg.agg), packing_mode(cfg))
     e = view.exp
     advantages = e.advantages if e.is_weights is None else e.advantages * e.is_weights
     # The KL goes into PPO's token rewards (trainer.kl_in_reward) or into the loss, never both.
@@ -276,7 +292,7 @@ def critic_loss(critic, mb: Experience, config):
     """``trainer.vf_coef`` x the clipped value loss of a micro-batch (weighted like the actor's, see
     :func:`policy_loss_from_model`; packed with ``trainer.packing``); returns ``(loss, metrics)``."""
     cfg = config.trainer
-    view = MicroBatch(_with_loss_weights(mb, cfg.agg), cfg.packing)
+    view = MicroBatch(_with_loss_weights(mb, cfg.agg), packing_mode(cfg))
     e = view.exp
     values = _response_values(critic, view)
     loss, metrics = value_loss(values, view.tokens(e.values), view.tokens(e.returns), view.tokens(e.response_mask),
@@ -292,10 +308,11 @@ def _accepts(model, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def _per_token_outputs(model, input_ids, attention_mask, position_ids) -> torch.Tensor:
+def _per_token_outputs(model, input_ids, attention_mask, position_ids, **packed) -> torch.Tensor:
     """[B, L] scalar output per position of a critic / value-head model (packed: ``attention_mask``
-    None, positions restarting per sequence)."""
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask)
+    None, positions restarting per sequence, or ``packed`` segments of shared prompts)."""
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, **packed)
+    _check_segments(model, kwargs)
     if _accepts(model, "position_ids"):
         kwargs["position_ids"] = position_ids
     elif attention_mask is None:
@@ -319,8 +336,7 @@ def _per_token_outputs(model, input_ids, attention_mask, position_ids) -> torch.
 
 def _response_values(critic, mb: MicroBatch) -> torch.Tensor:
     inputs = mb.model_inputs()
-    return mb.at_response(_per_token_outputs(critic, inputs["input_ids"], inputs["attention_mask"],
-                                             inputs["position_ids"]))
+    return mb.at_response(_per_token_outputs(critic, **inputs))
 
 
 def token_values(critic, exp: Experience, micro_batch: int | None = None, grad: bool = False,
@@ -375,7 +391,7 @@ def reward_model_scores(reward_model, exp: Experience, kind: str = "classifier",
         for rows, mb in micro_batches(exp, groups, micro_batch, packed):
             inputs = mb.model_inputs()
             if kind == "value_head":
-                values = _per_token_outputs(m, inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"])
+                values = _per_token_outputs(m, **inputs)
                 _scatter_rows(out, rows, mb.at_last_token(values))
                 continue
             body, head = classifier_body_and_head(m)

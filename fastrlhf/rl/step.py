@@ -40,7 +40,14 @@ from fastrlhf import distributed as D
 from fastrlhf.algorithms import ADV_ESTIMATOR_OF, ADV_ESTIMATORS, kl_penalty, masked_mean, truncated_is_weights
 from fastrlhf.guards import StepGuard
 from fastrlhf.rl.experience import Experience, build_experience
-from fastrlhf.rl.forward import critic_loss, policy_loss_from_model, sequence_logprobs, token_values, unwrap
+from fastrlhf.rl.forward import (
+    critic_loss,
+    packing_mode,
+    policy_loss_from_model,
+    sequence_logprobs,
+    token_values,
+    unwrap,
+)
 from fastrlhf.rl.update import Minibatch, as_learner, minibatch_order, run_updates
 
 __all__ = ["RLStep", "empty_device_cache", "micro_batch_size", "skips_old_logprobs"]
@@ -187,7 +194,7 @@ class RLStep:
         micro = t.forward_micro_batch or micro_batch_size(self.config, self.world)
         lp_kwargs = dict(temperature=self.config.rollout.temperature, micro_batch=micro,
                          chunk_size=t.loss_chunk_size, fused=t.fused_loss, chunk_bytes=t.loss_chunk_bytes,
-                         packed=t.packing)
+                         packed=packing_mode(t))
         groups = self.forward_groups(exp, micro)
         metrics = {}
         if not skips_old_logprobs(self.config):
@@ -213,7 +220,7 @@ class RLStep:
             exp.is_weights = truncated_is_weights(exp.old_logprobs, exp.engine_logprobs, mask, t.tis_cap)
             metrics["tis_weight_mean"] = float(masked_mean(exp.is_weights, mask))
         if self.critic is not None:
-            exp.values = token_values(self.critic.module, exp, micro, groups=groups, packed=t.packing)
+            exp.values = token_values(self.critic.module, exp, micro, groups=groups, packed=packing_mode(t))
         return metrics
 
     def forward_groups(self, exp: Experience, micro: int) -> list[list[int]] | None:
@@ -225,7 +232,8 @@ class RLStep:
         t = self.config.trainer
         if t.max_tokens_per_microbatch is None:
             return None
-        return micro_batch_plan([exp.token_parts()], micro, t.max_tokens_per_microbatch, t.packing)[0]
+        return micro_batch_plan([exp.token_parts()], micro, t.max_tokens_per_microbatch, t.packing,
+                                keys_of=[exp.prompt_keys()] if packing_mode(t) == "shared" else None)[0]
 
     def update_plan(self, exp: Experience, step: int) -> list[Minibatch]:
         """The optimizer steps of the update: shuffled minibatches of ``trainer.minibatch_size / world``
@@ -237,10 +245,11 @@ class RLStep:
         t = self.config.trainer
         generator = torch.Generator().manual_seed(self.config.seed * 7919 + step)
         order = minibatch_order(exp.batch_size, t.minibatch_size // self.world, t.ppo_epochs, generator)
-        token_parts = exp.token_parts()
+        token_parts, keys = exp.token_parts(), exp.prompt_keys()
         parts = [[token_parts[r] for r in rows.tolist()] for rows in order]
+        keys_of = [[keys[r] for r in rows.tolist()] for rows in order] if packing_mode(t) == "shared" else None
         groups = micro_batch_plan(parts, micro_batch_size(self.config, self.world), t.max_tokens_per_microbatch,
-                                  t.packing)
+                                  t.packing, keys_of=keys_of)
         return [Minibatch(rows, g) for rows, g in zip(order, groups, strict=True)]
 
     def check_engine_weights(self, local_mismatch: float) -> None:

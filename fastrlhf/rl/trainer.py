@@ -132,7 +132,7 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     # ZeRO-3: load straight into partitions (no full replica per rank), with the engines' own configs.
     actor_ds = deepspeed_config(ds, micro, t.grad_accum, t.max_grad_norm) if ds.zero_stage == 3 else None
     actor = load_causal_lm(config.model, zero3_config=actor_ds)
-    use_packed_attention(actor, t.packing)
+    use_packed_attention(actor, t.packing, t.share_prompts)
     pad_id = _pad_token_id(actor)
     # A ZeRO-3 partitioned parameter reports numel() 0; ds_numel is its full size.
     num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in {id(p): p for p in actor.parameters()}.values())
@@ -147,14 +147,14 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
         ref_ds = deepspeed_config(ds, zero_stage=3, trainable=False) if ds.zero_stage == 3 else None
         ref_model = load_causal_lm(config.model, config.reference.path or config.model.path, trainable=False,
                                    zero3_config=ref_ds, dtype=compute_dtype(config))
-        use_packed_attention(ref_model, t.packing)
+        use_packed_attention(ref_model, t.packing, t.share_prompts)
         # ZeRO-3 actor: a ZeRO-3 reference too (a full replica would waste what the actor saves).
         reference = build_frozen_engine(ref_model, ds) if ds.zero_stage == 3 else ref_model.to(device)
 
     critic = None
     if config.algorithm == "ppo":
         critic_model = load_value_model(config.model, config.critic.path)
-        use_packed_attention(critic_model.lm, t.packing)
+        use_packed_attention(critic_model.lm, t.packing, t.share_prompts)
         critic = build_train_engine(critic_model, ds, lr=config.critic.lr, weight_decay=t.weight_decay,
                                     warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
                                     max_grad_norm=t.max_grad_norm, guard=guard)
@@ -340,7 +340,7 @@ def run(config, resume: bool = False) -> dict:
     # Before the process group: a bad config or data line stops every rank at once, none left waiting.
     prepared = preflight(config)
     examples, tokenizer = prepared.examples, prepared.tokenizer
-    D.init_distributed()
+    D.init_distributed(shared_dir=config.output_dir)
     seed_everything(config.seed)
     guard = StepGuard(t.max_skipped_steps)
     rl_step, stateful = build_rl_step(config, guard, tokenizer, prepared.text_rewards, prepared.reward_tokenizer,

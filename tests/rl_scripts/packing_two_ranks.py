@@ -1,7 +1,8 @@
 """Run under ``deepspeed --num_gpus 2``: one RL step padded and one packed with a token budget, from the
 same weights and the same fixed completions, at each ``algo:zero_stage`` case given.
 
-argv: <model dir> <prompts.jsonl> <out dir> <case>... Each rank's completions differ in length (one
+argv: <model dir> <prompts.jsonl> <out dir> <case>... (``algo:stage``, or ``algo:stage:shared`` for the
+packed step with ``trainer.share_prompts``). Each rank's completions differ in length (one
 very long one on rank 0 only), so the ranks' token budgets give different micro-batch counts
 before they agree on one. Rank 0 writes ``<out>/<case>.json``: the step's metrics and the actor's
 (gathered) weights' checksum for each layout, and the largest weight difference between them.
@@ -46,15 +47,15 @@ def main():
     prompts, metas = [e.prompt_ids for e in mine], [e.meta for e in mine]
     completions = completions_of(D.rank(), prompts)
     for case in cases:
-        algo, stage = case.split(":")
+        algo, stage, *shared = case.split(":")  # algo:stage[:shared] (packed with trainer.share_prompts)
         results = {}
         for layout in ("padded", "packed"):
             trainer = {"max_steps": 1, "prompts_per_step": 4, "minibatch_size": 8, "lr": 1e-3, "kl_coef": 0.05,
                        "old_logprobs": "recompute", "agg": "seq-mean-token-mean" if algo == "grpo" else "token-mean"}
             if layout == "packed":
-                trainer.update(packing=True, max_tokens_per_microbatch=16)
+                trainer.update(packing=True, max_tokens_per_microbatch=16, share_prompts=bool(shared))
             raw = {
-                "algorithm": algo, "output_dir": os.path.join(out_dir, f"{algo}-{stage}-{layout}"), "seed": 1,
+                "algorithm": algo, "output_dir": os.path.join(out_dir, f"{case.replace(':', '-')}-{layout}"), "seed": 1,
                 "model": {"path": model_dir}, "reward": {"function": "target_token"},
                 "data": {"prompts": prompts_path, "max_prompt_len": 16},
                 "rollout": {"engine": "hf", "n": 4, "max_new_tokens": 8, "max_logprob_mismatch": None},
