@@ -45,8 +45,12 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     packed = (attention_mask is None and position_ids is not None and query.shape[2] == key.shape[2] > 1)
     if not packed:
         return sdpa(query, key, value, attention_mask), None
-    pos = position_ids.expand(query.shape[0], -1) if position_ids.shape[0] != query.shape[0] else position_ids
-    bounds = [sequence_bounds(row) for row in pos]
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None and query.shape[0] == 1:  # the layout's own boundaries (fastrlhf.packing), host-known
+        bounds = [cu.tolist()]
+    else:
+        pos = position_ids.expand(query.shape[0], -1) if position_ids.shape[0] != query.shape[0] else position_ids
+        bounds = [sequence_bounds(row) for row in pos]
     longest = max(e - s for b in bounds for s, e in zip(b, b[1:]))
     if sliding_window is not None and longest > sliding_window:  # the window lives in the mask we do not build
         raise ValueError(f"{NAME}: a sequence of {longest} tokens is longer than the model's sliding window "

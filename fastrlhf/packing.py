@@ -28,6 +28,7 @@ counts, the dataset's examples): no device value is read, so nothing waits on th
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -300,10 +301,16 @@ class PackedLayout:
 
     def model_kwargs(self) -> dict:
         """What a forward pass of this row takes besides ``input_ids``: ``position_ids``, no attention
-        mask, and with shared prompts the segments (read by ``fastrlhf.packed_attention``)."""
+        mask, and with shared prompts the segments (read by ``fastrlhf.packed_attention``); else
+        flash-attention's variable-length arguments, from the host lengths, so that transformers does not
+        derive them from the position ids (a device read per layer on CUDA). Other attentions ignore them."""
         kwargs = dict(attention_mask=None, position_ids=self.position_ids)
         if self.segments is not None:
             kwargs["fastrlhf_segments"] = self.segments
+            return kwargs
+        lengths = [p + n for p, n in zip(self.prompt_lens, self.completion_lens, strict=True)]
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(self.position_ids.device)
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
         return kwargs
 
     @property

@@ -149,3 +149,35 @@ def test_shared_prompts_refuse_any_other_attention():
     use_packed_attention(plain, True, share_prompts=True)
     shared, _ = forward.sequence_logprobs(plain, exp, packed="shared")
     torch.testing.assert_close(shared, forward.sequence_logprobs(plain, exp)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_flash_attention_gets_the_layouts_varlen_arguments_at_every_layer():
+    """On CUDA, flash_attention_2 takes cu_seq_lens / max_length from the layout (host lengths) instead
+    of deriving them from the position ids with a device read per layer; a recording attention
+    standing in for flash-attention checks they reach every layer, and a row built on the meta device
+    proves the layout needs no device value to make them."""
+    from transformers import AttentionInterface
+
+    from fastrlhf.packing import PackedLayout
+
+    seen = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        seen.append(kwargs)
+        return packed_attention.packed_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("recording_varlen", recording)
+    model = make("qwen2")
+    model.set_attn_implementation("recording_varlen")
+    prompt_lens, completion_lens = [3, 1, 5], [4, 2, 0]
+    layout = PackedLayout.build(prompt_lens, completion_lens)
+    ids = torch.randint(3, VOCAB, (1, layout.num_tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.model(input_ids=ids, use_cache=False, **layout.model_kwargs())
+    assert len(seen) == 2
+    for kwargs in seen:
+        assert kwargs["cu_seq_lens_q"].tolist() == kwargs["cu_seq_lens_k"].tolist() == [0, 7, 10, 15]
+        assert kwargs["cu_seq_lens_q"].dtype == torch.int32  # what flash_attn_varlen_func takes
+        assert kwargs["max_length_q"] == kwargs["max_length_k"] == 7 and isinstance(kwargs["max_length_q"], int)
+    meta = PackedLayout.build(prompt_lens, completion_lens, device="meta").model_kwargs()
+    assert meta["cu_seq_lens_q"].device.type == "meta" and meta["max_length_q"] == 7
