@@ -58,6 +58,30 @@ def init_distributed(timeout_s: float | None = None) -> None:
     import deepspeed
 
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+    _unlink_shm_buffers()
+
+
+def _unlink_shm_buffers() -> None:
+    """Remove the names of DeepSpeed's CPU shared-memory all-reduce buffers once every rank has mapped them.
+
+    DeepSpeed (0.19) creates one 66 MiB ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``
+    per rank when all ranks are on one host and never unlinks it: every such run, finished or killed,
+    left its buffers in /dev/shm (RAM) for good. Each rank maps every buffer inside
+    ``init_distributed``; after a barrier the names are no longer needed and the mappings stay valid.
+    """
+    import torch
+
+    from fastrlhf import comm
+
+    if torch.cuda.is_available() or world_size() < 2:
+        return
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{rank()}")
+    comm.barrier()
+    try:
+        os.remove(name)
+    except FileNotFoundError:  # not a single-host CPU run, or DeepSpeed's shm op not built
+        pass
 
 
 # DeepSpeed JIT-builds its CPU shared-memory collective on the first init_distributed (30-60 s on 2
