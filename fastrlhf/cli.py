@@ -56,6 +56,52 @@ def _error(prefix: str, message: str) -> None:
         print(f"{prefix}: {message}", file=sys.stderr)
 
 
+def _say(line: str, local: bool = False) -> None:
+    """``line`` on rank 0; with ``local``, on the first rank of this node too (what only it knows)."""
+    if _is_main_process() or (local and os.environ.get("LOCAL_RANK", "0") == "0"):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _group_started() -> bool:
+    dist = sys.modules.get("torch.distributed")  # not imported: no group (and no torch import for a config error)
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _failed_checks(line: str) -> int:
+    """This rank's own check failed (``line``). Before the process group on several nodes, the other nodes
+    may have passed theirs and wait at the start gate: tell them (``fastrlhf.multinode``). Returns exit 2."""
+    from fastrlhf import multinode
+
+    several = multinode.is_multi_node() and not _group_started()
+    _say(line, local=several)
+    if several:
+        try:
+            multinode.start_gate(failure=line)
+        except multinode.NodeError as exc:
+            _say(str(exc), local=True)
+    return EXIT_BAD_INPUT
+
+
+def _lost_peer(config, reason: str) -> None:
+    """A collective failed because a peer is gone: one line with the checkpoint to resume from, then exit at
+    once (tearing down a process group, or vLLM, with a dead peer can block: nothing is left to save)."""
+    from fastrlhf.checkpoint import latest_checkpoint
+    from fastrlhf.distributed import DEFAULT_TIMEOUT_S
+
+    timeout = os.environ.get("FASTRLHF_DIST_TIMEOUT", str(DEFAULT_TIMEOUT_S))
+    try:
+        latest = latest_checkpoint(config.output_dir)
+    except OSError:
+        latest = None
+    resume = (f"the last complete checkpoint is {latest}: restart every node with --resume" if latest else
+              "no checkpoint was written yet: restart the run")
+    _say(f"distributed error: lost contact with another rank ({reason}): a node died, was killed, or did not answer "
+         f"for FASTRLHF_DIST_TIMEOUT ({timeout} s); {resume}", local=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_FAILED)
+
+
 def _dispatch(command: str, config, resume: bool):
     if command == "sft":
         from fastrlhf.sft import run
@@ -88,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         # The launcher has set the world size already: batch-vs-ranks errors need no process group.
         check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as exc:
-        _error("config error", str(exc))
-        return EXIT_BAD_INPUT
+        return _failed_checks(f"config error: {exc}")
     if args.dry_run:
         import yaml
 
@@ -101,16 +146,25 @@ def main(argv: list[str] | None = None) -> int:
     from fastrlhf.checkpoint import CheckpointError
     from fastrlhf.data import DataError
     from fastrlhf.guards import TooManySkippedSteps
+    from fastrlhf.multinode import NodeError, lost_peer_reason
     from fastrlhf.rl.rewards import RewardFunctionError
 
     try:
         _dispatch(args.command, config, args.resume)
     except ConfigError as exc:  # checks that need the launched world (e.g. batch size vs ranks)
+        if not _group_started():
+            return _failed_checks(f"config error: {exc}")
         _error("config error", str(exc))
         return EXIT_BAD_INPUT
     except DataError as exc:
-        _error("data error", str(exc).replace("\n", "\ndata error: "))
+        line = "data error: " + str(exc).replace("\n", "\ndata error: ")
+        if not _group_started():
+            return _failed_checks(line)
+        _say(line)
         return EXIT_BAD_INPUT
+    except NodeError as exc:  # another node failed its checks, never came, or does not share output_dir
+        _say(str(exc), local=exc.local)
+        return exc.exit_code
     except CheckpointError as exc:
         _error("checkpoint error", str(exc))
         return EXIT_BAD_INPUT
@@ -122,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         if exc.local or _is_main_process():
             print(f"reward error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except Exception as exc:
+        reason = lost_peer_reason(exc)
+        if reason is None:
+            raise
+        _lost_peer(config, reason)
     return 0
 
 

@@ -36,8 +36,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_s: float | None = None) -> None:
-    """Join (or, alone, create) the default process group; idempotent."""
+def init_distributed(timeout_s: float | None = None, shared_dir: str | None = None) -> None:
+    """Join (or, alone, create) the default process group; idempotent.
+
+    First every rank passes the start gate (``fastrlhf.multinode.start_gate``): a rank that failed
+    its checks on another node stops this one here, with its error line. ``shared_dir`` (the run's
+    ``output_dir``): once the group is up, check that every node sees it as the same folder.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -49,6 +54,9 @@ def init_distributed(timeout_s: float | None = None) -> None:
         timeout_s = float(os.environ.get("FASTRLHF_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
     import torch
 
+    from fastrlhf import multinode
+
+    multinode.start_gate(timeout_s=timeout_s)
     if torch.cuda.is_available():
         # Before the first collective: NCCL (and ``barrier``) otherwise put every rank's traffic,
         # and a CUDA context, on device 0.
@@ -57,8 +65,13 @@ def init_distributed(timeout_s: float | None = None) -> None:
         clear_stale_build_lock("deepspeed_shm_comm")
     import deepspeed
 
-    deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+    try:
+        deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+    finally:
+        multinode.release_gate_store()
     _unlink_shm_buffers()
+    if shared_dir is not None:
+        multinode.check_shared_dir(shared_dir)
 
 
 def _unlink_shm_buffers() -> None:

@@ -37,12 +37,29 @@ def resume_step(output_dir: str, stateful: dict, resume: bool) -> int:
     """The step to continue after: the latest checkpoint's (its state loaded into ``stateful``), or 0."""
     if not resume:
         return 0
+    _agree_on_checkpoint(output_dir)
     restored = load_latest(output_dir, stateful)
     if restored is None:
         if D.is_main():
             print(f"note: --resume given but {output_dir} has no checkpoint; starting at step 0")
         return 0
     return restored["step"]
+
+
+def _agree_on_checkpoint(output_dir: str) -> None:
+    """Every rank must resume from the same checkpoint (one that a node cannot see, or sees older, would
+    load different weights, or hang in the engines' collective loads): compared before anything loads."""
+    from fastrlhf import comm
+    from fastrlhf.checkpoint import CheckpointError, latest_checkpoint
+
+    mine = latest_checkpoint(output_dir) or ""
+    seen = [b.decode() for b in comm.gather_bytes(mine.encode())]
+    if len(set(seen)) > 1:
+        from fastrlhf.multinode import where
+
+        raise CheckpointError(f"the ranks see different latest checkpoints in {output_dir}: "
+                              + "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(seen))
+                              + f" (this is {where()}); output_dir must be one folder shared by every node")
 
 
 def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, stateful: dict, logger, guard,

@@ -91,7 +91,8 @@ def run(config: RMConfig, resume: bool = False) -> dict:
     else:
         examples = load_classification_examples(config.data.path, config.data.max_len, config.resolved_num_labels,
                                                 vocab, config.model.path)
-    D.init_distributed()  # after the data checks: bad data fails without starting a process group
+    # After the data checks: bad data fails without starting a process group.
+    D.init_distributed(shared_dir=config.output_dir)
     model = load_sequence_classifier(config.model, config.resolved_num_labels, zero3_config=engine_config(config))
     use_packed_attention(model, config.trainer.packing)
     pad_id = base_model(model).config.pad_token_id

@@ -101,7 +101,8 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
     examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
                                  vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path,
                                  chat_template=config.data.chat_template)
-    D.init_distributed()  # after the data checks: bad data fails without starting a process group
+    # After the data checks: bad data fails without starting a process group.
+    D.init_distributed(shared_dir=config.output_dir)
     model = load_causal_lm(config.model, zero3_config=engine_config(config))
     use_packed_attention(model, config.trainer.packing)
     pad_id = base_model(model).config.pad_token_id
