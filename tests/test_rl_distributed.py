@@ -4,42 +4,18 @@ killed mid-step and resumed, which must end where the uninterrupted run ends."""
 import json
 import os
 import signal
-import sys
 
 import pytest
 import torch
-import yaml
 from launch import run_group
+from rl_runs import DEEPSPEED, PY, SCRIPTS, final_weights, grpo_config, launch_env, make_tiny, metrics_by_step
 
 from fastrlhf.distributed import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "tests", "rl_scripts")
-PY = sys.executable
-DEEPSPEED = os.path.join(os.path.dirname(PY), "deepspeed")
-
-
-def env(**extra):
-    e = dict(os.environ)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(key, None)
-    # One thread per rank: two ranks on a shared 2-core machine otherwise spin against each other.
-    e.update(OMP_NUM_THREADS="1", FASTRLHF_DIST_TIMEOUT="120", FASTRLHF_NO_PROGRESS="1",
-             PYTHONPATH=os.pathsep.join([SCRIPTS, e.get("PYTHONPATH", "")]), **extra)
-    return e
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from fastrlhf.tiny_models import save_tiny_llama
-
-    root = tmp_path_factory.mktemp("rl")
-    # head size 32: the smallest the vLLM CPU backend runs.
-    save_tiny_llama(root / "model", vocab_size=64, hidden_size=32, num_heads=1)
-    with open(root / "prompts.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"prompt_ids": [5 + i, 6 + i, 7], "meta": {"target_token": 3}}) + "\n")
-    return root
+    return make_tiny(tmp_path_factory.mktemp("rl"))
 
 
 @pytest.mark.timeout(560)
@@ -51,7 +27,7 @@ def test_two_ranks_zero2_zero3_ppo_grpo(tiny):
     port = free_port()
     rc, out = run_group([DEEPSPEED, "--num_gpus", "2", "--master_port", str(port),
                          os.path.join(SCRIPTS, "two_rank_steps.py"), str(tiny / "model"), str(tiny / "prompts.jsonl"),
-                         str(tiny), *cases], timeout=540, env=env())
+                         str(tiny), *cases], timeout=540, env=launch_env())
     assert rc == 0, out[-4000:]
     # DeepSpeed's shared-memory all-reduce buffers (66 MiB of RAM per rank) do not outlive the run.
     assert [f for f in os.listdir("/dev/shm") if f.endswith((f"_{port}_0", f"_{port}_1"))] == []
@@ -78,61 +54,28 @@ def test_two_ranks_zero2_zero3_ppo_grpo(tiny):
                                            "unchanged_after_nan_loss": True}, (case, r, result["guard"])
 
 
-def _resume_config(tiny, out_dir, reward=None, trainer=None, **sections):
-    """The short GRPO run config these tests share, with ``reward.function``, ``trainer`` keys and
-    whole sections replaced."""
-    config = {
-        "algorithm": "grpo", "output_dir": str(out_dir), "seed": 3,
-        "model": {"path": str(tiny / "model")},
-        "reward": {"function": "kill_reward:reward"},
-        "data": {"prompts": str(tiny / "prompts.jsonl"), "max_prompt_len": 16},
-        "rollout": {"engine": "hf", "n": 2, "max_new_tokens": 5},
-        "trainer": {"max_steps": 4, "prompts_per_step": 2, "minibatch_size": 2, "lr": 1e-2, "kl_coef": 0.05,
-                    "save_every": 2},
-        "deepspeed": {"zero_stage": 1},
-        **sections,
-    }
-    if reward is not None:
-        config["reward"]["function"] = reward
-    config["trainer"].update(trainer or {})
-    path = out_dir.parent / f"{out_dir.name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
-
-
-def _final_weights(out_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(out_dir / "final" / "model.safetensors"))
-
-
-def _metrics(out_dir):
-    with open(out_dir / "metrics.jsonl") as f:
-        return {r["step"]: r for r in map(json.loads, f)}
-
-
 @pytest.mark.timeout(420)
 def test_kill_and_resume_matches_uninterrupted_grpo_run(tiny):
     train = [PY, "-m", "fastrlhf", "train", "--config"]
     straight, killed = tiny / "straight", tiny / "killed"
-    rc, out = run_group(train + [_resume_config(tiny, straight)], env=env(), timeout=300)
+    rc, out = run_group(train + [grpo_config(tiny, straight)], env=launch_env(), timeout=300)
     assert rc == 0, out[-4000:]
 
     # 4 sequences are scored per step: the 9th reward call is inside step 3, after the step-2 checkpoint.
-    rc, out = run_group(train + [_resume_config(tiny, killed)], timeout=300,
-                        env=env(FASTRLHF_TEST_KILL_AFTER_CALLS="8"))
+    rc, out = run_group(train + [grpo_config(tiny, killed)], timeout=300,
+                        env=launch_env(FASTRLHF_TEST_KILL_AFTER_CALLS="8"))
     assert rc == -signal.SIGKILL, out[-4000:]
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step-2"
     assert not (killed / "final").exists()
 
-    rc, out = run_group(train + [_resume_config(tiny, killed), "--resume"], env=env(), timeout=300)
+    rc, out = run_group(train + [grpo_config(tiny, killed), "--resume"], env=launch_env(), timeout=300)
     assert rc == 0, out[-4000:]
-    a, b = _metrics(straight), _metrics(killed)
+    a, b = metrics_by_step(straight), metrics_by_step(killed)
     assert sorted(b) == [1, 2, 3, 4]
     for step in (3, 4):
         for key in ("reward_mean", "policy_loss", "kl", "entropy", "grad_norm", "generated_tokens"):
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
-    wa, wb = _final_weights(straight), _final_weights(killed)
+    wa, wb = final_weights(straight), final_weights(killed)
     assert wa.keys() == wb.keys()
     for name in wa:
         assert torch.allclose(wa[name], wb[name], atol=1e-6), name
@@ -146,11 +89,11 @@ def test_kill_and_resume_matches_uninterrupted_grpo_run(tiny):
 @pytest.mark.timeout(300)
 def test_too_many_skipped_rl_steps_stop_with_a_checkpoint(tiny):
     out = tiny / "nan_run"
-    path = _resume_config(tiny, out, reward="nan_reward:reward", trainer={"max_steps": 5, "max_skipped_steps": 2})
-    rc, text = run_group([PY, "-m", "fastrlhf", "train", "--config", path], env=env(), timeout=300)
+    path = grpo_config(tiny, out, reward="nan_reward:reward", trainer={"max_steps": 5, "max_skipped_steps": 2})
+    rc, text = run_group([PY, "-m", "fastrlhf", "train", "--config", path], env=launch_env(), timeout=300)
     assert rc == 1, text[-4000:]
     assert "2 steps in a row" in text, text[-4000:]
-    records = _metrics(out)
+    records = metrics_by_step(out)
     # The step that stops the run is logged too, and the last good weights are checkpointed.
     assert sorted(records) == [1, 2] and all(r["skipped"] == 1.0 for r in records.values())
     assert records[2]["skipped_steps"] == 2.0
@@ -163,13 +106,13 @@ def test_too_many_skipped_rl_steps_stop_with_a_checkpoint(tiny):
 def test_validation_runs_every_k_steps_and_stops_the_run_at_its_target(tiny):
     out = tiny / "eval_run"
     # stop_at 0: the first validation (step 2) reaches it, so steps 3-6 never run.
-    path = _resume_config(tiny, out, reward="target_token", trainer={"max_steps": 6, "save_every": 0},
+    path = grpo_config(tiny, out, reward="target_token", trainer={"max_steps": 6, "save_every": 0},
                           eval={"data": str(tiny / "prompts.jsonl"), "every": 2, "group_by": "target_token",
                                 "stop_at": 0.0})
-    rc, text = run_group([PY, "-m", "fastrlhf", "train", "--config", path], env=env(), timeout=300)
+    rc, text = run_group([PY, "-m", "fastrlhf", "train", "--config", path], env=launch_env(), timeout=300)
     assert rc == 0, text[-4000:]
     assert "stopping early" in text, text[-4000:]
-    records = _metrics(out)
+    records = metrics_by_step(out)
     assert sorted(records) == [0, 1, 2]  # step 0: validation before training
     assert "eval/reward_mean" not in records[1] and "reward_mean" not in records[0]
     assert 0.0 <= records[2]["eval/reward_mean"] <= 1.0
