@@ -16,7 +16,7 @@ GPU_TRITON := $(shell sed -n 's/.*"triton==\([0-9][0-9.]*\)".*/\1/p' setup.py)
 TRITON_GPU_DIR := $(VENV)/triton-gpu
 TRITON_GPU := $(TRITON_GPU_DIR)/triton-$(GPU_TRITON).dist-info
 
-.PHONY: install test bench demo demo-matrix arithmetic clean check-gpu-install
+.PHONY: install test test-multinode bench demo demo-matrix arithmetic clean check-gpu-install
 
 install: $(STAMP) $(TRITON_GPU)
 
@@ -34,7 +34,12 @@ $(TRITON_GPU): | $(STAMP)
 	test -d $@
 
 test: $(STAMP) $(TRITON_GPU)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not multinode" $(PYTEST_ARGS)
+
+# Two nodes in network namespaces through DeepSpeed's launcher (tests/test_multinode.py): needs root
+# (skipped with the reason otherwise), about 3 minutes on a quiet 2-core machine. .ci/run runs it after `make test`.
+test-multinode: $(STAMP)
+	$(PY) -m pytest -m multinode tests/test_multinode.py $(PYTEST_ARGS)
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[cpu,dev,bench]'

@@ -3,3 +3,9 @@ import os
 # The Triton interpreter must be switched on before anything imports triton (transformers and
 # vLLM do), so that kernel tests with backend="triton" run on CPU tensors.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    # Registered here rather than in pyproject.toml, whose every change rebuilds the venv (see Makefile).
+    config.addinivalue_line("markers", "multinode: two nodes in network namespaces (root); not in `make test`, "
+                                       "run by `make test-multinode`")

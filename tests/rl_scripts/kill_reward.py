@@ -1,9 +1,16 @@
-"""A reward function for the kill-and-resume test: first completion token odd -> 1.0 (a signal a
-random model has from step 1), and a SIGKILL of its own process once it has been called more than
-``FASTRLHF_TEST_KILL_AFTER_CALLS`` times (a kill at a known point, mid-step, after a checkpoint)."""
+"""A reward function for the kill-and-resume tests: first completion token odd -> 1.0 (a signal a
+random model has from step 1), and, once it has been called more than N times (a known point,
+mid-step, after a checkpoint):
+
+- ``FASTRLHF_TEST_KILL_AFTER_CALLS=N``: a SIGKILL of its own process;
+- ``FASTRLHF_TEST_HANG_AFTER_CALLS=N``: it writes ``FASTRLHF_TEST_HANG_MARKER`` (a path) and then
+  sleeps for good, a rank that stops answering with its sockets still open (the multi-node test
+  then takes its node off the network and kills it, as a node that dies does).
+"""
 
 import os
 import signal
+import time
 
 _calls = 0
 
@@ -14,4 +21,10 @@ def reward(prompt_ids, completion_ids, meta):
     kill_after = int(os.environ.get("FASTRLHF_TEST_KILL_AFTER_CALLS", "0"))
     if kill_after and _calls > kill_after:
         os.kill(os.getpid(), signal.SIGKILL)
+    hang_after = int(os.environ.get("FASTRLHF_TEST_HANG_AFTER_CALLS", "0"))
+    if hang_after and _calls > hang_after:
+        with open(os.environ["FASTRLHF_TEST_HANG_MARKER"], "w") as f:
+            f.write(str(os.getpid()))
+        while True:
+            time.sleep(60)
     return float(bool(completion_ids) and completion_ids[0] % 2 == 1)
