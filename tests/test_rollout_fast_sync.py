@@ -94,7 +94,7 @@ def _generic_only(monkeypatch):
 )
 def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tmp_path, monkeypatch, tied, in_place):
     from fastrlhf.rollout import cpu_packed_linear
-    from fastrlhf.rollout.cpu_inplace_sync import gemm_weight_kinds
+    from fastrlhf.rollout.cpu_inplace_sync import embedding_pack_released, gemm_weight_kinds
 
     if in_place and cpu_packed_linear.load_pack_kernel() is None:
         pytest.skip("no C compiler: the in-place packing is unavailable")
@@ -109,6 +109,7 @@ def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tm
         expected_first = _tokens(HFEngine(first).generate(PROMPTS, GREEDY))
         expected_second = _tokens(HFEngine(second).generate(PROMPTS, GREEDY))
         assert expected_first != expected_second
+        assert embedding_pack_released(engine.llm)  # at start-up, and still generating exactly
         assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
 
         assert gemm_weight_kinds(engine.llm) == {"vllm"}
@@ -193,6 +194,9 @@ def test_unhandled_layout_falls_back_to_the_generic_reload(tmp_path, monkeypatch
                 p.normal_(0, 0.2)
     engine = _engine(tmp_path / "first")
     try:
+        from fastrlhf.rollout.cpu_inplace_sync import embedding_pack_released
+
+        assert not embedding_pack_released(engine.llm)  # a layout not known here is left as vLLM made it
         spy = _PathSpy(monkeypatch)
         sync_weights(second, engine)
         assert (spy.fast, spy.generic) == (0, 1)
@@ -295,10 +299,11 @@ def _max_logprob_error(model, results, prompts, temperature) -> float:
 
 def test_tiny_qwen2_takes_the_direct_path_and_matches_the_trainer_and_the_generic_path(qwen2, monkeypatch):
     """Before the Qwen2 layout was known, every sync of this model took the generic reload."""
-    from fastrlhf.rollout.cpu_inplace_sync import gemm_weight_kinds, in_place_layout
+    from fastrlhf.rollout.cpu_inplace_sync import embedding_pack_released, gemm_weight_kinds, in_place_layout
 
     first, second, engine, in_place = qwen2
     assert in_place_layout(engine.llm) == "Qwen2"
+    assert embedding_pack_released(engine.llm)
     spy = _PathSpy(monkeypatch)
     expected_first = _tokens(HFEngine(first).generate(PROMPTS, GREEDY))
     expected_second = _tokens(HFEngine(second).generate(PROMPTS, GREEDY))

