@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -20,10 +19,12 @@ if __name__ == "__main__":
     import torch
     import torch.distributed as dist
 
+    from fastrlhf import distributed as D
     from fastrlhf.rollout import HFEngine, SamplingConfig, VLLMEngine, sync_weights
     from fastrlhf.tiny_models import make_tiny_llama
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
+    # Through fastrlhf's set-up (gloo on CPU), which also removes DeepSpeed's /dev/shm buffers.
+    D.init_distributed(timeout_s=60)
     rank = dist.get_rank()
     report = {"rank": rank, "world_size": dist.get_world_size()}
     cfg = dict(initializer_range=0.2, tie_word_embeddings=True)
