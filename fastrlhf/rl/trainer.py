@@ -337,6 +337,12 @@ def run(config, resume: bool = False) -> dict:
     from fastrlhf.supervised import seed_everything
 
     t = config.trainer
+    from fastrlhf.precision import gpu_available
+
+    if not gpu_available():
+        from fastrlhf.hostmem import configure_cpu_heap
+
+        configure_cpu_heap()  # before anything large is allocated: see fastrlhf.hostmem
     # Before the process group: a bad config or data line stops every rank at once, none left waiting.
     prepared = preflight(config)
     examples, tokenizer = prepared.examples, prepared.tokenizer
