@@ -310,9 +310,15 @@ def _accepts(model, name: str) -> bool:
 
 def _per_token_outputs(model, input_ids, attention_mask, position_ids, **packed) -> torch.Tensor:
     """[B, L] scalar output per position of a critic / value-head model (packed: ``attention_mask``
-    None, positions restarting per sequence, or ``packed`` segments of shared prompts)."""
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, **packed)
-    _check_segments(model, kwargs)
+    None, positions restarting per sequence; ``packed``: the layout's attention arguments, passed to a
+    forward that takes ``**kwargs``; shared-prompt segments need one)."""
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask)
+    _check_segments(model, packed)
+    if packed and _accepts(model, "fastrlhf_segments"):  # any **kwargs forward
+        kwargs.update(packed)
+    elif "fastrlhf_segments" in packed:
+        raise ValueError(f"{type(unwrap(model)).__name__}.forward takes no attention kwargs: it cannot run shared "
+                         "prompts (set trainer.share_prompts: false)")
     if _accepts(model, "position_ids"):
         kwargs["position_ids"] = position_ids
     elif attention_mask is None:
