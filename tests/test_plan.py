@@ -278,7 +278,11 @@ def test_vllm_on_a_cpu_holds_the_lm_head_pack_and_not_its_start_up_profile(small
     shape, V, h, inter = read_shape(small), 1000, 256, 700
     cpu = plan_memory(gpu_grpo(small, 2), 8, 16 * GiB, "cpu")  # fp32 on a CPU
     assert cpu.engine == "vllm"
-    assert cpu.components["rollout weights"] == (shape.causal_lm_params() + V * h) * 4
+    # The lookup reads the actor's own embedding at ZeRO 0-2 (VLLMEngine.share_input_embedding): the
+    # packed LM head is the only [V, h] matrix of its own; at ZeRO-3 it holds an embedding as well.
+    assert cpu.components["rollout weights"] == shape.causal_lm_params() * 4
+    zero3 = plan_memory(gpu_grpo(small, 3), 8, 16 * GiB, "cpu")
+    assert zero3.components["rollout weights"] == (shape.causal_lm_params() + V * h) * 4
     assert cpu.components["vLLM runtime"] == CPU_VLLM_RUNTIME_BYTES == 260 << 20
     assert cpu.phases["generation"] == ["rollout working memory"]
     assert cpu.components["rollout working memory"] == 4096 * (3 * inter + 4 * h) * 4 + 3 * 128 * V * 4

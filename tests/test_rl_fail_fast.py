@@ -134,3 +134,42 @@ def test_engine_auto_falls_back_to_hf_where_vllm_cannot_run_the_model(root, monk
                                                                     head_dim=16), 10**9, "cpu")
     assert engine.kind == "hf" and shares
     assert "rollout.engine auto: using the HF engine, model head size 16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sections, shared", [
+    ({"deepspeed": {"zero_stage": 2}}, True),
+    ({"deepspeed": {"zero_stage": 3}}, False),  # partitioned: no whole embedding to read
+    ({"model": {"lora_r": 4}}, False),  # syncs send merged copies, not the actor's tensors
+    ({"rollout": {"tensor_parallel_size": 2}}, False),  # each engine holds a shard of its own
+])
+def test_cpu_vllm_engine_is_handed_the_actors_own_embedding(root, monkeypatch, sections, shared):
+    """On a CPU the in-process vLLM engine reads the actor's input embedding (no copy of its own)
+    only where the actor holds it whole and the syncs send the actor's own tensors."""
+    import fastrlhf.rollout as rollout
+    import fastrlhf.rollout.tensor_parallel as tensor_parallel
+    from fastrlhf.config import load_config
+    from fastrlhf.rl import trainer
+    from fastrlhf.tiny_models import make_tiny_llama
+
+    calls = []
+
+    class RecordingEngine:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def share_input_embedding(self, weight):
+            calls.append(weight)
+            return weight.numel() * weight.element_size()
+
+    monkeypatch.setattr(rollout, "VLLMEngine", RecordingEngine)
+    monkeypatch.setattr(tensor_parallel, "TensorParallelGroup", lambda engine, tp, rank: engine)
+    sections = {"rollout": {"engine": "vllm", **sections.get("rollout", {})},
+                **{k: v for k, v in sections.items() if k != "rollout"}}
+    config = load_config(_config(root, "share_embedding", **sections), "train")
+    actor = make_tiny_llama(vocab_size=64, hidden_size=32, num_heads=2)
+    engine, shares_actor = trainer._build_rollout(config, actor, 10**9, "cpu")
+    assert isinstance(engine, RecordingEngine) and not shares_actor
+    if shared:
+        assert len(calls) == 1 and calls[0] is actor.get_input_embeddings().weight
+    else:
+        assert calls == []

@@ -362,3 +362,53 @@ def test_qwen2_direct_path_rejects_bad_bias_names_and_shapes(qwen2):
     with pytest.raises(ValueError, match=rf"'{p}k_proj.bias' has shape \(128,\), expected \(64,\)"):
         engine.update_weights([(f"{p}k_proj.bias", torch.zeros(128))])
     _assert_engine_computes_with(engine, first, in_place)  # refused before anything was written
+
+
+def _embedding_data_ptr(worker) -> int:
+    return worker.model_runner.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_qwen2_engine_reads_the_trainers_embedding_it_was_handed(qwen2, monkeypatch):
+    """``share_input_embedding``: the engine's lookup reads the trainer's tensor (its own copy freed),
+    syncs after in-place updates of the trainer stay exact (a tied lm_head's packed copy is still
+    rewritten), and an update with any other tensor, direct or generic, gives the engine a copy of its
+    own again without writing into the trainer's."""
+    import copy
+
+    first, second, engine, in_place = qwen2
+    trainer = copy.deepcopy(second)
+    embed = trainer.get_input_embeddings().weight
+    sync_weights(trainer, engine)
+    assert engine.share_input_embedding(embed) == embed.numel() * embed.element_size()
+    assert engine.llm.collective_rpc(_embedding_data_ptr) == [embed.data_ptr()]
+    assert engine.share_input_embedding(embed) == 0  # already read from there
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(trainer).generate(PROMPTS, GREEDY))
+
+    # An optimizer step changes the trainer's weights in place; the sync that follows is exact.
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    sync_weights(trainer, engine)
+    assert engine.llm.collective_rpc(_embedding_data_ptr) == [embed.data_ptr()]
+    _assert_engine_computes_with(engine, trainer, in_place)
+    expected = _tokens(HFEngine(trainer).generate(PROMPTS, GREEDY))
+    assert expected != _tokens(HFEngine(second).generate(PROMPTS, GREEDY))
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected
+
+    # Another model's tensors: the engine takes them into storage of its own.
+    kept = embed.detach().clone()
+    sync_weights(first, engine)
+    assert torch.equal(embed, kept)
+    assert engine.llm.collective_rpc(_embedding_data_ptr) != [embed.data_ptr()]
+    _assert_engine_computes_with(engine, first, in_place)
+
+    # The same through vLLM's generic reload (a layout the direct path declines).
+    assert engine.share_input_embedding(embed) > 0
+    _generic_only(monkeypatch)
+    sync_weights(second, engine)
+    assert torch.equal(embed, kept)
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(second).generate(PROMPTS, GREEDY))
+    monkeypatch.undo()
+    sync_weights(first, engine)  # as the other tests expect
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(first).generate(PROMPTS, GREEDY))

@@ -210,11 +210,15 @@ def rollout_working(config, shape: ModelShape, kind: str, seqs: int, dtype_bytes
     return tokens * (3 * shape.intermediate + 4 * shape.hidden) * dtype_bytes + 3 * seqs * shape.vocab * 4
 
 
-def rollout_weights(shape: ModelShape, kind: str, dtype_bytes: int, device: str, tp: int = 1) -> int:
+def rollout_weights(shape: ModelShape, kind: str, dtype_bytes: int, device: str, tp: int = 1,
+                    shares_embedding: bool = False) -> int:
     """A separate rollout engine's copy of the policy. vLLM on a CPU also keeps a packed copy of the LM
     head's ``[V, h]`` weight for its logits GEMM (tied or not: with tied embeddings the lookup reads the
-    embedding, the GEMM its own packed copy); its linear layers keep only their packed weights."""
+    embedding, the GEMM its own packed copy); its linear layers keep only their packed weights.
+    ``shares_embedding``: the lookup reads the actor's own embedding (``VLLMEngine.share_input_embedding``)."""
     weights = shape.causal_lm_params()
     if kind == "vllm" and device == "cpu":
         weights += shape.vocab * shape.hidden
+    if shares_embedding:
+        weights -= shape.embedding_params
     return weights * dtype_bytes // tp

@@ -50,7 +50,7 @@ def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None
     vLLM cannot run the model (a head size vLLM-CPU lacks), with a warning.
     """
     from fastrlhf import distributed as D
-    from fastrlhf.modeling import load_causal_lm
+    from fastrlhf.modeling import base_model, load_causal_lm
     from fastrlhf.rollout import HFEngine, VLLMEngine, choose_engine_kind
 
     ro, ds = config.rollout, config.deepspeed
@@ -80,6 +80,11 @@ def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None
         from fastrlhf.rollout.tensor_parallel import TensorParallelGroup
 
         engine = TensorParallelGroup(engine, tp, D.rank())
+    elif not on_cuda and ds.zero_stage < 3 and config.model.lora_r == 0:
+        # An in-process CPU engine reads the actor's embedding rows as they are: no copy of its own
+        # (a vocab x hidden matrix). The actor's weights only change in updates, each synced before
+        # the next generation. (ZeRO-3 holds no whole weight; a LoRA actor syncs merged copies.)
+        engine.share_input_embedding(base_model(actor_module).get_input_embeddings().weight)
     return engine, False
 
 

@@ -39,7 +39,7 @@ import torch
 from fastrlhf.rollout.cpu_packed_linear import PackedLinearWeight, new_packed_weight
 
 __all__ = ["embedding_pack_released", "gemm_weight_kinds", "in_place_layout", "release_embedding_pack",
-           "try_update_in_place"]
+           "share_input_embedding", "try_update_in_place", "unshare_input_embedding"]
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
@@ -92,6 +92,53 @@ def _release_embedding_pack(worker) -> bool:
         return False
     _repack_lazily(layout["embed"])
     return True
+
+
+def share_input_embedding(llm, weight: torch.Tensor) -> int:
+    """Let each worker's embedding lookup read ``weight``, the trainer's own input embedding, instead
+    of a copy of it; returns the bytes of the engine's copies this frees (0 where nothing is shared).
+
+    The lookup reads the embedding's rows unchanged, so an in-process CPU engine needs no second
+    ``vocab x hidden`` matrix (148 MiB for a 151,936 x 256 fp32 embedding); the tied lm_head keeps
+    its own packed GEMM copy, which the syncs still rewrite. Only for a layout known here, on a
+    contiguous CPU tensor of the engine's exact shape and dtype. The caller promises that ``weight``
+    changes only where the engine is synced anyway (the trainer's optimizer step, followed by a
+    sync before the next generation). A later update with any other tensor for the embedding gives
+    the engine a copy of its own again: nothing is ever written into ``weight``.
+    """
+    return sum(llm.collective_rpc(_share_input_embedding, args=(weight,)))
+
+
+def unshare_input_embedding(llm) -> None:
+    """Give every worker's embedding a private copy again (a no-op where it has one)."""
+    llm.collective_rpc(_unshare_input_embedding)
+
+
+def _share_input_embedding(worker, weight) -> int:
+    layout = _layout(worker)
+    if layout is None:
+        return 0
+    own = layout["embed"].weight
+    if (weight.device.type != "cpu" or weight.dtype != own.dtype or tuple(weight.shape) != tuple(own.shape)
+            or not weight.is_contiguous() or weight.data_ptr() == own.data_ptr()):
+        return 0
+    freed = own.untyped_storage().nbytes()
+    own.data = weight.detach()  # the Parameter object stays: a tied lm_head holds the same one
+    own._fastrlhf_shared = True
+    return freed
+
+
+def _unshare_input_embedding(worker) -> None:
+    layout = _layout(worker)
+    if layout is not None:
+        _own_copy(layout["embed"].weight)
+
+
+def _own_copy(weight) -> None:
+    """A shared embedding gets storage of its own again, with the values it reads now."""
+    if getattr(weight, "_fastrlhf_shared", False):
+        weight.data = weight.detach().clone()
+        weight._fastrlhf_shared = False
 
 
 def _embedding_pack_released(worker) -> bool:
@@ -370,7 +417,9 @@ def _update_in_place(layout, named_tensors) -> None:
         else:  # embedding / lm_head: the weight itself is kept (and shared when tied)
             module = target[1]
             _check_shape(name, tensor, tuple(module.weight.shape))
-            module.weight.data.copy_(tensor)
+            if module.weight.data_ptr() != tensor.data_ptr():  # equal: it reads the trainer's tensor itself
+                _own_copy(module.weight)  # never write into a tensor the trainer shared
+                module.weight.data.copy_(tensor)
             if module is layout["lm_head"]:
                 lm_head_changed = True
             else:

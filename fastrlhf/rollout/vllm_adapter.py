@@ -30,6 +30,7 @@ __all__ = [
     "reload_weights",
     "release_embedding_pack",
     "reset_prefix_cache",
+    "share_input_embedding",
     "shutdown_llm",
 ]
 
@@ -183,6 +184,8 @@ def _reload_on_worker(worker, named_tensors) -> None:
     for try_update_in_place in IN_PLACE_UPDATERS:
         if try_update_in_place(worker, named_tensors):
             return
+    # The generic reload may write into the embedding's storage: never into the trainer's tensor.
+    cpu_inplace_sync._unshare_input_embedding(worker)
     worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
     _refresh_tied_lm_head(worker)
 
@@ -208,6 +211,12 @@ def release_embedding_pack(llm) -> bool:
     """On CPU, drop vLLM's unused packed copy of the input embedding (``cpu_inplace_sync``); returns
     whether it was dropped (only for the layouts the in-place update knows)."""
     return cpu_inplace_sync.release_embedding_pack(llm)
+
+
+def share_input_embedding(llm, weight: torch.Tensor) -> int:
+    """On CPU, the engine's embedding lookup reads the trainer's ``weight`` itself
+    (``cpu_inplace_sync.share_input_embedding``); returns the bytes freed."""
+    return cpu_inplace_sync.share_input_embedding(llm, weight)
 
 
 def reset_prefix_cache(llm) -> None:

@@ -124,7 +124,7 @@ class VLLMEngine(RolloutEngine):
                 f"VLLMEngine max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{config['max_position_embeddings']}"
             )
-        on_cuda = torch.cuda.is_available()
+        on_cuda = self.on_cuda = torch.cuda.is_available()
         if not on_cuda:
             check_cpu_head_size(config)
         self.model_path = str(model_path)
@@ -214,6 +214,15 @@ class VLLMEngine(RolloutEngine):
         self.wake_up(("weights",))  # the KV cache stays asleep until the next generate
         vllm_adapter.reload_weights(self.llm, named_tensors)
         vllm_adapter.reset_prefix_cache(self.llm)
+
+    def share_input_embedding(self, weight: torch.Tensor) -> int:
+        """On CPU, read the trainer's input embedding ``weight`` instead of holding a copy of it; returns
+        the bytes freed (0: not shared). ``weight`` must change only by updates followed by a sync
+        before the next ``generate`` (see ``cpu_inplace_sync.share_input_embedding``)."""
+        self._check_open()
+        if self.on_cuda:
+            return 0
+        return vllm_adapter.share_input_embedding(self.llm, weight)
 
     def close(self) -> None:
         self._finalizer()
