@@ -16,6 +16,8 @@ sequence boundaries on the host, which on a GPU would wait on the device at ever
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 NAME = "fastrlhf_packed_sdpa"
@@ -51,7 +53,7 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     else:
         pos = position_ids.expand(query.shape[0], -1) if position_ids.shape[0] != query.shape[0] else position_ids
         bounds = [sequence_bounds(row) for row in pos]
-    longest = max(e - s for b in bounds for s, e in zip(b, b[1:]))
+    longest = max(e - s for b in bounds for s, e in itertools.pairwise(b))
     if sliding_window is not None and longest > sliding_window:  # the window lives in the mask we do not build
         raise ValueError(f"{NAME}: a sequence of {longest} tokens is longer than the model's sliding window "
                          f"({sliding_window}); set trainer.packing: false for this model")
@@ -59,7 +61,7 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         return sdpa(query, key, value, None), None
     # sdpa with no mask is causal within each slice: exactly the block-diagonal causal mask.
     rows = [torch.cat([sdpa(query[i:i + 1, :, s:e], key[i:i + 1, :, s:e], value[i:i + 1, :, s:e], None)
-                       for s, e in zip(b, b[1:])], dim=1) for i, b in enumerate(bounds)]
+                       for s, e in itertools.pairwise(b)], dim=1) for i, b in enumerate(bounds)]
     return (rows[0] if len(rows) == 1 else torch.cat(rows)), None
 
 
