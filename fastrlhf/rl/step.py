@@ -95,6 +95,7 @@ class RLStep:
                 raise ValueError("PPO needs a critic (critic.path, or the actor's path for a fresh value head)")
             self.critic = as_learner(critic, critic_optimizer, t.max_grad_norm, self.guard)
         self.rollout, self.scorer, self.reference = rollout, scorer, reference
+        self._reference_pages = None  # found at the first reference pass (fastrlhf.file_pages)
         self.pad_token_id, self.rollout_shares_actor = int(pad_token_id), rollout_shares_actor
         self.device = torch.device(device)
         if t.kl_coef != 0.0 and reference is None and not hasattr(unwrap(self.actor.module), "disable_adapter"):
@@ -213,6 +214,7 @@ class RLStep:
                 reference, context = self.actor.module, unwrap(self.actor.module).disable_adapter()
             with context:
                 exp.ref_logprobs, _ = sequence_logprobs(reference, exp, groups=groups, **lp_kwargs)
+            self.release_reference_pages()
             if exp.old_logprobs is not None:
                 metrics["kl"] = float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, t.kl_kind, mask),
                                                   mask))
@@ -222,6 +224,17 @@ class RLStep:
         if self.critic is not None:
             exp.values = token_values(self.critic.module, exp, micro, groups=groups, packed=packing_mode(t))
         return metrics
+
+    def release_reference_pages(self) -> int:
+        """On a CPU, the frozen reference's weights (pages of its checkpoint file) leave this rank's
+        resident memory until its next pass: see :mod:`fastrlhf.file_pages`. Returns the bytes."""
+        if self.reference is None or not isinstance(self.reference, torch.nn.Module) or self.device.type != "cpu":
+            return 0
+        if self._reference_pages is None:
+            from fastrlhf.file_pages import FilePages
+
+            self._reference_pages = FilePages(self.reference)
+        return self._reference_pages.release()
 
     def forward_groups(self, exp: Experience, micro: int) -> list[list[int]] | None:
         """The micro-batches (row indices) of the no-grad passes over ``exp``: by
