@@ -26,12 +26,14 @@ same prompts (each trainer shuffles their order, which changes nothing).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import resource
 import statistics
 import sys
+import tempfile
 
 RESULT_PREFIX = "E2E_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -259,7 +261,19 @@ def summarize(steps: list[dict], warmup: int) -> dict:
 
 
 def emit(result: dict) -> None:
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    """Print the result line. The ranks of a run share one stdout pipe, and a write of more than
+    PIPE_BUF (4 KiB) bytes is not atomic: two ranks' result lines could interleave, so the write is
+    made under a lock that the ranks of one launcher (same parent) share."""
+    import fcntl
+
+    data = (RESULT_PREFIX + json.dumps(result) + "\n").encode()
+    sys.stdout.flush()
+    lock_path = os.path.join(tempfile.gettempdir(), f"fastrlhf-e2e-emit-{os.getppid()}.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(sys.stdout.fileno(), view):]
 
 
 def read_spec() -> dict:
@@ -307,6 +321,10 @@ def run_child(trainer: str, spec: dict, timeout_s: float = 1200.0) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         raise RuntimeError(f"{trainer} child timed out after {timeout_s} s:\n{stderr[-6000:]}") from None
+    finally:
+        for parent in (proc.pid, os.getpid()):  # emit()'s lock: the launcher's (several ranks) or ours
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(tempfile.gettempdir(), f"fastrlhf-e2e-emit-{parent}.lock"))
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or len(lines) < nproc:
         raise RuntimeError(f"{trainer} child failed (exit {proc.returncode}, {len(lines)} of {nproc} results):\n"
