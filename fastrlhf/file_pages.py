@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import mmap
 import os
 import stat
@@ -103,6 +104,7 @@ def _clean_mappings(wanted: set[tuple[int, int]]) -> set[tuple[int, int, int]]:
     return clean
 
 
+@functools.lru_cache(maxsize=1)
 def _madvise():
     if not sys.platform.startswith("linux"):
         return None

@@ -39,7 +39,7 @@ import torch
 from fastrlhf.rollout.cpu_packed_linear import PackedLinearWeight, new_packed_weight
 
 __all__ = ["embedding_pack_released", "gemm_weight_kinds", "in_place_layout", "release_embedding_pack",
-           "share_input_embedding", "try_update_in_place", "unshare_input_embedding"]
+           "share_input_embedding", "try_update_in_place"]
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
@@ -109,11 +109,6 @@ def share_input_embedding(llm, weight: torch.Tensor) -> int:
     return sum(llm.collective_rpc(_share_input_embedding, args=(weight,)))
 
 
-def unshare_input_embedding(llm) -> None:
-    """Give every worker's embedding a private copy again (a no-op where it has one)."""
-    llm.collective_rpc(_unshare_input_embedding)
-
-
 def _share_input_embedding(worker, weight) -> int:
     layout = _layout(worker)
     if layout is None:
@@ -129,6 +124,7 @@ def _share_input_embedding(worker, weight) -> int:
 
 
 def _unshare_input_embedding(worker) -> None:
+    """A worker's embedding gets a private copy again (a no-op where it has one)."""
     layout = _layout(worker)
     if layout is not None:
         _own_copy(layout["embed"].weight)
