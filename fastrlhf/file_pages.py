@@ -18,18 +18,16 @@ under memory pressure and reads them again), so this adds no condition of its ow
 from __future__ import annotations
 
 import bisect
-import ctypes
-import functools
 import mmap
 import os
 import stat
-import sys
 
 import torch
 
+from fastrlhf.hostmem import MADV_DONTNEED, madvise
+
 __all__ = ["FilePages", "file_page_ranges"]
 
-_MADV_DONTNEED = 4  # <sys/mman.h>, Linux
 
 
 def _file_mappings() -> list[tuple[int, int, int, str]]:
@@ -104,26 +102,12 @@ def _clean_mappings(wanted: set[tuple[int, int]]) -> set[tuple[int, int, int]]:
     return clean
 
 
-@functools.lru_cache(maxsize=1)
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 class FilePages:
     """The file-backed pages of a frozen module's weights, found once, released after each use."""
 
     def __init__(self, module: torch.nn.Module):
         tensors = [*module.parameters(), *module.buffers()]
-        self.ranges = file_page_ranges(tensors) if _madvise() is not None else []
+        self.ranges = file_page_ranges(tensors) if madvise() is not None else []
 
     @property
     def nbytes(self) -> int:
@@ -138,8 +122,8 @@ class FilePages:
         if not self.ranges:
             return 0
         clean = _clean_mappings({(m[0], m[1]) for _, _, m in self.ranges})
-        madvise, released = _madvise(), 0
+        advise, released = madvise(), 0
         for a, b, m in self.ranges:
-            if (m[0], m[1], m[2]) in clean and madvise(a, b - a, _MADV_DONTNEED) == 0:
+            if (m[0], m[1], m[2]) in clean and advise(a, b - a, MADV_DONTNEED) == 0:
                 released += b - a
         return released

@@ -13,18 +13,26 @@ also stops the dynamic adjustment): every tensor of 4 MiB or more is unmapped wh
 process holds what it uses. The cost is a page fault per 4 KiB page of each such allocation; with
 4 MiB it was within the noise of a workload-C step's CPU time (1 MiB cost about 10%).
 Values the user set (``MALLOC_MMAP_THRESHOLD_``, or ``GLIBC_TUNABLES`` naming it) are left alone.
+
+:func:`discard_pages` gives the whole pages under some tensors back to the OS while the tensors stay
+allocated (``madvise(MADV_DONTNEED)``): they read as zeros until written again. It is for buffers whose
+contents the owner rewrites before the next read: a CPU rollout engine's packed weights and KV cache
+while the update runs (``VLLMEngine.sleep``; the weight sync rewrites them).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import mmap
 import os
 import sys
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "configure_cpu_heap", "mmap_threshold_set_by_user"]
+__all__ = ["MMAP_THRESHOLD_BYTES", "configure_cpu_heap", "discard_pages", "madvise", "mmap_threshold_set_by_user"]
 
 MMAP_THRESHOLD_BYTES = 4 << 20
 _M_MMAP_THRESHOLD = -3  # malloc.h
+MADV_DONTNEED = 4  # <sys/mman.h>, Linux
 
 
 def mmap_threshold_set_by_user(environ=os.environ) -> bool:
@@ -55,3 +63,36 @@ def configure_cpu_heap(threshold: int = MMAP_THRESHOLD_BYTES, environ=os.environ
         return False
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+
+
+@functools.lru_cache(maxsize=1)
+def madvise():
+    """libc's ``madvise(addr, length, advice) -> int``, or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def discard_pages(spans) -> int:
+    """Drop the whole pages inside each ``(address, nbytes)`` span from this process's memory; returns
+    the bytes dropped (0 where madvise is missing).
+
+    The spans stay valid memory: a later write faults fresh pages in, a read before any write sees
+    zeros (anonymous memory) or the file's bytes (a private file mapping). The partial pages at either
+    end are kept, since other allocations may share them. Only for memory whose every byte the caller
+    rewrites before reading it again.
+    """
+    fn, page, dropped = madvise(), mmap.PAGESIZE, 0
+    if fn is None:
+        return 0
+    for address, nbytes in spans:
+        start, end = -(-address // page) * page, (address + nbytes) // page * page
+        if end > start and fn(start, end - start, MADV_DONTNEED) == 0:
+            dropped += end - start
+    return dropped
