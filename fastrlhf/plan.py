@@ -362,6 +362,13 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
         host["rollout weights (asleep)"] = engine["rollout weights"]
         generation, engine = {**engine, **generation}, {}
         notes.append("rollout.sleep: vLLM holds its memory only while it generates")
+    # vLLM on a CPU releases its packed weights and KV cache for the update (VLLMEngine.sleep, Llama and
+    # Qwen2 layouts): they are back from the weight sync through the generation. Counted so where its
+    # lookup reads the actor's embedding, i.e. where nothing of its weights stays held but norms.
+    cpu_release = kind == "vllm" and device == "cpu" and shares_embedding
+    if cpu_release:
+        released = {k: engine.pop(k) for k in ("rollout weights", "rollout KV cache")}
+        generation = {**released, **generation}
 
     # Transient phases, one at a time: the peak is the held memory plus the largest of them.
     micro = C.micro_batch(config, gpus)
@@ -373,6 +380,8 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     if not shares_actor:  # fastrlhf.rollout.weight_sync: a bucket gathered (ZeRO-3) and/or converted at a time
         copies = (ds.zero_stage == 3) + (rollout_bytes != w)
         sync["weight sync bucket"] = copies * min(ro.sync_bucket_bytes, actor.causal_lm_params() * rollout_bytes)
+    if cpu_release:
+        sync["rollout weights (synced)"] = generation["rollout weights"]
     phase_parts = {"generation": generation, "update": update, "optimizer step": step, "weight sync": sync}
     phase_totals = {name: sum(parts.values()) for name, parts in phase_parts.items()}
     peak_phase = max(phase_totals, key=phase_totals.get)

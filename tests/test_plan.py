@@ -284,7 +284,14 @@ def test_vllm_on_a_cpu_holds_the_lm_head_pack_and_not_its_start_up_profile(small
     zero3 = plan_memory(gpu_grpo(small, 3), 8, 16 * GiB, "cpu")
     assert zero3.components["rollout weights"] == (shape.causal_lm_params() + V * h) * 4
     assert cpu.components["vLLM runtime"] == CPU_VLLM_RUNTIME_BYTES == 260 << 20
-    assert cpu.phases["generation"] == ["rollout working memory"]
+    # Its packed weights and KV cache are released for the update (VLLMEngine.sleep) and are back from
+    # the weight sync on: phases, not held; at ZeRO-3 (an embedding of its own) they stay held.
+    assert cpu.phases["generation"] == ["rollout weights", "rollout KV cache", "rollout working memory"]
+    assert cpu.phases["weight sync"] == ["rollout weights (synced)"]
+    assert cpu.components["rollout weights (synced)"] == cpu.components["rollout weights"]
+    assert "rollout weights" not in zero3.phases["generation"] and "rollout KV cache" not in zero3.phases["generation"]
+    held = sum(v for k, v in cpu.components.items() if not any(k in p for p in cpu.phases.values()))
+    assert cpu.total == held + max(sum(cpu.components[k] for k in p) for p in cpu.phases.values())
     assert cpu.components["rollout working memory"] == 4096 * (3 * inter + 4 * h) * 4 + 3 * 128 * V * 4
     assert C.rollout_working(gpu_grpo(small, 2), shape, "vllm", 4, 4, "cpu", 16 * GiB) == \
         4 * 512 * (3 * inter + 4 * h) * 4 + 3 * 4 * V * 4  # a batch whose prompts fit one forward

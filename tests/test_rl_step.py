@@ -560,3 +560,44 @@ def test_a_registered_policy_loss_trains_the_same_fused_and_unfused(policy_loss)
     assert fused_metrics["skipped"] == 0.0 and changed(tiny_actor(), fused_actor) > 1e-3
     assert math.isclose(fused_metrics["policy_loss"], plain_metrics["policy_loss"], rel_tol=1e-4, abs_tol=1e-6)
     assert_same_params(fused_actor, plain_actor)
+
+
+def test_an_engine_that_dropped_its_weights_at_sleep_is_synced_even_after_a_skipped_update():
+    """A CPU vLLM engine's ``sleep()`` releases its weights (``needs_sync``) until the next sync: the
+    step must sync it even when the update was skipped, or the next generation would read zeros. An
+    engine that kept its weights gets no sync for a skipped update (nothing changed)."""
+    from fastrlhf.rollout import RolloutEngine
+
+    class DroppingEngine(RolloutEngine):
+        def __init__(self, completions, drops: bool):
+            self.completions, self.drops, self.calls, self.needs_sync = completions, drops, [], False
+
+        def generate(self, prompt_token_ids, sampling):
+            assert not self.needs_sync, "generated from released weights"
+            self.calls.append("generate")
+            return copy.deepcopy(self.completions)
+
+        def sleep(self):
+            self.calls.append("sleep")
+            self.needs_sync = self.drops
+
+        def update_weights(self, named_tensors):
+            self.calls.append("update_weights")
+            list(named_tensors)
+            self.needs_sync = False
+
+    hp = make_config(GRPO)
+    completions = fixed_completions(tiny_actor(), hp.rollout.temperature)
+    bad = SCORES.clone()
+    bad[4] = float("nan")
+    for drops, calls in ((True, ["generate", "sleep", "update_weights"]), (False, ["generate", "sleep"])):
+        actor = tiny_actor()
+        engine = DroppingEngine(completions, drops)
+        rl = RLStep(hp, actor, rollout=engine, scorer=FixedScorer(bad), reference=tiny_actor().eval(),
+                    actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-2), pad_token_id=PAD)
+        metrics = rl(PROMPTS, None, step=0)
+        assert metrics["skipped"] == 1.0
+        assert engine.calls == calls and not engine.needs_sync
+        rl.scorer = FixedScorer(SCORES)
+        rl(PROMPTS, None, step=1)  # the next step generates (the engine asserts it was synced)
+        assert engine.calls[len(calls):] == ["generate", "sleep", "update_weights"]

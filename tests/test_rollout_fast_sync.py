@@ -412,3 +412,65 @@ def test_qwen2_engine_reads_the_trainers_embedding_it_was_handed(qwen2, monkeypa
     monkeypatch.undo()
     sync_weights(first, engine)  # as the other tests expect
     assert _tokens(engine.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(first).generate(PROMPTS, GREEDY))
+
+
+def _whole_pages(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t`` that lie in whole pages (what a release can drop), as uint8."""
+    import mmap
+
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    lo = -(-flat.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE - flat.data_ptr()
+    hi = (flat.data_ptr() + flat.numel()) // mmap.PAGESIZE * mmap.PAGESIZE - flat.data_ptr()
+    return flat[lo:max(lo, hi)]
+
+
+def _released_state(worker):
+    """(packed GEMM weights, bytes of them and of the KV cache in whole pages, whether all of those read 0)."""
+    from fastrlhf.rollout.cpu_inplace_sync import _kv_cache_tensors
+    from fastrlhf.rollout.cpu_packed_linear import PackedLinearWeight
+
+    packed = [m.cpu_linear.panels for _, m in worker.model_runner.model.named_modules()
+              if isinstance(getattr(m, "cpu_linear", None), PackedLinearWeight)]
+    pages = [_whole_pages(t) for t in packed + _kv_cache_tensors(worker)]
+    return len(packed), sum(p.numel() for p in pages), all(not p.any() for p in pages)
+
+
+def test_qwen2_sleep_releases_packed_weights_and_kv_cache_until_the_next_sync(qwen2):
+    """On CPU ``sleep()`` gives the pages of the in-place packed GEMM weights and of the KV cache back
+    (they read as zeros), the engine refuses to generate until a sync, a sync that leaves a released
+    layer unwritten is refused, and a whole sync restores it exactly: the same samples and bitwise the
+    same logprobs as an engine that never slept. Where the GEMMs run on vLLM's own packed copies
+    (no in-place packing), nothing is released and the engine stays usable."""
+    from fastrlhf.rollout import cpu_inplace_sync
+
+    first, second, engine, in_place = qwen2
+    sync_weights(second, engine)
+    awake = _samples(engine.generate(PROMPTS, SAMPLED))
+    greedy = _tokens(engine.generate(PROMPTS, GREEDY))
+    assert engine.sync_at_start and not engine.needs_sync
+    engine.sleep()
+    if not in_place:
+        assert not engine.needs_sync
+        assert _samples(engine.generate(PROMPTS, SAMPLED)) == awake
+        sync_weights(first, engine)  # as the other tests expect
+        return
+    assert engine.needs_sync
+    ((layers, nbytes, zeros),) = engine.llm.collective_rpc(_released_state)
+    assert layers == 4 * second.config.num_hidden_layers + 1  # q|k|v, o, gate|up, down per layer; lm_head
+    assert nbytes >= 32 << 20 and zeros  # the 32 MiB KV cache and the weights' whole pages read 0 now
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.generate(PROMPTS, GREEDY)
+    # A partial update (only the norms) leaves released layers at zero: refused, still asleep.
+    norms = [(n, p.detach()) for n, p in second.named_parameters() if n.endswith("norm.weight")]
+    with pytest.raises(RuntimeError, match="every weight"):
+        engine.update_weights(iter(norms))
+    assert engine.needs_sync and cpu_inplace_sync.weights_released(engine.llm)
+    sync_weights(second, engine)
+    assert not engine.needs_sync and not cpu_inplace_sync.weights_released(engine.llm)
+    _assert_engine_computes_with(engine, second, in_place)
+    assert _samples(engine.generate(PROMPTS, SAMPLED)) == awake
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == greedy
+    sync_weights(first, engine)  # as the other tests expect

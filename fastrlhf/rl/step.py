@@ -131,7 +131,8 @@ class RLStep:
             train = self.update(exp, step) if inputs_ok else {}
         skipped = self.guard.end_step()
         with clock("sync"):
-            sync = self.sync() if inputs_ok else {"sync_bytes": 0.0}
+            # A skipped update changed no weight, but an engine whose sleep dropped them needs them back.
+            sync = self.sync() if inputs_ok or getattr(self.rollout, "needs_sync", False) else {"sync_bytes": 0.0}
         return self.reduce_metrics(exp, {**prep, **train, **sync}, clock.times, skipped, step)
 
     # ------------------------------------------------------------------ stages

@@ -360,8 +360,8 @@ def run(config, resume: bool = False) -> dict:
     stateful.update(sampler=sampler, guard=guard)
 
     start_step = resume_step(config.output_dir, stateful, resume)
-    if start_step:
-        rl_step.sync()  # the rollout engine must generate with the restored weights
+    if start_step or getattr(rl_step.rollout, "sync_at_start", False):
+        rl_step.sync()  # restored weights; or a CPU vLLM engine's GEMMs on weights its sleep() can release
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=("reward_mean", "kl", "policy_loss"),
                            tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config), resume=resume)
     validator = build_validator(config, prepared.eval_examples, rl_step, tokenizer) if prepared.eval_examples else None

@@ -133,8 +133,12 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; the next ``generate`` uses only the new weights (no stale cache)."""
 
+    needs_sync = False  # True while the engine waits for update_weights before it may generate (see sleep)
+    sync_at_start = False  # whether the trainer should sync once before the first step (VLLMEngine on CPU)
+
     def sleep(self) -> None:  # noqa: B027 (engines without a sleep mode stay awake)
-        """Free the engine's device memory (weights to host, KV cache dropped) until the next use."""
+        """Free the engine's device memory (weights to host, KV cache dropped) until the next use; an
+        engine that drops its weights instead sets ``needs_sync`` until ``update_weights``."""
 
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:  # noqa: B027
         """Bring back what :meth:`sleep` freed; ``generate`` and ``update_weights`` wake what they need."""

@@ -39,7 +39,7 @@ import torch
 from fastrlhf.rollout.cpu_packed_linear import PackedLinearWeight, new_packed_weight
 
 __all__ = ["embedding_pack_released", "gemm_weight_kinds", "in_place_layout", "release_embedding_pack",
-           "share_input_embedding", "try_update_in_place"]
+           "release_for_update", "share_input_embedding", "try_update_in_place", "weights_released"]
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
@@ -84,6 +84,59 @@ def release_embedding_pack(llm) -> bool:
 def embedding_pack_released(llm) -> bool:
     """Whether every worker's embedding runs without a packed copy until a GEMM asks for one."""
     return all(llm.collective_rpc(_embedding_pack_released))
+
+
+def release_for_update(llm) -> int:
+    """Give the pages of each worker's packed GEMM weights (every linear layer and lm_head) and of its KV
+    cache back to the OS while the trainer's update runs; returns the bytes released over the workers.
+
+    The next in-place update rewrites every packed weight whole (a sync carries the whole model), and
+    the KV cache holds nothing once the prefix cache is reset, so their contents are not needed in
+    between: the buffers stay allocated and fault fresh pages in as the sync and the next generation
+    write them (workload C: 148 MiB of lm_head, 48 MiB of layers and the KV cache per rank, out of
+    the update's peak). Until that sync the engine must not generate (:func:`weights_released`). A
+    worker whose GEMMs still run on vLLM's own packed copies (no in-place update yet) or whose layout
+    is not known here releases nothing.
+    """
+    return sum(llm.collective_rpc(_release_for_update))
+
+
+def weights_released(llm) -> bool:
+    """Whether some worker has packed weights released by :func:`release_for_update` that no update
+    has rewritten since."""
+    return any(llm.collective_rpc(_weights_released))
+
+
+def _release_for_update(worker) -> int:
+    from fastrlhf.hostmem import discard_pages
+
+    layout = _layout(worker)
+    if layout is None:
+        return 0
+    layers = [t[1] for t in layout["targets"].values() if t[0] in ("fused", "linear")] + [layout["lm_head"]]
+    layers = list({id(m): m for m in layers}.values())
+    if not all(isinstance(m.cpu_linear, PackedLinearWeight) and m.cpu_linear is getattr(m, "_fastrlhf_packed", None)
+               for m in layers):
+        return 0  # some GEMM still reads vLLM's own packed copy, which only vLLM could rebuild
+    spans = [(m.cpu_linear.panels.data_ptr(), m.cpu_linear.panels.numel() * 4) for m in layers]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in _kv_cache_tensors(worker)}
+    released = discard_pages(spans + list(storages.items()))
+    layout["released"] = {id(m) for m in layers}
+    return released
+
+
+def _kv_cache_tensors(worker) -> list[torch.Tensor]:
+    caches = getattr(worker.model_runner, "kv_caches", None) or []
+    out = []
+    for entry in caches:
+        out.extend(entry if isinstance(entry, (list, tuple)) else [entry])
+    return [t for t in out if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel()]
+
+
+def _weights_released(worker) -> bool:
+    layout = _layout(worker)
+    return bool(layout is not None and layout.get("released"))
 
 
 def _release_embedding_pack(worker) -> bool:
@@ -357,6 +410,7 @@ class _Pending:
 @torch.no_grad()
 def _update_in_place(layout, named_tensors) -> None:
     targets, dtype, scratch = layout["targets"], layout["dtype"], layout["scratch"]
+    released = layout.setdefault("released", set())  # layers whose pages release_for_update dropped
     pending: dict[int, _Pending] = {}
     embedding_changed = lm_head_changed = False
     for name, tensor in named_tensors:
@@ -388,6 +442,7 @@ def _update_in_place(layout, named_tensors) -> None:
                 else:
                     _repack_linear(layer, entry.buffer)
                 del pending[id(layer)]
+                released.discard(id(layer))
         elif kind == "fused_bias":
             # Read at every GEMM call, never packed: written in place at its offset in the fused bias.
             _, layer, part, sizes = target
@@ -406,6 +461,7 @@ def _update_in_place(layout, named_tensors) -> None:
                 if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
                     tensor = tensor.to(device="cpu", dtype=dtype, memory_format=torch.contiguous_format)
                 _repack_linear(layer, tensor)
+            released.discard(id(layer))
         elif kind == "copy":
             param = target[1]
             _check_shape(name, tensor, tuple(param.shape))
@@ -436,6 +492,7 @@ def _update_in_place(layout, named_tensors) -> None:
             lm_head.cpu_linear = packed
         else:
             lm_head.quant_method.process_weights_after_loading(lm_head)
+        released.discard(id(lm_head))
     if embedding_changed:
         _repack_lazily(layout["embed"])
 

@@ -219,6 +219,17 @@ def share_input_embedding(llm, weight: torch.Tensor) -> int:
     return cpu_inplace_sync.share_input_embedding(llm, weight)
 
 
+def release_for_update(llm) -> int:
+    """On CPU, each worker's packed GEMM weights and KV cache leave resident memory until the next
+    sync rewrites them (``cpu_inplace_sync.release_for_update``); returns the bytes released."""
+    return cpu_inplace_sync.release_for_update(llm)
+
+
+def weights_released(llm) -> bool:
+    """Whether weights released by :func:`release_for_update` still wait for their sync."""
+    return cpu_inplace_sync.weights_released(llm)
+
+
 def reset_prefix_cache(llm) -> None:
     # Cached prompt blocks hold KV computed by the old weights; without this a repeated prompt
     # prefix keeps being served from them after an update.

@@ -92,6 +92,10 @@ class VLLMEngine(RolloutEngine):
       packed weights, see ``cpu_inplace_sync``; else the worker's ``reload_weights``; see
       ``vllm_adapter.reload_weights``) and resets the prefix cache, so the next ``generate`` sees
       only the new weights.
+    - ``sleep()`` on CUDA is vLLM's sleep mode (``sleep=True``). On CPU, once a sync has put the
+      GEMMs on in-place packed weights, it always releases their pages and the KV cache's
+      (``cpu_inplace_sync.release_for_update``): the trainer's update runs without them, and the
+      next sync (which the step runs before generating again: :attr:`needs_sync`) rewrites them.
     """
 
     kind = "vllm"
@@ -153,6 +157,7 @@ class VLLMEngine(RolloutEngine):
             enforce_eager=enforce_eager)
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode"))
         self._asleep: set[str] = set()
+        self._released = False  # CPU: packed weights released by sleep() and not synced since
         t0 = time.perf_counter()
         self.llm = vllm_adapter.make_llm(**kwargs)
         if not on_cuda:
@@ -171,11 +176,27 @@ class VLLMEngine(RolloutEngine):
         if not self._finalizer.alive:
             raise RuntimeError("VLLMEngine is closed")
 
+    @property
+    def needs_sync(self) -> bool:
+        """True while the weights released by a CPU ``sleep()`` wait for ``update_weights``."""
+        return self._released
+
+    @property
+    def sync_at_start(self) -> bool:
+        """On CPU the GEMMs run on vLLM's own packed copies until the first sync puts them on
+        in-place ones, which ``sleep()`` can release: the trainer syncs once at start."""
+        return not self.on_cuda
+
     def sleep(self) -> None:
         if self.sleep_mode and not self._asleep:
             self._check_open()
             vllm_adapter.sleep_llm(self.llm)
             self._asleep = {"weights", "kv_cache"}
+        elif not self.on_cuda and not self._released:
+            self._check_open()
+            # The KV cache reads as zeros from here: no prefix may be served from it.
+            vllm_adapter.reset_prefix_cache(self.llm)
+            self._released = vllm_adapter.release_for_update(self.llm) > 0
 
     def wake_up(self, tags=("weights", "kv_cache")) -> None:
         waking = [t for t in ("weights", "kv_cache") if t in tags and t in self._asleep]
@@ -185,6 +206,9 @@ class VLLMEngine(RolloutEngine):
 
     def generate(self, prompt_token_ids, sampling: SamplingConfig) -> list[list[Completion]]:
         self._check_open()
+        if self._released:
+            raise RuntimeError("VLLMEngine.generate after sleep() released its weights on CPU: "
+                               "update_weights (a weight sync) must come first")
         self.wake_up()
         if not isinstance(sampling, SamplingConfig):
             raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
@@ -214,6 +238,13 @@ class VLLMEngine(RolloutEngine):
         self.wake_up(("weights",))  # the KV cache stays asleep until the next generate
         vllm_adapter.reload_weights(self.llm, named_tensors)
         vllm_adapter.reset_prefix_cache(self.llm)
+        if self._released:
+            # A sync carries the whole model; one that left a released layer unwritten would
+            # generate from zeros.
+            if vllm_adapter.weights_released(self.llm):
+                raise RuntimeError("update_weights did not rewrite every weight that sleep() released "
+                                   "(a partial update): sync the whole model")
+            self._released = False
 
     def share_input_embedding(self, weight: torch.Tensor) -> int:
         """On CPU, read the trainer's input embedding ``weight`` instead of holding a copy of it; returns
