@@ -16,7 +16,10 @@ from fastrlhf.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Everything a launcher (or an in-process vLLM engine of an earlier test) may leave that says how many
+# ranks and nodes there are: a stray LOCAL_WORLD_SIZE would make WORLD_SIZE=2 below two nodes.
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "LOCAL_SIZE",
+              "GROUP_WORLD_SIZE", "GROUP_RANK", "CROSS_SIZE", "CROSS_RANK")
 
 
 @pytest.fixture(scope="module")
