@@ -122,7 +122,8 @@ def _release_for_update(worker) -> int:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in _kv_cache_tensors(worker)}
     released = discard_pages(spans + list(storages.items()))
-    layout["released"] = {id(m) for m in layers}
+    if released:  # nothing dropped (no madvise): the weights are intact and need no sync
+        layout["released"] = {id(m) for m in layers}
     return released
 
 
