@@ -18,13 +18,12 @@ under memory pressure and reads them again), so this adds no condition of its ow
 from __future__ import annotations
 
 import bisect
-import mmap
 import os
 import stat
 
 import torch
 
-from fastrlhf.hostmem import MADV_DONTNEED, madvise
+from fastrlhf.hostmem import MADV_DONTNEED, madvise, whole_pages
 
 __all__ = ["FilePages", "file_page_ranges"]
 
@@ -60,7 +59,6 @@ def file_page_ranges(tensors) -> list[tuple[int, int, tuple[int, int, int, str]]
     coalesced per mapping. Tensors elsewhere (anonymous memory, a GPU) are not in the list."""
     maps = _file_mappings()
     starts = [m[0] for m in maps]
-    page = mmap.PAGESIZE
     spans = []
     for t in tensors:
         if t.device.type != "cpu" or t.numel() == 0 or not t.is_contiguous():
@@ -70,7 +68,7 @@ def file_page_ranges(tensors) -> list[tuple[int, int, tuple[int, int, int, str]]
         i = bisect.bisect_right(starts, lo) - 1
         if i < 0 or hi > maps[i][1]:
             continue
-        a, b = -(-lo // page) * page, hi // page * page  # only pages the tensor covers whole
+        a, b = whole_pages(lo, hi - lo)
         if b > a:
             spans.append((a, b, maps[i]))
     spans.sort()

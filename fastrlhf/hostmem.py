@@ -28,7 +28,8 @@ import mmap
 import os
 import sys
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "configure_cpu_heap", "discard_pages", "madvise", "mmap_threshold_set_by_user"]
+__all__ = ["MMAP_THRESHOLD_BYTES", "configure_cpu_heap", "discard_pages", "madvise", "mmap_threshold_set_by_user",
+           "whole_pages"]
 
 MMAP_THRESHOLD_BYTES = 4 << 20
 _M_MMAP_THRESHOLD = -3  # malloc.h
@@ -79,6 +80,13 @@ def madvise():
     return fn
 
 
+def whole_pages(address: int, nbytes: int) -> tuple[int, int]:
+    """``(start, end)``: the page-aligned range of the pages that ``nbytes`` bytes at ``address`` cover
+    whole (``end <= start`` when there is none); the partial pages at either end may hold other data."""
+    page = mmap.PAGESIZE
+    return -(-address // page) * page, (address + nbytes) // page * page
+
+
 def discard_pages(spans) -> int:
     """Drop the whole pages inside each ``(address, nbytes)`` span from this process's memory; returns
     the bytes dropped (0 where madvise is missing).
@@ -88,11 +96,11 @@ def discard_pages(spans) -> int:
     end are kept, since other allocations may share them. Only for memory whose every byte the caller
     rewrites before reading it again.
     """
-    fn, page, dropped = madvise(), mmap.PAGESIZE, 0
+    fn, dropped = madvise(), 0
     if fn is None:
         return 0
     for address, nbytes in spans:
-        start, end = -(-address // page) * page, (address + nbytes) // page * page
+        start, end = whole_pages(address, nbytes)
         if end > start and fn(start, end - start, MADV_DONTNEED) == 0:
             dropped += end - start
     return dropped

@@ -115,8 +115,7 @@ def _release_for_update(worker) -> int:
         return 0
     layers = [t[1] for t in layout["targets"].values() if t[0] in ("fused", "linear")] + [layout["lm_head"]]
     layers = list({id(m): m for m in layers}.values())
-    if not all(isinstance(m.cpu_linear, PackedLinearWeight) and m.cpu_linear is getattr(m, "_fastrlhf_packed", None)
-               for m in layers):
+    if not all(getattr(m, "_fastrlhf_packed", None) is not None and m.cpu_linear is m._fastrlhf_packed for m in layers):
         return 0  # some GEMM still reads vLLM's own packed copy, which only vLLM could rebuild
     spans = [(m.cpu_linear.panels.data_ptr(), m.cpu_linear.panels.numel() * 4) for m in layers]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

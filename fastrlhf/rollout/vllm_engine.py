@@ -194,8 +194,8 @@ class VLLMEngine(RolloutEngine):
             self._asleep = {"weights", "kv_cache"}
         elif not self.on_cuda and not self._released:
             self._check_open()
-            # The KV cache reads as zeros from here: no prefix may be served from it.
-            vllm_adapter.reset_prefix_cache(self.llm)
+            # The KV cache reads as zeros from here, but no generation comes before update_weights,
+            # which resets the prefix cache.
             self._released = vllm_adapter.release_for_update(self.llm) > 0
 
     def wake_up(self, tags=("weights", "kv_cache")) -> None:
