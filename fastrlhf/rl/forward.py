@@ -32,6 +32,7 @@ from fastrlhf.algorithms import (
     value_loss,
 )
 from fastrlhf.rl.experience import Experience, pad_response
+from fastrlhf.tied_gradient import tied_gradient_handoff
 
 __all__ = [
     "MicroBatch",
@@ -259,20 +260,23 @@ def policy_loss_from_model(model, mb: Experience, config):
                  dual_clip=cfg.dual_clip, kl_coef=kl_coef, kl_kind=cfg.kl_kind, entropy_coef=cfg.entropy_coef)
     token_level = get_policy_loss(cfg.policy_loss).token_level
     if cfg.fused_loss and token_level:
-        hidden = response_hidden(model, view)
         _, head = body_and_head(model)
         _, fused_loss = _fused_kernels()
+        # A tied embedding and LM head get one [V, H] gradient, not two summed (fastrlhf.tied_gradient).
+        with tied_gradient_handoff(_hf_model(model).get_input_embeddings(), head) as head_weight:
+            hidden = response_hidden(model, view)
 
-        def head_fn(h, labels, old, adv, mask, weights, *ref_lp):
-            return fused_loss(h, head.weight, labels, old, adv, mask, ref_logprobs=ref_lp[0] if ref_lp else None,
-                              temperature=temperature, agg=cfg.agg, bias=head.bias, chunk_size=cfg.loss_chunk_size,
-                              chunk_bytes=cfg.loss_chunk_bytes, weights=weights, **terms)
+            def head_fn(h, labels, old, adv, mask, weights, *ref_lp):
+                return fused_loss(h, head_weight(), labels, old, adv, mask, ref_logprobs=ref_lp[0] if ref_lp else None,
+                                  temperature=temperature, agg=cfg.agg, bias=head.bias,
+                                  chunk_size=cfg.loss_chunk_size, chunk_bytes=cfg.loss_chunk_bytes, weights=weights,
+                                  **terms)
 
-        args = (hidden,) + tuple(view.tokens(t) for t in (e.labels, e.old_logprobs, advantages, e.response_mask,
-                                                          e.loss_weights))
-        args += (view.tokens(ref),) if ref is not None else ()
-        with _head_forward(head, head_fn):
-            return head(*args)
+            args = (hidden,) + tuple(view.tokens(t) for t in (e.labels, e.old_logprobs, advantages, e.response_mask,
+                                                              e.loss_weights))
+            args += (view.tokens(ref),) if ref is not None else ()
+            with _head_forward(head, head_fn):
+                return head(*args)
     # A sequence-level loss (per-token logprobs from the fused kernel, then autograd), or
     # trainer.fused_loss: false (for debugging: the same math on materialised logits).
     lp, ent = _token_logprobs(model, view, temperature, cfg.loss_chunk_size, cfg.loss_chunk_bytes, cfg.fused_loss)
