@@ -87,3 +87,63 @@ def test_user_setting_detection_and_bad_threshold():
     assert configure_cpu_heap(environ={"MALLOC_MMAP_THRESHOLD_": "1"}) is False
     with pytest.raises(ValueError, match="positive int"):
         configure_cpu_heap(0)
+
+
+# Frees 160 MiB of 1 MiB blocks (heap blocks under the 4 MiB threshold), keeping the last block so that
+# glibc's automatic trim of the heap's top cannot give them back; reports the resident MiB that
+# trim_heap gave back.
+TRIM_PROBE = r"""
+import ctypes, json
+from fastrlhf.hostmem import configure_cpu_heap, trim_heap
+configure_cpu_heap()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+blocks = [libc.malloc(1 << 20) for _ in range(161)]
+for b in blocks:
+    libc.memset(b, 1, 1 << 20)
+for b in blocks[:-1]:
+    libc.free(b)
+before = rss()
+trimmed = trim_heap()
+print(json.dumps({"trimmed": trimmed, "given_back_mib": before - rss()}))
+"""
+
+
+@needs_glibc
+def test_trim_heap_gives_the_pages_of_freed_heap_blocks_back():
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, check=True, timeout=60)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["trimmed"] is True
+    assert result["given_back_mib"] > 140, result
+
+
+@needs_glibc
+@pytest.mark.parametrize("frozen_embeddings", [False, True], ids=["trained", "frozen"])
+def test_the_heap_is_trimmed_once_per_backward_after_every_layer(monkeypatch, frozen_embeddings):
+    import torch
+
+    import fastrlhf.hostmem as hostmem
+    from fastrlhf.tiny_models import make_tiny_llama
+
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, num_heads=1).train()
+    if frozen_embeddings:  # as under LoRA: nothing flows back into the embeddings, nothing to wait for
+        model.get_input_embeddings().requires_grad_(False)
+    seen = []
+
+    def trim():  # at the trim, every layer's gradient is there and the embedding's is not yet
+        grads = {n: p.grad is not None for n, p in model.named_parameters() if p.requires_grad}
+        seen.append((grads.pop("model.embed_tokens.weight", False), all(grads.values())))
+        return True
+
+    monkeypatch.setattr(hostmem, "trim_heap", trim)
+    assert hostmem.trim_heap_after_backward(model)
+    ids = torch.randint(0, 64, (2, 7))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert seen == ([] if frozen_embeddings else [(False, True)] * 2)
