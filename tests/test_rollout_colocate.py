@@ -172,11 +172,12 @@ def test_a_tensor_parallel_group_generates_its_ranks_prompts_together_and_splits
 def test_a_run_that_cannot_fit_its_gpus_stops_at_launch_with_the_plans_line(tmp_path, monkeypatch, capsys):
     import time
 
+    from test_plan import QWEN25_1_5B, gpu_grpo, model_folder
+
     import fastrlhf.plan as plan_module
     import fastrlhf.precision as precision
     from fastrlhf.plan import PlanError
     from fastrlhf.rl import trainer
-    from test_plan import QWEN25_1_5B, gpu_grpo, model_folder
 
     config = gpu_grpo(model_folder(tmp_path / "qwen", QWEN25_1_5B), zero_stage=2)
     monkeypatch.setattr(precision, "gpu_available", lambda: True)  # as on a GPU node
