@@ -10,7 +10,8 @@ gradient buffer (Qwen2's 151,936 x 256 in fp32: 2 x 148 MiB).
 weight through an identity whose backward hands the gradient over and gives autograd nothing, and
 the embedding's backward adds its rows into that tensor (``index_add_``) and returns it as the
 weight's only gradient. The sum is the same; repeated rows are summed in another order than
-``embedding_dense_backward``'s, so the two agree to rounding, not bitwise.
+``embedding_dense_backward``'s, so the two agree to rounding, not bitwise (on CUDA ``index_add_`` adds
+with atomics unless ``torch.use_deterministic_algorithms`` is on, which gives it a deterministic path).
 
 Only for a weight that the embedding and the head share and that is trained as an ordinary tensor:
 not for a frozen one (LoRA), nor for a ZeRO-3 partitioned one (whose hooks gather and release it per
