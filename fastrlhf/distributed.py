@@ -162,31 +162,11 @@ def deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-# ZeRO-1/2 gradient reduction on a CPU host (gloo), where every copy is resident memory:
-# - reduce_scatter off: DeepSpeed then all-reduces the gradient bucket in place, instead of flattening
-#   each destination rank's slices of it into a fresh copy (as large as the bucket) to reduce them;
-# - a 2e7-element bucket: a parameter larger than the bucket is reduced straight from its own gradient,
-#   not copied into the bucket first, so a vocabulary-sized embedding (151,936 x 256 = 3.9e7) costs no
-#   second copy, and the bucket's pages stay under 80 MiB of fp32 gradients (DeepSpeed's 5e8 default
-#   lets the whole model's gradients be copied in). A GPU keeps DeepSpeed's defaults.
-# Measured on workload C: benchmarks/results/history/2026-11-24-workload-c-zero-cpu.md.
-CPU_ZERO_DEFAULTS = {"reduce_scatter": False, "reduce_bucket_size": 20_000_000}
-
-
 def deepspeed_config(ds, micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float | None = None,
-                     zero_stage: int | None = None, trainable: bool = True, on_gpu: bool | None = None) -> dict:
-    """The DeepSpeed config dict for one engine, from the ``deepspeed:`` section (``extra`` merged last).
-
-    ``on_gpu``: whether the engine trains on a GPU (None: whether this process has one); a trained
-    ZeRO-1/2 engine on a CPU gets :data:`CPU_ZERO_DEFAULTS`."""
+                     zero_stage: int | None = None, trainable: bool = True) -> dict:
+    """The DeepSpeed config dict for one engine, from the ``deepspeed:`` section (``extra`` merged last)."""
     stage = ds.zero_stage if zero_stage is None else zero_stage
     zero: dict = {"stage": stage}
-    if on_gpu is None:
-        from fastrlhf.precision import gpu_available
-
-        on_gpu = gpu_available()
-    if trainable and stage in (1, 2) and not on_gpu:
-        zero.update(CPU_ZERO_DEFAULTS)
     if trainable and ds.offload_optimizer and stage > 0:
         zero["offload_optimizer"] = {"device": "cpu"}
     if ds.offload_param and stage == 3:
@@ -244,12 +224,6 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(warmup_steps))
     config = deepspeed_config(ds, micro_batch_size, grad_accum, None if clip_in_optimizer else max_grad_norm,
                               trainable=True)
-    from fastrlhf.precision import gpu_available
-
-    if not gpu_available():
-        from fastrlhf.hostmem import trim_heap_after_backward
-
-        trim_heap_after_backward(model)  # before the reduction's buffers: see fastrlhf.hostmem
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
 

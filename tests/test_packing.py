@@ -399,9 +399,7 @@ def test_two_ranks_zero2_zero3_packed_step_equals_the_padded_step(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     scripts = os.path.join(root, "tests", "rl_scripts")
-    # Tied embeddings: ZeRO-2's packed run hands the LM head's gradient to the embedding
-    # (fastrlhf.tied_gradient) and reduces both, over its small bucket, straight from that one gradient.
-    save_tiny_llama(tmp_path / "model", vocab_size=64, hidden_size=32, num_heads=1, tie_word_embeddings=True)
+    save_tiny_llama(tmp_path / "model", vocab_size=64, hidden_size=32, num_heads=1)
     with open(tmp_path / "prompts.jsonl", "w") as f:
         for i in range(4):
             f.write(json.dumps({"prompt_ids": [5 + i, 6, 7 + 2 * i][: 1 + i % 3], "meta": {"target_token": 3}}) + "\n")

@@ -131,20 +131,3 @@ def test_gpu_example_passes_the_cli_dry_run_on_cpu(path, gpu_example_dir):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dtype: float32" in proc.stdout  # resolved for this (CPU) machine
     assert "algorithm:" in proc.stdout
-
-
-def test_trained_zero_1_2_engines_on_a_cpu_get_the_cpu_reduction_settings():
-    from fastrlhf.config.schema import DeepSpeedConfig
-    from fastrlhf.distributed import CPU_ZERO_DEFAULTS
-
-    for stage in (1, 2):
-        zero = deepspeed_config(DeepSpeedConfig(zero_stage=stage), on_gpu=False)["zero_optimization"]
-        assert zero == {"stage": stage, **CPU_ZERO_DEFAULTS}
-        assert deepspeed_config(DeepSpeedConfig(zero_stage=stage), on_gpu=True)["zero_optimization"] == {"stage": stage}
-        # What the user sets in deepspeed.extra wins.
-        mine = DeepSpeedConfig(zero_stage=stage, extra={"zero_optimization": {"reduce_bucket_size": 5e8}})
-        assert deepspeed_config(mine, on_gpu=False)["zero_optimization"]["reduce_bucket_size"] == 5e8
-    for stage, trainable in ((0, True), (3, True), (2, False)):
-        zero = deepspeed_config(DeepSpeedConfig(zero_stage=stage), zero_stage=stage, trainable=trainable,
-                                on_gpu=False)["zero_optimization"]
-        assert zero == {"stage": stage}

@@ -89,16 +89,13 @@ def trained_engine(name: str, params: int, trained: int, w: int, ds, gpus: int, 
     out[f"{name} optimizer states"] = states
 
 
-def _zero_settings(config, device: str) -> dict:
-    """``zero_optimization`` as the trained engines get it (``extra`` over the device's defaults)."""
-    from fastrlhf.distributed import deepspeed_config
-
-    zero = deepspeed_config(config.deepspeed, on_gpu=device == "cuda").get("zero_optimization", {})
-    return zero if isinstance(zero, dict) else {}
+def _zero_extra(config) -> dict:
+    extra = (config.deepspeed.extra or {}).get("zero_optimization", {})
+    return extra if isinstance(extra, dict) else {}
 
 
 def zero_buffers(config, trained_counts: list[int], shapes: list[ModelShape], w: int, device: str) -> int:
-    ds, z = config.deepspeed, _zero_settings(config, device)
+    ds, z = config.deepspeed, _zero_extra(config)
     if ds.zero_stage == 0:
         return 0
     bucket = int(z.get("reduce_bucket_size", 5e8))

@@ -6,8 +6,6 @@ packed step with ``trainer.share_prompts``). Each rank's completions differ in l
 very long one on rank 0 only), so the ranks' token budgets give different micro-batch counts
 before they agree on one. Rank 0 writes ``<out>/<case>.json``: the step's metrics and the actor's
 (gathered) weights' checksum for each layout, and the largest weight difference between them.
-At ZeRO-2 the two layouts also reduce gradients differently (:func:`zero_settings`), so the packed
-run's reduction is checked against DeepSpeed's default one.
 """
 
 import json
@@ -62,7 +60,8 @@ def main():
                 "data": {"prompts": prompts_path, "max_prompt_len": 16},
                 "rollout": {"engine": "hf", "n": 4, "max_new_tokens": 8, "max_logprob_mismatch": None},
                 "trainer": trainer,
-                "deepspeed": {"zero_stage": int(stage), "extra": {"zero_optimization": zero_settings(stage, layout)}},
+                "deepspeed": {"zero_stage": int(stage), "extra": {"zero_optimization": {
+                    "stage3_param_persistence_threshold": 0}} if stage == "3" else {}},
             }
             if algo == "ppo":
                 raw["critic"] = {"lr": 1e-3}
@@ -81,18 +80,6 @@ def main():
                            "max_weight_change": max(float((a[n] - s).abs().max()) for n, s in
                                                     gathered_initial(model_dir).items() if n in a)}, f)
         comm.barrier()
-
-
-def zero_settings(stage, layout):
-    """ZeRO-3: every parameter partitioned. ZeRO-2: the padded run reduces as DeepSpeed does by default
-    (per-destination reduce of a bucket that takes every gradient); the packed run as on a CPU host
-    (fastrlhf.distributed.CPU_ZERO_DEFAULTS: in-place all-reduce) with a bucket smaller than the
-    embedding and the LM head, which DeepSpeed then reduces straight from their own gradients."""
-    if stage == "3":
-        return {"stage3_param_persistence_threshold": 0}
-    if layout == "padded":
-        return {"reduce_scatter": True, "reduce_bucket_size": 500_000_000}
-    return {"reduce_scatter": False, "reduce_bucket_size": 1500}
 
 
 def gathered_initial(model_dir):
