@@ -399,7 +399,9 @@ def test_two_ranks_zero2_zero3_packed_step_equals_the_padded_step(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     scripts = os.path.join(root, "tests", "rl_scripts")
-    save_tiny_llama(tmp_path / "model", vocab_size=64, hidden_size=32, num_heads=1)
+    # Tied embeddings: the update hands the LM head's gradient to the embedding (fastrlhf.tied_gradient);
+    # each case also runs padded with autograd's own sum of the two ("summed") for comparison.
+    save_tiny_llama(tmp_path / "model", vocab_size=64, hidden_size=32, num_heads=1, tie_word_embeddings=True)
     with open(tmp_path / "prompts.jsonl", "w") as f:
         for i in range(4):
             f.write(json.dumps({"prompt_ids": [5 + i, 6, 7 + 2 * i][: 1 + i % 3], "meta": {"target_token": 3}}) + "\n")
@@ -425,6 +427,7 @@ def test_two_ranks_zero2_zero3_packed_step_equals_the_padded_step(tmp_path):
         # The same update: the weights moved, and by the same amount in both layouts.
         assert result["max_weight_change"] > 1e-4
         assert result["max_weight_diff"] < 1e-5, (case, result["max_weight_diff"])
+        assert result["tied"] and result["max_weight_diff_summed"] < 1e-6, (case, result["max_weight_diff_summed"])
 
 
 # ----------------------------------------------------------------------------------------------

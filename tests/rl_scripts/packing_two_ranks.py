@@ -8,6 +8,7 @@ before they agree on one. Rank 0 writes ``<out>/<case>.json``: the step's metric
 (gathered) weights' checksum for each layout, and the largest weight difference between them.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -49,7 +50,9 @@ def main():
     for case in cases:
         algo, stage, *shared = case.split(":")  # algo:stage[:shared] (packed with trainer.share_prompts)
         results = {}
-        for layout in ("padded", "packed"):
+        # "summed": padded again, with autograd summing the tied embedding's and LM head's gradients
+        # (no fastrlhf.tied_gradient handoff), to check the handoff under DeepSpeed's gradient hooks.
+        for layout in ("padded", "packed", "summed"):
             trainer = {"max_steps": 1, "prompts_per_step": 4, "minibatch_size": 8, "lr": 1e-3, "kl_coef": 0.05,
                        "old_logprobs": "recompute", "agg": "seq-mean-token-mean" if algo == "grpo" else "token-mean"}
             if layout == "packed":
@@ -68,18 +71,36 @@ def main():
             config = parse_config(raw)
             torch.manual_seed(0)  # the critic's fresh value head: the same in both layouts
             rl_step, stateful = build_rl_step(config, StepGuard(3))
-            metrics = rl_step(prompts, metas, 1, completions=completions)
-            results[layout] = {"metrics": metrics, "state": gathered_actor_state(stateful["actor"], stage == "3")}
+            with handoff_disabled() if layout == "summed" else contextlib.nullcontext():
+                metrics = rl_step(prompts, metas, 1, completions=completions)
+            module = stateful["actor"].module
+            tied = module.get_input_embeddings().weight is module.get_output_embeddings().weight
+            results[layout] = {"metrics": metrics, "state": gathered_actor_state(stateful["actor"], stage == "3"),
+                               "tied": tied}
             rl_step.rollout.close()
             comm.barrier()
         if D.rank() == 0:
-            a, b = results["padded"]["state"], results["packed"]["state"]
+            a, b, c = (results[k]["state"] for k in ("padded", "packed", "summed"))
             with open(os.path.join(out_dir, f"{case.replace(':', '-')}.json"), "w") as f:
                 json.dump({"padded": results["padded"]["metrics"], "packed": results["packed"]["metrics"],
                            "max_weight_diff": max(float((a[n] - b[n]).abs().max()) for n in a),
+                           "max_weight_diff_summed": max(float((a[n] - c[n]).abs().max()) for n in a),
+                           "tied": bool(results["padded"]["tied"]),
                            "max_weight_change": max(float((a[n] - s).abs().max()) for n, s in
                                                     gathered_initial(model_dir).items() if n in a)}, f)
         comm.barrier()
+
+
+@contextlib.contextmanager
+def handoff_disabled():
+    import fastrlhf.rl.forward as forward
+
+    original = forward.tied_gradient_handoff
+    forward.tied_gradient_handoff = lambda embedding, head: contextlib.nullcontext(lambda: head.weight)
+    try:
+        yield
+    finally:
+        forward.tied_gradient_handoff = original
 
 
 def gathered_initial(model_dir):
