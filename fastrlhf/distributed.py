@@ -224,6 +224,12 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(warmup_steps))
     config = deepspeed_config(ds, micro_batch_size, grad_accum, None if clip_in_optimizer else max_grad_norm,
                               trainable=True)
+    from fastrlhf.precision import gpu_available
+
+    if not gpu_available():
+        from fastrlhf.hostmem import trim_heap_after_backward
+
+        trim_heap_after_backward(model)  # before the update's large buffers: see fastrlhf.hostmem
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
 
