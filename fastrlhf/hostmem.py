@@ -49,6 +49,7 @@ def mmap_threshold_set_by_user(environ=os.environ) -> bool:
     return "MALLOC_MMAP_THRESHOLD_" in environ or "mmap_threshold" in environ.get("GLIBC_TUNABLES", "")
 
 
+@functools.lru_cache(maxsize=1)
 def _glibc():
     if not sys.platform.startswith("linux"):
         return None
