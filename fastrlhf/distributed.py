@@ -231,6 +231,9 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
 
         trim_heap_after_backward(model)  # before the update's large buffers: see fastrlhf.hostmem
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    from fastrlhf.zero_master import share_master_weights
+
+    share_master_weights(engine.optimizer)  # fp32 weights at ZeRO 1-2: no cloned master partition
     return engine
 
 

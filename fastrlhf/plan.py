@@ -4,9 +4,10 @@
 train`` run holds at its peak, by component, without loading a weight or importing torch:
 
 - **actor / critic** weights, gradients and optimizer states. DeepSpeed with a torch AdamW keeps
-  Adam's two moments in fp32 and an fp32 master copy of the weights: at ZeRO 1-2 always (a clone of
-  the rank's partition, even of fp32 weights), at ZeRO-3 unless the weights already are fp32 on the
-  device, at ZeRO-0 under ``deepspeed.bf16``. ZeRO 1 shards the optimizer states over the ranks,
+  Adam's two moments in fp32 and an fp32 master copy of the weights at ZeRO 1-3, unless the
+  weights already are fp32 on the device (ZeRO-3 steps them; at ZeRO 1-2 DeepSpeed clones the
+  rank's partition and :mod:`fastrlhf.zero_master` points the clone back at the weights), and at
+  ZeRO-0 under ``deepspeed.bf16``. ZeRO 1 shards the optimizer states over the ranks,
   2 also the gradients, 3 also the weights; ``offload_optimizer`` moves optimizer states and
   gradient partitions to host memory, ``offload_param`` the weights. LoRA (``model.lora_r > 0``):
   only the adapter (``r x (in + out)`` per adapted Linear) has gradients and optimizer states.

@@ -278,6 +278,8 @@ def test_vllm_on_a_cpu_holds_the_lm_head_pack_and_not_its_start_up_profile(small
     shape, V, h, inter = read_shape(small), 1000, 256, 700
     cpu = plan_memory(gpu_grpo(small, 2), 8, 16 * GiB, "cpu")  # fp32 on a CPU
     assert cpu.engine == "vllm"
+    # fp32 weights at ZeRO-2: Adam's two moments, sharded, and no master copy (fastrlhf.zero_master).
+    assert cpu.components["actor optimizer states"] == shape.causal_lm_params() * 8 // 8
     # The lookup reads the actor's own embedding at ZeRO 0-2 (VLLMEngine.share_input_embedding): the
     # packed LM head is the only [V, h] matrix of its own; at ZeRO-3 it holds an embedding as well.
     assert cpu.components["rollout weights"] == shape.causal_lm_params() * 4

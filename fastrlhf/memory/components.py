@@ -65,7 +65,9 @@ def optimizer_bytes_per_param(ds, w: int) -> int:
     """Adam's moments plus DeepSpeed's fp32 master copy (see the module docstring), per trained parameter."""
     if ds.zero_stage == 0 and ds.bf16 is not True:
         return 2 * w  # a plain torch AdamW: moments in the weights' dtype, no master copy
-    master = 0 if (ds.zero_stage == 3 and w == 4 and not ds.offload_optimizer) else 4
+    # fp32 weights on the device are their own master: ZeRO-3 steps them, and at ZeRO 1-2
+    # fastrlhf.zero_master points DeepSpeed's cloned partition back at them.
+    master = 0 if (w == 4 and not ds.offload_optimizer) else 4
     return 8 + master
 
 
