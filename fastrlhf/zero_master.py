@@ -11,7 +11,8 @@ then updates the model's weights in place, and the copy back, ``slice.copy_(mast
 same memory and returns (torch's ``copy_`` returns early when source and destination are the same
 view). Nothing else changes: the optimizer keeps the same ``Parameter`` objects (so its state and
 checkpoints are keyed and shaped as before), the all-gather reads the same slice, and DeepSpeed's
-links from each weight to its master fragment are rebuilt on the shared memory.
+links from each weight to its master fragment are rebuilt on the shared memory. Checkpoints save a
+copy of the partition, as ``torch.save`` would otherwise write the whole flat weights it is a view of.
 
 Left alone: CPU offload (the master lives on the host and the weights on the device), bf16 or fp16
 weights with fp32 masters, and ZeRO-0 and 3, which have no such copy.
@@ -47,4 +48,22 @@ def share_master_weights(optimizer) -> int:
         # Each weight's _hp_mapping holds a view of the old master (safe_get_full_fp32_param,
         # universal checkpoints); rebuilt, they point into the shared memory and the old one is freed.
         optimizer._link_all_hp_params()
+    if freed and hasattr(optimizer, "state_dict"):
+        _save_masters_alone(optimizer)
     return freed
+
+
+def _save_masters_alone(optimizer) -> None:
+    """The optimizer's state dict gets copies of the master partitions: ``torch.save`` writes a view's
+    whole storage, so the shared views would put all ranks' weights in every rank's optimizer file."""
+    from deepspeed.checkpoint.constants import SINGLE_PARTITION_OF_FP32_GROUPS
+
+    state_dict = optimizer.state_dict
+
+    def state_dict_with_own_masters():
+        out = state_dict()
+        if SINGLE_PARTITION_OF_FP32_GROUPS in out:
+            out[SINGLE_PARTITION_OF_FP32_GROUPS] = [t.clone() for t in out[SINGLE_PARTITION_OF_FP32_GROUPS]]
+        return out
+
+    optimizer.state_dict = state_dict_with_own_masters
