@@ -51,7 +51,7 @@ def _resident_bytes(ranges) -> int:
 def test_a_loaded_reference_leaves_the_rss_and_computes_the_same(tmp_path):
     model, logits = _frozen(save_tiny_qwen2(tmp_path / "m", seed=1, **KW) and tmp_path / "m")
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    pages = FilePages(model)
+    pages = FilePages(model, min_bytes=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # every weight is in the file mapping: all of it but the pages shared with a neighbour
     assert weight_bytes - len(params) * 2 * mmap.PAGESIZE <= pages.nbytes <= weight_bytes
@@ -71,7 +71,7 @@ def test_a_loaded_reference_leaves_the_rss_and_computes_the_same(tmp_path):
 def test_anonymous_weights_are_not_touched():
     model = make_tiny_qwen2(seed=1, **KW).eval()
     kept = {n: p.detach().clone() for n, p in model.named_parameters()}
-    pages = FilePages(model)
+    pages = FilePages(model, min_bytes=0)
     assert pages.ranges == [] and pages.release() == 0
     assert file_page_ranges([torch.randn(1 << 20)]) == []
     for name, p in model.named_parameters():
@@ -81,7 +81,7 @@ def test_anonymous_weights_are_not_touched():
 def test_a_mapping_with_a_written_page_is_left_alone(tmp_path):
     save_tiny_qwen2(tmp_path / "m", seed=1, **KW)
     model, _ = _frozen(tmp_path / "m")
-    pages = FilePages(model)
+    pages = FilePages(model, min_bytes=0)
     assert pages.nbytes > 0
     embed = model.get_input_embeddings().weight
     with torch.no_grad():
@@ -101,6 +101,7 @@ def test_the_rl_step_releases_the_reference_after_its_pass(tmp_path, monkeypatch
     from fastrlhf.rl.experience import build_experience
     from fastrlhf.rl.step import RLStep
 
+    monkeypatch.setattr(file_pages, "MIN_RELEASE_BYTES", 0)  # the tiny reference counts here
     released = []
     real = file_pages.FilePages.release
     monkeypatch.setattr(file_pages.FilePages, "release", lambda self: released.append(real(self)) or released[-1])
@@ -120,3 +121,16 @@ def test_the_rl_step_releases_the_reference_after_its_pass(tmp_path, monkeypatch
 
     rl.reference = None  # as for a LoRA actor: its reference is the actor with the adapter disabled
     assert rl.release_reference_pages() == 0 and len(released) == 2
+
+
+def test_a_reference_under_the_floor_is_never_scanned_again(tmp_path, monkeypatch):
+    """Releasing reads /proc/self/smaps (15-30 ms in a trainer): not worth it for a small reference."""
+    from fastrlhf import file_pages
+
+    model, _ = _frozen(save_tiny_qwen2(tmp_path / "m", seed=1, **KW) and tmp_path / "m")
+    whole = FilePages(model, min_bytes=0).nbytes
+    assert 0 < whole < file_pages.MIN_RELEASE_BYTES
+    monkeypatch.setattr(file_pages, "_clean_mappings", lambda wanted: pytest.fail("read smaps"))
+    pages = FilePages(model)
+    assert pages.ranges == [] and pages.release() == 0
+    assert FilePages(model, min_bytes=whole).ranges  # at the floor it is released
