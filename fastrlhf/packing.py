@@ -272,7 +272,8 @@ class PackedLayout:
         for rows in members.values():
             p = prompt_lens[rows[0]]
             if any(prompt_lens[b] != p for b in rows):
-                raise ValueError(f"sequences of one prompt group have prompts of {sorted({prompt_lens[b] for b in rows})} "
+                lengths = sorted({prompt_lens[b] for b in rows})
+                raise ValueError(f"sequences of one prompt group have prompts of {lengths} "
                                  "tokens: a shared prompt must be the same prompt")
             start = len(positions)
             positions += range(p)

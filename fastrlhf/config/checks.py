@@ -189,7 +189,8 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(t.vf_coef, "trainer.vf_coef", strict=False)
     _positive(t.tis_cap, "trainer.tis_cap")
     if t.share_prompts and not t.packing:
-        raise ConfigError("trainer.share_prompts", "needs trainer.packing: true (prompts are shared within a packed row)")
+        raise ConfigError("trainer.share_prompts",
+                          "needs trainer.packing: true (prompts are shared within a packed row)")
     if t.forward_micro_batch is not None and t.max_tokens_per_microbatch is not None:
         raise ConfigError("trainer.forward_micro_batch", "conflicts with trainer.max_tokens_per_microbatch, which "
                                                          "sizes the no-grad passes too; set one of them")
