@@ -376,7 +376,7 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     update = {"activations": C.activations(config, actor, micro, w)}
     free = budget - sum(trainer.values()) - sum(engine.values()) - update["activations"]
     update["fused loss"] = C.fused_loss(config, actor, micro, w, device, free if device == "cuda" else None)
-    step = {"optimizer step temporaries": C.optimizer_step_temporaries(ds, trained, w, gpus, device)}
+    step = {"optimizer step temporaries": C.optimizer_step_temporaries(ds, trained, gpus, device)}
     sync = {}
     if not shares_actor:  # fastrlhf.rollout.weight_sync: a bucket gathered (ZeRO-3) and/or converted at a time
         copies = (ds.zero_stage == 3) + (rollout_bytes != w)

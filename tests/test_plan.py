@@ -106,7 +106,7 @@ def test_qwen2_5_1_5b_zero2_on_8x80(tmp_path):
         "rollout working memory": 16384 * (3 * inter + 4 * h) * 2 + 3 * 1024 * V * 4,
         "activations": tokens * (28 * 2 * h + 2 * layer_act + 12 * h) + 8 * 1536 * 1536,
         "fused loss": chunk * V * 2 + V * h * (4 + 2) + 8 * 1024 * h * 2,
-        "optimizer step temporaries": P // 8 * 8,  # the rank's gradient partition in fp32 + AdamW's denominator
+        "optimizer step temporaries": P // 8 * 4,  # the rank's gradient partition in fp32 (fused AdamW: no more)
         "CUDA context": GiB,
     }
     assert chunk == 1728
@@ -141,7 +141,7 @@ def seven_b_expected(offload: bool):
         "CUDA context": GiB,
     }
     sharded = {"actor weights": P * 2 // 8, "actor gradients": P * 2 // 8, "actor optimizer states": P * 12 // 8,
-               "reference weights": P * 2 // 8, "optimizer step temporaries": P // 8 * 8}
+               "reference weights": P * 2 // 8, "optimizer step temporaries": P // 8 * 4}
     if not offload:
         return {**sharded, **device}, {}
     host = {"actor weights": P * 2 // 8, "actor optimizer states": P * 12 // 8, "actor gradients": P * 4 // 8,

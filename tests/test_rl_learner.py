@@ -40,3 +40,42 @@ def test_a_cpu_engine_trims_the_heap_when_its_backward_reaches_the_embeddings(mo
     ids = torch.randint(0, 64, (2, 5))
     as_learner(engine).backward(engine(input_ids=ids, labels=ids).loss)
     assert trims == [1]
+
+
+def test_guarded_adamw_takes_the_fused_step_where_torch_has_one_and_updates_as_the_default():
+    from fastrlhf.guards import GuardedAdamW
+
+    torch.manual_seed(0)
+    weights = [torch.randn(33, 7), torch.randn(5)]
+    fused_params = [torch.nn.Parameter(w.clone()) for w in weights]
+    plain_params = [torch.nn.Parameter(w.clone()) for w in weights]
+    fused = GuardedAdamW(fused_params, lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(plain_params, lr=1e-2, weight_decay=0.1)
+    assert fused.defaults["fused"] is True and not plain.defaults.get("fused")
+    for _ in range(4):
+        grads = [torch.randn_like(w) for w in weights]
+        for p, q, g in zip(fused_params, plain_params, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        fused.step()
+        plain.step()
+    for p, q in zip(fused_params, plain_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    # No fused kernel for meta tensors (torch would only fail at the first step): the default step.
+    assert GuardedAdamW([torch.nn.Parameter(torch.empty(3, device="meta"))], lr=1e-3).defaults["fused"] is False
+    assert GuardedAdamW(fused_params, lr=1e-3, foreach=True).defaults["fused"] is None
+
+
+def test_zero2_engine_steps_with_the_fused_adamw():
+    from fastrlhf.guards import GuardedAdamW
+
+    D.init_distributed(timeout_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    engine = D.build_train_engine(model, DeepSpeedConfig(zero_stage=2), lr=1e-3)
+    inner = engine.optimizer.optimizer
+    assert isinstance(inner, GuardedAdamW) and inner.defaults["fused"] is True
+    before = [p.detach().clone() for p in model.parameters()]
+    learner = as_learner(engine)
+    learner.backward((engine(torch.randn(8, 4)) ** 2).sum())
+    assert learner.step()
+    assert all(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters(), strict=True))

@@ -116,21 +116,18 @@ def zero_buffers(config, trained_counts: list[int], shapes: list[ModelShape], w:
     return total
 
 
-def optimizer_step_temporaries(ds, trained_counts: list[int], w: int, gpus: int, device: str) -> int:
+def optimizer_step_temporaries(ds, trained_counts: list[int], gpus: int, device: str) -> int:
     """The optimizer step's transient memory, for the larger trained engine (actor and critic step in
-    turn): ZeRO 1-3 flatten the rank's gradient partition into fp32 (per ``sub_group_size`` at ZeRO-3),
-    and torch's AdamW makes a denominator of the same size; ZeRO-0 only the denominator, in the
-    weights' dtype. Offloaded optimizer states step on the host."""
-    if ds.offload_optimizer and ds.zero_stage >= 1 and device == "cuda":
+    turn): ZeRO 1-3 flatten the rank's gradient partition into fp32 (per ``sub_group_size`` at ZeRO-3).
+    The AdamW step itself is torch's fused kernel (``fastrlhf.guards.GuardedAdamW``), which makes no
+    full-size temporary, so ZeRO-0 adds nothing. Offloaded optimizer states step on the host."""
+    if ds.zero_stage == 0 or (ds.offload_optimizer and device == "cuda"):
         return 0
     z = (ds.extra or {}).get("zero_optimization", {}) if isinstance(ds.extra, dict) else {}
-    largest = max(trained_counts)
-    if ds.zero_stage == 0:
-        return largest * w
-    shard = largest // gpus
+    shard = max(trained_counts) // gpus
     if ds.zero_stage == 3:
         shard = min(shard, int(z.get("sub_group_size", 1e9)))
-    return shard * 8
+    return shard * 4
 
 
 def update_micro_batch(config, micro: int) -> tuple[int, int, int]:
