@@ -119,8 +119,8 @@ class GuardedAdamW(torch.optim.AdamW):
 
     It steps with torch's fused kernel (``fused=True``) wherever torch has one for the parameters'
     device (CPU and CUDA): one pass over each parameter, gradient and moment, where the default
-    single-tensor step makes a dozen full-size passes and temporaries (0.04 s against 0.23 s for
-    a 25M-element ZeRO partition on one CPU thread; the same updates). Elsewhere (e.g. ``meta``
+    single-tensor step makes a dozen full-size passes and temporaries (measured in
+    ``benchmarks/results/history/2026-11-25-workload-c-fused-adamw.md``). Elsewhere (e.g. ``meta``
     tensors) it takes the default step. ``fused=`` or ``foreach=`` given explicitly is kept.
     """
 
