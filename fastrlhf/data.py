@@ -541,3 +541,22 @@ def shard(items: list, rank: int, world_size: int) -> list:
         raise ValueError(f"a batch of {len(items)} does not split evenly over {world_size} ranks")
     per = len(items) // world_size
     return items[rank * per:(rank + 1) * per]
+
+
+def balanced_shard(items: list, lengths: list[int], rank: int, world_size: int) -> list:
+    """This rank's share of a global batch, as many items as every other rank's, dealt so that the
+    ranks' token counts (``lengths``, one per item) are even: longest first, each to the rank with the
+    fewest tokens so far among those with room. The step's collectives wait for the rank with the most
+    tokens, and a contiguous slice can hand one rank all the long prompts. Every rank computes the
+    same deal from the same batch; a rank's items keep their sampled order."""
+    if len(items) % world_size:
+        raise ValueError(f"a batch of {len(items)} does not split evenly over {world_size} ranks")
+    if len(lengths) != len(items):
+        raise ValueError(f"{len(lengths)} lengths for a batch of {len(items)}")
+    per = len(items) // world_size
+    tokens, dealt = [0] * world_size, [[] for _ in range(world_size)]
+    for i in sorted(range(len(items)), key=lambda i: (-lengths[i], i)):
+        to = min((r for r in range(world_size) if len(dealt[r]) < per), key=lambda r: (tokens[r], r))
+        tokens[to] += lengths[i]
+        dealt[to].append(i)
+    return [items[i] for i in sorted(dealt[rank])]

@@ -16,7 +16,7 @@ import torch
 from fastrlhf import comm
 from fastrlhf import distributed as D
 from fastrlhf.config import check_world_size, config_to_dict
-from fastrlhf.data import EpochSampler, shard
+from fastrlhf.data import EpochSampler, balanced_shard, shard
 from fastrlhf.distributed import build_train_engine
 from fastrlhf.guards import StepGuard
 from fastrlhf.loop import resume_step, run_steps
@@ -83,6 +83,17 @@ def micro_batches(job: SupervisedJob, batch: list, micro: int, max_tokens: int |
     return micro_batch_plan([parts], micro, max_tokens, packed, job.rows_per_item)[0]
 
 
+def rank_examples(job: SupervisedJob, indices: list[int], balance: bool, rank: int, world: int) -> list:
+    """This rank's examples of a step's sampled ``indices``: dealt by their real tokens
+    (``trainer.balance_ranks``; :func:`fastrlhf.data.balanced_shard`), else a contiguous slice."""
+    if balance and job.token_parts is not None:
+        lengths = [sum(job.token_parts(job.examples[j], True)) for j in indices]
+        indices = balanced_shard(indices, lengths, rank, world)
+    else:
+        indices = shard(indices, rank, world)
+    return [job.examples[j] for j in indices]
+
+
 def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
     """Train ``job`` for ``config.trainer.max_steps`` optimizer steps; returns the last step's metrics."""
     t = config.trainer
@@ -107,7 +118,7 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
 
     def one_step(step: int) -> dict:
         started = time.perf_counter()
-        batch = [job.examples[j] for j in shard(sampler.next_indices(t.batch_size), D.rank(), world)]
+        batch = rank_examples(job, sampler.next_indices(t.batch_size), t.balance_ranks, D.rank(), world)
         scale = 1.0 / max(sum(job.weight_of(e) for e in batch), 1e-12)
         groups = micro_batches(job, batch, micro, t.max_tokens_per_microbatch, t.packing)
         sums: dict = {}

@@ -601,3 +601,15 @@ def test_an_engine_that_dropped_its_weights_at_sleep_is_synced_even_after_a_skip
         rl.scorer = FixedScorer(SCORES)
         rl(PROMPTS, None, step=1)  # the next step generates (the engine asserts it was synced)
         assert engine.calls[len(calls):] == ["generate", "sleep", "update_weights"]
+
+
+def test_rank_prompts_deals_by_prompt_length_unless_switched_off():
+    from fastrlhf.data import PromptExample
+    from fastrlhf.rl.trainer import rank_prompts
+
+    examples = [PromptExample(prompt_ids=[1] * n, meta={"i": i}) for i, n in enumerate([236, 233, 30, 39, 7])]
+    step = [0, 1, 2, 3]  # the sampled order: a contiguous slice gives rank 0 both long prompts
+    dealt = [[e.meta["i"] for e in rank_prompts(examples, step, True, r, 2)] for r in range(2)]
+    assert dealt == [[0, 2], [1, 3]]
+    sliced = [[e.meta["i"] for e in rank_prompts(examples, step, False, r, 2)] for r in range(2)]
+    assert sliced == [[0, 1], [2, 3]]

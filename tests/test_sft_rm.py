@@ -407,3 +407,17 @@ def test_export_saves_the_model_own_weights_without_building_a_second_model(tmp_
     want = model.state_dict()
     for name, tensor in reloaded.state_dict().items():
         assert torch.equal(tensor, want[name]), name
+
+
+def test_rank_examples_deals_by_real_tokens_unless_switched_off():
+    from fastrlhf.data import SFTExample
+    from fastrlhf.sft import sft_token_parts
+    from fastrlhf.supervised import SupervisedJob, rank_examples
+
+    examples = [SFTExample(prompt_ids=[1] * p, response_ids=[2] * r) for p, r in [(200, 90), (10, 270), (5, 5), (8, 9)]]
+    job = SupervisedJob(examples, torch.nn.Linear(1, 1), loss_fn=None, token_parts=sft_token_parts)
+    dealt = [rank_examples(job, [0, 1, 2, 3], True, r, 2) for r in range(2)]
+    assert dealt == [[examples[0], examples[2]], [examples[1], examples[3]]]  # 300 and 297 tokens
+    assert rank_examples(job, [0, 1, 2, 3], False, 0, 2) == examples[:2]  # 570 against 27
+    without_counts = SupervisedJob(examples, torch.nn.Linear(1, 1), loss_fn=None)
+    assert rank_examples(without_counts, [0, 1, 2, 3], True, 0, 2) == examples[:2]

@@ -145,6 +145,10 @@ class LoopConfig:
     # in every forward/backward, instead of a fixed count of sequences; the loss is the same. null: by count
     max_tokens_per_microbatch: int | None = None
     packing: bool = False  # true: a micro-batch's sequences end to end in one row, no padding (same loss)
+    # Deal each step's batch to the ranks by length (prompt tokens in RL, sequence tokens in SFT/RM), as many
+    # items on every rank, so that no rank waits at each collective for one that drew all the long ones.
+    # false: contiguous slices in sampled order
+    balance_ranks: bool = True
     save_every: int = 0
     keep_checkpoints: int = 0  # 0 keeps all
     max_skipped_steps: int = 3

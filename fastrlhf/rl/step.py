@@ -25,7 +25,9 @@ max_new_tokens), kl (rollout KL of the old policy to the reference), entropy,
 rollout_entropy, policy_loss, value_loss, clipfrac, approx_kl, logprob_mismatch_mean/max (|actor
 recomputed - engine|), tis_weight_mean, advantage_mean, grad_norm, generated_tokens,
 tokens_per_second, time/generate, time/score, time/reward, time/train, time/sync, step_time,
-sync_bytes, skipped (this step) and skipped_steps (total).
+sync_bytes, skipped (this step) and skipped_steps (total), rank_tokens and rank_tokens_max (real
+prompt + completion tokens of a rank's batch, mean and largest: every collective waits for the largest;
+``trainer.balance_ranks`` deals the prompts so that they stay close).
 """
 
 from __future__ import annotations
@@ -118,8 +120,10 @@ class RLStep:
                 exp = build_experience(prompts, completions, self.pad_token_id, self.device)
                 exp.scores = self.score(exp, prompts, completions, metas)
             truncated = [c.finish_reason == "length" for samples in completions for c in samples]
+            rank_tokens = float(sum(p + c for p, c in exp.token_parts()))  # what this rank's passes cost
             prep = {**getattr(self.scorer, "metrics", {}), **self.logprobs_and_values(exp),
-                    "truncated_fraction": sum(truncated) / max(len(truncated), 1)}
+                    "truncated_fraction": sum(truncated) / max(len(truncated), 1),
+                    "rank_tokens": rank_tokens, "rank_tokens_max": rank_tokens}
             estimator = ADV_ESTIMATORS[ADV_ESTIMATOR_OF[self.config.algorithm]]
             exp.advantages, exp.returns = estimator(exp, self.config.trainer)
             prep["advantage_mean"] = float(masked_mean(exp.advantages, exp.response_mask))

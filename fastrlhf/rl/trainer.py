@@ -331,11 +331,23 @@ def build_validator(config, eval_examples, rl_step, tokenizer):
                      world=D.world_size(), output_dir=config.output_dir, tokenizer=tokenizer)
 
 
+def rank_prompts(examples: list, indices: list[int], balance: bool, rank: int, world: int) -> list:
+    """This rank's prompts of a step's sampled ``indices``: dealt by prompt length
+    (``trainer.balance_ranks``; :func:`fastrlhf.data.balanced_shard`), else a contiguous slice."""
+    from fastrlhf.data import balanced_shard, shard
+
+    if balance:
+        indices = balanced_shard(indices, [len(examples[i].prompt_ids) for i in indices], rank, world)
+    else:
+        indices = shard(indices, rank, world)
+    return [examples[i] for i in indices]
+
+
 def run(config, resume: bool = False) -> dict:
     """Train for ``trainer.max_steps`` steps; returns the last step's metrics (collective)."""
     from fastrlhf import distributed as D
     from fastrlhf.config import config_to_dict
-    from fastrlhf.data import EpochSampler, shard
+    from fastrlhf.data import EpochSampler
     from fastrlhf.guards import StepFailed, StepGuard
     from fastrlhf.loop import resume_step, run_steps
     from fastrlhf.metrics import MetricsLogger
@@ -378,8 +390,8 @@ def run(config, resume: bool = False) -> dict:
     def one_step(step: int) -> dict:
         started = time.perf_counter()
         position = sampler.state_dict()
-        local = shard(sampler.next_indices(t.prompts_per_step), D.rank(), D.world_size())
-        batch = [examples[i] for i in local]
+        batch = rank_prompts(examples, sampler.next_indices(t.prompts_per_step), t.balance_ranks, D.rank(),
+                             D.world_size())
         try:
             metrics = rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step)
         except StepFailed:
