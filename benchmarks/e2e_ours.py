@@ -129,6 +129,9 @@ def main(spec: dict) -> dict:
             "entropy": r.get("entropy", 0.0),
             "mean_completion_len": r.get("mean_response_length", 0.0),
             "truncated_fraction": r.get("truncated_fraction", 0.0),
+            # Real tokens of a rank's batch, mean and largest over the ranks (trainer.balance_ranks).
+            "rank_tokens_mean": r.get("rank_tokens", 0.0),
+            "rank_tokens_max": r.get("rank_tokens_max", 0.0),
         })
     return {
         "trainer": "fastrlhf", "engine": engine_kind.get("kind"), "num_params": engine_kind.get("num_params"),

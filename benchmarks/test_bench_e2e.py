@@ -18,7 +18,8 @@ Workload **C** (issue #17; ``test_e2e_workload_c``): a 50.7M-parameter Qwen2 (GQ
 tied embeddings, vocabulary 151,936), 2 ranks of 1 thread each, 4 prompts of 16-256 tokens x 4
 completions of up to 256 tokens ending at a sampled EOS, reward preferring 32-128 tokens. Three runs
 side by side, one after the other: ours **padded** (the defaults: ZeRO-2, vLLM engine, KV cache
-sized by the plan, one micro-batch of the rank's 8 sequences padded; ``model.gradient_checkpointing``
+sized by the plan, prompts dealt to the ranks by length (``trainer.balance_ranks``), one micro-batch
+of the rank's 8 sequences padded; ``model.gradient_checkpointing``
 in all three runs of ours, as TRL's run has it by default), ours **packed** (the same plus
 ``trainer.packing: true`` and ``trainer.max_tokens_per_microbatch: 4096``: one row per rank, see
 ``PACKED_BUDGET``), ours **shared** (packed, plus ``trainer.share_prompts: true``: a prompt once
