@@ -20,24 +20,24 @@ def test_short_demo_reward_rises_and_report_is_written(tmp_path):
         progress=False,
         pretrain_set=["trainer.max_steps=500"],
         # Fewer, larger steps than the demo's defaults, and a higher lr: the reward must move within the test.
-        rl_set=["trainer.max_steps=30", "trainer.lr=6e-4", "trainer.warmup_steps=3", "trainer.save_every=0",
+        rl_set=["trainer.max_steps=60", "trainer.lr=6e-4", "trainer.warmup_steps=3", "trainer.save_every=0",
                 "eval.stop_at=null", "eval.every=10"],
     )
     report = run_demo(opts)
     run_dir = workdir / "grpo-rule"
 
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert [r["step"] for r in records] == list(range(31))  # step 0: validation before training
+    assert [r["step"] for r in records] == list(range(61))  # step 0: validation before training
     rewards = [r["reward_mean"] for r in records[1:]]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    # How far 30 steps get depends on the sampled trajectory, which any change of the update's
-    # floating-point order moves (spread over RL seeds: benchmarks/results/history/
-    # 2026-11-25-workload-c-fused-adamw.md). 0.05 is about twice the noise of a 5-step mean of 256 rewards.
-    assert last > first + 0.05, rewards
+    # 60 steps, not 30: after 30, whether the reward had risen at all depended on the sampled trajectory,
+    # which any change of the split over ranks or of the update's floating-point order moves. The spread
+    # over RL seeds at 30 and 60 steps: benchmarks/results/history/2026-11-25-demo-test-steps.md.
+    assert last > first + 0.1, rewards
     assert report["accuracy_after"] > report["accuracy_before"], report
     # Validation every 10 steps, per requested script, on prompts that are neither RL nor test prompts.
     validated = [r for r in records if "eval/reward_mean" in r]
-    assert [r["step"] for r in validated] == [0, 10, 20, 30]
+    assert [r["step"] for r in validated] == [0, 10, 20, 30, 40, 50, 60]
     for r in validated:
         per_script = [r[f"eval/reward_mean/{s}"] for s in task.SCRIPTS]
         assert min(per_script) <= r["eval/reward_mean"] <= max(per_script), r
@@ -48,7 +48,7 @@ def test_short_demo_reward_rises_and_report_is_written(tmp_path):
                 "samples_after"):
         assert key in saved, key
     assert set(saved["wall_time"]) >= {"generate", "score", "train", "sync"}
-    assert saved["steps"] == 30
+    assert saved["steps"] == 60
     text = (run_dir / "report.md").read_text()
     assert "accuracy" in text and "Per prefix after RL (digits / lower / upper): " in text
     assert "## Validation during RL" in text
