@@ -547,8 +547,10 @@ def balanced_shard(items: list, lengths: list[int], rank: int, world_size: int) 
     """This rank's share of a global batch, as many items as every other rank's, dealt so that the
     ranks' token counts (``lengths``, one per item) are even: longest first, each to the rank with the
     fewest tokens so far among those with room. The step's collectives wait for the rank with the most
-    tokens, and a contiguous slice can hand one rank all the long prompts. Every rank computes the
-    same deal from the same batch; a rank's items keep their sampled order."""
+    tokens, and a contiguous slice can hand one rank all the long prompts. Where the deal would not
+    lower the largest rank's tokens (equal lengths, or slices already even) the contiguous slices are
+    kept: a different split changes which rank's engine samples which prompt, and nothing else.
+    Every rank computes the same result from the same batch; a rank's items keep their sampled order."""
     if len(items) % world_size:
         raise ValueError(f"a batch of {len(items)} does not split evenly over {world_size} ranks")
     if len(lengths) != len(items):
@@ -559,4 +561,7 @@ def balanced_shard(items: list, lengths: list[int], rank: int, world_size: int) 
         to = min((r for r in range(world_size) if len(dealt[r]) < per), key=lambda r: (tokens[r], r))
         tokens[to] += lengths[i]
         dealt[to].append(i)
+    sliced = max(sum(lengths[r * per:(r + 1) * per]) for r in range(world_size))
+    if max(tokens) >= sliced:
+        return shard(items, rank, world_size)
     return [items[i] for i in sorted(dealt[rank])]
