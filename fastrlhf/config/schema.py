@@ -146,8 +146,8 @@ class LoopConfig:
     max_tokens_per_microbatch: int | None = None
     packing: bool = False  # true: a micro-batch's sequences end to end in one row, no padding (same loss)
     # Deal each step's batch to the ranks by length (prompt tokens in RL, sequence tokens in SFT/RM), as many
-    # items on every rank, so that no rank waits at each collective for one that drew all the long ones.
-    # false: contiguous slices in sampled order
+    # items on every rank, so that no rank waits at each collective for one that drew all the long ones;
+    # where that would not lower the largest rank's tokens, and with false: contiguous slices in sampled order
     balance_ranks: bool = True
     save_every: int = 0
     keep_checkpoints: int = 0  # 0 keeps all
