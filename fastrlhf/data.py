@@ -551,17 +551,15 @@ def balanced_shard(items: list, lengths: list[int], rank: int, world_size: int) 
     lower the largest rank's tokens (equal lengths, or slices already even) the contiguous slices are
     kept: a different split changes which rank's engine samples which prompt, and nothing else.
     Every rank computes the same result from the same batch; a rank's items keep their sampled order."""
-    if len(items) % world_size:
-        raise ValueError(f"a batch of {len(items)} does not split evenly over {world_size} ranks")
     if len(lengths) != len(items):
         raise ValueError(f"{len(lengths)} lengths for a batch of {len(items)}")
+    sliced = max(sum(shard(lengths, r, world_size)) for r in range(world_size))  # also checks the split
     per = len(items) // world_size
     tokens, dealt = [0] * world_size, [[] for _ in range(world_size)]
     for i in sorted(range(len(items)), key=lambda i: (-lengths[i], i)):
         to = min((r for r in range(world_size) if len(dealt[r]) < per), key=lambda r: (tokens[r], r))
         tokens[to] += lengths[i]
         dealt[to].append(i)
-    sliced = max(sum(lengths[r * per:(r + 1) * per]) for r in range(world_size))
     if max(tokens) >= sliced:
         return shard(items, rank, world_size)
     return [items[i] for i in sorted(dealt[rank])]
