@@ -105,7 +105,7 @@ class RolloutConfig:
     # Stop the run when the actor's logprobs of the engine's tokens differ from the engine's by more than this
     # (mean |difference|, nats): the engine is generating with other weights (checked without top-k/top-p)
     max_logprob_mismatch: float | None = 0.5
-    mismatch_probe: int = 2  # sequences per rank re-scored by the actor when the old-logprob pass is skipped
+    mismatch_probe: int = 2  # shortest sequences per rank re-scored by the actor when the old-logprob pass is skipped
 
 
 @dataclass(frozen=True)

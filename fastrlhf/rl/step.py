@@ -193,8 +193,8 @@ class RLStep:
         On-policy (:func:`skips_old_logprobs`) the old logprobs stay None: the update takes its own,
         detached, and the rollout ``kl`` / ``rollout_entropy`` come from the update instead (same
         parameters, same tokens: the same values). ``logprob_mismatch_*`` (actor vs engine) is logged
-        every step: over the batch when the old logprobs are recomputed, else over a probe of
-        ``rollout.mismatch_probe`` sequences; :meth:`check_engine_weights` stops a stale engine.
+        every step: over the batch when the old logprobs are recomputed, else over a probe of the
+        ``rollout.mismatch_probe`` shortest sequences; :meth:`check_engine_weights` stops a stale engine.
         """
         t, mask = self.config.trainer, exp.response_mask
         micro = t.forward_micro_batch or micro_batch_size(self.config, self.world)
@@ -208,7 +208,7 @@ class RLStep:
             metrics.update(_mismatch(exp.old_logprobs, exp.engine_logprobs, mask),
                            rollout_entropy=float(masked_mean(old_entropy, mask)))
         else:
-            probe = exp.select(slice(0, min(self.config.rollout.mismatch_probe, exp.batch_size)))
+            probe = exp.select(probe_rows(exp.token_parts(), self.config.rollout.mismatch_probe))
             actor_logprobs, _ = sequence_logprobs(self.actor.module, probe, groups=self.forward_groups(probe, micro),
                                                   **lp_kwargs)
             metrics.update(_mismatch(actor_logprobs, probe.engine_logprobs, probe.response_mask))
@@ -348,6 +348,13 @@ class RLStep:
                        skipped=float(skipped), skipped_steps=float(self.guard.skipped_total),
                        mean_response_length=total[3] / max(1, exp.batch_size * self.world))
         return metrics
+
+
+def probe_rows(token_parts: list[tuple[int, int]], k: int) -> list[int]:
+    """The ``k`` rows that are cheapest to re-score (fewest prompt + completion tokens), in batch order.
+    Rows with no completion token come last: they would show no mismatch at all."""
+    cheapest = sorted(range(len(token_parts)), key=lambda i: (token_parts[i][1] == 0, sum(token_parts[i])))
+    return sorted(cheapest[:k])
 
 
 def _mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
