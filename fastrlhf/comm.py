@@ -22,6 +22,7 @@ import torch.distributed as dist
 from fastrlhf.distributed import local_rank
 
 __all__ = [
+    "all_ranks_flag",
     "all_ranks_true",
     "all_reduce_",
     "any_rank_true",
@@ -107,6 +108,12 @@ def _flag(flag) -> torch.Tensor:
     return torch.tensor(1 if flag else 0, dtype=torch.int32)
 
 
+def all_ranks_flag(flag) -> torch.Tensor:
+    """``flag`` AND-ed over ranks as a 0-dim int32 tensor where ``flag`` lives: no host read (a
+    collective when distributed; on NCCL it stays on the device)."""
+    return all_reduce_(_flag(flag).clone(), "min")
+
+
 def any_rank_true(flag) -> bool:
     """``flag`` (a bool, or a 0-dim tensor on any device) OR-ed over ranks; collective when distributed."""
     return bool(all_reduce_(_flag(flag).clone(), "max").item())
@@ -114,7 +121,7 @@ def any_rank_true(flag) -> bool:
 
 def all_ranks_true(flag) -> bool:
     """``flag`` AND-ed over ranks, so every rank takes the same branch; collective when distributed."""
-    return bool(all_reduce_(_flag(flag).clone(), "min").item())
+    return bool(all_ranks_flag(flag).item())
 
 
 def gather_bytes(data: bytes) -> list[bytes]:

@@ -3,8 +3,10 @@
 The protocol, shared by the RL step and the supervised (SFT, RM) loop::
 
     guard.inputs_ok(*tensors)    # RL, before the update: anything non-finite it would consume skips the step
-    guard.loss_ok(loss)          # each micro-batch, before backward
+    guard.note_loss(loss)        # each micro-batch, before backward: a device flag, no host read
+    guard.carry(metrics)         # device values the host wants after this optimizer step
     optimizer.step()             # GuardedAdamW (or TorchLearner) asks guard.should_skip(grads_finite)
+    guard.carried()              # the carried values, as floats
     skipped = guard.end_step()   # closes the step: counted, reported in the metrics
     guard.check_budget(step)     # the loop, after logging: raises TooManySkippedSteps after too many
 
@@ -12,6 +14,10 @@ Every question is answered for all ranks together (one tiny collective), so rank
 different branches. The final decision is taken inside the optimizer because that is the one place
 that sees the reduced, clipped, possibly partitioned gradients under every ZeRO stage: a skipped
 update leaves parameters and optimizer moments untouched and drops the gradients.
+
+That decision is the update's one host read per optimizer step (on a GPU each read waits for the
+queued kernels): the losses' flags, the gradients' flag, the gradient norm and whatever metrics were
+carried come to the host in one transfer (:func:`fastrlhf.device.host_read`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from fastrlhf import comm
+from fastrlhf.device import host_read, to_device
 
 __all__ = ["StepGuard", "GuardedAdamW", "StepFailed", "TooManySkippedSteps", "all_finite"]
 
@@ -48,6 +55,9 @@ class StepGuard:
         self.skipped_total = 0
         self.skipped_in_row = 0
         self.update_skipped = False  # this step's update is (being) skipped, on every rank
+        self._losses_finite: torch.Tensor | None = None  # the losses noted since the last decision
+        self._carry: dict[str, torch.Tensor | float] = {}
+        self._carried: dict[str, float] = {}
 
     def inputs_ok(self, *tensors: torch.Tensor) -> bool:
         """Whether every tensor is finite on every rank; if not, this step's update is skipped."""
@@ -55,20 +65,62 @@ class StepGuard:
         self.update_skipped |= not ok
         return ok
 
-    def loss_ok(self, loss: torch.Tensor) -> bool:
-        """Whether this micro-batch's loss is finite on every rank; if not, the optimizer step that
-        closes the minibatch drops its gradients (backward and step still run, so DeepSpeed's
-        accumulation counters and ZeRO's reductions stay in step on every rank)."""
-        return self.inputs_ok(loss)
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, judged at the optimizer step that closes its minibatch: a non-finite
+        one on any rank makes that step drop its gradients (backward and step still run, so
+        DeepSpeed's accumulation counters and ZeRO's reductions stay in step on every rank). Kept as
+        a flag on the loss's device: no host read here."""
+        ok = torch.isfinite(loss.detach()).all()
+        self._losses_finite = ok if self._losses_finite is None else self._losses_finite & ok
+
+    def carry(self, values: dict) -> None:
+        """Values (device tensors or floats) the host needs once this optimizer step is decided: they
+        come to the host with the decision, in its one read; :meth:`carried` gives them as floats."""
+        self._carry.update(values)
+
+    def carried(self) -> dict[str, float]:
+        """The values carried into the last decision, as floats. Carried values that no decision has
+        read yet (a step that never reached the guard) are read now, in one named read."""
+        if self._carry:
+            self._carried = self._read(None, "the step's metrics (no guard decision read them)")[1]
+        return dict(self._carried)
 
     def should_skip(self, grads_finite) -> bool:
-        """The optimizer's question at a step boundary (``grads_finite``: a bool or a 0-dim tensor)."""
-        skip = not comm.all_ranks_true(grads_finite) or self.update_skipped
+        """The optimizer's question at a step boundary (``grads_finite``: a bool or a 0-dim tensor):
+        whether the gradients and every loss noted since the last decision are finite on every rank."""
+        flag = grads_finite if isinstance(grads_finite, torch.Tensor) else torch.tensor(bool(grads_finite))
+        if self._losses_finite is not None:
+            flag = self._losses_finite & flag
+        self._losses_finite = None
+        ok, self._carried = self._read(comm.all_ranks_flag(flag), "the optimizer step's skip decision and metrics")
+        skip = not ok or self.update_skipped
         self.update_skipped = skip
         return skip
 
+    def settle(self, grads_finite=True) -> None:
+        """Decide now if a loss or carried values wait for a decision that no optimizer step asked for
+        (DeepSpeed skips its optimizer itself on a non-finite gradient norm): a noted non-finite loss
+        is never dropped unseen."""
+        if self._losses_finite is not None or self._carry:
+            self.should_skip(grads_finite)
+
+    def _read(self, flag: torch.Tensor | None, name: str) -> tuple[bool, dict[str, float]]:
+        """``flag`` and the carried values in one device-to-host transfer."""
+        carry, self._carry = self._carry, {}
+        tensors = {k: v for k, v in carry.items() if isinstance(v, torch.Tensor)}
+        parts = ([flag] if flag is not None else []) + list(tensors.values())
+        values = []
+        if parts:
+            device = parts[0].device
+            with host_read(name):
+                values = torch.stack([to_device(t.detach().reshape(()), device).double() for t in parts]).tolist()
+        ok = bool(values.pop(0)) if flag is not None else True
+        read = dict(zip(tensors, values, strict=True))
+        return ok, {k: read[k] if k in read else float(v) for k, v in carry.items()}
+
     def end_step(self) -> bool:
         """Close a training step; returns True if its update was skipped."""
+        self.settle()
         skipped, self.update_skipped = self.update_skipped, False
         if skipped:
             self.skipped_total += 1
@@ -116,6 +168,9 @@ class GuardedAdamW(torch.optim.AdamW):
 
     With ``max_grad_norm`` set it also clips, and keeps the pre-clip norm in ``_global_grad_norm``,
     where DeepSpeed's engine looks for it (``get_global_grad_norm``); see ``build_train_engine``.
+    Otherwise ``norm_source()`` (set by ``build_train_engine``) gives the norm DeepSpeed computed
+    before calling this step. The norm is carried into the guard's decision (a device tensor, read
+    with it), never read on its own.
 
     It steps with torch's fused kernel (``fused=True``) wherever torch has one for the parameters'
     device (CPU and CUDA): one pass over each parameter, gradient and moment, where the default
@@ -131,13 +186,19 @@ class GuardedAdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs)
         self.guard = guard
         self.max_grad_norm = max_grad_norm
+        self.norm_source = None
 
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"]]
+        norm = None
         if self.max_grad_norm is not None:
             with_grad = [p for p in params if p.grad is not None]
-            self._global_grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm))
+            norm = self._global_grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm)
+        elif self.norm_source is not None:
+            norm = self.norm_source()
+        if self.guard is not None and norm is not None:
+            self.guard.carry({"grad_norm": norm})
         if self.guard is not None and self.guard.should_skip(grads_finite(params)):
             for p in params:
                 p.grad = None

@@ -35,12 +35,15 @@ from dataclasses import dataclass
 
 import torch
 
+from fastrlhf.device import to_device
+
 __all__ = [
     "PackedLayout",
     "agree_group_counts",
     "fixed_count_groups",
     "group_cost",
     "micro_batch_plan",
+    "padded_causal_mask",
     "split_to_count",
     "token_budget_groups",
 ]
@@ -191,6 +194,16 @@ def micro_batch_plan(parts_of: Sequence[Sequence[Sequence[int]]], micro_batch: i
     return agree_group_counts(plans, parts_of)
 
 
+def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, L, L]`` bool (True: attend) of right- or left-padded rows: causal, padding keys masked.
+    A padding query attends to itself, so that no row is empty (its output is never read)."""
+    length = attention_mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
+    eye = torch.eye(length, dtype=torch.bool, device=attention_mask.device)
+    return (causal & attention_mask.bool()[:, None, None, :]) | eye
+
+
+
 @dataclass
 class PackedLayout:
     """B sequences (prompt of ``prompt_lens[b]`` tokens, then completion of ``completion_lens[b]``)
@@ -246,13 +259,12 @@ class PackedLayout:
         if prompt_width is not None:
             width = int(prompt_width) + T
             source = seq * width + (int(prompt_width) - p)[seq] + within
+        # Built on the host from the host lengths, then moved in one place (fastrlhf.device).
         return cls(
             prompt_lens=prompt_lens, completion_lens=completion_lens, response_width=T,
-            position_ids=within.view(1, N).to(device),
-            hidden_index=(starts[resp_seq] + p[resp_seq] - 1 + t).to(device),
-            token_index=(resp_seq * T + t).to(device),
-            last_index=(starts + lengths - 1).to(device),
-            source_index=None if source is None else source.to(device),
+            **to_device(dict(position_ids=within.view(1, N), hidden_index=starts[resp_seq] + p[resp_seq] - 1 + t,
+                             token_index=resp_seq * T + t, last_index=starts + lengths - 1, source_index=source),
+                        device),
         )
 
     @classmethod
@@ -294,7 +306,7 @@ class PackedLayout:
                     segments.append((at, at + n, start, start + p))
 
         def long(values):
-            return torch.tensor(values, dtype=torch.long).to(device)
+            return to_device(torch.tensor(values, dtype=torch.long), device)
 
         return cls(prompt_lens=prompt_lens, completion_lens=completion_lens, response_width=T,
                    position_ids=long(positions).view(1, -1), hidden_index=long(hidden), token_index=long(token),
@@ -310,9 +322,18 @@ class PackedLayout:
             kwargs["fastrlhf_segments"] = self.segments
             return kwargs
         lengths = [p + n for p, n in zip(self.prompt_lens, self.completion_lens, strict=True)]
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(self.position_ids.device)
+        cu = to_device(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32), self.position_ids.device)
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
         return kwargs
+
+    def causal_mask(self) -> torch.Tensor:
+        """``[1, 1, N, N]`` bool on the layout's device: each token attends causally within its own
+        sequence. Built from the host lengths with device ops only (no read)."""
+        lengths = [p + n for p, n in zip(self.prompt_lens, self.completion_lens, strict=True)]
+        device = self.position_ids.device
+        seq = to_device(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), device)
+        causal = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool, device=device).tril()
+        return (causal & (seq[:, None] == seq[None, :]))[None, None]
 
     @property
     def num_sequences(self) -> int:

@@ -8,14 +8,16 @@ from fastrlhf import distributed as D
 from fastrlhf.algorithms import logprobs_from_logits, masked_sum, nll_loss
 from fastrlhf.config import SFTConfig
 from fastrlhf.data import SFTExample, load_sft_examples
+from fastrlhf.device import model_device, to_device
 from fastrlhf.modeling import base_model, load_causal_lm, unwrap, use_packed_attention, vocab_size
 from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
 
-__all__ = ["collate_sft", "packed_response_logprobs", "sft_loss", "sft_token_parts", "run"]
+__all__ = ["build_job", "collate_sft", "packed_response_logprobs", "sft_loss", "sft_token_parts", "run"]
 
 
 def collate_sft(examples: list[SFTExample], pad_id: int) -> dict:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (1 on response tokens)."""
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (1 on response tokens), on the
+    host (:func:`fastrlhf.device.to_device` takes them to the model)."""
     length = max(len(e.prompt_ids) + len(e.response_ids) for e in examples)
     input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
@@ -35,12 +37,17 @@ def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=No
     ``[B, T, vocab]`` logits never exist; under ZeRO-3 the head weight is a partition, so the
     model's own forward (whose hooks gather it) is used instead.
     """
+    from fastrlhf.packing import padded_causal_mask
+    from fastrlhf.rl.forward import attention_of
+
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     labels = input_ids[:, 1:]
+    if attention_of(engine) == "sdpa":  # built here, not found by a device read (rl/forward.MicroBatch)
+        attention_mask = padded_causal_mask(attention_mask)
     if use_fused:
         from fastrlhf.kernels import fused_linear_logprob_entropy
 
-        model = base_model(engine.module)
+        model = base_model(unwrap(engine))
         hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         head = model.get_output_embeddings()
         logprobs, _ = fused_linear_logprob_entropy(hidden[:, :-1], head.weight, labels, bias=head.bias,
@@ -74,15 +81,17 @@ def packed_response_logprobs(engine, examples: list[SFTExample], use_fused: bool
     across examples). The LM head runs on the ``[M, H]`` hidden states that predict response tokens,
     called as a module (so under ZeRO-3 its weight is gathered for the fused kernel too)."""
     from fastrlhf.packing import PackedLayout
-    from fastrlhf.rl.forward import _head_forward, _logprob_head_fn, body_and_head
+    from fastrlhf.rl.forward import _head_forward, _logprob_head_fn, attention_of, body_and_head
 
-    device = getattr(engine, "device", None) or next(unwrap(engine).parameters()).device
+    device = model_device(engine)
     split = [_predicted(e) for e in examples]
     layout = PackedLayout.build([len(c) for c, _ in split], [len(r) for _, r in split], device=device)
-    input_ids = torch.tensor([t for c, r in split for t in c + r], dtype=torch.long, device=device)[None]
-    labels = torch.tensor([t for _, r in split for t in r], dtype=torch.long, device=device)
+    input_ids, labels = to_device((torch.tensor([t for c, r in split for t in c + r], dtype=torch.long)[None],
+                                   torch.tensor([t for _, r in split for t in r], dtype=torch.long)), device)
     body, head = body_and_head(engine)
-    hidden = body(input_ids=input_ids, position_ids=layout.position_ids, use_cache=False).last_hidden_state
+    mask = layout.causal_mask() if attention_of(body) == "sdpa" else None
+    hidden = body(input_ids=input_ids, attention_mask=mask, position_ids=layout.position_ids,
+                  use_cache=False).last_hidden_state
     hidden = hidden[0, layout.hidden_index]
     if use_fused:
         with _head_forward(head, _logprob_head_fn(head, 1.0, chunk_size, chunk_bytes)):
@@ -96,15 +105,8 @@ def sft_token_parts(e: SFTExample, packed: bool) -> tuple[int, ...]:
     return (len(e.prompt_ids), len(e.response_ids)) if packed else (len(e.prompt_ids) + len(e.response_ids),)
 
 
-def run(config: SFTConfig, resume: bool = False) -> dict:
-    seed_everything(config.seed)
-    examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
-                                 vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path,
-                                 chat_template=config.data.chat_template)
-    # After the data checks: bad data fails without starting a process group.
-    D.init_distributed(shared_dir=config.output_dir)
-    model = load_causal_lm(config.model, zero3_config=engine_config(config))
-    use_packed_attention(model, config.trainer.packing)
+def build_job(config: SFTConfig, model, examples: list[SFTExample]) -> SupervisedJob:
+    """The SFT loss over ``examples`` for :func:`fastrlhf.supervised.run_supervised` (``model``: loaded)."""
     pad_id = base_model(model).config.pad_token_id
     pad_id = 0 if pad_id is None else pad_id
     t = config.trainer
@@ -117,11 +119,22 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
         if t.packing:
             logprobs = packed_response_logprobs(engine, micro_batch, use_fused, t.loss_chunk_size, t.loss_chunk_bytes)
             return -logprobs.sum() * scale, {"response_tokens": tokens}
-        batch = collate_sft(micro_batch, pad_id)
+        batch = to_device(collate_sft(micro_batch, pad_id), model_device(engine))
         loss = sft_loss(engine, batch, use_fused, t.loss_chunk_size, t.loss_chunk_bytes, scale=scale)
         return loss, {"response_tokens": tokens}
 
     # The loss is the mean over the rank's step batch of its response tokens' negative log-likelihood.
-    job = SupervisedJob(examples, model, loss_fn, bar_keys=("loss",), weight_of=lambda e: len(_predicted(e)[1]),
-                        token_parts=sft_token_parts)
-    return run_supervised(config, job, resume=resume)
+    return SupervisedJob(examples, model, loss_fn, bar_keys=("loss",), weight_of=lambda e: len(_predicted(e)[1]),
+                         token_parts=sft_token_parts)
+
+
+def run(config: SFTConfig, resume: bool = False) -> dict:
+    seed_everything(config.seed)
+    examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
+                                 vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path,
+                                 chat_template=config.data.chat_template)
+    # After the data checks: bad data fails without starting a process group.
+    D.init_distributed(shared_dir=config.output_dir)
+    model = load_causal_lm(config.model, zero3_config=engine_config(config))
+    use_packed_attention(model, config.trainer.packing)
+    return run_supervised(config, build_job(config, model, examples), resume=resume)

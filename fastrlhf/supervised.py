@@ -25,7 +25,8 @@ from fastrlhf.packing import fixed_count_groups, micro_batch_plan
 from fastrlhf.precision import apply_matmul_precision
 from fastrlhf.rl.update import DeepSpeedLearner
 
-__all__ = ["SupervisedJob", "run_supervised", "seed_everything", "engine_config", "micro_batch_size", "micro_batches"]
+__all__ = ["SupervisedJob", "run_supervised", "seed_everything", "engine_config", "micro_batch_size", "micro_batches",
+           "train_on_batch"]
 
 
 @dataclass
@@ -94,6 +95,34 @@ def rank_examples(job: SupervisedJob, indices: list[int], balance: bool, rank: i
     return [job.examples[j] for j in indices]
 
 
+def train_on_batch(job: SupervisedJob, learner, batch: list, micro: int, max_tokens: int | None,
+                   packed: bool) -> dict[str, float]:
+    """One optimizer step on a rank's ``batch``: its micro-batches' losses, backward, the guarded step.
+    Returns the step's metrics summed over the batch (``job.mean_metrics`` averaged over its examples).
+
+    Losses and metrics stay on the model's device until the optimizer step, whose guard decision
+    brings them to the host in its one read (``fastrlhf.guards``)."""
+    guard, model = learner.guard, getattr(learner, "engine", learner.module)
+    scale = 1.0 / max(sum(job.weight_of(e) for e in batch), 1e-12)
+    groups = micro_batches(job, batch, micro, max_tokens, packed)
+    sums: dict = {}
+    for index, group in enumerate(groups):
+        loss, stats = job.loss_fn(model, [batch[i] for i in group], scale)
+        guard.note_loss(loss)  # a bad loss on any rank: the optimizer drops this step's gradients
+        for key, value in {"loss": loss.detach(), **stats}.items():
+            sums[key] = sums[key] + value if key in sums else value
+        boundary = index == len(groups) - 1
+        if boundary:
+            guard.carry({f"step/{key}": value for key, value in sums.items()})
+        learner.backward(loss, boundary=boundary)
+        learner.step()
+    sums = {key[len("step/"):]: value for key, value in guard.carried().items() if key.startswith("step/")}
+    for key in job.mean_metrics:
+        if key in sums:
+            sums[key] /= max(len(batch), 1)
+    return sums
+
+
 def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
     """Train ``job`` for ``config.trainer.max_steps`` optimizer steps; returns the last step's metrics."""
     t = config.trainer
@@ -119,26 +148,14 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
     def one_step(step: int) -> dict:
         started = time.perf_counter()
         batch = rank_examples(job, sampler.next_indices(t.batch_size), t.balance_ranks, D.rank(), world)
-        scale = 1.0 / max(sum(job.weight_of(e) for e in batch), 1e-12)
-        groups = micro_batches(job, batch, micro, t.max_tokens_per_microbatch, t.packing)
-        sums: dict = {}
-        for index, group in enumerate(groups):
-            loss, stats = job.loss_fn(engine, [batch[i] for i in group], scale)
-            guard.loss_ok(loss)  # a bad loss on any rank: the optimizer drops this step's gradients
-            learner.backward(loss, boundary=index == len(groups) - 1)
-            learner.step()
-            for key, value in {"loss": loss.item(), **stats}.items():
-                sums[key] = sums.get(key, 0.0) + value
-        for key in job.mean_metrics:
-            if key in sums:
-                sums[key] /= max(len(batch), 1)
+        sums = train_on_batch(job, learner, batch, micro, t.max_tokens_per_microbatch, t.packing)
         skipped = guard.end_step()
+        grad_norm = learner.grad_norm() if not skipped else None
         metrics = comm.mean_over_ranks(sums)
-        grad_norm = engine.get_global_grad_norm()
         metrics.update(lr=engine.get_lr()[0], skipped=int(skipped), skipped_total=guard.skipped_total,
                        step_time_s=time.perf_counter() - started)
-        if grad_norm is not None and not skipped:
-            metrics["grad_norm"] = float(grad_norm)
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
         return metrics
 
     return run_steps(config, one_step, start_step=start_step, stateful=stateful, logger=logger, guard=guard,

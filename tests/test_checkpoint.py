@@ -27,7 +27,7 @@ def train_step(model, optimizer, guard, step, poison=False):
     loss = ((model(x) - 1.0) ** 2).mean() + random.random() * 0 + float(np.random.rand()) * 0
     if poison:
         loss = loss * float("nan")
-    guard.loss_ok(loss)
+    guard.note_loss(loss)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()

@@ -21,6 +21,8 @@ def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int = 8,
     import torch
     from tqdm import tqdm
 
+    from fastrlhf.device import model_device, to_device
+
     out = []
     model.eval()
     with torch.inference_mode(), tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress,
@@ -33,8 +35,9 @@ def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int = 8,
             for i, p in enumerate(chunk):
                 ids[i, width - len(p):] = torch.tensor(p)
                 mask[i, width - len(p):] = 1
-            seqs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                                  eos_token_id=task.EOS_ID, pad_token_id=task.PAD_ID)
+            seqs = model.generate(**to_device(dict(input_ids=ids, attention_mask=mask), model_device(model)),
+                                  do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=task.EOS_ID,
+                                  pad_token_id=task.PAD_ID)
             for row in seqs[:, width:].tolist():
                 end = row.index(task.EOS_ID) + 1 if task.EOS_ID in row else len(row)
                 out.append(row[:end])

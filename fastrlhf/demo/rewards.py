@@ -55,12 +55,14 @@ def script_classifier(prompt_ids, completion_ids, meta) -> float:
     """P(classifier says the answer is in the requested script); 0.0 for an empty completion."""
     import torch
 
+    from fastrlhf.device import model_device, to_device
+
     _log_exact(task.reward(prompt_ids, completion_ids) == 1.0)
     if not completion_ids:
         return 0.0
     label = int(meta["label"])
     model = _classifier(classifier_path())
-    ids = torch.tensor([[task.BOS_ID, *completion_ids]], dtype=torch.long)
+    ids = to_device(torch.tensor([[task.BOS_ID, *completion_ids]], dtype=torch.long), model_device(model))
     with torch.inference_mode():
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
     return float(torch.softmax(logits, -1)[label])

@@ -22,6 +22,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from fastrlhf.device import to_device
+
 __all__ = ["Experience", "build_experience", "pad_response", "split_batch"]
 
 
@@ -80,11 +82,13 @@ class Experience:
         ``index`` is a host tensor, list or slice (the host-side lengths are selected with it)."""
         if isinstance(index, list):
             index = torch.tensor(index, dtype=torch.long)
-        updates = {}
+        updates, moved = {}, {}  # the index moved once per device the batch's tensors are on
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == self.batch_size:
-                updates[f.name] = value[index.to(value.device) if isinstance(index, torch.Tensor) else index]
+                if value.device not in moved:
+                    moved[value.device] = to_device(index, value.device)
+                updates[f.name] = value[moved[value.device]]
             elif isinstance(value, list):
                 updates[f.name] = ([value[i] for i in index.tolist()] if isinstance(index, torch.Tensor)
                                    else value[index])
@@ -187,13 +191,9 @@ def build_experience(
     # sequence sees exactly the positions it would see alone.
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return Experience(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device),
-        response_mask=response_mask.to(device),
+        **to_device(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         response_mask=response_mask, group_ids=group_ids, engine_logprobs=engine_logprobs), device),
         prompt_width=P,
-        group_ids=group_ids.to(device),
-        engine_logprobs=engine_logprobs.to(device),
         prompt_lens=[len(prompt) for _, prompt, _ in rows],
         completion_lens=[len(c.token_ids) for _, _, c in rows],
         prompt_groups=[group_offset + i for i, _, _ in rows],

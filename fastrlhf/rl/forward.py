@@ -31,6 +31,8 @@ from fastrlhf.algorithms import (
     masked_mean,
     value_loss,
 )
+from fastrlhf.device import to_device
+from fastrlhf.packing import padded_causal_mask
 from fastrlhf.rl.experience import Experience, pad_response
 from fastrlhf.tied_gradient import tied_gradient_handoff
 
@@ -39,6 +41,7 @@ __all__ = [
     "body_and_head",
     "classifier_body_and_head",
     "critic_loss",
+    "attention_of",
     "micro_batches",
     "policy_loss_from_model",
     "reward_model_scores",
@@ -110,13 +113,25 @@ class MicroBatch:
         """``[b, T]`` rows of per-token ``values`` (``[b, T']`` padded or ``[M]`` packed)."""
         return self.layout.put(values) if self.packed else pad_response(values, self.width)
 
-    def model_inputs(self) -> dict:
+    def model_inputs(self, attention: str | None = None) -> dict:
         """``input_ids``, ``attention_mask``, ``position_ids`` of the forward pass (packed: no mask, so
-        transformers reads the position restarts as sequence boundaries)."""
+        transformers reads the position restarts as sequence boundaries).
+
+        For a model on ``sdpa`` (``attention``: its attention implementation) the mask comes built,
+        ``[b, 1, L, L]`` on the device from what the host knows: transformers would otherwise read the
+        device to decide whether it needs one (``_ignore_causal_mask_sdpa``, or the packed-sequence
+        search on the position ids), a stall per forward on a GPU, and then build the same mask. A
+        padded micro-batch without padding needs neither mask nor positions."""
         if self.packed:
-            return dict(input_ids=self.layout.pack_padded(self.exp.input_ids), **self.layout.model_kwargs())
-        return dict(input_ids=self.exp.input_ids, attention_mask=self.exp.attention_mask,
-                    position_ids=self.exp.position_ids)
+            kwargs = self.layout.model_kwargs()
+            if attention == "sdpa" and "fastrlhf_segments" not in kwargs:
+                kwargs["attention_mask"] = self.layout.causal_mask()
+            return dict(input_ids=self.layout.pack_padded(self.exp.input_ids), **kwargs)
+        e = self.exp
+        if all(p == e.prompt_width for p in e.prompt_lens) and all(n == e.response_width for n in e.completion_lens):
+            return dict(input_ids=e.input_ids, attention_mask=None, position_ids=None)
+        mask = padded_causal_mask(e.attention_mask) if attention == "sdpa" else e.attention_mask
+        return dict(input_ids=e.input_ids, attention_mask=mask, position_ids=e.position_ids)
 
     def at_response(self, per_position: torch.Tensor) -> torch.Tensor:
         """Outputs ``[b, L, ...]`` of every position -> those that predict the completion tokens:
@@ -132,6 +147,13 @@ class MicroBatch:
         mask = self.exp.attention_mask
         last = ((mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)).long().argmax(-1)
         return per_position[torch.arange(mask.shape[0], device=mask.device), last]
+
+
+def attention_of(model) -> str | None:
+    """The attention implementation transformers runs ``model`` (a critic's ``lm``) with."""
+    m = _hf_model(model)
+    config = getattr(m, "config", None) or getattr(getattr(m, "lm", None), "config", None)
+    return getattr(config, "_attn_implementation", None)
 
 
 def packing_mode(trainer) -> bool | str:
@@ -152,7 +174,7 @@ def micro_batches(exp: Experience, groups: list[list[int]] | None, micro_batch: 
 
 
 def _scatter_rows(out: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
-    out[torch.tensor(rows, dtype=torch.long).to(out.device)] = values.to(out.dtype)
+    out[to_device(torch.tensor(rows, dtype=torch.long), out.device)] = values.to(out.dtype)
 
 
 def _check_segments(model, inputs: dict) -> None:
@@ -174,7 +196,7 @@ def response_hidden(model, mb: Experience | MicroBatch) -> torch.Tensor:
     padded batch (an Experience), ``[M, H]`` of a packed micro-batch."""
     mb = mb if isinstance(mb, MicroBatch) else MicroBatch(mb, packed=False)
     body, _ = body_and_head(model)
-    return mb.at_response(_decoder_hidden(body, mb.model_inputs()))
+    return mb.at_response(_decoder_hidden(body, mb.model_inputs(attention_of(body))))
 
 
 def _fused_kernels():
@@ -288,7 +310,7 @@ def policy_loss_from_model(model, mb: Experience, config):
     loss_mat, is_clipped, kl = actor_loss_per_token(lp, ent, old, tokens(advantages), mask, tokens(ref), **terms)
     metrics = {"clipfrac": masked_mean(is_clipped.to(loss_mat.dtype), mask),
                "approx_kl": masked_mean(old - lp, mask), "entropy": masked_mean(ent, mask),
-               "kl": masked_mean(kl, mask) if kl is not None else torch.zeros(())}
+               "kl": masked_mean(kl, mask) if kl is not None else torch.zeros((), device=mask.device)}
     return aggregate_loss(loss_mat, mask, cfg.agg, weights), {k: v.detach() for k, v in metrics.items()}
 
 
@@ -325,7 +347,7 @@ def _per_token_outputs(model, input_ids, attention_mask, position_ids, **packed)
                          "prompts (set trainer.share_prompts: false)")
     if _accepts(model, "position_ids"):
         kwargs["position_ids"] = position_ids
-    elif attention_mask is None:
+    elif attention_mask is None and position_ids is not None:
         raise ValueError(f"{type(unwrap(model)).__name__}.forward takes no position_ids: it cannot run packed "
                          "sequences (set trainer.packing: false)")
     if _accepts(model, "use_cache"):
@@ -345,7 +367,7 @@ def _per_token_outputs(model, input_ids, attention_mask, position_ids, **packed)
 
 
 def _response_values(critic, mb: MicroBatch) -> torch.Tensor:
-    inputs = mb.model_inputs()
+    inputs = mb.model_inputs(attention_of(critic))
     return mb.at_response(_per_token_outputs(critic, **inputs))
 
 
@@ -370,7 +392,7 @@ def token_values(critic, exp: Experience, micro_batch: int | None = None, grad: 
     if grad:  # differentiable: rows put together in batch order
         index = torch.tensor([r for rows, _ in parts for r in rows], dtype=torch.long)
         stacked = torch.cat([v for _, v in parts])
-        return stacked[torch.argsort(index).to(stacked.device)]
+        return stacked[to_device(torch.argsort(index), stacked.device)]
     return out
 
 
@@ -399,7 +421,7 @@ def reward_model_scores(reward_model, exp: Experience, kind: str = "classifier",
     out = torch.zeros(exp.batch_size, dtype=torch.float32, device=exp.input_ids.device)
     with torch.no_grad():
         for rows, mb in micro_batches(exp, groups, micro_batch, packed):
-            inputs = mb.model_inputs()
+            inputs = mb.model_inputs(attention_of(m))
             if kind == "value_head":
                 values = _per_token_outputs(m, **inputs)
                 _scatter_rows(out, rows, mb.at_last_token(values))

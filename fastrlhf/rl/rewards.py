@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastrlhf.device import to_device
 from fastrlhf.guards import StepFailed
 
 __all__ = ["REWARD_FUNCTIONS", "RewardFunctionError", "RewardScorer", "TextReward", "register_reward",
@@ -226,4 +227,4 @@ class RewardScorer:
                 groups = token_budget_groups(batch.token_parts(), self.max_tokens, self.packed)
             scores += reward_model_scores(self.reward_model, batch, self.model_kind, self.label_index,
                                           self.micro_batch, groups=groups, packed=self.packed).cpu()
-        return scores.to(exp.input_ids.device)
+        return to_device(scores, exp.input_ids.device)

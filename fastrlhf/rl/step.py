@@ -40,6 +40,7 @@ import torch
 from fastrlhf import comm
 from fastrlhf import distributed as D
 from fastrlhf.algorithms import ADV_ESTIMATOR_OF, ADV_ESTIMATORS, kl_penalty, masked_mean, truncated_is_weights
+from fastrlhf.device import to_device
 from fastrlhf.guards import StepGuard
 from fastrlhf.rl.experience import Experience, build_experience
 from fastrlhf.rl.forward import (
@@ -177,8 +178,8 @@ class RLStep:
                                       local=False)
         truncated_reward = self.config.reward.truncated_reward
         if truncated_reward is not None:
-            cut = torch.tensor([c.finish_reason == "length" for samples in completions for c in samples],
-                               device=scores.device)
+            cut = to_device(torch.tensor([c.finish_reason == "length" for samples in completions for c in samples]),
+                            scores.device)
             scores = torch.where(cut, torch.full_like(scores, truncated_reward), scores)
         return scores
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from fastrlhf.algorithms import aggregation_weights
+from fastrlhf.device import host_read
 from fastrlhf.guards import StepGuard, grads_finite
 from fastrlhf.rl.experience import Experience, split_batch
 
@@ -48,15 +49,19 @@ class TorchLearner:
 
     def step(self) -> bool:
         """At the accumulation boundary (the last ``backward``'s): clip, step (unless the guard says
-        skip) and zero the gradients. True if the optimizer stepped."""
+        skip) and zero the gradients. True if the optimizer stepped. The norm is carried into the
+        guard's decision, the step's one host read."""
         if not self._boundary:
             return False
         params = [p for p in self.module.parameters() if p.grad is not None]
-        stepped = not self.guard.should_skip(grads_finite(params))
-        self.last_grad_norm = None
-        if stepped:
+        if params:
             max_norm = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
-            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+            # Clipped before the decision, so that the norm comes to the host with it; a skipped step
+            # drops the (clipped) gradients anyway.
+            self.guard.carry({"grad_norm": torch.nn.utils.clip_grad_norm_(params, max_norm)})
+        stepped = not self.guard.should_skip(grads_finite(params))
+        self.last_grad_norm = self.guard.carried().get("grad_norm", 0.0) if stepped else None
+        if stepped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stepped
@@ -92,10 +97,19 @@ class DeepSpeedLearner:
     def step(self) -> bool:
         boundary = self.engine.is_gradient_accumulation_boundary()
         self.engine.step()
+        if boundary:  # DeepSpeed may have skipped our optimizer's step (and with it the guard's decision)
+            self.guard.settle(not getattr(self.engine.optimizer, "overflow", False))
         return boundary and not self.guard.update_skipped
 
     def grad_norm(self) -> float | None:
-        norm = self.engine.get_global_grad_norm()
+        """The last step's pre-clip norm: carried into the guard's decision by GuardedAdamW, else
+        (an engine built without the guard) read from the engine."""
+        norm = self.guard.carried().get("grad_norm")
+        if norm is None:
+            norm = self.engine.get_global_grad_norm()
+            if isinstance(norm, torch.Tensor):
+                with host_read("the engine's gradient norm (an optimizer without the guard)"):
+                    norm = norm.item()
         return None if norm is None else float(norm)
 
 
@@ -145,6 +159,10 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
     Each minibatch's aggregation weights (``trainer.agg`` over all its rows) are computed once and
     handed to its micro-batches (``Experience.loss_weights``): their losses add up to the
     minibatch's loss in every aggregation mode, whatever the grouping.
+
+    Losses and metrics stay on the device while the micro-batches run; each minibatch's sums are
+    carried into the guard's decision at its optimizer step, so the update reads the device once per
+    optimizer step (``fastrlhf.guards``).
     """
     sums: dict[str, float] = defaultdict(float)
     minibatches, tokens = 0, 0.0
@@ -154,36 +172,38 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
     for minibatch in order:
         mini = exp.select(minibatch.rows)
         mini = replace(mini, loss_weights=aggregation_weights(mini.response_mask, agg))
-        mini_losses: dict[str, float] = defaultdict(float)
+        device_sums: dict[str, torch.Tensor] = {}
+        mini_tokens = 0.0
         for index, group in enumerate(minibatch.groups):
             mb = mini.select(group)
             loss, metrics = loss_fn(learner.module, mb)
             # A bad loss on any rank: this minibatch's remaining micro-batches still run (the
             # accumulation boundary must be reached everywhere), its optimizer step is dropped.
-            aborted = not learner.guard.loss_ok(loss) or aborted
-            learner.backward(loss, boundary=index == len(minibatch.groups) - 1)
-            stepped = learner.step()
-            if aborted:
-                continue
-            mini_losses["loss"] += float(loss.detach())
+            learner.guard.note_loss(loss)
             mb_tokens = float(sum(mb.with_lengths().completion_lens))
-            for name, value in metrics.items():
-                if _is_loss(name):
-                    mini_losses[name] += float(value)
-                else:
-                    sums[name] += float(value) * mb_tokens
-            tokens += mb_tokens
-            if stepped:
-                optimizer_steps += 1
-                norm = learner.grad_norm()
-                if norm is not None:
-                    grad_norms.append(norm)
-        if aborted or learner.guard.update_skipped:  # later minibatches are not run
+            for name, value in {"loss": loss.detach(), **metrics}.items():
+                term = value if _is_loss(name) else value * mb_tokens
+                device_sums[name] = device_sums[name] + term if name in device_sums else term
+            mini_tokens += mb_tokens
+            boundary = index == len(minibatch.groups) - 1
+            if boundary:
+                learner.guard.carry({f"update/{name}": value for name, value in device_sums.items()})
+            learner.backward(loss, boundary=boundary)
+            stepped = learner.step()
+        values = learner.guard.carried()
+        if learner.guard.update_skipped:  # later minibatches are not run
             aborted = True
             break
+        if stepped:
+            optimizer_steps += 1
+            norm = learner.grad_norm()
+            if norm is not None:
+                grad_norms.append(norm)
         minibatches += 1
-        for name, value in mini_losses.items():
-            sums[name] += value
+        tokens += mini_tokens
+        for key, value in values.items():
+            if key.startswith("update/"):
+                sums[key[len("update/"):]] += value
     result = UpdateResult({k: v / (max(1, minibatches) if _is_loss(k) else max(1.0, tokens)) for k, v in sums.items()})
     result["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     result["optimizer_steps"] = float(optimizer_steps)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
+from fastrlhf.device import to_device
 from fastrlhf.rollout.base import (
     RolloutEngine,
     cut_at_stop_strings,
@@ -165,8 +166,7 @@ class HFEngine(RolloutEngine):
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
                 sequences = self.model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
+                    **to_device(dict(input_ids=input_ids, attention_mask=attention_mask), device),
                     generation_config=gen_config,
                     logits_processor=LogitsProcessorList([recorder]),
                     stopping_criteria=self._stop_string_criteria(sampling.stop),

@@ -1,0 +1,207 @@
+"""Every command's training step with its models on a second device: no host tensor reaches a model,
+and the update reads the device once per optimizer step, each read named.
+
+**What a CPU-only run cannot see.** On a GPU the weights live on the device and every batch is built
+on the host; a batch tensor that never moved fails at the first op that mixes it with the weights
+("index is on cpu, different from other tensors on cuda:0": ``fastrlhf sft`` and ``fastrlhf rm`` did,
+at step 1 on an H200, while every CPU test passed). On a CPU host and model share one device, so that
+tensor works. Here the models live on :class:`helpers.other_device.OtherDevice`, an emulated second
+device whose tensors compute on the CPU but refuse host tensors exactly where CUDA does, and which
+records every read of a device value (the stalls ``torch.cuda.set_sync_debug_mode`` reports).
+
+**Why a new code path cannot skip it.** The emulator checks every op, whatever function built its
+tensors, so nothing in the code under test has to opt in. What the test chooses is which steps run,
+and it runs whole steps: the supervised commands through ``fastrlhf.supervised.train_on_batch`` with
+the job each command builds (``sft.build_job``, ``reward_model.build_job``), the RL command through
+``RLStep.__call__`` (generation, scoring with a reward model, reference, critic, update, validation),
+in every layout (padded, packed, shared prompts) and model kind the configs choose between;
+:func:`test_every_command_runs_here` fails when the CLI gains a command this file does not run.
+"""
+
+import copy
+
+import pytest
+import torch
+from helpers.other_device import MixedDevices, OtherDevice
+
+from fastrlhf import reward_model, sft
+from fastrlhf.cli import COMMANDS
+from fastrlhf.config import (
+    CriticConfig,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RMConfig,
+    RMDataConfig,
+    RolloutConfig,
+    SFTConfig,
+    SFTDataConfig,
+    SFTTrainerConfig,
+    TrainConfig,
+    TrainerConfig,
+)
+from fastrlhf.data import ClassificationExample, PairExample, SFTExample
+from fastrlhf.guards import StepGuard
+from fastrlhf.modeling import CausalLMWithValueHead, use_packed_attention
+from fastrlhf.rl.rewards import RewardScorer
+from fastrlhf.rl.step import RLStep
+from fastrlhf.rl.update import TorchLearner
+from fastrlhf.rollout.hf_engine import HFEngine
+from fastrlhf.supervised import train_on_batch
+from fastrlhf.tiny_models import make_tiny_llama, tiny_llama_config
+
+VOCAB = 64
+SUPERVISED = [("sft", None, False), ("sft", None, True), ("rm", "pairwise", False), ("rm", "pairwise", True),
+              ("rm", "classifier", False), ("rm", "classifier", True)]
+RL = ["grpo", "grpo-packed", "grpo-shared", "grpo-on-policy", "ppo", "ppo-packed"]
+COVERED = {"sft": SUPERVISED, "rm": SUPERVISED, "train": RL}
+
+
+def test_every_command_runs_here():
+    assert set(COMMANDS) == set(COVERED), f"run the step of every CLI command on the other device: {set(COMMANDS)}"
+
+
+def tiny_lm(seed=0, **kwargs):
+    return make_tiny_llama(seed=seed, vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=1, **kwargs)
+
+
+def tiny_classifier(num_labels):
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(4)
+    return LlamaForSequenceClassification(tiny_llama_config(vocab_size=VOCAB, hidden_size=32, num_heads=1,
+                                                            num_labels=num_labels, pad_token_id=0))
+
+
+def supervised_examples(command, kind):
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n, lo=3, hi=VOCAB):
+        return torch.randint(lo, hi, (n,), generator=g).tolist()
+
+    if command == "sft":
+        return [SFTExample(ids(2 + i % 3), ids(1 + i % 4)) for i in range(6)]
+    if kind == "pairwise":
+        return [PairExample(ids(3), ids(2 + i % 2, 3, 20), ids(3 - i % 2, 44)) for i in range(6)]
+    return [ClassificationExample(ids(3 + i % 3), i % 2) for i in range(6)]
+
+
+def supervised_config(command, kind, packing):
+    trainer = dict(max_steps=1, batch_size=6, packing=packing, loss_chunk_size=4)
+    common = dict(output_dir="unused", model=ModelConfig(path="unused"))
+    if command == "sft":
+        return SFTConfig(**common, data=SFTDataConfig(path="unused"), trainer=SFTTrainerConfig(**trainer))
+    return RMConfig(**common, data=RMDataConfig(path="unused"), trainer=SFTTrainerConfig(**trainer), kind=kind)
+
+
+@pytest.mark.parametrize("command,kind,packing", SUPERVISED,
+                         ids=[f"{c}-{k or 'lm'}-{'packed' if p else 'padded'}" for c, k, p in SUPERVISED])
+def test_supervised_step_on_another_device(command, kind, packing):
+    config = supervised_config(command, kind, packing)
+    # Packed rows stay on sdpa, as on a GPU without flash-attn (use_packed_attention picks the CPU one here).
+    model = tiny_lm() if command == "sft" else tiny_classifier(2 if kind == "classifier" else 1)
+    examples = supervised_examples(command, kind)
+    build = sft.build_job if command == "sft" else reward_model.build_job
+    with OtherDevice() as dev:
+        model = dev.move(model.train())
+        job = build(config, model, examples)
+        learner = TorchLearner(model, torch.optim.AdamW(model.parameters(), lr=1e-3), max_grad_norm=1.0,
+                               guard=StepGuard())
+        before = len(dev.reads)
+        sums = train_on_batch(job, learner, examples, micro=3, max_tokens=None, packed=packing)
+        reads = dev.reads[before:]
+    assert sums["loss"] > 0 and all(map(_finite, sums.values())), sums
+    assert learner.grad_norm() is not None and learner.grad_norm() > 0
+    # One optimizer step, one read: the guard's decision, which brings the loss and metrics along.
+    assert [name for name, _, _ in reads] == ["the optimizer step's skip decision and metrics"], reads
+
+
+def test_the_emulated_device_refuses_a_host_batch_as_cuda_does():
+    """The check itself: the step of 685d1f7, which handed the model its collated host batch."""
+    model = tiny_lm()
+    batch = sft.collate_sft([SFTExample([3, 4, 5], [6, 7])], pad_id=0)
+    with OtherDevice() as dev, pytest.raises(MixedDevices, match="host tensor"):
+        sft.sft_loss(dev.move(model), batch)
+
+
+def _finite(x) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+# ------------------------------------------------------------------------------------------ RL
+
+
+def rl_config(case):
+    algorithm = "ppo" if case.startswith("ppo") else "grpo"
+    on_policy = case == "grpo-on-policy"
+    trainer = TrainerConfig(max_steps=1, prompts_per_step=3, minibatch_size=6 if not on_policy else 12,
+                            ppo_epochs=1 if on_policy else 2, grad_accum=2, kl_coef=0.05, loss_chunk_size=5,
+                            packing=case.endswith(("packed", "shared")), share_prompts=case.endswith("shared"),
+                            tis_cap=None if on_policy else 2.0)
+    rollout = RolloutConfig(n=4, max_new_tokens=5, temperature=1.0, max_logprob_mismatch=None)
+    return TrainConfig(output_dir="unused", model=ModelConfig(path="unused"), data=DataConfig(prompts="unused"),
+                       trainer=trainer, rollout=rollout, reward=RewardConfig(model_path="unused"),
+                       critic=CriticConfig() if algorithm == "ppo" else None, algorithm=algorithm)
+
+
+class RecordedStep(RLStep):
+    """The RL step, with the reads of its update (all micro-batches and optimizer steps) kept apart."""
+
+    def __init__(self, dev, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dev, self.update_reads = dev, []
+
+    def update(self, exp, step):
+        before = len(self.dev.reads)
+        metrics = super().update(exp, step)
+        self.update_reads = self.dev.reads[before:]
+        return metrics
+
+
+@pytest.mark.parametrize("case", RL)
+def test_rl_step_on_another_device(case):
+    from fastrlhf.rl.validation import Validator
+
+    config = rl_config(case)
+    t = config.trainer
+    actor, reference = tiny_lm(seed=0), tiny_lm(seed=0)
+    critic = CausalLMWithValueHead(tiny_lm(seed=5)) if config.algorithm == "ppo" else None
+    scorer_model = tiny_classifier(1)
+    if t.share_prompts:  # only the CPU attention runs shared prompts yet; packed rows stay on sdpa, as on a GPU
+        for model in (actor, reference, scorer_model):
+            use_packed_attention(model, t.packing, t.share_prompts)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    with OtherDevice() as dev:
+        actor, reference, scorer_model = dev.move(actor.train()), dev.move(reference.eval()), dev.move(scorer_model)
+        critic = dev.move(critic.train()) if critic is not None else None
+        scorer = RewardScorer(reward_model=scorer_model.eval().requires_grad_(False), micro_batch=4, packed=t.packing)
+        step = RecordedStep(dev, config, actor, HFEngine(actor), scorer, reference=reference, critic=critic,
+                            actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3),
+                            critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-3) if critic else None,
+                            pad_token_id=0, rollout_shares_actor=True, device=dev.device, guard=StepGuard())
+        metrics = step(prompts, None, step=1)
+        validation = Validator(prompts, [{}] * 3, step.score_rollout, step.rollout, step.sampling(1))(1)
+    assert metrics["skipped"] == 0 and metrics["optimizer_steps"] > 0, metrics
+    assert all(map(_finite, [v for k, v in metrics.items() if not k.startswith("time/")])), metrics
+    assert set(validation) >= {"eval/reward_mean", "eval/accuracy"}
+    # The update reads the device once per optimizer step (the guard's decision), actor and critic alike.
+    steps = int(metrics["optimizer_steps"]) * (2 if critic is not None else 1)
+    reads = step.update_reads
+    if t.share_prompts:  # only the CPU attention runs shared prompts yet, and it reads its segments' bounds
+        in_attention = ("_decoder_hidden", "packed_sdpa_attention")
+        reads = [r for r in reads if r[0] is not None or not r[2].endswith(in_attention)]
+    names = [name for name, _, _ in reads]
+    assert names == ["the optimizer step's skip decision and metrics"] * steps, reads
+
+
+def test_a_reference_on_the_host_is_caught():
+    """A model the trainer forgot to move (here the reference) fails the step as it would on a GPU."""
+    config = rl_config("grpo")
+    actor, reference = tiny_lm(), tiny_lm()
+    scorer_model = tiny_classifier(1)
+    with OtherDevice() as dev, pytest.raises(MixedDevices):
+        actor = dev.move(actor.train())
+        scorer = RewardScorer(reward_model=dev.move(scorer_model).eval(), micro_batch=4)
+        RLStep(config, actor, HFEngine(actor), scorer, reference=copy.deepcopy(reference).eval(),
+               actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3), pad_token_id=0,
+               rollout_shares_actor=True, device=dev.device)([[5, 6, 7]], None, step=1)
