@@ -175,8 +175,10 @@ def deepspeed_config(ds, micro_batch_size: int = 1, grad_accum: int = 1, max_gra
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum if trainable else 1,
         "zero_optimization": zero,
-        # True only when resolved so (fastrlhf.precision); an unresolved "auto" is off.
-        "bf16": {"enabled": ds.bf16 is True},
+        # True only when resolved so (fastrlhf.precision); an unresolved "auto" is off. Non-finite gradients
+        # are the guard's to find (GuardedAdamW, in the step's one host read): DeepSpeed's own bf16 check
+        # would read the device twice more per optimizer step (ZeRO 1-2).
+        "bf16": {"enabled": ds.bf16 is True, "check_grad_overflow": False},
         # Our optimizer is a torch AdamW (no 30-45 s C++ compile); DeepSpeed refuses it under offload unless told.
         "zero_force_ds_cpu_optimizer": False,
         # GuardedAdamW is torch AdamW plus a skip check; DeepSpeed only whitelists the exact AdamW class.

@@ -33,14 +33,14 @@ def test_defaults_resolve_to_bf16_with_fp32_master_weights_on_a_gpu(tmp_path):
     config = parse_config(raw_train(tmp_path), on_gpu=True)
     assert (config.model.dtype, config.deepspeed.bf16, config.rollout.dtype) == ("bfloat16", True, "bfloat16")
     # DeepSpeed's bf16 mode is what keeps fp32 master weights and moments.
-    assert deepspeed_config(config.deepspeed)["bf16"] == {"enabled": True}
+    assert deepspeed_config(config.deepspeed)["bf16"] == {"enabled": True, "check_grad_overflow": False}
     assert config.model.tf32 is True
 
 
 def test_defaults_stay_fp32_on_a_cpu(tmp_path):
     config = parse_config(raw_train(tmp_path), on_gpu=False)
     assert (config.model.dtype, config.deepspeed.bf16, config.rollout.dtype) == ("float32", False, "float32")
-    assert deepspeed_config(config.deepspeed)["bf16"] == {"enabled": False}
+    assert deepspeed_config(config.deepspeed)["bf16"]["enabled"] is False
 
 
 def test_explicit_fp32_master_weights_choices_resolve_as_asked(tmp_path):

@@ -79,3 +79,32 @@ def test_zero2_engine_steps_with_the_fused_adamw():
     learner.backward((engine(torch.randn(8, 4)) ** 2).sum())
     assert learner.step()
     assert all(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def test_bf16_zero2_decides_a_step_in_one_named_read():
+    """bf16 ZeRO-2 as on a GPU: DeepSpeed's own overflow check is off (deepspeed_config), so the guard's
+    decision (its one host read per optimizer step, which brings the gradient norm) skips a NaN step."""
+    from fastrlhf.device import watch_host_reads
+    from fastrlhf.guards import StepGuard
+    from fastrlhf.rl.update import DeepSpeedLearner
+    from fastrlhf.tiny_models import make_tiny_llama
+
+    D.init_distributed(timeout_s=60)
+    guard = StepGuard(3)
+    model = make_tiny_llama(vocab_size=64, hidden_size=64, num_layers=1, dtype=torch.bfloat16).train()
+    engine = D.build_train_engine(model, DeepSpeedConfig(zero_stage=2, bf16=True), lr=1e-2, max_grad_norm=1.0,
+                                  guard=guard)
+    learner = DeepSpeedLearner(engine, guard)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    for poison in (float("nan"), 1.0):
+        with watch_host_reads() as reads:
+            loss = engine(input_ids=ids, labels=ids).loss * poison
+            guard.note_loss(loss)
+            learner.backward(loss)
+            stepped = learner.step()
+            norm = learner.grad_norm()
+        assert reads == ["the optimizer step's skip decision and metrics"], reads
+        assert guard.end_step() is not stepped
+        unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+        assert unchanged is not stepped and (norm > 0 if stepped else True), (poison, norm)
