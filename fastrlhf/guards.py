@@ -43,8 +43,14 @@ class TooManySkippedSteps(RuntimeError):
 
 
 def all_finite(*tensors: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool tensor on the tensors' device: no host read, so no stall on a GPU."""
-    return torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all()
+    """A 0-dim bool tensor on the tensors' device: no host read, so no stall on a GPU. A NaN or an
+    infinity shows in a tensor's extremes, so this reads each tensor once and allocates no tensor of
+    its size (``isfinite(t).all()`` would: 1.4 GiB of bools for a 1.5B model's flat fp32 gradient)."""
+    flags = [torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all() for t in tensors
+             if t.is_floating_point() and t.numel()]
+    if not flags:
+        return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    return torch.stack(flags).all()
 
 
 class StepGuard:

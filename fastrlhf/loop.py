@@ -110,6 +110,8 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
         if after_loop is not None:
             after_loop()
     logger.close()
+    if not t.save_final:
+        return metrics
     save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
     from fastrlhf.modeling import export_hf
 

@@ -1,4 +1,5 @@
-"""Tiny causal LMs created locally (no model hub): for tests, benchmarks and examples."""
+"""Causal LMs created locally (no model hub): tiny ones for tests, benchmarks and examples, and the
+shape of Qwen2.5-1.5B (:data:`QWEN2_1_5B`) from random init for the GPU tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ __all__ = [
     "tiny_qwen2_config",
     "make_tiny_qwen2",
     "save_tiny_qwen2",
+    "QWEN2_1_5B",
+    "make_qwen2_on",
     "count_parameters",
 ]
+
+# Qwen2.5-1.5B's shape (28 layers, hidden 1536, GQA 12/2, the 151,936 vocabulary, tied embeddings):
+# 1.54B parameters, the model of the GPU proof (tests/gpu, benchmarks/gpu).
+QWEN2_1_5B = dict(vocab_size=151_936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                  intermediate_size=8960, max_position_embeddings=32768, tie_word_embeddings=True,
+                  rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 
 
 def _tiny_shape(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
@@ -132,6 +141,19 @@ def save_tiny_qwen2(directory: str | os.PathLike, seed: int = 0, dtype: torch.dt
     model = make_tiny_qwen2(seed=seed, dtype=dtype, **config_kwargs)
     model.save_pretrained(str(directory))
     return model
+
+
+def make_qwen2_on(device: str | torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0, **shape):
+    """A random-init Qwen2ForCausalLM of ``shape`` (:func:`tiny_qwen2_config` keys, e.g.
+    ``**QWEN2_1_5B``) created directly on ``device`` (a 1.5B model initialises in seconds on a GPU
+    where the CPU takes minutes), in ``dtype``, in eval mode. Biases start at zero, as in HF."""
+    from transformers import Qwen2ForCausalLM
+
+    config = tiny_qwen2_config(**shape)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model.to(dtype).eval()
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from fastrlhf import distributed as D
@@ -29,8 +30,6 @@ def test_a_cpu_engine_trims_the_heap_when_its_backward_reaches_the_embeddings(mo
     from fastrlhf.tiny_models import make_tiny_llama
 
     if not hostmem.trim_heap():  # off glibc there is nothing to install (and trim_heap says so)
-        import pytest
-
         pytest.skip("glibc's malloc_trim only")
     D.init_distributed(timeout_s=60)
     model = make_tiny_llama(vocab_size=64, hidden_size=32, num_heads=1).train()
@@ -108,3 +107,16 @@ def test_bf16_zero2_decides_a_step_in_one_named_read():
         assert guard.end_step() is not stepped
         unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
         assert unchanged is not stepped and (norm > 0 if stepped else True), (poison, norm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+def test_all_finite_sees_every_non_finite_value(dtype, bad):
+    from fastrlhf.guards import all_finite
+
+    t = torch.randn(1000).to(dtype)
+    if bad is not None:
+        t[617] = bad
+    ok = all_finite(torch.zeros(0), torch.arange(3), t, torch.ones(2, 3))
+    assert ok.dim() == 0 and bool(ok) is (bad is None)
+    assert bool(all_finite(torch.arange(3))) and bool(all_finite())

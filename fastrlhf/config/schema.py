@@ -151,6 +151,9 @@ class LoopConfig:
     balance_ranks: bool = True
     save_every: int = 0
     keep_checkpoints: int = 0  # 0 keeps all
+    # false: no final checkpoint and no Hugging Face export (final/) after the last step, for throwaway runs
+    # (benchmarks, the GPU tests) whose checkpoints would fill a small disk; a failed run still saves its last
+    save_final: bool = True
     max_skipped_steps: int = 3
     log_every: int = 1
     tensorboard: bool = False

@@ -27,7 +27,11 @@ recomputed - engine|), tis_weight_mean, advantage_mean, grad_norm, generated_tok
 tokens_per_second, time/generate, time/score, time/reward, time/train, time/sync, step_time,
 sync_bytes, skipped (this step) and skipped_steps (total), rank_tokens and rank_tokens_max (real
 prompt + completion tokens of a rank's batch, mean and largest: every collective waits for the largest;
-``trainer.balance_ranks`` deals the prompts so that they stay close).
+``trainer.balance_ranks`` deals the prompts so that they stay close). Memory, the largest rank's
+(``fastrlhf plan`` predicts them): on CUDA memory/<stage>_gib (the most torch allocated during
+generate, score, train, sync), memory/peak_reserved_gib (the caching allocator's peak) and
+memory/context_gib (what the device holds beyond it: CUDA context, NCCL, other libraries); on a CPU
+memory/peak_rss_gib.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ class RLStep:
         """One step on this rank's prompts; ``completions`` (per prompt, n each) skips generation.
         Returns the step's metrics reduced over ranks (a collective: call it on every rank)."""
         metas = metas if metas is not None else [{} for _ in prompts]
-        clock = _Clock()
+        clock = _Clock(self.device)
         with clock("generate"):
             if completions is None:
                 completions = self.rollout.generate(prompts, self.sampling(step))
@@ -138,7 +142,7 @@ class RLStep:
         with clock("sync"):
             # A skipped update changed no weight, but an engine whose sleep dropped them needs them back.
             sync = self.sync() if inputs_ok or getattr(self.rollout, "needs_sync", False) else {"sync_bytes": 0.0}
-        return self.reduce_metrics(exp, {**prep, **train, **sync}, clock.times, skipped, step)
+        return self.reduce_metrics(exp, {**prep, **train, **sync, **clock.memory()}, clock.times, skipped, step)
 
     # ------------------------------------------------------------------ stages
     def sampling(self, step: int):
@@ -339,7 +343,7 @@ class RLStep:
         keys = sorted(local)
         summed = comm.reduce_floats([float(local[k]) for k in keys], "sum")
         maxed = comm.reduce_floats([float(local[k]) for k in keys], "max")
-        metrics = {k: (mx if (k.startswith("time/") or k.endswith("_max")) else s / self.world)
+        metrics = {k: (mx if k.startswith(("time/", "memory/")) or k.endswith("_max") else s / self.world)
                    for k, s, mx in zip(keys, summed, maxed, strict=True)}
         generate_time = metrics["time/generate"]
         metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total[3],
@@ -371,15 +375,40 @@ def empty_device_cache(device: torch.device) -> None:
 
 
 class _Clock:
-    """``with clock("name"):`` adds the block's wall time to ``clock.times["name"]``."""
+    """``with clock("name"):`` adds the block's wall time to ``clock.times["name"]``; on CUDA it also
+    keeps the most memory torch allocated in each of the step's stages (allocator counters: no device
+    read)."""
 
-    def __init__(self):
+    STAGES = ("generate", "score", "train", "sync")
+
+    def __init__(self, device: torch.device | None = None):
         self.times: dict[str, float] = {}
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.allocated: dict[str, int] = {}
+        self.reserved = 0
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        tracked = self.device is not None and name in self.STAGES
+        if tracked:
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            if tracked:
+                self.allocated[name] = max(self.allocated.get(name, 0), torch.cuda.max_memory_allocated(self.device))
+                self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
+
+    def memory(self) -> dict[str, float]:
+        """The step's memory metrics (see the module docstring), in GiB."""
+        gib = 2.0**30
+        if self.device is None:
+            import resource
+
+            return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {**{f"memory/{name}_gib": n / gib for name, n in self.allocated.items()},
+                "memory/peak_reserved_gib": self.reserved / gib,
+                "memory/context_gib": (total - free - torch.cuda.memory_reserved(self.device)) / gib}

@@ -1,0 +1,93 @@
+"""One whole RL update (every micro-batch, backward and optimizer step of the actor) on the production
+learner, a DeepSpeed ZeRO-2 engine, reads the device once per optimizer step: the guard's decision,
+named ``the optimizer step's skip decision and metrics`` (``fastrlhf.guards``), which brings the
+losses' and gradients' finiteness, the gradient norm and the step's metrics in one transfer.
+
+On CUDA the update runs under ``torch.cuda.set_sync_debug_mode("error")``: any other host read
+(``.item()``, a blocking copy, ``nonzero``, DeepSpeed's or transformers' own) raises there. On the CPU
+the same step runs at tiny shapes and checks the named reads; the unnamed ones a CPU cannot see are
+``tests/test_device_placement.py``'s to catch (an emulated second device).
+"""
+
+import contextlib
+
+import pytest
+import torch
+from helpers.proof import model_dtype, model_shape
+
+from fastrlhf import distributed as D
+from fastrlhf.config import (
+    DataConfig,
+    DeepSpeedConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+    TrainerConfig,
+)
+from fastrlhf.device import watch_host_reads
+from fastrlhf.guards import StepGuard
+from fastrlhf.rl.rewards import RewardScorer
+from fastrlhf.rl.step import RLStep
+from fastrlhf.rollout.hf_engine import HFEngine
+from fastrlhf.tiny_models import make_qwen2_on
+
+DECISION = "the optimizer step's skip decision and metrics"
+
+
+@contextlib.contextmanager
+def sync_debug(device: torch.device):
+    """``torch.cuda.set_sync_debug_mode("error")`` on CUDA (every unnamed host read raises); nothing elsewhere."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+class CheckedStep(RLStep):
+    """The RL step with its update run under the sync check and its named reads recorded."""
+
+    update_reads: list[str] = []
+
+    def update(self, exp, step):
+        with watch_host_reads() as names, sync_debug(self.device):
+            metrics = super().update(exp, step)
+        self.update_reads = list(names)
+        return metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_rl_update_reads_the_device_once_per_optimizer_step(where, packing):
+    D.init_distributed(timeout_s=120)
+    device = torch.device(where, torch.cuda.current_device()) if where == "cuda" else torch.device("cpu")
+    shape, dtype = model_shape(where), model_dtype(where)
+    n, prompts_per_step = 4, 4
+    trainer = TrainerConfig(max_steps=1, prompts_per_step=prompts_per_step, minibatch_size=8, grad_accum=2,
+                            ppo_epochs=1, kl_coef=0.01, packing=packing, lr=1e-6)  # 2 optimizer steps
+    config = TrainConfig(output_dir="unused", model=ModelConfig(path="unused", gradient_checkpointing=True),
+                         data=DataConfig(prompts="unused"), trainer=trainer, algorithm="grpo",
+                         rollout=RolloutConfig(n=n, max_new_tokens=32 if where == "cuda" else 8,
+                                               max_logprob_mismatch=None),
+                         reward=RewardConfig(function="target_token"))
+    actor = make_qwen2_on(device, dtype, **shape).train()
+    actor.gradient_checkpointing_enable()
+    reference = make_qwen2_on(device, dtype, **shape).requires_grad_(False)
+    guard = StepGuard()
+    engine = D.build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=dtype == torch.bfloat16), lr=1e-6,
+                                  micro_batch_size=2, grad_accum=2, max_grad_norm=1.0, guard=guard)
+    step = CheckedStep(config, engine, HFEngine(engine.module), RewardScorer("target_token"), reference=reference,
+                       pad_token_id=0, rollout_shares_actor=True, device=engine.device, guard=guard)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, shape["vocab_size"], (int(length),), generator=g).tolist()
+               for length in torch.randint(8, 48, (prompts_per_step,), generator=g)]
+    metrics = step(prompts, [{"target_token": 3}] * prompts_per_step, step=1)
+
+    assert metrics["skipped"] == 0 and metrics["optimizer_steps"] == 2, metrics
+    assert step.update_reads == [DECISION] * 2, step.update_reads
+    assert metrics["grad_norm"] > 0 and metrics["policy_loss"] == metrics["policy_loss"], metrics
