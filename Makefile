@@ -16,7 +16,7 @@ GPU_TRITON := $(shell sed -n 's/.*"triton==\([0-9][0-9.]*\)".*/\1/p' setup.py)
 TRITON_GPU_DIR := $(VENV)/triton-gpu
 TRITON_GPU := $(TRITON_GPU_DIR)/triton-$(GPU_TRITON).dist-info
 
-.PHONY: install test test-multinode bench demo demo-matrix arithmetic clean check-gpu-install
+.PHONY: install test test-multinode test-gpu bench bench-gpu demo demo-matrix arithmetic clean check-gpu-install
 
 install: $(STAMP) $(TRITON_GPU)
 
@@ -40,6 +40,21 @@ test: $(STAMP) $(TRITON_GPU)
 # (skipped with the reason otherwise), about 3 minutes on a quiet 2-core machine. .ci/run runs it after `make test`.
 test-multinode: $(STAMP)
 	$(PY) -m pytest -m multinode tests/test_multinode.py $(PYTEST_ARGS)
+
+# The GPU proof on a CUDA machine (tests/gpu: the cuda half, marker `gpu`; `make test` runs its CPU half):
+# kernels at V=151,936, the RL update's host reads, every command through the launcher, the memory plan
+# against the measured peak; under 8 minutes on one H100/H200. Runs with .venv's python where it exists,
+# else python3: the GPU machine has no venv (`source .gpu-carry/on_device.sh` first, see README).
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+test-gpu:
+	TRITON_INTERPRET=0 $(GPU_PY) -m pytest -m gpu tests/gpu -p no:cacheprovider $(PYTEST_ARGS)
+
+# The GPU benchmarks (benchmarks/gpu; pytest-benchmark JSON in benchmarks/results/gpu/, under 5 minutes on
+# one GPU): the 7B LM-head race, the 1.5B RL update's MFU, a GRPO step against TRL. Skipped without CUDA.
+bench-gpu:
+	mkdir -p benchmarks/results/gpu
+	TRITON_INTERPRET=0 $(GPU_PY) -m pytest benchmarks/gpu -p no:cacheprovider \
+		--benchmark-json=benchmarks/results/gpu/bench-gpu.json $(PYTEST_ARGS)
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[cpu,dev,bench]'

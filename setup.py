@@ -51,6 +51,8 @@ setup(
         "dev": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
         # Only the side-by-side benchmarks import TRL; pinned to the version they were measured against.
         "bench": ["trl==1.16.0"],
+        # `make bench-gpu` (benchmarks/gpu) races TRL and Liger-Kernel on a GPU, at the versions measured.
+        "gpu-bench": ["trl==1.16.0", "liger-kernel==0.8.5"],
     },
     entry_points={"console_scripts": ["fastrlhf=fastrlhf.cli:main"]},
 )

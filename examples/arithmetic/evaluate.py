@@ -27,6 +27,8 @@ def greedy(model, tokenizer, chats: list[list[dict]], max_new_tokens: int, batch
     """Greedy completions of ``chats`` (left-padded batches through ``generate``), decoded without specials."""
     import torch
 
+    from fastrlhf.device import model_device, to_device
+
     prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     out = []
@@ -40,8 +42,8 @@ def greedy(model, tokenizer, chats: list[list[dict]], max_new_tokens: int, batch
             for i, row in enumerate(ids):
                 input_ids[i, width - len(row):] = torch.tensor(row)
                 mask[i, width - len(row):] = 1
-            seqs = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+            seqs = model.generate(**to_device(dict(input_ids=input_ids, attention_mask=mask), model_device(model)),
+                                  do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
             for row in seqs[:, width:].tolist():
                 row = row[:row.index(eos)] if eos in row else row
                 out.append(tokenizer.decode(row, skip_special_tokens=True))
@@ -97,6 +99,8 @@ def outside_mass(model_dir: str, data_path: str, rows: int = 32) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from fastrlhf.device import model_device, to_device
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     masses = []
@@ -105,7 +109,8 @@ def outside_mass(model_dir: str, data_path: str, rows: int = 32) -> float:
             prompt = tokenizer.apply_chat_template(row["messages"][:-1], add_generation_prompt=True, tokenize=False)
             ids = tokenizer(prompt + row["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
             start = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) - 1
-            logp = model(input_ids=torch.tensor([ids])).logits[0, start:].log_softmax(-1)
+            input_ids = to_device(torch.tensor([ids]), model_device(model))
+            logp = model(input_ids=input_ids).logits[0, start:].log_softmax(-1)
             masses.append(logp[:, len(tokenizer):].logsumexp(-1).exp().mean().item())
     return sum(masses) / len(masses)
 
