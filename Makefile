@@ -33,8 +33,10 @@ $(TRITON_GPU): | $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --target $(TRITON_GPU_DIR) triton==$(GPU_TRITON)
 	test -d $@
 
+# tests/ (pyproject's testpaths) and the GPU benchmarks' bodies at tiny shapes on the CPU, so that
+# `make bench-gpu` does not rot between runs on a GPU machine.
 test: $(STAMP) $(TRITON_GPU)
-	$(PY) -m pytest -m "not multinode" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not multinode" tests benchmarks/gpu/test_races_cpu.py $(PYTEST_ARGS)
 
 # Two nodes in network namespaces through DeepSpeed's launcher (tests/test_multinode.py): needs root
 # (skipped with the reason otherwise), about 3 minutes on a quiet 2-core machine. .ci/run runs it after `make test`.
@@ -65,7 +67,7 @@ $(BENCH_STAMP): $(STAMP)
 # About 10 minutes on a quiet 2-core machine (plus the install); the figures mean little while other work runs.
 bench: $(BENCH_STAMP)
 	mkdir -p benchmarks/results
-	$(PY) -m pytest benchmarks --benchmark-json=benchmarks/results/bench.json $(PYTEST_ARGS)
+	$(PY) -m pytest benchmarks --ignore=benchmarks/gpu --benchmark-json=benchmarks/results/bench.json $(PYTEST_ARGS)
 
 # make demo [ALGO=grpo|ppo] [REWARD=rule|model] [FRESH=1]: pretrain a tiny model on CPU, RL it, report to runs/demo/.
 demo: $(STAMP)

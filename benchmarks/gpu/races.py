@@ -1,0 +1,608 @@
+"""The races of ``make bench-gpu`` as plain functions, so that ``test_races_cpu.py`` can run every line of
+them at tiny shapes on a CPU. ``test_bench_gpu.py`` runs them at full size, each in a fresh child process
+(``python -m benchmarks.gpu.races NAME JSON``, see :func:`run_child`): the peak-memory figures then start
+from an empty device, and nothing a race leaves behind (an NCCL group, a DeepSpeed engine, the caching
+allocator's blocks) reaches the next one.
+
+1. :func:`lm_head_race`: the LM head and GRPO loss of a 7B model (Qwen2.5-7B's H and V) on 16,384 tokens,
+   forward + backward: fastrlhf's fused kernel, the same math on materialised logits, Liger-Kernel's
+   ``LigerFusedLinearGRPOLoss`` and the three bare GEMMs every exact method runs (the floor).
+2. :func:`rl_update_race`: ``RLStep.update`` of the 1.5B Qwen2 on DeepSpeed ZeRO-2 with gradient checkpointing,
+   in trained tokens/s and MFU against a bf16 GEMM rate measured in the same process.
+3. :func:`grpo_vs_trl`: whole GRPO steps (HF generate, reference, update) of ``fastrlhf train`` against TRL's
+   ``GRPOTrainer``, each trainer in its own process on the same model folder, prompts and batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULT_PREFIX = "GPU_RACE "
+MIB, GIB = float(1 << 20), float(1 << 30)
+
+# Qwen2.5-7B's hidden size and padded vocabulary; 16 sequences of 1024 tokens.
+LM_HEAD_7B = dict(batch=16, seq_len=1024, hidden=3584, vocab=152_064)
+# GRPO's loss as the trainer runs it: PPO clip 0.2 both ways, k3 KL to the reference in the loss, token mean.
+LOSS = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3")
+AGG = "token-mean"
+# The CPU smoke shape: the GPU proof's tiny Qwen2 (tests/helpers/proof.py), GQA, biases, tied embeddings.
+TINY_QWEN2 = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                  max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+class Unavailable(Exception):
+    """A contender that cannot run here (a package missing); its reason goes into the results."""
+
+
+def model_shape(name: str) -> dict:
+    from fastrlhf.tiny_models import QWEN2_1_5B
+
+    return dict(QWEN2_1_5B) if name == "qwen2-1.5b" else dict(TINY_QWEN2)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(step, device: torch.device, warmup: int = 1, repeats: int = 5) -> tuple[dict, object]:
+    """Median time of ``repeats`` calls of ``step`` after ``warmup`` ones (CUDA events on a GPU), and on CUDA
+    the peak memory the calls allocated above what was allocated before them, warm-up included (what a
+    first call allocates and later calls reuse must count). Returns the figures and the last call's value."""
+    cuda = device.type == "cuda"
+    free_device_memory(device)
+    sync(device)
+    if cuda:
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(warmup):
+        last = step()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            last = step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            last = step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / MIB if cuda else None
+    return {"time_ms": statistics.median(times), "times_ms": [round(t, 3) for t in times], "peak_mib": peak}, last
+
+
+def gemm_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = torch.bfloat16, repeats: int = 10
+                ) -> float:
+    """The dense GEMM rate of this device (median of ``repeats`` ``size``-cubed matmuls), the MFU denominator."""
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    c = torch.empty(size, size, device=device, dtype=dtype)
+    stats, _ = measure(lambda: torch.mm(a, b, out=c), device, warmup=3, repeats=repeats)
+    return 2 * size**3 / (stats["time_ms"] / 1e3) / 1e12
+
+
+def _accepted(fn, kwargs: dict) -> tuple[dict, list[str]]:
+    """``kwargs`` that ``fn`` takes, and the names it does not (a newer or older signature)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs), []
+    return {k: v for k, v in kwargs.items() if k in params}, sorted(k for k in kwargs if k not in params)
+
+
+# ------------------------------------------------------------------------------------------------ race 1
+def lm_head_inputs(device, dtype, batch, seq_len, hidden, vocab, seed=0) -> dict:
+    """GRPO-like inputs: completions of T/2..T tokens (the rest masked), one advantage per sequence, and old
+    and reference logprobs near the policy's own (ratios near 1, as in an update), so that no clamp decides."""
+    torch.manual_seed(seed)
+    h = torch.randn(batch, seq_len, hidden, device=device, dtype=dtype)
+    w = torch.randn(vocab, hidden, device=device, dtype=dtype) * hidden**-0.5  # logits of unit scale
+    labels = torch.randint(0, vocab, (batch, seq_len), device=device)
+    lengths = torch.randint(seq_len // 2, seq_len + 1, (batch, 1), device=device)
+    mask = (torch.arange(seq_len, device=device) < lengths).float()
+    with torch.no_grad():  # row by row: never the [N, V] logits
+        lp = torch.stack([(h[i] @ w.t()).float().log_softmax(-1).gather(-1, labels[i, :, None])[:, 0]
+                          for i in range(batch)])
+    adv = torch.randn(batch, device=device)
+    return dict(hidden=h.requires_grad_(), weight=w.requires_grad_(), labels=labels, mask=mask, adv_seq=adv,
+                adv_tok=adv[:, None].expand(batch, seq_len).contiguous(),
+                old=lp + 0.05 * torch.randn_like(lp), ref=lp + 0.05 * torch.randn_like(lp))
+
+
+def _clear_grads(x: dict) -> None:
+    x["hidden"].grad = x["weight"].grad = None
+
+
+def _fused_step(x: dict, device):
+    from fastrlhf.kernels import fused_linear_policy_loss
+
+    def step():
+        loss, _ = fused_linear_policy_loss(x["hidden"], x["weight"], x["labels"], x["old"], x["adv_tok"], x["mask"],
+                                           ref_logprobs=x["ref"], agg=AGG, **LOSS)
+        loss.backward()
+        _clear_grads(x)
+        return loss.detach()
+
+    return step
+
+
+def naive_loss(x: dict):
+    """What a user writes (and ``benchmarks/test_bench_kernels.py``'s naive): bf16 logits, one fp32 log-softmax
+    for the logprobs and the entropy, then ``fastrlhf.algorithms``' formulas. Returns (loss, detached
+    metrics): the entropy's graph dies here, before backward."""
+    from fastrlhf.algorithms import actor_loss_per_token, aggregate_loss, masked_mean
+
+    logp = torch.log_softmax((x["hidden"] @ x["weight"].t()).float(), dim=-1)
+    lp = logp.gather(-1, x["labels"].unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    loss_mat, clipped, kl = actor_loss_per_token(lp, ent, x["old"], x["adv_tok"], x["mask"], x["ref"], **LOSS)
+    metrics = {"entropy": masked_mean(ent, x["mask"]), "clipfrac": masked_mean(clipped.float(), x["mask"]),
+               "kl": masked_mean(kl, x["mask"])}
+    return aggregate_loss(loss_mat, x["mask"], AGG), {k: v.detach() for k, v in metrics.items()}
+
+
+def _naive_step(x: dict, device):
+    def step():
+        loss, _ = naive_loss(x)
+        loss.backward()
+        _clear_grads(x)
+        return loss.detach()
+
+    return step
+
+
+def _liger_step(x: dict, device):
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except ImportError as exc:
+        raise Unavailable(f"liger-kernel is not installed ({exc})") from None
+    # loss_type "dapo": the sum over the batch's kept tokens over their count, i.e. token-mean on one rank.
+    # torch.compile of its loss math on CUDA, as Liger and TRL default to; the warm-up call pays for it.
+    init, dropped = _accepted(LigerFusedLinearGRPOLoss.__init__, dict(
+        beta=LOSS["kl_coef"], epsilon_low=LOSS["clip_low"], epsilon_high=LOSS["clip_high"], loss_type="dapo",
+        use_ref_model=True, compiled=device.type == "cuda"))
+    call, dropped_call = _accepted(LigerFusedLinearGRPOLoss.forward, dict(ref_per_token_logps=x["ref"],
+                                                                          old_per_token_logps=x["old"]))
+    if set(dropped + dropped_call) - {"compiled"}:  # another signature: it would not be the same loss
+        raise Unavailable(f"LigerFusedLinearGRPOLoss takes no {', '.join(dropped + dropped_call)}")
+    loss_fn = LigerFusedLinearGRPOLoss(**init)
+
+    def step():
+        # [B, T, H] hidden, [B] advantages (one per sequence): Liger's layout; it chunks by sequence.
+        out = loss_fn(x["hidden"], x["weight"], x["labels"], x["mask"], x["adv_seq"], **call)
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        loss.backward()
+        _clear_grads(x)
+        return loss.detach()
+
+    return step
+
+
+def _gemms_step(x: dict, device):
+    h = x["hidden"].detach().reshape(-1, x["hidden"].shape[-1])
+    w = x["weight"].detach()
+    dh, dw = torch.empty_like(h), torch.empty_like(w)
+
+    def step():
+        # logits = h W^T, then dlogits (here the logits' own buffer, as the fused kernel reuses it) back
+        # through both operands: dH = dlogits W, dW = dlogits^T h.
+        logits = h @ w.t()
+        torch.mm(logits, w, out=dh)
+        torch.mm(logits.t(), h, out=dw)
+
+    return step
+
+
+LM_HEAD_CONTENDERS = {"fused": _fused_step, "naive": _naive_step, "liger": _liger_step, "gemms": _gemms_step}
+LM_HEAD_TARGETS = dict(fused_over_gemms_max=1.10, fused_over_naive_peak_max=0.2, liger_over_fused_min=5.0)
+
+
+def lm_head_race(device: str = "cuda", dtype: str = "bfloat16", batch: int = 16, seq_len: int = 1024,
+                 hidden: int = 3584, vocab: int = 152_064, warmup: int = 1, repeats: int = 5,
+                 contenders=tuple(LM_HEAD_CONTENDERS), seed: int = 0) -> dict:
+    """Time (median ms) and peak memory above the inputs (MiB) of each contender's forward + backward."""
+    device = torch.device(device)
+    x = lm_head_inputs(device, getattr(torch, dtype), batch, seq_len, hidden, vocab, seed)
+    out = dict(tokens=batch * seq_len, hidden=hidden, vocab=vocab, dtype=dtype, warmup=warmup, repeats=repeats,
+               masked_fraction=round(1 - float(x["mask"].mean()), 4),
+               tf32=torch.backends.cuda.matmul.allow_tf32, **LOSS, agg=AGG)
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        out["liger_version"] = version("liger-kernel")
+    for name in contenders:
+        try:
+            stats, loss = measure(LM_HEAD_CONTENDERS[name](x, device), device, warmup, repeats)
+        except Unavailable as exc:
+            out[f"{name}_skipped"] = str(exc)
+            continue
+        except torch.OutOfMemoryError:
+            out[f"{name}_error"], stats = "out of memory", None
+        _clear_grads(x)
+        free_device_memory(device)  # out of the except block: its traceback held the failed call's tensors
+        if stats is None:
+            continue
+        out[f"{name}_time_ms"] = round(stats["time_ms"], 3)
+        out[f"{name}_times_ms"] = stats["times_ms"]
+        if stats["peak_mib"] is not None:
+            out[f"{name}_peak_mib"] = round(stats["peak_mib"], 1)
+        if name != "gemms":
+            out[f"{name}_loss"] = float(loss)
+    if "gemms_time_ms" in out:
+        out["gemms_tflops"] = round(3 * 2 * batch * seq_len * hidden * vocab / out["gemms_time_ms"] / 1e9, 1)
+    _ratio(out, "fused_over_gemms", "fused_time_ms", "gemms_time_ms")
+    _ratio(out, "fused_over_naive_peak", "fused_peak_mib", "naive_peak_mib")
+    _ratio(out, "liger_over_fused", "liger_time_ms", "fused_time_ms")
+    fused = out.get("fused_loss")
+    for name in ("naive", "liger"):  # the same loss, not three
+        if fused is not None and f"{name}_loss" in out:
+            out[f"{name}_loss_rel_diff"] = abs(out[f"{name}_loss"] - fused) / max(abs(fused), 1e-12)
+    out.update(LM_HEAD_TARGETS)
+    out["targets_met"] = bool(out.get("fused_over_gemms", 1e9) <= LM_HEAD_TARGETS["fused_over_gemms_max"]
+                              and out.get("fused_over_naive_peak", 1e9) <= LM_HEAD_TARGETS["fused_over_naive_peak_max"]
+                              and out.get("liger_over_fused", 0) >= LM_HEAD_TARGETS["liger_over_fused_min"])
+    return out
+
+
+def _ratio(out: dict, key: str, num: str, den: str) -> None:
+    if out.get(num) is not None and out.get(den):
+        out[key] = round(out[num] / out[den], 4)
+
+
+# ------------------------------------------------------------------------------------------------ race 2
+def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16", prompts: int = 8,
+                   n: int = 8, prompt_len: int = 128, new_tokens: int = 256, grad_accum: int = 2, updates: int = 4,
+                   gemm_size: int = 8192, seed: int = 0) -> dict:
+    """One GRPO step's update (``RLStep.update``: every micro-batch's forward + backward and the optimizer
+    step) as the trainer builds it (tests/gpu/test_update_syncs.py): ZeRO-2, bf16 with fp32 master weights,
+    gradient checkpointing, a reference model (KL in the loss), the HF engine sharing the actor. One
+    generation (full-length completions: EOS ignored), then ``updates`` steps on those completions, each
+    timed around ``update`` only; the first is the warm-up (Triton compiles, DeepSpeed's buffers).
+
+    MFU = 6 x params x trained tokens / update time / the measured GEMM rate, trained tokens being every real
+    token of the sequences (prompt and completion: all run forward and backward; the LM head only sees the
+    completion positions, so 6 x params over-counts its share on prompt tokens). ``mfu_with_recompute``
+    counts the forward that gradient checkpointing repeats (8 x params x tokens)."""
+    from dataclasses import replace
+
+    from benchmarks.e2e_common import even_fraction_reward
+    from fastrlhf import distributed as D
+    from fastrlhf.config import (
+        DataConfig,
+        DeepSpeedConfig,
+        ModelConfig,
+        RewardConfig,
+        RolloutConfig,
+        TrainConfig,
+        TrainerConfig,
+    )
+    from fastrlhf.guards import StepGuard
+    from fastrlhf.rl.rewards import RewardScorer
+    from fastrlhf.rl.step import RLStep
+    from fastrlhf.rollout.hf_engine import HFEngine
+    from fastrlhf.tiny_models import count_parameters, make_qwen2_on
+
+    D.init_distributed(timeout_s=120)
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    torch_dtype, model = getattr(torch, dtype), model_shape(shape)
+    batch = prompts * n
+    trainer = TrainerConfig(max_steps=updates, prompts_per_step=prompts, minibatch_size=batch, grad_accum=grad_accum,
+                            ppo_epochs=1, lr=1e-6, kl_coef=LOSS["kl_coef"], kl_kind=LOSS["kl_kind"],
+                            clip_low=LOSS["clip_low"], clip_high=LOSS["clip_high"], agg=AGG)
+    config = TrainConfig(output_dir="unused", model=ModelConfig(path="unused", gradient_checkpointing=True),
+                         data=DataConfig(prompts="unused"), trainer=trainer, algorithm="grpo", seed=seed,
+                         rollout=RolloutConfig(n=n, max_new_tokens=new_tokens, max_logprob_mismatch=None),
+                         reward=RewardConfig(function="target_token"))
+    actor = make_qwen2_on(dev, torch_dtype, seed=seed, **model).train()
+    actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as modeling.py
+    actor.config.use_cache = False
+    reference = make_qwen2_on(dev, torch_dtype, seed=seed, **model).requires_grad_(False)
+    params = count_parameters(actor)
+    guard = StepGuard()
+    engine = D.build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=torch_dtype == torch.bfloat16), lr=1e-6,
+                                  micro_batch_size=batch // grad_accum, grad_accum=grad_accum, max_grad_norm=1.0,
+                                  guard=guard)
+    timed: list[dict] = []
+
+    class TimedStep(RLStep):
+        def update(self, exp, step):
+            sync(self.device)
+            t0 = time.perf_counter()
+            metrics = super().update(exp, step)
+            sync(self.device)
+            parts = exp.token_parts()
+            timed.append(dict(seconds=time.perf_counter() - t0, tokens=sum(p + c for p, c in parts),
+                              completion_tokens=sum(c for _, c in parts)))
+            return metrics
+
+    step = TimedStep(config, engine, HFEngine(engine.module), RewardScorer(even_fraction_reward), reference=reference,
+                     pad_token_id=actor.config.pad_token_id, rollout_shares_actor=True, device=engine.device,
+                     guard=guard)
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, model["vocab_size"], (prompts, prompt_len), generator=g).tolist()
+    t0 = time.perf_counter()
+    completions = step.rollout.generate(prompt_ids, replace(step.sampling(1), ignore_eos=True))
+    generate_s = time.perf_counter() - t0
+    metrics = [step(prompt_ids, None, step=i + 1, completions=completions) for i in range(updates)]
+    measured = timed[1:] if len(timed) > 1 else timed
+    update_s = statistics.median(t["seconds"] for t in measured)
+    tokens = measured[-1]["tokens"]
+    gemm = gemm_tflops(dev, gemm_size, torch_dtype)
+    model_tflops = 6 * params * tokens / update_s / 1e12
+    out = dict(shape=shape, params=params, sequences=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+               micro_batch=batch // grad_accum, optimizer_steps=metrics[-1].get("optimizer_steps"),
+               trained_tokens=tokens, completion_tokens=measured[-1]["completion_tokens"],
+               update_s=round(update_s, 4), update_s_all=[round(t["seconds"], 4) for t in timed],
+               tokens_per_s=round(tokens / update_s, 1), gemm_tflops=round(gemm, 1),
+               model_tflops=round(model_tflops, 2), mfu=round(model_tflops / gemm, 4),
+               mfu_with_recompute=round(model_tflops * 8 / 6 / gemm, 4), mfu_target=0.40,
+               generate_s=round(generate_s, 2), skipped_steps=sum(m.get("skipped", 0) for m in metrics))
+    for key, name in (("memory/train_gib", "update_peak_allocated_gib"), ("memory/peak_reserved_gib",
+                                                                         "step_peak_reserved_gib")):
+        if key in metrics[-1]:  # CUDA only
+            out[name] = round(metrics[-1][key], 2)
+    out["targets_met"] = out["mfu"] >= out["mfu_target"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ race 3
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer of ``t<id>`` words, so that TRL's text prompts are exactly the token-id prompts
+    fastrlhf reads; the last two ids are padding and EOS (a random-init model almost never samples EOS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pad, eos = vocab_size - 2, vocab_size - 1
+    vocab = {f"t{i}": i for i in range(pad)}
+    vocab.update({"<pad>": pad, "<eos>": eos})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<pad>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def save_model(device: str, shape: str, dtype: str, out_dir: str, seed: int = 0) -> dict:
+    """A random-init model folder (safetensors) with its tokenizer; EOS and padding are the tokenizer's."""
+    from transformers import GenerationConfig
+
+    from fastrlhf.tiny_models import count_parameters, make_qwen2_on
+
+    model = make_qwen2_on(device, getattr(torch, dtype), seed=seed, **model_shape(shape))
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    model.config.bos_token_id, model.config.eos_token_id = None, tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return {"params": count_parameters(model)}
+
+
+def _child_env(device: str) -> dict:
+    """This environment without the in-process group's variables (each child makes its own); on a CPU, no
+    CUDA and the threads this machine has."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(FASTRLHF_DIST_TIMEOUT="120", FASTRLHF_NO_PROGRESS="1", PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false")
+    # The children import benchmarks.* (the launcher's too); whatever the path had first stays first.
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(path + ([ROOT] if ROOT not in path else []))
+    if device == "cpu":
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    return env
+
+
+def _run(cmd: list[str], env: dict, timeout_s: float) -> str:
+    """Run ``cmd`` from the repository root in its own process group (killed whole on timeout); its stdout."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise RuntimeError(f"timed out after {timeout_s} s: {' '.join(cmd[:6])}\n{stderr[-6000:]}") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd[:6])}\n{(stdout + stderr)[-6000:]}")
+    return stdout
+
+
+def run_child(race: str, params: dict, timeout_s: float = 600.0, device: str = "cuda") -> dict:
+    """``RACES[race](**params)`` in a fresh ``python -m benchmarks.gpu.races`` process; its result."""
+    out = _run([sys.executable, "-m", "benchmarks.gpu.races", race, json.dumps(params)], _child_env(device), timeout_s)
+    lines = [line for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
+    if not lines:
+        raise RuntimeError(f"{race}: no {RESULT_PREFIX.strip()} line in its output:\n{out[-4000:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def run_fastrlhf(spec: dict, work: str, timeout_s: float) -> dict:
+    """``fastrlhf train`` through DeepSpeed's launcher on one device; the per-step figures of its metrics.jsonl."""
+    import yaml
+
+    from fastrlhf.distributed import free_port
+
+    out_dir = os.path.join(work, "fastrlhf")
+    raw = {
+        "algorithm": "grpo", "output_dir": out_dir, "seed": 0,
+        "model": {"path": spec["model_dir"], "dtype": "auto", "gradient_checkpointing": True},
+        "reward": {"function": "benchmarks.e2e_common:even_fraction_reward"},
+        "data": {"prompts": spec["prompts_file"], "max_prompt_len": spec["prompt_len"]},
+        "rollout": {"engine": "hf", "n": spec["n"], "temperature": 1.0, "max_new_tokens": spec["new_tokens"],
+                    "max_logprob_mismatch": None},
+        "trainer": {"max_steps": spec["steps"], "prompts_per_step": spec["prompts"],
+                    "minibatch_size": spec["prompts"] * spec["n"], "grad_accum": spec["grad_accum"], "lr": 1e-6,
+                    "agg": AGG, **LOSS, "save_final": False, "log_every": 1},
+        "deepspeed": {"zero_stage": 2},
+    }
+    path = os.path.join(work, "fastrlhf.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(raw, f)
+    _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(free_port()),
+          "--module", "fastrlhf", "train", "--config", path], _child_env(spec["device"]), timeout_s)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, filter(str.strip, f)) if "step_time" in r]
+    steps = [dict(step_s=r.get("wall_time", r["step_time"]), tokens=r["generated_tokens"],
+                  peak_gib=r.get("memory/peak_reserved_gib"), context_gib=r.get("memory/context_gib"),
+                  peak_rss_gib=r.get("memory/peak_rss_gib")) for r in rows]
+    peaks = [s["peak_gib"] for s in steps if s["peak_gib"] is not None]
+    contexts = [s["context_gib"] for s in steps if s["context_gib"] is not None]
+    return dict(steps=steps, peak_gib=max(peaks) if peaks else None, context_gib=max(contexts) if contexts else None)
+
+
+def trl_grpo(spec: dict) -> dict:
+    """TRL's ``GRPOTrainer`` on ``spec`` (a child process: it owns its allocator). Matched to ``run_fastrlhf``:
+    the model folder loaded in fp32 with bf16 autocast (TRL's defaults, and like fastrlhf fp32 master weights
+    under bf16 compute), group-std scaled rewards, k3 KL with the same beta, clip 0.2, ``dapo`` (token mean
+    over the generation batch), AdamW at a constant learning rate, clip-norm 1.0, gradient checkpointing,
+    HF generate, and one generation and one optimizer step per step: ``steps_per_generation`` =
+    ``gradient_accumulation_steps`` micro-batches of fastrlhf's size, ``num_iterations`` 1 (no old-logprob
+    pass, as fastrlhf skips it on-policy). A callback times each optimizer step (= one GRPO step)."""
+    import dataclasses
+
+    import trl
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from benchmarks.e2e_common import even_fraction_reward
+
+    cuda = spec["device"] == "cuda"
+    with open(spec["prompts_file"]) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    ids_of = {r["prompt"]: r["prompt_ids"] for r in rows}
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(spec["model_dir"])
+    assert all(tokenizer(text=r["prompt"])["input_ids"] == r["prompt_ids"] for r in rows), "TRL would see other ids"
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        return [even_fraction_reward(ids_of[p], list(c)) for p, c in zip(prompts, completion_ids, strict=True)]
+
+    batch, micro = spec["prompts"] * spec["n"], spec["prompts"] * spec["n"] // spec["grad_accum"]
+    wanted = dict(
+        output_dir=os.path.join(spec["work"], "trl"), seed=0, use_cpu=not cuda, bf16=cuda, fp16=False,
+        model_init_kwargs={"dtype": "float32"}, gradient_checkpointing=True,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
+        steps_per_generation=batch // micro, num_iterations=1, num_generations=spec["n"],
+        max_completion_length=spec["new_tokens"], max_prompt_length=spec["prompt_len"], temperature=1.0, top_p=1.0,
+        learning_rate=1e-6, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        optim="adamw_torch", beta=LOSS["kl_coef"], epsilon=LOSS["clip_low"], scale_rewards="group",
+        loss_type="dapo", max_steps=spec["steps"], logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    if spec.get("liger"):
+        # TRL <= 1.x had use_liger_loss (Liger's fused GRPO loss); 1.16 keeps only use_liger_kernel (Liger's
+        # layer kernels; the loss is TRL's own fused LM head either way).
+        wanted["use_liger_loss" if "use_liger_loss" in fields else "use_liger_kernel"] = True
+    args = GRPOConfig(**{k: v for k, v in wanted.items() if k in fields})
+    steps: list[dict] = []
+    device = torch.device("cuda" if cuda else "cpu")
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            sync(device)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            sync(device)
+            steps.append({"step_s": time.perf_counter() - self.t0})
+
+    dataset = Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Timer()])
+    trainer.train()
+    return dict(steps=steps, trl_version=trl.__version__, ignored_args=sorted(set(wanted) - fields),
+                liger_flag=next((k for k in ("use_liger_loss", "use_liger_kernel") if wanted.get(k)), None),
+                peak_gib=torch.cuda.max_memory_reserved() / GIB if cuda else None,
+                weights_dtype=str(next(trainer.model.parameters()).dtype))
+
+
+GRPO_TARGETS = dict(speedup_min=1.5, memory_ratio_max=0.6)
+
+
+def grpo_vs_trl(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 16, n: int = 8, prompt_len: int = 64,
+                new_tokens: int = 128, grad_accum: int = 4, steps: int = 3, warmup: int = 1,
+                runs=("fastrlhf", "trl", "trl_liger"), timeout_s: float = 240.0, budget_s: float = 150.0) -> dict:
+    """Seconds per GRPO step (median after ``warmup`` steps) and peak reserved device memory of each run;
+    fastrlhf's speed-up over TRL and its memory over TRL's. A run whose package is missing is skipped with
+    its reason, and so is one that would start after ``budget_s`` (``make bench-gpu`` must stay under 5
+    minutes). The model folder (bf16 on CUDA: ~3 GB for 1.5B) and every output go in the end."""
+    import importlib.util
+
+    started, work = time.perf_counter(), tempfile.mkdtemp(prefix="bench-gpu-grpo-")
+    try:
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        spec = dict(device=device, work=work, model_dir=os.path.join(work, "model"), prompts=prompts, n=n,
+                    prompt_len=prompt_len, new_tokens=new_tokens, grad_accum=grad_accum, steps=steps,
+                    prompts_file=os.path.join(work, "prompts.jsonl"))
+        out = dict(shape=shape, prompts=prompts, n=n, prompt_len=prompt_len, new_tokens=new_tokens, steps=steps,
+                   warmup_steps=warmup, engine="hf", **LOSS, **GRPO_TARGETS)
+        model = dict(device=device, shape=shape, dtype=dtype, out_dir=spec["model_dir"])
+        # On CUDA in a child, so that this process holds no CUDA context while the trainers measure the device.
+        out.update(save_model(**model) if device == "cpu" else run_child("save_model", model, timeout_s, device))
+        vocab = model_shape(shape)["vocab_size"]
+        g = torch.Generator().manual_seed(0)
+        with open(spec["prompts_file"], "w") as f:  # ids below the tokenizer's padding and EOS
+            for ids in torch.randint(3, vocab - 2, (prompts, prompt_len), generator=g).tolist():
+                f.write(json.dumps({"prompt_ids": ids, "prompt": " ".join(f"t{i}" for i in ids)}) + "\n")
+        needs = {"fastrlhf": (), "trl": ("trl",), "trl_liger": ("trl", "liger_kernel")}
+        results = {}
+        for name in runs:
+            absent = [m for m in needs[name] if importlib.util.find_spec(m) is None]
+            if absent or time.perf_counter() - started > budget_s:
+                out[f"{name}_skipped"] = (f"{', '.join(absent)} not installed" if absent
+                                          else f"the race had used its {budget_s:.0f} s")
+                continue
+            if name == "fastrlhf":
+                results[name] = run_fastrlhf(spec, work, timeout_s)
+            else:
+                results[name] = run_child("trl_grpo", dict(spec=dict(spec, liger=name == "trl_liger")), timeout_s,
+                                          device)
+        for name, r in results.items():
+            measured = [s["step_s"] for s in r["steps"][warmup:]] or [s["step_s"] for s in r["steps"]]
+            out[f"{name}_step_s"] = round(statistics.median(measured), 3)
+            out[f"{name}_steps_s"] = [round(s["step_s"], 3) for s in r["steps"]]
+            if r.get("peak_gib") is not None:
+                out[f"{name}_peak_gib"] = round(r["peak_gib"], 2)
+            for key in ("context_gib", "weights_dtype", "liger_flag", "ignored_args"):
+                if r.get(key) is not None:
+                    out[f"{name}_{key}"] = r[key]
+            if "trl_version" in r:
+                out["trl_version"] = r["trl_version"]
+        for other in ("trl", "trl_liger"):
+            _ratio(out, f"speedup_vs_{other}", f"{other}_step_s", "fastrlhf_step_s")
+            _ratio(out, f"memory_ratio_vs_{other}", "fastrlhf_peak_gib", f"{other}_peak_gib")
+        out["targets_met"] = bool(out.get("speedup_vs_trl", 0) >= GRPO_TARGETS["speedup_min"]
+                                  and out.get("memory_ratio_vs_trl", 1e9) <= GRPO_TARGETS["memory_ratio_max"])
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+RACES = {"lm_head": lm_head_race, "rl_update": rl_update_race, "grpo_vs_trl": grpo_vs_trl, "save_model": save_model,
+         "trl_grpo": trl_grpo}
+
+if __name__ == "__main__":
+    result = RACES[sys.argv[1]](**json.loads(sys.argv[2]))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -1,0 +1,51 @@
+"""Every line of ``races.py`` on a CPU at tiny shapes, so that the GPU benchmarks do not rot between runs on
+a GPU machine: the same functions, fp32, a 0.1M-parameter Qwen2. The figures mean nothing here; what is
+checked is that each race runs, that the fused, naive and Liger losses agree (the same loss, not three),
+and that the token and step counts are the ones asked for. TRL and Liger parts run where those packages
+are installed and are skipped with the reason otherwise. Skipped on a CUDA machine, where
+``test_bench_gpu.py`` runs the same functions at full size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from benchmarks.gpu import races
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs these races at full size")
+TINY_HEAD = dict(batch=2, seq_len=16, hidden=32, vocab=128)
+
+
+def test_lm_head_race_in_a_child():
+    # Through run_child, as the GPU benchmark calls it.
+    r = races.run_child("lm_head", dict(device="cpu", dtype="float32", repeats=2, **TINY_HEAD), timeout_s=120,
+                        device="cpu")
+    for name in ("fused", "naive", "gemms"):
+        assert r[f"{name}_time_ms"] > 0 and len(r[f"{name}_times_ms"]) == 2, r
+    assert r["tokens"] == 32 and 0 < r["masked_fraction"] < 0.5, r
+    assert r["naive_loss_rel_diff"] < 1e-5 and r["fused_over_gemms"] > 0, r
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert "not installed" in r["liger_skipped"], r
+    else:
+        assert r["liger_loss_rel_diff"] < 1e-4 and r["liger_over_fused"] > 0, r
+
+
+def test_rl_update_race():
+    r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
+                             grad_accum=2, updates=2, gemm_size=128)
+    assert r["trained_tokens"] == 8 * (8 + 8) and r["completion_tokens"] == 8 * 8, r
+    assert r["optimizer_steps"] == 1 and r["skipped_steps"] == 0 and len(r["update_s_all"]) == 2, r
+    assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < r["mfu_with_recompute"], r
+
+
+def test_grpo_vs_trl():
+    r = races.grpo_vs_trl(device="cpu", shape="tiny", prompts=2, n=4, prompt_len=8, new_tokens=8, grad_accum=2,
+                          steps=2, runs=("fastrlhf", "trl"), timeout_s=180)
+    assert len(r["fastrlhf_steps_s"]) == 2 and r["fastrlhf_step_s"] > 0, r
+    if importlib.util.find_spec("trl") is None:
+        assert "not installed" in r["trl_skipped"], r
+    else:
+        assert len(r["trl_steps_s"]) == 2 and r["speedup_vs_trl"] > 0 and r["trl_version"], r
