@@ -54,7 +54,7 @@ ROUNDS = 2  # A B A B
 TARGETS = {"A": dict(speedup=2.0), "B": dict(speedup=1.3, rss_ratio=0.5),
            "C": dict(speedup=2.0, rss_ratio=0.5, packed_vs_padded=1.5)}
 # Tokens per packed micro-batch in workload C: a rank's whole batch (~2,200 tokens) in one row. With
-# fastrlhf_packed_sdpa one long row costs no more attention than several short ones, and under ZeRO-2
+# fastrlhf_packed (sdpa per sequence) one long row costs no more attention than several short ones, and under ZeRO-2
 # every micro-batch's backward reduces all 50.7M gradients over gloo: rows of ~1,000 tokens (3
 # micro-batches) took 3.9 s of backward against 2.4 s in one (train_split probe, 2026-11-23 history).
 PACKED_BUDGET = 4096

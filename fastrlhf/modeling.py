@@ -17,7 +17,7 @@ __all__ = [
     "torch_dtype",
     "zero3_loading",
     "load_causal_lm",
-    "use_packed_attention",
+    "use_attention",
     "load_sequence_classifier",
     "CausalLMWithValueHead",
     "load_value_model",
@@ -81,38 +81,24 @@ def zero3_loading(ds_config: dict | None):
         del keep_alive
 
 
-def use_packed_attention(model, packing: bool, share_prompts: bool = False) -> str | None:
-    """The attention a model runs packed sequences with (``trainer.packing``); returns its name.
-
-    On a GPU with ``flash_attn`` installed and half-precision weights: ``flash_attention_2``, whose
-    variable-length kernel reads the sequence boundaries from the packed position ids. On a CPU, a
-    model on sdpa moves to ``fastrlhf_packed_sdpa`` (:mod:`fastrlhf.packed_attention`: sdpa per packed
-    sequence, padded batches unchanged). Otherwise the model keeps its own attention, and
-    transformers gives a packed row a block-diagonal ``[N, N]`` mask (correct, but quadratic in N).
-    ``share_prompts`` (``trainer.share_prompts``) needs ``fastrlhf_packed_sdpa``: anything else raises.
-    """
-    import importlib.util
-
+def use_attention(model, packing: bool, share_prompts: bool = False, backend: str = "auto") -> str | None:
+    """Set ``model`` up to run packed rows (``trainer.packing``) with ``backend`` (``model.attention`` as
+    :mod:`fastrlhf.attention` resolved it; ``auto`` here: the table's choice for this machine and the
+    model's dtype). It then runs ``fastrlhf_packed`` (:mod:`fastrlhf.packed_attention`), which takes a
+    packed row to that backend and everything else (padded batches, generation) to sdpa. Returns the
+    backend; None without packing (the model keeps its attention)."""
     if not packing:
         return None
+    from fastrlhf import packed_attention
+    from fastrlhf.attention import choose
+
     hf = base_model(model)
-    current = getattr(hf.config, "_attn_implementation", None)
-    if (torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
-            and hf.dtype in (torch.bfloat16, torch.float16) and current != "flash_attention_2"):
-        hf.set_attn_implementation("flash_attention_2")
-        current = "flash_attention_2"
-    elif current == "sdpa" and not torch.cuda.is_available():
-        from fastrlhf import packed_attention
-
-        hf.set_attn_implementation(packed_attention.register())
-        current = packed_attention.NAME
-    if share_prompts:
-        from fastrlhf import packed_attention
-
-        if current != packed_attention.NAME:
-            raise ValueError(f"trainer.share_prompts: needs the {packed_attention.NAME} attention (no GPU, a model on "
-                             f"sdpa); this run's model uses {current!r} (set trainer.share_prompts: false)")
-    return current
+    if backend == "auto":
+        dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(hf.dtype, "float32")
+        backend = choose("auto", torch.cuda.is_available(), dtype, share_prompts)
+    hf.set_attn_implementation(packed_attention.register())
+    packed_attention.set_backend(hf, backend)
+    return backend
 
 
 def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True, zero3_config: dict | None = None,

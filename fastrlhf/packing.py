@@ -313,27 +313,23 @@ class PackedLayout:
                    last_index=long(last), source_index=None if width is None else long(source), segments=segments)
 
     def model_kwargs(self) -> dict:
-        """What a forward pass of this row takes besides ``input_ids``: ``position_ids``, no attention
-        mask, and with shared prompts the segments (read by ``fastrlhf.packed_attention``); else
-        flash-attention's variable-length arguments, from the host lengths, so that transformers does not
-        derive them from the position ids (a device read per layer on CUDA). Other attentions ignore them."""
-        kwargs = dict(attention_mask=None, position_ids=self.position_ids)
-        if self.segments is not None:
-            kwargs["fastrlhf_segments"] = self.segments
-            return kwargs
-        lengths = [p + n for p, n in zip(self.prompt_lens, self.completion_lens, strict=True)]
-        cu = to_device(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32), self.position_ids.device)
-        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
-        return kwargs
+        """What a forward pass of this row takes besides ``input_ids``: ``position_ids``, the row's
+        FlexAttention block mask as its attention mask and its bounds (``fastrlhf_rows``), all from the
+        host lengths (``fastrlhf.packed_attention``: the attention of a run with ``trainer.packing``)."""
+        from fastrlhf.packed_attention import PackedRows, block_mask
 
-    def causal_mask(self) -> torch.Tensor:
-        """``[1, 1, N, N]`` bool on the layout's device: each token attends causally within its own
-        sequence. Built from the host lengths with device ops only (no read)."""
-        lengths = [p + n for p, n in zip(self.prompt_lens, self.completion_lens, strict=True)]
         device = self.position_ids.device
-        seq = to_device(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), device)
-        causal = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool, device=device).tril()
-        return (causal & (seq[:, None] == seq[None, :]))[None, None]
+        lengths = [p + n for p, n in zip(self.prompt_lens, self.completion_lens, strict=True)]
+        if self.segments is not None:
+            segments = self.segments
+            bounds = sorted({0, *(end for _, end, _, _ in segments)})
+        else:  # one segment per sequence, causal within itself and no prefix
+            bounds = sorted(set(itertools.accumulate(lengths, initial=0)))
+            segments = [(s, e, s, s) for s, e in itertools.pairwise(bounds)]
+        rows = PackedRows(bounds=bounds, segments=self.segments,
+                          cu=to_device(torch.tensor(bounds, dtype=torch.int32), device))
+        return dict(attention_mask=block_mask(segments, self.num_tokens, device), position_ids=self.position_ids,
+                    fastrlhf_rows=rows)
 
     @property
     def num_sequences(self) -> int:

@@ -14,7 +14,7 @@ from fastrlhf.algorithms import bradley_terry_loss
 from fastrlhf.config import RMConfig
 from fastrlhf.data import load_classification_examples, load_pairwise_examples
 from fastrlhf.device import model_device, to_device
-from fastrlhf.modeling import base_model, load_sequence_classifier, unwrap, use_packed_attention, vocab_size
+from fastrlhf.modeling import base_model, load_sequence_classifier, unwrap, use_attention, vocab_size
 from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
 
 __all__ = ["build_job", "pad_batch", "pairwise_loss", "classifier_loss", "rm_token_parts", "scores", "run"]
@@ -36,22 +36,21 @@ def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False
     one row (``fastrlhf.packing.PackedLayout``), the model's body run on it and its score head on each
     sequence's last hidden state; otherwise right-padded, through the model's own forward."""
     from fastrlhf.packing import PackedLayout, padded_causal_mask
-    from fastrlhf.rl.forward import attention_of, classifier_body_and_head
+    from fastrlhf.rl.forward import SDPA_ATTENTIONS, _check_segments, attention_of, classifier_body_and_head
 
     device = model_device(engine)
-    # On sdpa the mask comes built, not found by a device read (see fastrlhf.rl.forward.MicroBatch).
-    sdpa = attention_of(engine) == "sdpa"
     if not packed:
         input_ids, attention_mask = to_device(pad_batch(sequences, pad_id), device)
-        mask = padded_causal_mask(attention_mask) if sdpa else attention_mask
+        # On sdpa the mask comes built, not found by a device read (see fastrlhf.rl.forward.MicroBatch).
+        mask = padded_causal_mask(attention_mask) if attention_of(engine) in SDPA_ATTENTIONS else attention_mask
         return engine(input_ids=input_ids, attention_mask=mask).logits.float()
 
     model = base_model(unwrap(engine))
     layout = PackedLayout.build([len(s) for s in sequences], [0] * len(sequences), device=device)
     input_ids = to_device(torch.tensor([t for s in sequences for t in s], dtype=torch.long)[None], device)
     body, head = classifier_body_and_head(model)
-    hidden = body(input_ids=input_ids, attention_mask=layout.causal_mask() if sdpa else None,
-                  position_ids=layout.position_ids, use_cache=False).last_hidden_state
+    _check_segments(body, inputs := layout.model_kwargs())
+    hidden = body(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
     return head(hidden[0, layout.last_index]).float()
 
 
@@ -118,5 +117,5 @@ def run(config: RMConfig, resume: bool = False) -> dict:
     # After the data checks: bad data fails without starting a process group.
     D.init_distributed(shared_dir=config.output_dir)
     model = load_sequence_classifier(config.model, config.resolved_num_labels, zero3_config=engine_config(config))
-    use_packed_attention(model, config.trainer.packing)
+    use_attention(model, config.trainer.packing, backend=config.model.attention)
     return run_supervised(config, build_job(config, model, examples), resume=resume)

@@ -9,7 +9,7 @@ from fastrlhf.algorithms import logprobs_from_logits, masked_sum, nll_loss
 from fastrlhf.config import SFTConfig
 from fastrlhf.data import SFTExample, load_sft_examples
 from fastrlhf.device import model_device, to_device
-from fastrlhf.modeling import base_model, load_causal_lm, unwrap, use_packed_attention, vocab_size
+from fastrlhf.modeling import base_model, load_causal_lm, unwrap, use_attention, vocab_size
 from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
 
 __all__ = ["build_job", "collate_sft", "packed_response_logprobs", "sft_loss", "sft_token_parts", "run"]
@@ -38,11 +38,11 @@ def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=No
     model's own forward (whose hooks gather it) is used instead.
     """
     from fastrlhf.packing import padded_causal_mask
-    from fastrlhf.rl.forward import attention_of
+    from fastrlhf.rl.forward import SDPA_ATTENTIONS, attention_of
 
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     labels = input_ids[:, 1:]
-    if attention_of(engine) == "sdpa":  # built here, not found by a device read (rl/forward.MicroBatch)
+    if attention_of(engine) in SDPA_ATTENTIONS:  # built here, not found by a device read (rl/forward.MicroBatch)
         attention_mask = padded_causal_mask(attention_mask)
     if use_fused:
         from fastrlhf.kernels import fused_linear_logprob_entropy
@@ -81,7 +81,7 @@ def packed_response_logprobs(engine, examples: list[SFTExample], use_fused: bool
     across examples). The LM head runs on the ``[M, H]`` hidden states that predict response tokens,
     called as a module (so under ZeRO-3 its weight is gathered for the fused kernel too)."""
     from fastrlhf.packing import PackedLayout
-    from fastrlhf.rl.forward import _head_forward, _logprob_head_fn, attention_of, body_and_head
+    from fastrlhf.rl.forward import _check_segments, _head_forward, _logprob_head_fn, body_and_head
 
     device = model_device(engine)
     split = [_predicted(e) for e in examples]
@@ -89,9 +89,8 @@ def packed_response_logprobs(engine, examples: list[SFTExample], use_fused: bool
     input_ids, labels = to_device((torch.tensor([t for c, r in split for t in c + r], dtype=torch.long)[None],
                                    torch.tensor([t for _, r in split for t in r], dtype=torch.long)), device)
     body, head = body_and_head(engine)
-    mask = layout.causal_mask() if attention_of(body) == "sdpa" else None
-    hidden = body(input_ids=input_ids, attention_mask=mask, position_ids=layout.position_ids,
-                  use_cache=False).last_hidden_state
+    _check_segments(body, inputs := layout.model_kwargs())
+    hidden = body(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
     hidden = hidden[0, layout.hidden_index]
     if use_fused:
         with _head_forward(head, _logprob_head_fn(head, 1.0, chunk_size, chunk_bytes)):
@@ -136,5 +135,5 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
     # After the data checks: bad data fails without starting a process group.
     D.init_distributed(shared_dir=config.output_dir)
     model = load_causal_lm(config.model, zero3_config=engine_config(config))
-    use_packed_attention(model, config.trainer.packing)
+    use_attention(model, config.trainer.packing, backend=config.model.attention)
     return run_supervised(config, build_job(config, model, examples), resume=resume)

@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # The Triton interpreter must be switched on before anything imports triton (transformers and
 # vLLM do), so that kernel tests with backend="triton" run on CPU tensors. `make test-gpu` sets
 # TRITON_INTERPRET=0: there the kernels run compiled.
@@ -11,3 +13,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multinode: two nodes in network namespaces (root); not in `make test`, "
                                        "run by `make test-multinode`")
     config.addinivalue_line("markers", "gpu: the CUDA half of tests/gpu (`make test-gpu`); skipped without a GPU")
+
+
+@pytest.fixture
+def cpu_flex(monkeypatch):
+    """FlexAttention's eager path with gradients on a CPU, which torch refuses (its compiled kernels are
+    GPU-only): the exact reference that the GPU kernels compute, for tests of the flex backend."""
+    import torch.nn.attention.flex_attention as flex
+
+    monkeypatch.setattr(flex, "_validate_device", lambda *args: None)

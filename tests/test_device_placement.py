@@ -42,7 +42,7 @@ from fastrlhf.config import (
 )
 from fastrlhf.data import ClassificationExample, PairExample, SFTExample
 from fastrlhf.guards import StepGuard
-from fastrlhf.modeling import CausalLMWithValueHead, use_packed_attention
+from fastrlhf.modeling import CausalLMWithValueHead, use_attention
 from fastrlhf.rl.rewards import RewardScorer
 from fastrlhf.rl.step import RLStep
 from fastrlhf.rl.update import TorchLearner
@@ -55,6 +55,12 @@ SUPERVISED = [("sft", None, False), ("sft", None, True), ("rm", "pairwise", Fals
               ("rm", "classifier", False), ("rm", "classifier", True)]
 RL = ["grpo", "grpo-packed", "grpo-shared", "grpo-on-policy", "ppo", "ppo-packed"]
 COVERED = {"sft": SUPERVISED, "rm": SUPERVISED, "train": RL}
+# Packed rows run model.attention: sdpa (one call per sequence), which a GPU runs too. What a packed row
+# brings to the attention is the same for every backend (its block mask and bounds, built on the host:
+# fastrlhf.packing.PackedLayout.model_kwargs), and is checked here; flex's and flash-attn's kernels take
+# only those device tensors, and cannot run on the emulated device (FlexAttention traces its backward
+# with fake tensors of its own).
+GPU_ATTENTION = "sdpa"
 
 
 def test_every_command_runs_here():
@@ -88,7 +94,7 @@ def supervised_examples(command, kind):
 
 def supervised_config(command, kind, packing):
     trainer = dict(max_steps=1, batch_size=6, packing=packing, loss_chunk_size=4)
-    common = dict(output_dir="unused", model=ModelConfig(path="unused"))
+    common = dict(output_dir="unused", model=ModelConfig(path="unused", attention=GPU_ATTENTION))
     if command == "sft":
         return SFTConfig(**common, data=SFTDataConfig(path="unused"), trainer=SFTTrainerConfig(**trainer))
     return RMConfig(**common, data=RMDataConfig(path="unused"), trainer=SFTTrainerConfig(**trainer), kind=kind)
@@ -98,8 +104,8 @@ def supervised_config(command, kind, packing):
                          ids=[f"{c}-{k or 'lm'}-{'packed' if p else 'padded'}" for c, k, p in SUPERVISED])
 def test_supervised_step_on_another_device(command, kind, packing):
     config = supervised_config(command, kind, packing)
-    # Packed rows stay on sdpa, as on a GPU without flash-attn (use_packed_attention picks the CPU one here).
     model = tiny_lm() if command == "sft" else tiny_classifier(2 if kind == "classifier" else 1)
+    use_attention(model, packing, backend=config.model.attention)
     examples = supervised_examples(command, kind)
     build = sft.build_job if command == "sft" else reward_model.build_job
     with OtherDevice() as dev:
@@ -167,9 +173,9 @@ def test_rl_step_on_another_device(case):
     actor, reference = tiny_lm(seed=0), tiny_lm(seed=0)
     critic = CausalLMWithValueHead(tiny_lm(seed=5)) if config.algorithm == "ppo" else None
     scorer_model = tiny_classifier(1)
-    if t.share_prompts:  # only the CPU attention runs shared prompts yet; packed rows stay on sdpa, as on a GPU
-        for model in (actor, reference, scorer_model):
-            use_packed_attention(model, t.packing, t.share_prompts)
+    for model in (actor, reference, scorer_model, critic.lm if critic is not None else None):
+        if model is not None:
+            use_attention(model, t.packing, t.share_prompts, GPU_ATTENTION)
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     with OtherDevice() as dev:
         actor, reference, scorer_model = dev.move(actor.train()), dev.move(reference.eval()), dev.move(scorer_model)
@@ -186,12 +192,8 @@ def test_rl_step_on_another_device(case):
     assert set(validation) >= {"eval/reward_mean", "eval/accuracy"}
     # The update reads the device once per optimizer step (the guard's decision), actor and critic alike.
     steps = int(metrics["optimizer_steps"]) * (2 if critic is not None else 1)
-    reads = step.update_reads
-    if t.share_prompts:  # only the CPU attention runs shared prompts yet, and it reads its segments' bounds
-        in_attention = ("_decoder_hidden", "packed_sdpa_attention")
-        reads = [r for r in reads if r[0] is not None or not r[2].endswith(in_attention)]
-    names = [name for name, _, _ in reads]
-    assert names == ["the optimizer step's skip decision and metrics"] * steps, reads
+    names = [name for name, _, _ in step.update_reads]
+    assert names == ["the optimizer step's skip decision and metrics"] * steps, step.update_reads
 
 
 def test_a_reference_on_the_host_is_caught():
@@ -205,3 +207,20 @@ def test_a_reference_on_the_host_is_caught():
         RLStep(config, actor, HFEngine(actor), scorer, reference=copy.deepcopy(reference).eval(),
                actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3), pad_token_id=0,
                rollout_shares_actor=True, device=dev.device)([[5, 6, 7]], None, step=1)
+
+
+@pytest.mark.parametrize("groups", [None, [0, 0, 1]], ids=["packed", "shared"])
+def test_a_packed_rows_attention_arguments_live_on_the_device_and_read_nothing(groups):
+    """What every backend gets of a packed row (flex its block mask, flash-attn its cu_seqlens) is built on
+    the host and moved: on the device, with no read of a device value on the way."""
+    from helpers.other_device import DeviceTensor
+
+    from fastrlhf.packing import PackedLayout
+
+    with OtherDevice() as dev:
+        kwargs = PackedLayout.build([3, 3, 5], [4, 2, 0], device=dev.device, prompt_groups=groups).model_kwargs()
+        assert dev.reads == []
+        mask = kwargs["attention_mask"]
+        moved = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+                 mask.q_num_blocks, mask.q_indices, kwargs["fastrlhf_rows"].cu, kwargs["position_ids"])
+        assert all(isinstance(t, DeviceTensor) for t in moved)

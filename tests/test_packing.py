@@ -29,7 +29,7 @@ from fastrlhf.config import (
     TrainConfig,
     TrainerConfig,
 )
-from fastrlhf.modeling import use_packed_attention
+from fastrlhf.modeling import use_attention
 from fastrlhf.packing import (
     PackedLayout,
     fixed_count_groups,
@@ -150,14 +150,14 @@ def ragged_batch(seed=0, num_prompts=3, n=4, long=24, empty=True):
     return prompts, completions
 
 
-@pytest.mark.parametrize("attention", ["dense-mask", "per-sequence", "shared-prompts"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("attention", ["per-sequence", "shared-prompts"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_packed_hidden_states_and_logprobs_equal_the_padded_ones(family, attention):
+def test_packed_hidden_states_and_logprobs_equal_the_padded_ones(family, attention, backend, cpu_flex):
     make = make_tiny_llama if family == "llama" else make_tiny_qwen2
     model = make(vocab_size=VOCAB, hidden_size=64, num_heads=2, num_layers=2)
-    # dense-mask: transformers' block-diagonal mask under sdpa; else fastrlhf_packed_sdpa.
-    use_packed_attention(model, attention != "dense-mask")
     mode = "shared" if attention == "shared-prompts" else True
+    use_attention(model, True, mode == "shared", backend)
     prompts, completions = ragged_batch()
     exp = build_experience(prompts, completions, PAD)
     parts = exp.token_parts()
@@ -187,6 +187,7 @@ def test_packed_hidden_states_and_logprobs_equal_the_padded_ones(family, attenti
 
 def test_no_token_attends_across_a_sequence_boundary():
     model = make_tiny_qwen2(vocab_size=VOCAB, hidden_size=64, num_heads=2)
+    use_attention(model, True)
     prompts, completions = ragged_batch(seed=1, empty=False)
     exp = build_experience(prompts, completions, PAD)
     before, _ = sequence_logprobs(model, exp, packed=True)
@@ -209,14 +210,15 @@ def test_packed_values_and_reward_model_scores_equal_the_padded_ones():
     groups = token_budget_groups(exp.token_parts(), 16, packed=True)
     torch.manual_seed(0)
     critic = CausalLMWithValueHead(make_tiny_llama(vocab_size=VOCAB, hidden_size=32, num_heads=1)).eval()
+    use_attention(critic.lm, True, share_prompts=True)
     torch.testing.assert_close(token_values(critic, exp, groups=groups, packed=True), token_values(critic, exp),
                                rtol=1e-5, atol=1e-5)
-    use_packed_attention(critic.lm, True, share_prompts=True)
     shared = token_budget_groups(exp.token_parts(), 16, packed=True, keys=exp.prompt_keys())
     torch.testing.assert_close(token_values(critic, exp, groups=shared, packed="shared"), token_values(critic, exp),
                                rtol=1e-5, atol=1e-5)
     rm = LlamaForSequenceClassification(tiny_llama_config(vocab_size=VOCAB, hidden_size=32, num_heads=1,
                                                           num_labels=2)).eval()
+    use_attention(rm, True)
     for kind, model in (("classifier", rm), ("value_head", critic)):
         torch.testing.assert_close(reward_model_scores(model, exp, kind, 1 if kind == "classifier" else 0,
                                                        groups=groups, packed=True),
@@ -284,7 +286,7 @@ def run_step(config, with_lora, checkpointing=False):
         copt = RecordingSGD(list(critic.named_parameters()), lr=0.01)
     for model in (actor, reference, critic and critic.lm):  # as the trainer does: per-sequence attention on CPU
         if model is not None:
-            use_packed_attention(model, config.trainer.packing, config.trainer.share_prompts)
+            use_attention(model, config.trainer.packing, config.trainer.share_prompts)
     prompts, completions = ragged_batch(seed=4)
     scores = torch.linspace(-1.0, 1.0, 12)[torch.randperm(12, generator=torch.Generator().manual_seed(1))]
     rl = RLStep(config, actor, rollout=None, scorer=lambda exp, *a: scores.clone(), reference=reference,

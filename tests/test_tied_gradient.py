@@ -119,7 +119,7 @@ def test_a_tied_qwen2_rl_update_gets_the_same_gradients_through_the_handoff(monk
     import contextlib
 
     import fastrlhf.rl.forward as forward
-    from fastrlhf.modeling import use_packed_attention
+    from fastrlhf.modeling import use_attention
     from fastrlhf.rl.step import RLStep
     from tests.test_packing import PAD, RecordingSGD, make_config, ragged_batch
     from tests.test_packing import VOCAB as PACK_VOCAB
@@ -132,7 +132,7 @@ def test_a_tied_qwen2_rl_update_gets_the_same_gradients_through_the_handoff(monk
         actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         assert actor.get_input_embeddings().weight is actor.get_output_embeddings().weight
         for model in (actor, reference):
-            use_packed_attention(model, packing, False)
+            use_attention(model, packing, False)
         if not handoff:
             head = actor.get_output_embeddings()
             monkeypatch.setattr(forward, "tied_gradient_handoff",

@@ -11,6 +11,8 @@ allocator's blocks) reaches the next one.
    in trained tokens/s and MFU against a bf16 GEMM rate measured in the same process.
 3. :func:`grpo_vs_trl`: whole GRPO steps (HF generate, reference, update) of ``fastrlhf train`` against TRL's
    ``GRPOTrainer``, each trainer in its own process on the same model folder, prompts and batch.
+4. :func:`layouts_race`: the reference pass and update in the padded, packed and shared-prompt layouts
+   (``benchmarks/gpu/layouts.py``).
 """
 
 from __future__ import annotations
@@ -600,8 +602,15 @@ def grpo_vs_trl(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 
         shutil.rmtree(work, ignore_errors=True)
 
 
+def layouts_race(**kwargs) -> dict:
+    """Race 4, padded / packed / shared prompts: :func:`benchmarks.gpu.layouts.race`."""
+    from benchmarks.gpu.layouts import race
+
+    return race(**kwargs)
+
+
 RACES = {"lm_head": lm_head_race, "rl_update": rl_update_race, "grpo_vs_trl": grpo_vs_trl, "save_model": save_model,
-         "trl_grpo": trl_grpo}
+         "trl_grpo": trl_grpo, "layouts": layouts_race}
 
 if __name__ == "__main__":
     result = RACES[sys.argv[1]](**json.loads(sys.argv[2]))

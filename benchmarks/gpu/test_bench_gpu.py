@@ -15,6 +15,10 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    Liger's layer kernels and keeps TRL's own fused LM head), 16 prompts x 8 completions of 128 tokens.
    Targets: speed-up >= 1.5x, memory <= 0.6x TRL's.
 
+4. ``test_layouts_1_5b``: the reference pass + update of one GRPO step, padded, packed and with shared prompts,
+   on workload C's shape scaled to the 1.5B model (``layouts.py``). Targets: packed >= 1.5x padded, shared
+   >= 2x padded.
+
 Targets are reported (``targets_met``); a miss fails only with ``FASTRLHF_BENCH_STRICT=1``.
 """
 
@@ -52,3 +56,7 @@ def test_grpo_step_vs_trl(gpu_benchmark):
         pytest.skip("TRL is not installed (the gpu-bench extra: trl==1.16.0, liger-kernel==0.8.5)")
     # Its child only spawns: the model's creation and each trainer run are children of their own.
     _race(gpu_benchmark, "grpo_vs_trl", dict(device="cuda", shape="qwen2-1.5b"), timeout_s=570)
+
+
+def test_layouts_1_5b(gpu_benchmark):
+    _race(gpu_benchmark, "layouts", dict(device="cuda", shape="qwen2-1.5b"), timeout_s=300)

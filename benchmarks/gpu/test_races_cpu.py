@@ -49,3 +49,11 @@ def test_grpo_vs_trl():
         assert "not installed" in r["trl_skipped"], r
     else:
         assert len(r["trl_steps_s"]) == 2 and r["speedup_vs_trl"] > 0 and r["trl_version"], r
+
+
+def test_layouts_race():
+    r = races.layouts_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_range=(8, 12),
+                           max_new=16, max_tokens=256, steps=2)
+    assert r["backend"] == r["shared_backend"] == "sdpa", r  # the CPU's choice
+    assert all(r[f"{name}_s"] > 0 and r[f"{name}_skipped"] == 0 for name in ("padded", "packed", "shared")), r
+    assert r["packed_vs_padded"] > 0 and r["shared_vs_padded"] > 0, r

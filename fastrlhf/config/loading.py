@@ -203,9 +203,11 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu:
             raw = {**raw, "critic": {}}
     config = _build(cls, raw, "")
     validate(config, base_dir)
+    from fastrlhf.attention import resolve_attention
     from fastrlhf.precision import gpu_available, resolve_precision
 
-    return resolve_precision(config, gpu_available() if on_gpu is None else on_gpu)
+    on_gpu = gpu_available() if on_gpu is None else on_gpu
+    return resolve_attention(resolve_precision(config, on_gpu), on_gpu)
 
 
 def load_config(path: str, command: str = "train", overrides: list[str] | None = None, on_gpu: bool | None = None):

@@ -41,6 +41,9 @@ class ModelConfig:
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     gradient_checkpointing: bool = False
+    # The attention of packed rows (trainer.packing, trainer.share_prompts): auto, flex, flash_attention_2 or
+    # sdpa; auto: flash_attention_2 on a GPU with flash_attn and bf16, else flex; sdpa on a CPU (fastrlhf.attention)
+    attention: Literal["auto", "flex", "flash_attention_2", "sdpa"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,7 @@ class TrainerConfig(LoopConfig):
     tis_cap: float | None = None
     forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None: minibatch share
     # With packing: the samples of one prompt share one copy of it in a packed row (each completion attends
-    # to it and to itself; the same loss). Needs the CPU packed attention (fastrlhf.packed_attention).
+    # to it and to itself; the same loss). model.attention flex (GPU) or sdpa (fastrlhf.attention).
     share_prompts: bool = False
     # auto: skip the old-logprob pass when the update is on-policy (one epoch, one minibatch, no TIS,
     # KL not in the reward); recompute: always (also logs logprob_mismatch_* against the engine)

@@ -117,20 +117,17 @@ class MicroBatch:
         """``input_ids``, ``attention_mask``, ``position_ids`` of the forward pass (packed: no mask, so
         transformers reads the position restarts as sequence boundaries).
 
-        For a model on ``sdpa`` (``attention``: its attention implementation) the mask comes built,
-        ``[b, 1, L, L]`` on the device from what the host knows: transformers would otherwise read the
-        device to decide whether it needs one (``_ignore_causal_mask_sdpa``, or the packed-sequence
-        search on the position ids), a stall per forward on a GPU, and then build the same mask. A
-        padded micro-batch without padding needs neither mask nor positions."""
+        A packed row's mask is its block mask (:meth:`fastrlhf.packing.PackedLayout.model_kwargs`). For a
+        padded micro-batch on sdpa (``attention``: the model's attention implementation) the mask comes
+        built, ``[b, 1, L, L]`` on the device from what the host knows: transformers would otherwise read
+        the device to decide whether it needs one (``_ignore_causal_mask_sdpa``), a stall per forward on
+        a GPU, and then build the same mask. Without padding it needs neither mask nor positions."""
         if self.packed:
-            kwargs = self.layout.model_kwargs()
-            if attention == "sdpa" and "fastrlhf_segments" not in kwargs:
-                kwargs["attention_mask"] = self.layout.causal_mask()
-            return dict(input_ids=self.layout.pack_padded(self.exp.input_ids), **kwargs)
+            return dict(input_ids=self.layout.pack_padded(self.exp.input_ids), **self.layout.model_kwargs())
         e = self.exp
         if all(p == e.prompt_width for p in e.prompt_lens) and all(n == e.response_width for n in e.completion_lens):
             return dict(input_ids=e.input_ids, attention_mask=None, position_ids=None)
-        mask = padded_causal_mask(e.attention_mask) if attention == "sdpa" else e.attention_mask
+        mask = padded_causal_mask(e.attention_mask) if attention in SDPA_ATTENTIONS else e.attention_mask
         return dict(input_ids=e.input_ids, attention_mask=mask, position_ids=e.position_ids)
 
     def at_response(self, per_position: torch.Tensor) -> torch.Tensor:
@@ -147,6 +144,10 @@ class MicroBatch:
         mask = self.exp.attention_mask
         last = ((mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)).long().argmax(-1)
         return per_position[torch.arange(mask.shape[0], device=mask.device), last]
+
+
+# Attention implementations whose padded batches run torch's sdpa with the mask they are given.
+SDPA_ATTENTIONS = ("sdpa", "fastrlhf_packed")
 
 
 def attention_of(model) -> str | None:
@@ -178,8 +179,8 @@ def _scatter_rows(out: torch.Tensor, rows: list[int], values: torch.Tensor) -> N
 
 
 def _check_segments(model, inputs: dict) -> None:
-    """Shared-prompt segments are read by one attention only; any other would ignore them."""
-    if "fastrlhf_segments" in inputs:
+    """A packed row is read by one attention only (its block mask and bounds); any other would misread it."""
+    if "fastrlhf_rows" in inputs:
         from fastrlhf.packed_attention import check_model
 
         m = _hf_model(model)
@@ -335,16 +336,16 @@ def _accepts(model, name: str) -> bool:
 
 
 def _per_token_outputs(model, input_ids, attention_mask, position_ids, **packed) -> torch.Tensor:
-    """[B, L] scalar output per position of a critic / value-head model (packed: ``attention_mask``
-    None, positions restarting per sequence; ``packed``: the layout's attention arguments, passed to a
-    forward that takes ``**kwargs``; shared-prompt segments need one)."""
+    """[B, L] scalar output per position of a critic / value-head model (packed: one row, its block mask
+    as ``attention_mask``, positions restarting per sequence; ``packed``: the row's bounds, passed to a
+    forward that takes ``**kwargs``)."""
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask)
     _check_segments(model, packed)
-    if packed and _accepts(model, "fastrlhf_segments"):  # any **kwargs forward
+    if packed and _accepts(model, "fastrlhf_rows"):  # any **kwargs forward
         kwargs.update(packed)
-    elif "fastrlhf_segments" in packed:
-        raise ValueError(f"{type(unwrap(model)).__name__}.forward takes no attention kwargs: it cannot run shared "
-                         "prompts (set trainer.share_prompts: false)")
+    elif "fastrlhf_rows" in packed:
+        raise ValueError(f"{type(unwrap(model)).__name__}.forward takes no attention kwargs: it cannot run packed "
+                         "rows (set trainer.packing: false)")
     if _accepts(model, "position_ids"):
         kwargs["position_ids"] = position_ids
     elif attention_mask is None and position_ids is not None:

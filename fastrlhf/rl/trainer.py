@@ -125,7 +125,7 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     """
     from fastrlhf import distributed as D
     from fastrlhf.distributed import build_frozen_engine, build_train_engine, deepspeed_config
-    from fastrlhf.modeling import load_causal_lm, load_value_model, use_packed_attention
+    from fastrlhf.modeling import load_causal_lm, load_value_model, use_attention
     from fastrlhf.precision import apply_matmul_precision, compute_dtype
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep, micro_batch_size
@@ -137,7 +137,8 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     # ZeRO-3: load straight into partitions (no full replica per rank), with the engines' own configs.
     actor_ds = deepspeed_config(ds, micro, t.grad_accum, t.max_grad_norm) if ds.zero_stage == 3 else None
     actor = load_causal_lm(config.model, zero3_config=actor_ds)
-    use_packed_attention(actor, t.packing, t.share_prompts)
+    attention = config.model.attention
+    use_attention(actor, t.packing, t.share_prompts, attention)
     pad_id = _pad_token_id(actor)
     # A ZeRO-3 partitioned parameter reports numel() 0; ds_numel is its full size.
     num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in {id(p): p for p in actor.parameters()}.values())
@@ -152,14 +153,14 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
         ref_ds = deepspeed_config(ds, zero_stage=3, trainable=False) if ds.zero_stage == 3 else None
         ref_model = load_causal_lm(config.model, config.reference.path or config.model.path, trainable=False,
                                    zero3_config=ref_ds, dtype=compute_dtype(config))
-        use_packed_attention(ref_model, t.packing, t.share_prompts)
+        use_attention(ref_model, t.packing, t.share_prompts, attention)
         # ZeRO-3 actor: a ZeRO-3 reference too (a full replica would waste what the actor saves).
         reference = build_frozen_engine(ref_model, ds) if ds.zero_stage == 3 else ref_model.to(device)
 
     critic = None
     if config.algorithm == "ppo":
         critic_model = load_value_model(config.model, config.critic.path)
-        use_packed_attention(critic_model.lm, t.packing, t.share_prompts)
+        use_attention(critic_model.lm, t.packing, t.share_prompts, attention)
         critic = build_train_engine(critic_model, ds, lr=config.critic.lr, weight_decay=t.weight_decay,
                                     warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
                                     max_grad_norm=t.max_grad_norm, guard=guard)
@@ -173,7 +174,7 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
 
         reward_model = AutoModelForSequenceClassification.from_pretrained(
             config.reward.model_path, dtype=torch_dtype(compute_dtype(config))).eval().requires_grad_(False).to(device)
-        use_packed_attention(reward_model, t.packing)
+        use_attention(reward_model, t.packing, backend=attention)
     scorer = RewardScorer(config.reward.function, reward_model, config.reward.model_kind, config.reward.label_index,
                           micro_batch=micro, text_rewards=text_rewards, tokenizer=tokenizer,
                           reward_tokenizer=reward_tokenizer, max_tokens=t.max_tokens_per_microbatch, packed=t.packing)

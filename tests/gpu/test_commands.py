@@ -2,9 +2,9 @@
 runs measured.
 
 - ``fastrlhf sft`` padded and packed (its loss falls), ``fastrlhf rm`` pairwise and classifier, GRPO on
-  ZeRO-2 (reference model, HF rollouts: vLLM does not travel to the GPU machine) and PPO on ZeRO-3
-  (critic), each with finite metrics. On CUDA: the 1.5B Qwen2 shape from random init in bf16, NCCL;
-  on the CPU: a tiny Qwen2, gloo.
+  ZeRO-2 (reference model, HF rollouts: vLLM does not travel to the GPU machine), padded and packed
+  with shared prompts, and PPO on ZeRO-3 (critic), each with finite metrics. On CUDA: the 1.5B Qwen2
+  shape from random init in bf16, NCCL; on the CPU: a tiny Qwen2, gloo.
 - ``fastrlhf plan``'s peak against the measured one: on CUDA the caching allocator's peak
   (``torch.cuda.max_memory_reserved``) plus what the device holds beyond it (CUDA context, NCCL), as
   the trainer logs them (``memory/*``, fastrlhf.rl.step); on the CPU the rank's peak RSS.
@@ -79,7 +79,7 @@ def _config(root, name, where):
                       "data": {"path": str(root / ("pairs.jsonl" if kind == "pairwise" else "cls.jsonl"))},
                       "trainer": {**loop, "max_steps": 4, "batch_size": 8, "lr": 1e-5 if cuda else 1e-3},
                       "deepspeed": {"zero_stage": 2}}
-    ppo = name == "ppo"
+    ppo, shared = name == "ppo", name == "grpo-shared"
     return "train", {**common, "algorithm": "ppo" if ppo else "grpo",
                      **({"critic": {"path": None}} if ppo else {}),
                      "reward": {"function": "target_token"},
@@ -87,7 +87,8 @@ def _config(root, name, where):
                      "rollout": {"engine": "hf", "n": 4, "max_new_tokens": 64 if cuda else 8,
                                  "max_logprob_mismatch": None},
                      "trainer": {**loop, "max_steps": 3, "prompts_per_step": 8, "minibatch_size": 16,
-                                 "grad_accum": 2, "kl_coef": 0.01, "lr": 1e-6 if cuda else 1e-3},
+                                 "grad_accum": 2, "kl_coef": 0.01, "lr": 1e-6 if cuda else 1e-3,
+                                 "packing": shared, "share_prompts": shared},
                      "deepspeed": {"zero_stage": 3 if ppo else 2}}
 
 
@@ -138,7 +139,7 @@ def test_rm_trains(proof, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo", "ppo"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "grpo-shared"])
 def test_rl_trains(proof, name):
     _, records = run(proof, name)
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -27,6 +27,7 @@ from fastrlhf.config import (
 )
 from fastrlhf.device import watch_host_reads
 from fastrlhf.guards import StepGuard
+from fastrlhf.modeling import use_attention
 from fastrlhf.rl.rewards import RewardScorer
 from fastrlhf.rl.step import RLStep
 from fastrlhf.rollout.hf_engine import HFEngine
@@ -62,14 +63,15 @@ class CheckedStep(RLStep):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_rl_update_reads_the_device_once_per_optimizer_step(where, packing):
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
+def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
     D.init_distributed(timeout_s=120)
     device = torch.device(where, torch.cuda.current_device()) if where == "cuda" else torch.device("cpu")
     shape, dtype = model_shape(where), model_dtype(where)
     n, prompts_per_step = 4, 4
+    packing, shared = layout != "padded", layout == "shared"
     trainer = TrainerConfig(max_steps=1, prompts_per_step=prompts_per_step, minibatch_size=8, grad_accum=2,
-                            ppo_epochs=1, kl_coef=0.01, packing=packing, lr=1e-6)  # 2 optimizer steps
+                            ppo_epochs=1, kl_coef=0.01, packing=packing, share_prompts=shared, lr=1e-6)  # 2 steps
     config = TrainConfig(output_dir="unused", model=ModelConfig(path="unused", gradient_checkpointing=True),
                          data=DataConfig(prompts="unused"), trainer=trainer, algorithm="grpo",
                          rollout=RolloutConfig(n=n, max_new_tokens=32 if where == "cuda" else 8,
@@ -78,15 +80,18 @@ def test_rl_update_reads_the_device_once_per_optimizer_step(where, packing):
     actor = make_qwen2_on(device, dtype, **shape).train()
     actor.gradient_checkpointing_enable()
     reference = make_qwen2_on(device, dtype, **shape).requires_grad_(False)
+    for model in (actor, reference):  # the attention model.attention: auto picks here (flex or flash-attn on CUDA)
+        use_attention(model, packing, shared)
     guard = StepGuard()
     engine = D.build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=dtype == torch.bfloat16), lr=1e-6,
                                   micro_batch_size=2, grad_accum=2, max_grad_norm=1.0, guard=guard)
-    step = CheckedStep(config, engine, HFEngine(engine.module), RewardScorer("target_token"), reference=reference,
+    scorer = RewardScorer(lambda prompt, completion, meta: sum(completion) % 7 / 7)  # rewards that differ
+    step = CheckedStep(config, engine, HFEngine(engine.module), scorer, reference=reference,
                        pad_token_id=0, rollout_shares_actor=True, device=engine.device, guard=guard)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, shape["vocab_size"], (int(length),), generator=g).tolist()
                for length in torch.randint(8, 48, (prompts_per_step,), generator=g)]
-    metrics = step(prompts, [{"target_token": 3}] * prompts_per_step, step=1)
+    metrics = step(prompts, None, step=1)
 
     assert metrics["skipped"] == 0 and metrics["optimizer_steps"] == 2, metrics
     assert step.update_reads == [DECISION] * 2, step.update_reads
