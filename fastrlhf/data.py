@@ -6,7 +6,8 @@ that a resumed run sees exactly the batches an uninterrupted run would have seen
 
 A prompt is token ids (``prompt_ids``), text (``prompt``) or a chat (``messages``: a list of
 ``{"role", "content"}`` objects), which the tokenizer's chat template turns into ids with the generation
-prompt (``data.chat_template``: auto | true | false, see :func:`load_prompts`).
+prompt (``data.chat_template``: auto | true | false, see :func:`load_prompts`). The prompt as the row
+gives it (text or messages) travels beside its columns (:class:`Columns`), for rewards in TRL's format.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "DataError",
+    "Columns",
     "PromptExample",
     "SFTExample",
     "PairExample",
@@ -64,10 +66,21 @@ CHAT_TEMPLATE_CHOICES = (True, False, "auto")
 OVERLONG_CHOICES = ("error", "truncate", "skip")
 
 
+class Columns(dict):
+    """A prompt row's columns (every field but the prompt): what reward functions receive as ``meta`` or
+    keyword arguments and what validation files record. :attr:`prompt` is the row's prompt as given: its
+    text, its messages, or None for token ids. It rides beside the columns, not among them, so that a
+    reward in TRL's format can read it while every reader of the columns sees only the columns."""
+
+    def __init__(self, columns=(), prompt: str | list[dict] | None = None):
+        super().__init__(columns)
+        self.prompt = prompt
+
+
 @dataclass
 class PromptExample:
     prompt_ids: list[int]
-    meta: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=Columns)  # a Columns from load_prompts
     source: str = ""  # where the row is: "file:line" or "folder:row N" (for messages naming it)
 
 
@@ -315,9 +328,10 @@ def _chat(value, field_name: str) -> list[dict]:
 
 
 def _prompt(row: dict, names: tuple[str, ...], tokenizer: LazyTokenizer, vocab_size: int | None,
-            chat_template: bool | str) -> list[int]:
-    """Prompt ids of a row: the first present field of ``names`` + ``messages``; ids as given, text tokenized
-    (``chat_template: true``: as one user message through the template), a chat through the template."""
+            chat_template: bool | str) -> tuple[list[int], str | list[dict] | None]:
+    """``(ids, given)`` of a row's prompt: the first present field of ``names`` + ``messages``; ids as given,
+    text tokenized (``chat_template: true``: as one user message through the template), a chat through the
+    template. ``given``: the text or the validated messages (None for token ids)."""
     fields = tuple(dict.fromkeys((*names, CHAT_FIELD)))
     for name in fields:
         if name in row and row[name] is not None:
@@ -330,16 +344,18 @@ def _prompt(row: dict, names: tuple[str, ...], tokenizer: LazyTokenizer, vocab_s
         if chat_template is False:
             raise _BadLine(f"field {name!r} is a chat but data.chat_template is false; "
                            "set data.chat_template to true or auto")
-        ids = tokenizer.chat_ids(messages, name)
+        ids, given = tokenizer.chat_ids(messages, name), messages
     elif isinstance(value, str) and chat_template is True:
         ids = tokenizer.chat_ids([{"role": "user", "content": value}], name, why=" (data.chat_template is true)") \
             if value else []
+        given = value
     else:
-        return _tokens({name: value}, (name,), "prompt", tokenizer, vocab_size, special=True)
+        ids = _tokens({name: value}, (name,), "prompt", tokenizer, vocab_size, special=True)
+        return ids, value if isinstance(value, str) else None
     if not ids:
         raise _BadLine("empty prompt")
     _check_vocab(ids, vocab_size, "prompt")
-    return ids
+    return ids, given
 
 
 def _check_vocab(ids: list[int], vocab_size: int | None, what: str):
@@ -371,16 +387,16 @@ def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: in
     line), ``truncate`` (keep its last ``max_prompt_len`` tokens, so a template's generation prompt stays) or
     ``skip`` (leave the row out; rank 0 prints how many; all left out is an error).
 
-    Every other column of a row (``answer``, ``data_source``...) travels in the example's ``meta``, so
-    reward functions receive it; a key in ``meta`` itself wins over a column of the same name. ``source``
-    is the row's ``file:line``.
+    Every other column of a row (``answer``, ``data_source``...) travels in the example's ``meta`` (a
+    :class:`Columns`, which also holds the prompt as given), so reward functions receive it; a key in
+    ``meta`` itself wins over a column of the same name. ``source`` is the row's ``file:line``.
     """
     _check_choices(chat_template, overlong)
     tokenizer = LazyTokenizer(tokenizer_path)
     names = _id_and_text_names(prompt_field)
 
     def parse(row: dict, where: str) -> PromptExample:
-        ids = _prompt(row, names, tokenizer, vocab_size, chat_template)
+        ids, given = _prompt(row, names, tokenizer, vocab_size, chat_template)
         meta = row.get("meta", {})
         if meta is None:
             meta = {}
@@ -394,7 +410,7 @@ def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: in
             else:
                 _check_len(ids, max_prompt_len, "prompt")
         columns = {k: v for k, v in row.items() if k not in names and k not in ("meta", CHAT_FIELD)}
-        return PromptExample(ids, {**columns, **meta}, where)
+        return PromptExample(ids, Columns({**columns, **meta}, given), where)
 
     return _collect(path, parse, skipped_as=f"longer than max_prompt_len ({max_prompt_len} tokens)")
 
@@ -427,7 +443,7 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
             response = _tokens({"response": messages[-1]["content"]}, ("response",), "response", tokenizer,
                                vocab_size, special=False, append_eos=True)
         else:
-            prompt = _prompt(row, ("prompt_ids", "prompt"), tokenizer, vocab_size, chat_template)
+            prompt, _ = _prompt(row, ("prompt_ids", "prompt"), tokenizer, vocab_size, chat_template)
             response = _tokens(row, ("response_ids", "response"), "response", tokenizer, vocab_size, special=False,
                                append_eos=True)
         _check_len(prompt, max_prompt_len, "prompt")

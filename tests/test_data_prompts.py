@@ -75,6 +75,19 @@ def test_chat_rows_are_the_template_with_the_generation_prompt(tok, tmp_path):
     assert load_prompts(verl, "prompt", tokenizer_path=folder)[0].prompt_ids == expected
 
 
+def test_the_prompt_as_given_rides_beside_the_columns(tok, tmp_path):
+    folder, _ = tok
+    rows = [{"messages": CHAT, "answer": "4"}, {"prompt": CHAT, "answer": "4"}, {"prompt": "hello world"},
+            {"prompt_ids": [7, 8]}, {"messages": [{"role": "user", "content": "hi", "name": None}]}]
+    examples = load_prompts(write_lines(tmp_path / "p.jsonl", rows), "prompt", tokenizer_path=folder)
+    assert [e.meta.prompt for e in examples] == [CHAT, CHAT, "hello world", None, [{"role": "user", "content": "hi"}]]
+    assert [dict(e.meta) for e in examples] == [{"answer": "4"}, {"answer": "4"}, {}, {}, {}]  # not a column
+    # data.chat_template true sends text through the template; the prompt as given stays the text.
+    templated = load_prompts(write_lines(tmp_path / "t.jsonl", rows[2:3]), "prompt", tokenizer_path=folder,
+                             chat_template=True)
+    assert templated[0].meta.prompt == "hello world"
+
+
 def test_template_with_bos_matches_apply_chat_template(tmp_path):
     folder = tmp_path / "bos_tok"
     tokenizer = _tokenizer(TEMPLATE_WITH_BOS)
@@ -285,13 +298,14 @@ def test_config_fields(tmp_path):
     (tmp_path / "model" / "model.safetensors").write_bytes(b"")
     prompts = write_lines(tmp_path / "p.jsonl", [{"prompt_ids": [1]}])
 
-    def train(**data):
+    def train(reward=None, **data):
         return {"algorithm": "grpo", "output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path / "model")},
-                "reward": {"function": "length"}, "data": {"prompts": prompts, **data}, "rollout": {"n": 4},
-                "trainer": {"max_steps": 1, "prompts_per_step": 4, "minibatch_size": 8}}
+                "reward": reward or {"function": "length"}, "data": {"prompts": prompts, **data},
+                "rollout": {"n": 4}, "trainer": {"max_steps": 1, "prompts_per_step": 4, "minibatch_size": 8}}
 
     config = parse_config(train(), on_gpu=False)
     assert config.data.chat_template == "auto" and config.data.overlong == "error"
+    assert config.reward.format == "trl"
     for value in (True, False, "auto"):
         got = parse_config(train(chat_template=value), on_gpu=False).data.chat_template
         assert got == value and type(got) is type(value)
@@ -300,6 +314,15 @@ def test_config_fields(tmp_path):
         parse_config(train(chat_template="yes"), on_gpu=False)
     with pytest.raises(ConfigError, match="data.overlong"):
         parse_config(train(overlong="drop"), on_gpu=False)
+
+    functions = [{"function": "my_rewards:fn"}]
+    assert parse_config(train({"functions": functions, "format": "text"}), on_gpu=False).reward.format == "text"
+    with pytest.raises(ConfigError, match=r"reward\.format: expected one of 'trl' \| 'text', got 'chat'"):
+        parse_config(train({"functions": functions, "format": "chat"}), on_gpu=False)
+    with pytest.raises(ConfigError) as info:  # a setting that would change nothing
+        parse_config(train({"function": "length", "format": "text"}), on_gpu=False)
+    assert str(info.value).startswith("reward.format: text is the form of what reward.functions receive")
+
     sft = {"output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path / "model")},
            "data": {"path": prompts, "chat_template": True}, "trainer": {"max_steps": 1}}
     assert parse_config(sft, "sft", on_gpu=False).data.chat_template is True

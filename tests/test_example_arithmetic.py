@@ -104,19 +104,26 @@ def test_extract_answer_reads_only_a_stated_answer():
     assert extract_answer("") is None
 
 
+def as_chat(texts):
+    """The example's rows are chats: the trainer's default reward.format hands completions over like this."""
+    return [[{"role": "assistant", "content": t}] for t in texts]
+
+
 def test_correctness_has_trl_signature_and_none_for_rows_without_an_answer():
     completions = ["7 + 5 = 12. The answer is 12.", "7 + 5 = 13. The answer is 13.", "I do not know",
                    "The answer is 12.", "The answer is 0.", "7 + 5 = 12. That makes 12 apples."]
-    out = correctness(prompts=["p"] * 6, completions=completions, completion_ids=[[1]] * 6,
-                      answer=["12", "12", "12", None, "0", "12"], kind=["add"] * 6)
-    assert out == [1.0, 0.0, 0.0, None, 1.0, 0.0]  # an answer of 0 is an answer; a loose closing is not
+    prompts = [[{"role": "user", "content": "Tom has 7 apples and buys 5 more. How many now?"}]] * 6
+    for given in (as_chat(completions), completions):  # TRL's conversational form, or plain text
+        out = correctness(prompts=prompts, completions=given, completion_ids=[[1]] * 6,
+                          answer=["12", "12", "12", None, "0", "12"], kind=["add"] * 6)
+        assert out == [1.0, 0.0, 0.0, None, 1.0, 0.0]  # an answer of 0 is an answer; a loose closing is not
     assert correctness(None, ["The answer is 4."], None, ["not a number"]) == [None]
 
 
 def test_format_reward_wants_the_closing_statement_and_nothing_after():
-    out = format_reward(["p"] * 4, ["1 + 1 = 2. The answer is 2.", "1 + 1 = 2.", "The answer is 2. And 3",
-                                    "The answer is 2.\n"], [[1]] * 4)
-    assert out == [1.0, 0.0, 0.0, 1.0]
+    completions = ["1 + 1 = 2. The answer is 2.", "1 + 1 = 2.", "The answer is 2. And 3", "The answer is 2.\n"]
+    for given in (as_chat(completions), completions):
+        assert format_reward(["p"] * 4, given, [[1]] * 4) == [1.0, 0.0, 0.0, 1.0]
 
 
 def test_reward_specs_resolve_through_the_trainer():

@@ -8,18 +8,20 @@ import pytest
 import torch
 
 from fastrlhf.config import RewardFunctionConfig
-from fastrlhf.data import load_prompts
+from fastrlhf.data import Columns, load_prompts
 from fastrlhf.rl.experience import build_experience
-from fastrlhf.rl.rewards import RewardFunctionError, RewardScorer, TextReward, resolve_text_rewards
+from fastrlhf.rl.rewards import RewardFunctionError, RewardScorer, TextReward, completion_text, resolve_text_rewards
 from fastrlhf.rollout import Completion
 
 
 class CharTokenizer:
-    """Token id i is the character chr(ord('a') + i); ids >= 26 are special (skipped)."""
+    """Token id i is the character chr(ord('a') + i); ids >= 26 are special: skipped, or shown as <i>."""
 
     def batch_decode(self, rows, skip_special_tokens=True):
-        assert skip_special_tokens
-        return ["".join(chr(ord("a") + t) for t in row if t < 26) for row in rows]
+        def text(t):
+            return chr(ord("a") + t) if t < 26 else "" if skip_special_tokens else f"<{t}>"
+
+        return ["".join(map(text, row)) for row in rows]
 
 
 PROMPTS = [[0, 1], [2]]  # "ab", "c"
@@ -28,9 +30,9 @@ COMPLETIONS = [[Completion([3, 4, 30], [0.0] * 3, "stop"), Completion([5], [0.0]
 METAS = [{"answer": "de", "source": "x"}, {"answer": "a"}]
 
 
-def score(scorer):
-    exp = build_experience(PROMPTS, COMPLETIONS, pad_token_id=31)
-    rows = [(p, c.token_ids, m) for p, m, samples in zip(PROMPTS, METAS, COMPLETIONS, strict=True) for c in samples]
+def score(scorer, prompts=PROMPTS, metas=METAS):
+    exp = build_experience(prompts, COMPLETIONS, pad_token_id=31)
+    rows = [(p, c.token_ids, m) for p, m, samples in zip(prompts, metas, COMPLETIONS, strict=True) for c in samples]
     return scorer(exp, *map(list, zip(*rows, strict=True)))
 
 
@@ -55,6 +57,89 @@ def test_text_rewards_get_decoded_text_ids_and_columns_and_add_up_by_weight():
     assert seen["answer"] == ["de", "de", "a", "a"] and seen["columns"] == {"source": ["x", "x", None, None]}
     torch.testing.assert_close(scores, torch.tensor([2.0 + 0.25, 0.5, 2.0, 0.0]))
     assert scorer.metrics == {"reward/exact": 0.5, "reward/short": 0.75}  # short: mean of its 2 applicable
+
+
+# In the spirit of TRL's documentation (GRPOTrainer, "Using a custom reward function"): a conversational
+# reward reads each completion's content and the prompt's last user turn; a standard one reads strings.
+def trl_conversational(seen):
+    def reward(prompts, completions, answer, **kwargs):
+        seen.append({"prompts": prompts, "completions": completions, "answer": answer, "kwargs": kwargs})
+        contents = [completion[0]["content"] for completion in completions]
+        asked = [prompt[-1]["content"] for prompt in prompts]
+        return [float(a in c or q == c) for c, q, a in zip(contents, asked, answer, strict=True)]
+
+    return reward
+
+
+def trl_standard(seen):
+    def reward(prompts, completions, **kwargs):
+        seen.append({"prompts": prompts, "completions": completions, "kwargs": kwargs})
+        return [float(len(c) > len(p)) for p, c in zip(prompts, completions, strict=True)]
+
+    return reward
+
+
+CHATS = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}],
+         [{"role": "user", "content": "c"}]]
+
+
+def test_trl_format_conversational_rows_get_their_messages_and_assistant_turns():
+    seen = []
+    metas = [Columns({"answer": "de", "level": 1}, CHATS[0]), Columns({"answer": "a", "level": 2}, CHATS[1])]
+    scorer = RewardScorer(text_rewards=[TextReward("conv", trl_conversational(seen))], tokenizer=CharTokenizer())
+    scores = score(scorer, prompts=[[26, 0, 1, 27], [26, 2, 27]], metas=metas)
+    (got,) = seen
+    assert got["prompts"] == [CHATS[0], CHATS[0], CHATS[1], CHATS[1]]
+    assert got["completions"] == [[{"role": "assistant", "content": "de"}], [{"role": "assistant", "content": "f"}],
+                                  [{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "bb"}]]
+    assert got["answer"] == ["de", "de", "a", "a"]
+    assert got["kwargs"] == {"completion_ids": [[3, 4, 30], [5], [0], [1, 1]], "level": [1, 1, 2, 2]}
+    torch.testing.assert_close(scores, torch.tensor([1.0, 0.0, 1.0, 0.0]))
+
+
+def test_trl_format_prompts_are_copies_a_function_may_edit():
+    def pops(prompts, completions, **kwargs):  # TRL's own trainer pops a prefilled assistant turn
+        for prompt in prompts:
+            prompt.pop()
+        return [0.0] * len(prompts)
+
+    seen = []
+    metas = [Columns({"answer": "x"}, CHATS[0]), Columns({"answer": "y"}, CHATS[1])]
+    scorer = RewardScorer(text_rewards=[TextReward("pops", pops), TextReward("conv", trl_conversational(seen))],
+                          tokenizer=CharTokenizer())
+    score(scorer, metas=metas)
+    assert seen[0]["prompts"] == [CHATS[0], CHATS[0], CHATS[1], CHATS[1]]  # the next function sees them whole
+    assert metas[0].prompt == CHATS[0] and len(CHATS[0]) == 2  # and so does the data set
+
+
+def test_trl_format_standard_rows_get_strings_and_token_id_rows_their_decoded_text():
+    seen = []
+    # Row 0 was given as text (its prompt, not the decoded ids); row 1 as token ids (a plain dict: no prompt).
+    metas = [Columns({"answer": "de"}, "Q: ab?"), {"answer": "a"}]
+    scorer = RewardScorer(text_rewards=[TextReward("std", trl_standard(seen))], tokenizer=CharTokenizer())
+    score(scorer, prompts=[[0, 1], [2, 28]], metas=metas)
+    (got,) = seen
+    assert got["prompts"] == ["Q: ab?", "Q: ab?", "c", "c"]  # special id 28 skipped
+    assert got["completions"] == ["de", "f", "a", "bb"]
+    assert got["kwargs"] == {"completion_ids": [[3, 4, 30], [5], [0], [1, 1]], "answer": ["de", "de", "a", "a"]}
+
+
+def test_text_format_gives_the_prompt_the_model_saw_with_its_special_tokens():
+    seen = []
+    metas = [Columns({"answer": "de"}, CHATS[0]), Columns({"answer": "a"}, "c")]
+    scorer = RewardScorer(text_rewards=[TextReward("std", trl_standard(seen))], tokenizer=CharTokenizer(),
+                          reward_format="text")
+    score(scorer, prompts=[[26, 0, 1, 27], [2]], metas=metas)
+    assert seen[0]["prompts"] == ["<26>ab<27>", "<26>ab<27>", "c", "c"]
+    assert seen[0]["completions"] == ["de", "f", "a", "bb"]  # special tokens skipped, as in trl
+    with pytest.raises(ValueError, match="reward_format must be one of trl, text, got 'chat'"):
+        RewardScorer(text_rewards=[TextReward("std", trl_standard([]))], tokenizer=CharTokenizer(),
+                     reward_format="chat")
+
+
+def test_completion_text_reads_either_form():
+    assert completion_text("The answer is 4.") == "The answer is 4."
+    assert completion_text([{"role": "assistant", "content": "The answer is 4."}]) == "The answer is 4."
 
 
 def test_a_reward_function_that_raises_or_miscounts_is_named_in_one_line():
@@ -204,11 +289,12 @@ def test_a_reward_failing_on_one_rank_stops_both_with_its_line_and_the_last_good
 @pytest.mark.slow
 def test_chat_prompts_stop_strings_and_validation_end_to_end(text_model):
     """messages rows through the chat template, a stop string, and validation before training, every
-    2 steps and at the end, with eval/accuracy and the completions written as text."""
+    2 steps and at the end, with eval/accuracy and the completions written as text. The reward is written
+    the TRL way (conversational): it raises unless training and validation hand it TRL's format."""
     rows = [{"messages": [{"role": "user", "content": f"w{5 + i} w{6 + i}"}], "answer": f"w{3 + i}"}
             for i in range(4)]
     (text_model / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc, out = _run(text_model, "text_chat", [{"function": "text_rewards:mentions_answer"}],
+    proc, out = _run(text_model, "text_chat", [{"function": "text_rewards:chat_mentions_answer"}],
                      trainer={"max_steps": 3}, data={"prompts": str(text_model / "chats.jsonl")},
                      rollout={"max_new_tokens": 6, "stop": ["w9"]},
                      eval={"data": str(text_model / "chats.jsonl"), "every": 2, "n": 2, "temperature": 1.0})

@@ -2,6 +2,9 @@
 
     fn(prompts, completions, completion_ids, answer, **columns) -> list[float | None]
 
+The rows are chats (``messages``), so in the default ``reward.format: trl`` each prompt is the row's
+messages and each completion TRL's ``[{"role": "assistant", "content": text}]``; a plain string (a text
+prompt, ``reward.format: text``, or :mod:`examples.arithmetic.evaluate`) is read as well.
 ``answer`` is the prompt row's ``answer`` column (one value per completion); ``None`` means "not
 applicable" (a row without an answer), which adds nothing to that completion's reward.
 
@@ -17,14 +20,17 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["extract_answer", "correctness", "format_reward"]
+from fastrlhf.rl.rewards import completion_text
+
+__all__ = ["NUMBER", "extract_answer", "to_number", "correctness", "format_reward"]
 
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 _ANSWER_IS = re.compile(r"answer is\s*:?\s*\$?\s*(" + NUMBER + r")", re.IGNORECASE)
 _FORMAT = re.compile(r"The answer is (" + NUMBER + r")\.\s*$")
 
 
-def _to_number(text: str) -> float | None:
+def to_number(text: str) -> float | None:
+    """``"1,200"`` -> 1200.0; None where the text is not a number."""
     try:
         return float(text.replace(",", ""))
     except ValueError:
@@ -38,7 +44,7 @@ def extract_answer(completion: str) -> float | None:
     if not isinstance(completion, str):
         return None
     stated = _ANSWER_IS.findall(completion)
-    return _to_number(stated[-1]) if stated else None
+    return to_number(stated[-1]) if stated else None
 
 
 def correctness(prompts, completions, completion_ids, answer, **kwargs) -> list[float | None]:
@@ -46,15 +52,16 @@ def correctness(prompts, completions, completion_ids, answer, **kwargs) -> list[
     None where the row has no answer (or one that is not a number)."""
     out: list[float | None] = []
     for completion, expected in zip(completions, answer, strict=True):
-        target = None if expected is None else _to_number(str(expected))
+        target = None if expected is None else to_number(str(expected))
         if target is None:
             out.append(None)
             continue
-        got = extract_answer(completion)
+        got = extract_answer(completion_text(completion))
         out.append(float(got is not None and abs(got - target) < 1e-9))
     return out
 
 
 def format_reward(prompts, completions, completion_ids, **kwargs) -> list[float | None]:
     """1.0 where the completion ends with "The answer is <number>." (nothing after), else 0.0."""
-    return [float(isinstance(c, str) and _FORMAT.search(c) is not None) for c in completions]
+    texts = (completion_text(c) for c in completions)
+    return [float(isinstance(t, str) and _FORMAT.search(t) is not None) for t in texts]

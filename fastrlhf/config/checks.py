@@ -124,6 +124,9 @@ def _validate_train(c: TrainConfig, base: str):
     for i, spec in enumerate(r.functions):
         _check_reward_spec(spec.function, f"reward.functions[{i}].function")
     _positive(r.label_index, "reward.label_index", strict=False)
+    if r.format != "trl" and not r.functions:
+        raise ConfigError("reward.format", f"{r.format} is the form of what reward.functions receive, and none "
+                                           "is set (set reward.functions, or leave reward.format at trl)")
 
     if c.algorithm == "ppo":
         if c.critic is None:

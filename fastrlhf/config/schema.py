@@ -73,6 +73,10 @@ class RewardConfig:
     model_kind: Literal["classifier", "value_head"] = "classifier"
     label_index: int = 0
     truncated_reward: float | None = None  # the reward of a completion cut at max_new_tokens; null: scored as any
+    # The form of `functions`' prompts and completions. trl: as TRL's GRPOTrainer passes them (a messages row:
+    # its messages and [{"role": "assistant", "content": text}]; a text row: strings); text: strings, the prompt
+    # as the model saw it (chat template and special tokens included)
+    format: Literal["trl", "text"] = "trl"
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,18 @@ Two forms of reward function:
 * per sample, on token ids (``reward.function``), for rule rewards that need ids:
   ``fn(prompt_ids: list[int], completion_ids: list[int], meta: dict) -> float``;
 * per batch, on text (``reward.functions``, TRL's signature):
-  ``fn(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **columns)
-  -> list[float | None]``, where each column of the prompt rows (``answer``...) comes as a list with
-  one value per completion. ``None`` means "not applicable": that function adds nothing for that
-  completion. Several are added up by their ``weight``; each is logged as ``reward/<name>``.
+  ``fn(prompts, completions, completion_ids: list[list[int]], **columns) -> list[float | None]``, where
+  each column of the prompt rows (``answer``...) comes as a list with one value per completion. ``None``
+  means "not applicable": that function adds nothing for that completion. Several are added up by their
+  ``weight``; each is logged as ``reward/<name>``. ``prompts`` and ``completions`` take the form of
+  ``reward.format`` (:func:`trl_texts`, or the text the model saw).
 
 ``meta`` / the columns are the prompt's row in the data file (every column but the prompt itself).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import os
@@ -27,8 +29,9 @@ import torch
 from fastrlhf.device import to_device
 from fastrlhf.guards import StepFailed
 
-__all__ = ["REWARD_FUNCTIONS", "RewardFunctionError", "RewardScorer", "TextReward", "register_reward",
-           "required_columns", "resolve_reward_function", "resolve_text_rewards"]
+__all__ = ["REWARD_FORMATS", "REWARD_FUNCTIONS", "RewardFunctionError", "RewardScorer", "TextReward",
+           "completion_text", "register_reward", "required_columns", "resolve_reward_function",
+           "resolve_text_rewards", "trl_texts"]
 
 RewardFn = Callable[[list, list, dict], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
@@ -135,10 +138,44 @@ def required_columns(fn: Callable) -> list[str]:
             if p.kind in keyword and p.default is inspect.Parameter.empty and p.name not in TEXT_REWARD_ARGUMENTS]
 
 
-def _text_scores(reward: TextReward, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+REWARD_FORMATS = ("trl", "text")
+
+
+def trl_texts(given: list, prompt_ids: list[list[int]], completion_text: list[str], tokenizer) -> tuple[list, list]:
+    """``(prompts, completions)`` as TRL's GRPOTrainer passes them to a reward function, row by row (one
+    per completion): a row given as messages -> its messages and ``[{"role": "assistant", "content":
+    completion}]``; given as text -> that text and the completion's text; given as token ids (``given``
+    None) -> the ids decoded, special tokens skipped, and the completion's text."""
+    missing = [i for i, g in enumerate(given) if g is None]
+    decoded = tokenizer.batch_decode([prompt_ids[i] for i in missing], skip_special_tokens=True) if missing else []
+    decoded_at = dict(zip(missing, decoded, strict=True))
+    prompts, completions = [], []
+    for i, (prompt, text) in enumerate(zip(given, completion_text, strict=True)):
+        if isinstance(prompt, list):
+            # Each completion its own copy, as in TRL: a function that edits one (TRL's own trainer pops
+            # from them) must edit neither the same row's other completions nor the data set.
+            prompts.append(copy.deepcopy(prompt))
+            completions.append([{"role": "assistant", "content": text}])
+        else:
+            prompts.append(decoded_at[i] if prompt is None else prompt)
+            completions.append(text)
+    return prompts, completions
+
+
+def completion_text(completion) -> str:
+    """A completion's text in either form a batch text reward receives: the string itself, or the content
+    of TRL's conversational ``[{"role": "assistant", "content": text}]``."""
+    if isinstance(completion, list):
+        return completion[0]["content"]
+    return completion
+
+
+def _text_scores(reward: TextReward, prompts: list, completions: list, completion_ids: list[list[int]],
                  columns: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, applicable)`` ``[B]`` of one batch reward; None -> not applicable (value 0)."""
     n = len(completions)
+    # Each function its own copy of the batch: what one edits never reaches the next.
+    prompts, completions, completion_ids, columns = copy.deepcopy((prompts, completions, completion_ids, columns))
     try:
         values = reward.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
     except Exception as exc:  # noqa: BLE001 -- any failure is reported as this function's, in one line
@@ -173,6 +210,11 @@ class RewardScorer:
     decoded text (with ``tokenizer``), and/or a frozen reward model; the scores add up. A reward model
     with a vocabulary of its own (``reward_tokenizer``) reads the text re-tokenized (:func:`retokenized`).
 
+    ``reward_format`` (``reward.format``), the form of the text rewards' ``prompts`` and ``completions``:
+    ``trl`` (:func:`trl_texts`, from each row's prompt as given: ``meta.prompt`` of a
+    :class:`fastrlhf.data.Columns`) or ``text`` (the prompt the model saw, special tokens included, and
+    the completion's text, special tokens skipped).
+
     ``reward_model`` is a loaded module (frozen, eval mode). After each call, :attr:`metrics` holds
     ``reward/<name>``: each text reward's mean over the completions it applied to (0 if none).
     """
@@ -180,7 +222,9 @@ class RewardScorer:
     def __init__(self, function: str | RewardFn | None = None, reward_model: torch.nn.Module | None = None,
                  model_kind: str = "classifier", label_index: int = 0, micro_batch: int | None = None,
                  text_rewards: list[TextReward] = (), tokenizer=None, reward_tokenizer=None,
-                 max_tokens: int | None = None, packed: bool = False):
+                 max_tokens: int | None = None, packed: bool = False, reward_format: str = "trl"):
+        if reward_format not in REWARD_FORMATS:
+            raise ValueError(f"reward_format must be one of {', '.join(REWARD_FORMATS)}, got {reward_format!r}")
         if function is None and reward_model is None and not text_rewards:
             raise ValueError("no reward: set reward.function, reward.functions or reward.model_path")
         if (text_rewards or reward_tokenizer is not None) and tokenizer is None:
@@ -188,6 +232,7 @@ class RewardScorer:
                              "policy's tokenizer")
         self.function = resolve_reward_function(function) if isinstance(function, str) else function
         self.text_rewards = list(text_rewards)
+        self.reward_format = reward_format
         self.tokenizer = tokenizer
         self.reward_model = reward_model
         self.reward_tokenizer = reward_tokenizer
@@ -205,8 +250,7 @@ class RewardScorer:
             values = [float(self.function(p, c, m)) for p, c, m in zip(prompts, completions, metas, strict=True)]
             scores += torch.tensor(values, dtype=torch.float32)
         if self.text_rewards:
-            prompt_text = self.tokenizer.batch_decode(prompts, skip_special_tokens=True)
-            completion_text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+            prompt_text, completion_text = self._texts(prompts, completions, metas)
             completion_ids = [list(c) for c in completions]
             columns = {k: [m.get(k) for m in metas] for k in sorted(set().union(*map(set, metas)))}
             for reward in self.text_rewards:
@@ -228,3 +272,10 @@ class RewardScorer:
             scores += reward_model_scores(self.reward_model, batch, self.model_kind, self.label_index,
                                           self.micro_batch, groups=groups, packed=self.packed).cpu()
         return to_device(scores, exp.input_ids.device)
+
+    def _texts(self, prompts: list[list[int]], completions: list[list[int]], metas: list[dict]) -> tuple[list, list]:
+        """``(prompts, completions)`` for the text rewards, in ``reward_format``."""
+        completion_text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        if self.reward_format == "text":
+            return self.tokenizer.batch_decode(prompts, skip_special_tokens=False), completion_text
+        return trl_texts([getattr(m, "prompt", None) for m in metas], prompts, completion_text, self.tokenizer)

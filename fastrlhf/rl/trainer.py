@@ -177,7 +177,8 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
         use_attention(reward_model, t.packing, backend=attention)
     scorer = RewardScorer(config.reward.function, reward_model, config.reward.model_kind, config.reward.label_index,
                           micro_batch=micro, text_rewards=text_rewards, tokenizer=tokenizer,
-                          reward_tokenizer=reward_tokenizer, max_tokens=t.max_tokens_per_microbatch, packed=t.packing)
+                          reward_tokenizer=reward_tokenizer, max_tokens=t.max_tokens_per_microbatch, packed=t.packing,
+                          reward_format=config.reward.format)
 
     rollout, shares = _build_rollout(config, actor_engine.module, num_params, device, tokenizer, plan)
     step = RLStep(config, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,

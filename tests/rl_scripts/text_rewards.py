@@ -6,6 +6,14 @@ def mentions_answer(prompts, completions, completion_ids, answer, **columns):
     return [float(a in c) for c, a in zip(completions, answer, strict=True)]
 
 
+def chat_mentions_answer(prompts, completions, answer, **kwargs):
+    """Written the TRL way for conversational rows: 1.0 where the assistant turn's content contains the
+    row's ``answer``. Raises unless each prompt is the row's messages, ending with the user's turn."""
+    if not all(isinstance(p, list) and p[-1]["role"] == "user" for p in prompts):
+        raise TypeError(f"expected each prompt as the row's messages, got {prompts[0]!r}")
+    return [float(a in c[0]["content"]) for c, a in zip(completions, answer, strict=True)]
+
+
 def only_short(prompts, completions, completion_ids, **columns):
     """Applies to completions of at most 2 tokens; None (not applicable) for the others."""
     return [1.0 if len(ids) <= 2 else None for ids in completion_ids]
