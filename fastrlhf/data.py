@@ -16,6 +16,7 @@ import json
 import os
 import random
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ __all__ = [
     "EpochSampler",
     "LazyTokenizer",
     "check_columns",
+    "uneven_columns",
+    "report_uneven_columns",
 ]
 
 MAX_REPORTED = 10
@@ -501,6 +504,33 @@ def check_columns(examples: list[PromptExample], required: dict[str, list[str]])
                                     f"{column!r}, which this row lacks")
     if problems:
         raise DataError(problems)
+
+
+def uneven_columns(examples: list[PromptExample]) -> list[str]:
+    """One line per column that some rows have and others lack, naming it, how many rows lack it and the
+    first of them. Such a row reaches a reward function as None for that column, as a ``datasets``
+    column filled with nulls would: a column name mistyped in some rows shows only as a flat reward curve.
+    (In Parquet and ``datasets`` folders every row has every column, null or not: none is uneven there.)"""
+    have = Counter(column for example in examples for column in example.meta)
+    lines = []
+    for column, count in have.items():
+        if count < len(examples):
+            first = next(e.source or "(unknown row)" for e in examples if column not in e.meta)
+            lines.append(f"column {column!r} is missing from {len(examples) - count} of {len(examples)} rows, "
+                         f"first at {first}")
+    return lines
+
+
+def report_uneven_columns(examples: list[PromptExample], strict: bool = False) -> None:
+    """:func:`uneven_columns` as one warning line each on rank 0, or with ``strict`` (``data.strict_columns``)
+    as a DataError."""
+    uneven = uneven_columns(examples)
+    if uneven and strict:
+        raise DataError([f"{line} (data.strict_columns is true)" for line in uneven])
+    if os.environ.get("RANK", "0") == "0":
+        for line in uneven:
+            print(f"warning: data: {line} (data.strict_columns: true makes this an error)", file=sys.stderr,
+                  flush=True)
 
 
 # --------------------------------------------------------------------------------------------

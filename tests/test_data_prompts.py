@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from fastrlhf.data import DataError, check_columns, load_prompts, load_sft_examples
+from fastrlhf.data import DataError, check_columns, load_prompts, load_sft_examples, report_uneven_columns
 from fastrlhf.rl.rewards import required_columns
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -86,6 +86,33 @@ def test_the_prompt_as_given_rides_beside_the_columns(tok, tmp_path):
     templated = load_prompts(write_lines(tmp_path / "t.jsonl", rows[2:3]), "prompt", tokenizer_path=folder,
                              chat_template=True)
     assert templated[0].meta.prompt == "hello world"
+
+
+def test_uneven_columns_warn_once_per_column_or_fail_with_strict_columns(tmp_path, monkeypatch, capsys):
+    rows = [{"prompt_ids": [1], "answer": "4", "kind": "add"}] * 4 + [{"prompt_ids": [2], "anwser": "5"},
+                                                                      {"prompt_ids": [3], "answer": None}]
+    examples = load_prompts(write_lines(tmp_path / "p.jsonl", rows))
+    monkeypatch.setenv("RANK", "0")
+    report_uneven_columns(examples)
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: data: column 'answer' is missing from 1 of 6 rows, first at p.jsonl:5 (data.strict_columns: true "
+        "makes this an error)",
+        "warning: data: column 'kind' is missing from 2 of 6 rows, first at p.jsonl:5 (data.strict_columns: true "
+        "makes this an error)",
+        "warning: data: column 'anwser' is missing from 5 of 6 rows, first at p.jsonl:1 (data.strict_columns: true "
+        "makes this an error)"]  # a null answer is an answer the row gives: only line 5 lacks one
+    monkeypatch.setenv("RANK", "1")
+    report_uneven_columns(examples)
+    assert capsys.readouterr().err == ""  # only rank 0 says it
+    with pytest.raises(DataError) as info:
+        report_uneven_columns(examples, strict=True)  # every rank stops
+    assert info.value.problems[0] == ("column 'answer' is missing from 1 of 6 rows, first at p.jsonl:5 "
+                                      "(data.strict_columns is true)") and len(info.value.problems) == 3
+    even = load_prompts(write_lines(tmp_path / "e.jsonl", rows[:4]))
+    report_uneven_columns(even, strict=True)
+    monkeypatch.setenv("RANK", "0")
+    report_uneven_columns(even)
+    assert capsys.readouterr().err == ""
 
 
 def test_template_with_bos_matches_apply_chat_template(tmp_path):
@@ -305,15 +332,18 @@ def test_config_fields(tmp_path):
 
     config = parse_config(train(), on_gpu=False)
     assert config.data.chat_template == "auto" and config.data.overlong == "error"
-    assert config.reward.format == "trl"
+    assert config.data.strict_columns is False and config.reward.format == "trl"
     for value in (True, False, "auto"):
         got = parse_config(train(chat_template=value), on_gpu=False).data.chat_template
         assert got == value and type(got) is type(value)
     assert parse_config(train(overlong="skip"), on_gpu=False).data.overlong == "skip"
+    assert parse_config(train(strict_columns=True), on_gpu=False).data.strict_columns is True
     with pytest.raises(ConfigError, match="data.chat_template"):
         parse_config(train(chat_template="yes"), on_gpu=False)
     with pytest.raises(ConfigError, match="data.overlong"):
         parse_config(train(overlong="drop"), on_gpu=False)
+    with pytest.raises(ConfigError, match="data.strict_columns: expected true or false, got 'yes'"):
+        parse_config(train(strict_columns="yes"), on_gpu=False)
 
     functions = [{"function": "my_rewards:fn"}]
     assert parse_config(train({"functions": functions, "format": "text"}), on_gpu=False).reward.format == "text"

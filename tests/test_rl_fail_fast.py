@@ -75,6 +75,11 @@ CASES = {
     "vllm_head_size": ({"model": {"path": "model16"}, "rollout": {"engine": "vllm"}},
                        "config error: rollout.engine: vllm cannot run this model: model head size 16", ""),
     "missing_column": ({}, "data error: prompts.jsonl:3: reward function 'mentions_answer' needs column 'answer'", ""),
+    # A function taking columns as **kwargs would see None for line 3's answer: strict_columns refuses it.
+    "strict_columns": ({"data": {"strict_columns": True},
+                        "reward": {"functions": [{"function": "text_rewards:only_short"}]}},
+                       "data error: column 'answer' is missing from 1 of 4 rows, first at prompts.jsonl:3 "
+                       "(data.strict_columns is true)", ""),
     "eval_under_ranks": ({"eval": {"data": "one.jsonl"}}, "config error: eval.data: has 1 prompts, fewer than the 2 "
                          "ranks", ""),
     "overlong": ({"data": {"prompts": "long.jsonl"}},

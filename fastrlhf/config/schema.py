@@ -88,6 +88,8 @@ class DataConfig:
     # true: text prompts too (as one user message); auto: only chats; false: chats are bad lines
     chat_template: bool | Literal["auto"] = "auto"
     overlong: Literal["error", "truncate", "skip"] = "error"  # prompts over max_prompt_len (truncate keeps the end)
+    # A column some rows lack (their rewards see None) is a warning at load; true: an error (data and eval.data)
+    strict_columns: bool = False
 
 
 @dataclass(frozen=True)

@@ -232,11 +232,11 @@ class Prepared(NamedTuple):
 
 def preflight(config) -> Prepared:
     """Everything knowable before a model loads, checked at once (one-line errors, exit 2):
-    batch vs ranks, engine vs model, reward functions, the tokenizers, the prompts and the columns
-    the reward functions ask for."""
+    batch vs ranks, engine vs model, reward functions, the tokenizers, the prompts, the columns
+    the reward functions ask for and (``data.strict_columns``) columns some rows lack."""
     from fastrlhf import distributed as D
     from fastrlhf.config import ConfigError, check_world_size
-    from fastrlhf.data import check_columns, load_prompts
+    from fastrlhf.data import check_columns, load_prompts, report_uneven_columns
     from fastrlhf.modeling import vocab_size
     from fastrlhf.rl.rewards import required_columns, resolve_reward_function, resolve_text_rewards
 
@@ -272,6 +272,9 @@ def preflight(config) -> Prepared:
     check_columns(examples, required)
     if eval_examples is not None and config.eval.reward is None:
         check_columns(eval_examples, required)
+    # Last: a run that fails a check above says only why, not also this.
+    for loaded in (examples, eval_examples or []):
+        report_uneven_columns(loaded, strict=d.strict_columns)
     return Prepared(plan, examples, eval_examples, text_rewards, tokenizer, _reward_tokenizer(config, tokenizer))
 
 
