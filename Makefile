@@ -10,7 +10,7 @@ CUDA_ONLY_WHEELS := torchvision torchaudio torchcodec
 PYTEST_ARGS ?=
 # The Triton that the `gpu` extra installs (the CUDA torch wheel's pin, read from setup.py), kept in
 # its own folder beside the venv's newer one (which xgrammar pulls in) without replacing it:
-# tests/test_kernels_aot.py AOT-compiles the kernels with both. Named after the version, so a new pin
+# tests/kernels/test_kernels_aot.py AOT-compiles the kernels with both. Named after the version, so a new pin
 # reinstalls it and a re-run with the folder in place does nothing.
 GPU_TRITON := $(shell sed -n 's/.*"triton==\([0-9][0-9.]*\)".*/\1/p' setup.py)
 TRITON_GPU_DIR := $(VENV)/triton-gpu
@@ -38,10 +38,10 @@ $(TRITON_GPU): | $(STAMP)
 test: $(STAMP) $(TRITON_GPU)
 	$(PY) -m pytest -m "not multinode" tests benchmarks/gpu/test_races_cpu.py $(PYTEST_ARGS)
 
-# Two nodes in network namespaces through DeepSpeed's launcher (tests/test_multinode.py): needs root
+# Two nodes in network namespaces through DeepSpeed's launcher (tests/distributed/test_multinode.py): needs root
 # (skipped with the reason otherwise), about 3 minutes on a quiet 2-core machine. .ci/run runs it after `make test`.
 test-multinode: $(STAMP)
-	$(PY) -m pytest -m multinode tests/test_multinode.py $(PYTEST_ARGS)
+	$(PY) -m pytest -m multinode tests/distributed/test_multinode.py $(PYTEST_ARGS)
 
 # The GPU proof on a CUDA machine (tests/gpu: the cuda half, marker `gpu`; `make test` runs its CPU half):
 # kernels at V=151,936, the RL update's host reads, every command through the launcher, the memory plan

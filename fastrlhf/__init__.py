@@ -1,5 +1,5 @@
 """fastrlhf: kernel-accelerated RLHF (PPO, GRPO, SFT, reward models) on DeepSpeed ZeRO and vLLM."""
 
-from fastrlhf.version import __version__
+__version__ = "0.1.0"
 
 __all__ = ["__version__"]

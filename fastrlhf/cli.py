@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from fastrlhf.version import __version__
+from fastrlhf import __version__
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dry-run", action="store_true",
                        help="validate the config, print it with every auto setting resolved for this machine, exit")
         p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    from fastrlhf.plan import PLAN_HELP, add_arguments  # no torch: plans answer before anything heavy loads
+    from fastrlhf.memory.plan import PLAN_HELP, add_arguments  # no torch: plans answer before anything heavy loads
 
     add_arguments(sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP))
     return parser
@@ -69,8 +69,9 @@ def _group_started() -> bool:
 
 def _failed_checks(line: str) -> int:
     """This rank's own check failed (``line``). Before the process group on several nodes, the other nodes
-    may have passed theirs and wait at the start gate: tell them (``fastrlhf.multinode``). Returns exit 2."""
-    from fastrlhf import multinode
+    may have passed theirs and wait at the start gate: tell them (``fastrlhf.distributed.multinode``).
+    Returns exit 2."""
+    from fastrlhf.distributed import multinode
 
     several = multinode.is_multi_node() and not _group_started()
     _say(line, local=several)
@@ -85,8 +86,8 @@ def _failed_checks(line: str) -> int:
 def _lost_peer(config, reason: str) -> None:
     """A collective failed because a peer is gone: one line with the checkpoint to resume from, then exit at
     once (tearing down a process group, or vLLM, with a dead peer can block: nothing is left to save)."""
-    from fastrlhf.checkpoint import latest_checkpoint
     from fastrlhf.distributed import DEFAULT_TIMEOUT_S
+    from fastrlhf.engine.checkpoint import latest_checkpoint
 
     timeout = os.environ.get("FASTRLHF_DIST_TIMEOUT", str(DEFAULT_TIMEOUT_S))
     try:
@@ -104,11 +105,11 @@ def _lost_peer(config, reason: str) -> None:
 
 def _dispatch(command: str, config, resume: bool):
     if command == "sft":
-        from fastrlhf.sft import run
+        from fastrlhf.supervised.sft import run
 
         return run(config, resume=resume)
     if command == "rm":
-        from fastrlhf.reward_model import run
+        from fastrlhf.supervised.reward_model import run
 
         return run(config, resume=resume)
     from fastrlhf.rl.trainer import run
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "plan":
-        from fastrlhf.plan import main as plan
+        from fastrlhf.memory.plan import main as plan
 
         return plan(args)
 
@@ -143,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
         return 0
 
-    from fastrlhf.checkpoint import CheckpointError
     from fastrlhf.data import DataError
-    from fastrlhf.guards import TooManySkippedSteps
-    from fastrlhf.multinode import NodeError, lost_peer_reason
+    from fastrlhf.distributed.multinode import NodeError, lost_peer_reason
+    from fastrlhf.engine.checkpoint import CheckpointError
+    from fastrlhf.engine.guards import TooManySkippedSteps
     from fastrlhf.rl.rewards import RewardFunctionError
 
     try:

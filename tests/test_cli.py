@@ -10,10 +10,10 @@ import types
 
 import pytest
 import yaml
+from helpers.paths import ROOT
 
 from fastrlhf import cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "FASTRLHF_DIST_TIMEOUT": "60", "FASTRLHF_NO_PROGRESS": "1"}
 
 
@@ -90,7 +90,7 @@ def test_train_dispatches_to_the_rl_trainer(train_yaml, monkeypatch):
 
 @pytest.mark.slow
 def test_bad_data_lines_are_reported_before_training(tmp_path):
-    from fastrlhf.tiny_models import save_tiny_llama
+    from fastrlhf.modeling.tiny import save_tiny_llama
 
     save_tiny_llama(tmp_path / "model", vocab_size=32, hidden_size=64, num_layers=1)
     lines = [{"prompt_ids": [3], "response_ids": [4]}, "{oops", {"prompt_ids": [], "response_ids": [4]},

@@ -5,7 +5,9 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import ROOT as CHECKOUT
+
+ROOT = Path(CHECKOUT)
 
 
 def setup_kwargs() -> dict:

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.paths import ROOT as CHECKOUT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(CHECKOUT)
 
 
 def run_from_root(*args, timeout=120):
@@ -80,4 +81,4 @@ def test_installed_package_has_every_subpackage_and_the_c_source(tmp_path):
     expected = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "fastrlhf").rglob("__init__.py")}
     built = {p.parent.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("__init__.py")}
     assert built == expected | {"fastrlhf/kernels"}
-    assert (tmp_path / "fastrlhf" / "rollout" / "cpu_pack.c").is_file()
+    assert (tmp_path / "fastrlhf" / "cpu" / "cpu_pack.c").is_file()

@@ -2,7 +2,7 @@
 padded, packed (``trainer.packing``) and packed with shared prompts (``trainer.share_prompts``), on workload C's
 shape scaled to the 1.5B model: prompts of 114-243 tokens x 8 samples, completions of up to 1,024 tokens whose
 lengths follow a sampled EOS (drawn once, the same in every layout). Packed rows run the backend
-``model.attention: auto`` picks on the machine (``fastrlhf.attention``: flash-attn's varlen kernel where it is
+``model.attention: auto`` picks on the machine (``fastrlhf.sequences.attention``: flash-attn's varlen kernel where it is
 installed, else FlexAttention; shared prompts always FlexAttention).
 
 Each layout runs ``RLStep`` on the same fixed completions (no generation): a warm-up step (compiles), then the
@@ -42,7 +42,6 @@ def race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16
          prompt_range: tuple[int, int] = (114, 243), max_new: int = 1024, max_tokens: int = 16384, steps: int = 3,
          seed: int = 0) -> dict:
     from fastrlhf import distributed as D
-    from fastrlhf.attention import choose
     from fastrlhf.config import (
         DataConfig,
         DeepSpeedConfig,
@@ -52,11 +51,13 @@ def race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16
         TrainConfig,
         TrainerConfig,
     )
-    from fastrlhf.guards import StepGuard
+    from fastrlhf.engine.deepspeed import build_train_engine
+    from fastrlhf.engine.guards import StepGuard
     from fastrlhf.modeling import use_attention
+    from fastrlhf.modeling.tiny import make_qwen2_on
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep
-    from fastrlhf.tiny_models import make_qwen2_on
+    from fastrlhf.sequences.attention import choose
 
     D.init_distributed(timeout_s=120)
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
@@ -69,7 +70,7 @@ def race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16
     actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = make_qwen2_on(dev, torch_dtype, seed=seed, **model).requires_grad_(False)
     guard = StepGuard()
-    engine = D.build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=torch_dtype == torch.bfloat16), lr=1e-7,
+    engine = build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=torch_dtype == torch.bfloat16), lr=1e-7,
                                   micro_batch_size=1, grad_accum=1, max_grad_norm=1.0, guard=guard)
     out: dict = dict(shape=shape, sequences=prompts * n, backend=backend, shared_backend=shared_backend,
                      real_tokens=sum(len(p) * n + sum(len(c.token_ids) for c in row)

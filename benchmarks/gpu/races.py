@@ -51,7 +51,7 @@ class Unavailable(Exception):
 
 
 def model_shape(name: str) -> dict:
-    from fastrlhf.tiny_models import QWEN2_1_5B
+    from fastrlhf.modeling.tiny import QWEN2_1_5B
 
     return dict(QWEN2_1_5B) if name == "qwen2-1.5b" else dict(TINY_QWEN2)
 
@@ -300,11 +300,12 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
         TrainConfig,
         TrainerConfig,
     )
-    from fastrlhf.guards import StepGuard
+    from fastrlhf.engine.deepspeed import build_train_engine
+    from fastrlhf.engine.guards import StepGuard
+    from fastrlhf.modeling.tiny import count_parameters, make_qwen2_on
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep
     from fastrlhf.rollout.hf_engine import HFEngine
-    from fastrlhf.tiny_models import count_parameters, make_qwen2_on
 
     D.init_distributed(timeout_s=120)
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
@@ -323,7 +324,7 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     reference = make_qwen2_on(dev, torch_dtype, seed=seed, **model).requires_grad_(False)
     params = count_parameters(actor)
     guard = StepGuard()
-    engine = D.build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=torch_dtype == torch.bfloat16), lr=1e-6,
+    engine = build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=torch_dtype == torch.bfloat16), lr=1e-6,
                                   micro_batch_size=batch // grad_accum, grad_accum=grad_accum, max_grad_norm=1.0,
                                   guard=guard)
     timed: list[dict] = []
@@ -389,7 +390,7 @@ def save_model(device: str, shape: str, dtype: str, out_dir: str, seed: int = 0)
     """A random-init model folder (safetensors) with its tokenizer; EOS and padding are the tokenizer's."""
     from transformers import GenerationConfig
 
-    from fastrlhf.tiny_models import count_parameters, make_qwen2_on
+    from fastrlhf.modeling.tiny import count_parameters, make_qwen2_on
 
     model = make_qwen2_on(device, getattr(torch, dtype), seed=seed, **model_shape(shape))
     tokenizer = word_tokenizer(model.config.vocab_size)

@@ -27,7 +27,7 @@ def greedy(model, tokenizer, chats: list[list[dict]], max_new_tokens: int, batch
     """Greedy completions of ``chats`` (left-padded batches through ``generate``), decoded without specials."""
     import torch
 
-    from fastrlhf.device import model_device, to_device
+    from fastrlhf.engine.device import model_device, to_device
 
     prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -99,7 +99,7 @@ def outside_mass(model_dir: str, data_path: str, rows: int = 32) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fastrlhf.device import model_device, to_device
+    from fastrlhf.engine.device import model_device, to_device
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -190,7 +190,7 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu:
     """Build and validate the config of ``command`` (train | sft | rm) from a raw mapping.
 
     ``auto`` precision settings are then resolved for a GPU run when ``on_gpu`` (None: whether
-    this machine has one), see ``fastrlhf.precision``.
+    this machine has one), see ``fastrlhf.config.precision``.
     """
     cls = SCHEMAS[command]
     if raw is None:
@@ -203,8 +203,8 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu:
             raw = {**raw, "critic": {}}
     config = _build(cls, raw, "")
     validate(config, base_dir)
-    from fastrlhf.attention import resolve_attention
-    from fastrlhf.precision import gpu_available, resolve_precision
+    from fastrlhf.config.precision import gpu_available, resolve_precision
+    from fastrlhf.sequences.attention import resolve_attention
 
     on_gpu = gpu_available() if on_gpu is None else on_gpu
     return resolve_attention(resolve_precision(config, on_gpu), on_gpu)

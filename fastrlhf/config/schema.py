@@ -33,7 +33,7 @@ __all__ = [
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
-    # auto: bfloat16 on a GPU (with deepspeed.bf16: fp32 master weights), float32 on a CPU; see fastrlhf.precision
+    # auto: bfloat16 on a GPU (with deepspeed.bf16: fp32 master weights), float32 on a CPU (fastrlhf.config.precision)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tf32: bool = True  # fp32 matmuls use TF32 on GPUs
     lora_r: int = 0
@@ -42,7 +42,8 @@ class ModelConfig:
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     gradient_checkpointing: bool = False
     # The attention of packed rows (trainer.packing, trainer.share_prompts): auto, flex, flash_attention_2 or
-    # sdpa; auto: flash_attention_2 on a GPU with flash_attn and bf16, else flex; sdpa on a CPU (fastrlhf.attention)
+    # sdpa; auto: flash_attention_2 on a GPU with flash_attn and bf16, else flex; sdpa on a CPU
+    # (fastrlhf.sequences.attention)
     attention: Literal["auto", "flex", "flash_attention_2", "sdpa"] = "auto"
 
 
@@ -195,7 +196,7 @@ class TrainerConfig(LoopConfig):
     tis_cap: float | None = None
     forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None: minibatch share
     # With packing: the samples of one prompt share one copy of it in a packed row (each completion attends
-    # to it and to itself; the same loss). model.attention flex (GPU) or sdpa (fastrlhf.attention).
+    # to it and to itself; the same loss). model.attention flex (GPU) or sdpa (fastrlhf.sequences.attention).
     share_prompts: bool = False
     # auto: skip the old-logprob pass when the update is on-policy (one epoch, one minibatch, no TIS,
     # KL not in the reward); recompute: always (also logs logprob_mismatch_* against the engine)

@@ -21,7 +21,7 @@ def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int = 8,
     import torch
     from tqdm import tqdm
 
-    from fastrlhf.device import model_device, to_device
+    from fastrlhf.engine.device import model_device, to_device
 
     out = []
     model.eval()

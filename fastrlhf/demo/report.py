@@ -19,7 +19,7 @@ PLOTS = {
 
 def per_script_line(per_script: dict) -> str:
     """``100.0% / 99.1% / 100.0%``: accuracy per requested script, in the task's script order."""
-    from fastrlhf.tasks.script_doubling import SCRIPTS
+    from fastrlhf.demo.script_doubling import SCRIPTS
 
     return " / ".join(f"{per_script.get(s, float('nan')):.1%}" for s in SCRIPTS)
 
@@ -83,7 +83,7 @@ def _plot(path: str, title: str, ylabel: str, lines: list[tuple[str, list, list,
 def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict, stage_seconds: dict,
                  exact_log: str | None = None, exact_calls_per_step: int | None = None, ranks: int = 2,
                  rollout_engine: str | None = None) -> dict:
-    from fastrlhf.metrics import read_metrics
+    from fastrlhf.engine.metrics import read_metrics
 
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     last = records[-1] if records else {}

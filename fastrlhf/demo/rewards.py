@@ -55,7 +55,7 @@ def script_classifier(prompt_ids, completion_ids, meta) -> float:
     """P(classifier says the answer is in the requested script); 0.0 for an empty completion."""
     import torch
 
-    from fastrlhf.device import model_device, to_device
+    from fastrlhf.engine.device import model_device, to_device
 
     _log_exact(task.reward(prompt_ids, completion_ids) == 1.0)
     if not completion_ids:

@@ -1,4 +1,4 @@
-"""Memory arithmetic for ``fastrlhf plan`` (:mod:`fastrlhf.plan`): model shapes read from ``config.json``.
+"""Memory arithmetic for ``fastrlhf plan`` (:mod:`fastrlhf.memory.plan`): model shapes read from ``config.json``.
 
 Nothing here imports torch: a plan answers before any model, or torch itself, loads.
 """

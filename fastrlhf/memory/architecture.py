@@ -12,7 +12,7 @@ Counted architectures (``model_type``): Llama, Mistral, Qwen2, Qwen3 (the HF cla
 
 Plus the embedding ``[V, h]``, the final norm, and an lm_head ``[V, h]`` unless
 ``tie_word_embeddings`` (a classifier has a ``[h -> num_labels]`` score head instead).
-``tests/test_plan.py`` checks the counts against ``sum(p.numel())`` of the real transformers models.
+``tests/memory/test_plan.py`` checks the counts against ``sum(p.numel())`` of the real transformers models.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The arithmetic of each component of a memory plan (:mod:`fastrlhf.plan`), one function each.
+"""The arithmetic of each component of a memory plan (:mod:`fastrlhf.memory.plan`), one function each.
 
 Byte counts per rank; ``w`` is the bytes of the dtype the trained models compute in. The rules and
-where they come from are in :mod:`fastrlhf.plan`'s docstring. No torch: the constants of
-torch-importing modules that the rules need are mirrored here, and ``tests/test_plan.py`` keeps the
+where they come from are in :mod:`fastrlhf.memory.plan`'s docstring. No torch: the constants of
+torch-importing modules that the rules need are mirrored here, and ``tests/memory/test_plan.py`` keeps the
 mirrors equal to their sources.
 """
 
@@ -16,7 +16,7 @@ VLLM_BLOCK_TOKENS = {"cuda": 16, "cpu": 128}
 # (max_num_batched_tokens) and sequences per step (max_num_seqs), on a CPU, a GPU of 70 (1 << 30) or more, others.
 VLLM_BATCHED_TOKENS = {"cpu": 4096, "large_gpu": 16384, "gpu": 8192}
 VLLM_MAX_NUM_SEQS = {"cpu": 256, "large_gpu": 1024, "gpu": 256}
-# Mirrors, kept equal by tests/test_plan.py, of constants whose modules import torch:
+# Mirrors, kept equal by tests/memory/test_plan.py, of constants whose modules import torch:
 # fastrlhf.rollout.engine_choice.CPU_VLLM_CROSSOVER_PARAMS, vllm_adapter.CPU_SUPPORTED_HEAD_SIZES,
 # fastrlhf.kernels' chunk budgets and floors (kernels/_backend.py, kernels/fused_linear.py).
 CPU_VLLM_CROSSOVER_PARAMS = 2_000_000
@@ -66,7 +66,7 @@ def optimizer_bytes_per_param(ds, w: int) -> int:
     if ds.zero_stage == 0 and ds.bf16 is not True:
         return 2 * w  # a plain torch AdamW: moments in the weights' dtype, no master copy
     # fp32 weights on the device are their own master: ZeRO-3 steps them, and at ZeRO 1-2
-    # fastrlhf.zero_master points DeepSpeed's cloned partition back at them.
+    # fastrlhf.cpu.zero_master points DeepSpeed's cloned partition back at them.
     master = 0 if (w == 4 and not ds.offload_optimizer) else 4
     return 8 + master
 
@@ -119,7 +119,7 @@ def zero_buffers(config, trained_counts: list[int], shapes: list[ModelShape], w:
 def optimizer_step_temporaries(ds, trained_counts: list[int], gpus: int, device: str) -> int:
     """The optimizer step's transient memory, for the larger trained engine (actor and critic step in
     turn): ZeRO 1-3 flatten the rank's gradient partition into fp32 (per ``sub_group_size`` at ZeRO-3).
-    The AdamW step itself is torch's fused kernel (``fastrlhf.guards.GuardedAdamW``), which makes no
+    The AdamW step itself is torch's fused kernel (``fastrlhf.engine.guards.GuardedAdamW``), which makes no
     full-size temporary, so ZeRO-0 adds nothing. Offloaded optimizer states step on the host."""
     if ds.zero_stage == 0 or (ds.offload_optimizer and device == "cuda"):
         return 0
@@ -196,7 +196,7 @@ def rollout_working(config, shape: ModelShape, kind: str, seqs: int, dtype_bytes
     (three ``[sequences, V]`` copies). vLLM on CUDA: its start-up profile's largest forward
     (``max_num_batched_tokens``) and sampler (``max_num_seqs``), which it keeps (reserved by
     ``gpu_memory_utilization``). vLLM on a CPU: the profile's buffers are freed after start-up and,
-    with the trainer's heap settings (``fastrlhf.hostmem``), leave the process; a generation then
+    with the trainer's heap settings (``fastrlhf.cpu.hostmem``), leave the process; a generation then
     holds the batch's own: its prompts' prefill (at most ``max_num_batched_tokens`` per forward) and
     its sequences' logits. HF's prefill runs the whole batch's prompts at once."""
     if kind == "vllm" and device == "cuda":

@@ -11,7 +11,7 @@ completion: column t is completion token t, predicted by the hidden state at pos
 So "the model's outputs for the response" is always ``outputs[:, P - 1 : P - 1 + T]``.
 
 The host keeps each row's token counts (``prompt_lens``, ``completion_lens``): micro-batch grouping
-and packing (``fastrlhf.packing``, :meth:`Experience.packed_layout`) are computed from them, never
+and packing (``fastrlhf.sequences.packing``, :meth:`Experience.packed_layout`) are computed from them, never
 from device values. A forward pass may take rows :meth:`Experience.trimmed` (no column that no row
 needs) or packed; per-token results come back in this ``[B, T]`` layout.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from fastrlhf.device import to_device
+from fastrlhf.engine.device import to_device
 
 __all__ = ["Experience", "build_experience", "pad_response", "split_batch"]
 
@@ -138,9 +138,9 @@ class Experience:
         return self.prompt_groups if self.prompt_groups is not None else [-1 - b for b in range(self.batch_size)]
 
     def packed_layout(self, share_prompts: bool = False):
-        """The :class:`fastrlhf.packing.PackedLayout` of these rows (all in one packed row); with
+        """The :class:`fastrlhf.sequences.packing.PackedLayout` of these rows (all in one packed row); with
         ``share_prompts`` each prompt group's prompt once."""
-        from fastrlhf.packing import PackedLayout
+        from fastrlhf.sequences.packing import PackedLayout
 
         exp = self.with_lengths()
         return PackedLayout.build(exp.prompt_lens, exp.completion_lens, self.response_width, self.prompt_width,

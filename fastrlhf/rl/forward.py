@@ -7,7 +7,7 @@ under ZeRO-3 that is what makes DeepSpeed's hooks gather ``lm_head.weight`` for 
 reduce-scatter its gradient afterwards, exactly as for an ordinary ``nn.Linear``.
 
 Each pass runs micro-batch by micro-batch (:class:`MicroBatch`): ``groups`` of rows (by count, or by
-``trainer.max_tokens_per_microbatch``, see ``fastrlhf.packing``), each either padded (trimmed to the
+``trainer.max_tokens_per_microbatch``, see ``fastrlhf.sequences.packing``), each either padded (trimmed to the
 widths its rows need) or packed (``trainer.packing``: one row, positions restarting per sequence,
 no attention mask; the LM head and the value head see only the ``[M, H]`` positions that predict
 completion tokens, token-flat). Results go back to ``[B, T]`` / ``[B]`` in the batch's row order.
@@ -31,10 +31,10 @@ from fastrlhf.algorithms import (
     masked_mean,
     value_loss,
 )
-from fastrlhf.device import to_device
-from fastrlhf.packing import padded_causal_mask
+from fastrlhf.engine.device import to_device
+from fastrlhf.modeling.tied_gradient import tied_gradient_handoff
 from fastrlhf.rl.experience import Experience, pad_response
-from fastrlhf.tied_gradient import tied_gradient_handoff
+from fastrlhf.sequences.packing import padded_causal_mask
 
 __all__ = [
     "MicroBatch",
@@ -89,7 +89,7 @@ def _head_forward(head: torch.nn.Module, fn):
 
 class MicroBatch:
     """One micro-batch as a forward pass takes it: padded rows (trimmed to the widths its own rows need)
-    or packed (:class:`fastrlhf.packing.PackedLayout`: every sequence end to end in one row, no padding).
+    or packed (:class:`fastrlhf.sequences.packing.PackedLayout`: every sequence end to end in one row, no padding).
 
     :meth:`tokens` gives a ``[B, T]`` per-token tensor in the shape the loss math sees: the trimmed
     ``[b, T']`` rows padded, the ``[M]`` completion tokens packed (flat, as the fused kernels take
@@ -117,7 +117,7 @@ class MicroBatch:
         """``input_ids``, ``attention_mask``, ``position_ids`` of the forward pass (packed: no mask, so
         transformers reads the position restarts as sequence boundaries).
 
-        A packed row's mask is its block mask (:meth:`fastrlhf.packing.PackedLayout.model_kwargs`). For a
+        A packed row's mask is its block mask (:meth:`fastrlhf.sequences.packing.PackedLayout.model_kwargs`). For a
         padded micro-batch on sdpa (``attention``: the model's attention implementation) the mask comes
         built, ``[b, 1, L, L]`` on the device from what the host knows: transformers would otherwise read
         the device to decide whether it needs one (``_ignore_causal_mask_sdpa``), a stall per forward on
@@ -165,7 +165,7 @@ def packing_mode(trainer) -> bool | str:
 def micro_batches(exp: Experience, groups: list[list[int]] | None, micro_batch: int | None, packed: bool | str):
     """``(rows, MicroBatch)`` for each micro-batch of ``exp``: ``groups`` (row indices), else consecutive
     runs of ``micro_batch`` rows (all rows: one)."""
-    from fastrlhf.packing import fixed_count_groups
+    from fastrlhf.sequences.packing import fixed_count_groups
 
     if groups is None:
         groups = fixed_count_groups(exp.batch_size, micro_batch or exp.batch_size)
@@ -181,7 +181,7 @@ def _scatter_rows(out: torch.Tensor, rows: list[int], values: torch.Tensor) -> N
 def _check_segments(model, inputs: dict) -> None:
     """A packed row is read by one attention only (its block mask and bounds); any other would misread it."""
     if "fastrlhf_rows" in inputs:
-        from fastrlhf.packed_attention import check_model
+        from fastrlhf.sequences.packed_attention import check_model
 
         m = _hf_model(model)
         check_model(_hf_model(m.lm) if hasattr(m, "lm") and not hasattr(m, "config") else m)
@@ -234,7 +234,7 @@ def sequence_logprobs(model, exp: Experience, temperature: float = 1.0, micro_ba
                       packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(logprobs, entropy)`` ``[B, T]`` of the completion tokens, without gradients.
 
-    0 at masked positions. ``groups``: the rows of each micro-batch (``fastrlhf.packing``), else
+    0 at masked positions. ``groups``: the rows of each micro-batch (``fastrlhf.sequences.packing``), else
     ``micro_batch`` sequences at a time; ``packed``: each micro-batch's sequences in one row.
     """
     B, T = exp.batch_size, exp.response_width
@@ -285,7 +285,7 @@ def policy_loss_from_model(model, mb: Experience, config):
     if cfg.fused_loss and token_level:
         _, head = body_and_head(model)
         _, fused_loss = _fused_kernels()
-        # A tied embedding and LM head get one [V, H] gradient, not two summed (fastrlhf.tied_gradient).
+        # A tied embedding and LM head get one [V, H] gradient, not two summed (fastrlhf.modeling.tied_gradient).
         with tied_gradient_handoff(_hf_model(model).get_input_embeddings(), head) as head_weight:
             hidden = response_hidden(model, view)
 

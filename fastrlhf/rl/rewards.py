@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fastrlhf.device import to_device
-from fastrlhf.guards import StepFailed
+from fastrlhf.engine.device import to_device
+from fastrlhf.engine.guards import StepFailed
 
 __all__ = ["REWARD_FORMATS", "REWARD_FUNCTIONS", "RewardFunctionError", "RewardScorer", "TextReward",
            "completion_text", "register_reward", "required_columns", "resolve_reward_function",
@@ -266,7 +266,7 @@ class RewardScorer:
                 batch = retokenized(prompts, completions, self.tokenizer, self.reward_tokenizer, exp.input_ids.device)
             groups = None
             if self.max_tokens is not None:  # a replica on each rank: no count to agree on
-                from fastrlhf.packing import token_budget_groups
+                from fastrlhf.sequences.packing import token_budget_groups
 
                 groups = token_budget_groups(batch.token_parts(), self.max_tokens, self.packed)
             scores += reward_model_scores(self.reward_model, batch, self.model_kind, self.label_index,

@@ -12,7 +12,7 @@ through these files (PPO adds the critic's calls in the same files):
 8. ``fastrlhf/rollout/weight_sync.py`` push the updated weights into a separate engine
 
 Below them sit the fused kernels (``fastrlhf.kernels``, whose reference math is ``algorithms.py``),
-the guard (``fastrlhf/guards.py``) and the collectives (``fastrlhf/comm.py``).
+the guard (``fastrlhf/engine/guards.py``) and the collectives (``fastrlhf/distributed/comm.py``).
 
 :class:`RLStep` holds the models; it knows nothing about files or launchers (``rl/trainer.py``
 builds it from a config). Models come as DeepSpeed engines or as plain modules with torch
@@ -41,11 +41,11 @@ import time
 
 import torch
 
-from fastrlhf import comm
 from fastrlhf import distributed as D
 from fastrlhf.algorithms import ADV_ESTIMATOR_OF, ADV_ESTIMATORS, kl_penalty, masked_mean, truncated_is_weights
-from fastrlhf.device import to_device
-from fastrlhf.guards import StepGuard
+from fastrlhf.distributed import comm
+from fastrlhf.engine.device import to_device
+from fastrlhf.engine.guards import StepGuard
 from fastrlhf.rl.experience import Experience, build_experience
 from fastrlhf.rl.forward import (
     critic_loss,
@@ -102,7 +102,7 @@ class RLStep:
                 raise ValueError("PPO needs a critic (critic.path, or the actor's path for a fresh value head)")
             self.critic = as_learner(critic, critic_optimizer, t.max_grad_norm, self.guard)
         self.rollout, self.scorer, self.reference = rollout, scorer, reference
-        self._reference_pages = None  # found at the first reference pass (fastrlhf.file_pages)
+        self._reference_pages = None  # found at the first reference pass (fastrlhf.cpu.file_pages)
         self.pad_token_id, self.rollout_shares_actor = int(pad_token_id), rollout_shares_actor
         self.device = torch.device(device)
         if t.kl_coef != 0.0 and reference is None and not hasattr(unwrap(self.actor.module), "disable_adapter"):
@@ -237,20 +237,21 @@ class RLStep:
 
     def release_reference_pages(self) -> int:
         """On a CPU, the frozen reference's weights (pages of its checkpoint file) leave this rank's
-        resident memory until its next pass: see :mod:`fastrlhf.file_pages`. Returns the bytes."""
-        if self.reference is None or not isinstance(self.reference, torch.nn.Module) or self.device.type != "cpu":
+        resident memory until its next pass: see :mod:`fastrlhf.cpu.file_pages`. Returns the bytes."""
+        if self.reference is None or not isinstance(self.reference, torch.nn.Module):
             return 0
         if self._reference_pages is None:
-            from fastrlhf.file_pages import FilePages
+            from fastrlhf.engine.platform import cpu_tools
 
-            self._reference_pages = FilePages(self.reference)
-        return self._reference_pages.release()
+            cpu = cpu_tools(self.device)
+            self._reference_pages = cpu.FilePages(self.reference) if cpu is not None else False
+        return self._reference_pages.release() if self._reference_pages else 0
 
     def forward_groups(self, exp: Experience, micro: int) -> list[list[int]] | None:
         """The micro-batches (row indices) of the no-grad passes over ``exp``: by
         ``trainer.max_tokens_per_microbatch`` when set, as many on every rank (under ZeRO each forward
         is a collective); else None, ``micro`` rows at a time."""
-        from fastrlhf.packing import micro_batch_plan
+        from fastrlhf.sequences.packing import micro_batch_plan
 
         t = self.config.trainer
         if t.max_tokens_per_microbatch is None:
@@ -263,7 +264,7 @@ class RLStep:
         rows each epoch, each in micro-batches of ``minibatch_size / world / grad_accum`` rows, or by the
         token budget (``trainer.max_tokens_per_microbatch``; then as many on every rank). The minibatches
         are the same either way: only their split into micro-batches differs."""
-        from fastrlhf.packing import micro_batch_plan
+        from fastrlhf.sequences.packing import micro_batch_plan
 
         t = self.config.trainer
         generator = torch.Generator().manual_seed(self.config.seed * 7919 + step)
@@ -284,7 +285,7 @@ class RLStep:
             return
         worst = comm.reduce_floats([local_mismatch], "max")[0]
         if worst > ro.max_logprob_mismatch:
-            from fastrlhf.guards import StepFailed
+            from fastrlhf.engine.guards import StepFailed
 
             raise StepFailed(f"the rollout engine's logprobs differ from the actor's by {worst:.3g} nats per token "
                              f"(rollout.max_logprob_mismatch {ro.max_logprob_mismatch}): it is generating with "

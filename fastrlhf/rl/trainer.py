@@ -124,9 +124,9 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     sizes vLLM's ``auto`` settings (see :func:`preflight`).
     """
     from fastrlhf import distributed as D
-    from fastrlhf.distributed import build_frozen_engine, build_train_engine, deepspeed_config
+    from fastrlhf.config.precision import apply_matmul_precision, compute_dtype
+    from fastrlhf.engine.deepspeed import build_frozen_engine, build_train_engine, deepspeed_config
     from fastrlhf.modeling import load_causal_lm, load_value_model, use_attention
-    from fastrlhf.precision import apply_matmul_precision, compute_dtype
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep, micro_batch_size
 
@@ -222,7 +222,7 @@ def _load_tokenizer(config, needed_for: list[str]):
 
 
 class Prepared(NamedTuple):
-    plan: Any  # fastrlhf.plan.MemoryPlan of this launch, or None (an architecture the plan cannot count)
+    plan: Any  # fastrlhf.memory.plan.MemoryPlan of this launch, or None (an architecture the plan cannot count)
     examples: list  # the prompts (fastrlhf.data.PromptExample)
     eval_examples: list | None
     text_rewards: list  # resolved reward.functions
@@ -284,7 +284,7 @@ def _memory_plan(config, world: int):
     runs, so there it only warns. None where the plan cannot count the model's architecture."""
     from fastrlhf import distributed as D
     from fastrlhf.config import ConfigError
-    from fastrlhf.plan import plan_for_launch
+    from fastrlhf.memory.plan import plan_for_launch
 
     try:
         plan = plan_for_launch(config, world)
@@ -353,18 +353,17 @@ def run(config, resume: bool = False) -> dict:
     from fastrlhf import distributed as D
     from fastrlhf.config import config_to_dict
     from fastrlhf.data import EpochSampler
-    from fastrlhf.guards import StepFailed, StepGuard
-    from fastrlhf.loop import resume_step, run_steps
-    from fastrlhf.metrics import MetricsLogger
+    from fastrlhf.engine.guards import StepFailed, StepGuard
+    from fastrlhf.engine.loop import resume_step, run_steps
+    from fastrlhf.engine.metrics import MetricsLogger
     from fastrlhf.supervised import seed_everything
 
     t = config.trainer
-    from fastrlhf.precision import gpu_available
+    from fastrlhf.engine.platform import cpu_tools
 
-    if not gpu_available():
-        from fastrlhf.hostmem import configure_cpu_heap
-
-        configure_cpu_heap()  # before anything large is allocated: see fastrlhf.hostmem
+    cpu = cpu_tools()
+    if cpu is not None:
+        cpu.configure_cpu_heap()  # before anything large is allocated: see fastrlhf.cpu.hostmem
     # Before the process group: a bad config or data line stops every rank at once, none left waiting.
     prepared = preflight(config)
     examples, tokenizer = prepared.examples, prepared.tokenizer

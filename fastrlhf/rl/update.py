@@ -10,7 +10,7 @@ the boundary is because a minibatch's number of micro-batches is not fixed: with
 ``trainer.max_tokens_per_microbatch`` it depends on the lengths of its sequences.
 
 :func:`run_updates` drives the actor (policy loss) and the critic (value loss) alike. Each loss
-goes through the step's guard (``fastrlhf.guards``): a non-finite loss on any rank makes the
+goes through the step's guard (``fastrlhf.engine.guards``): a non-finite loss on any rank makes the
 minibatch's optimizer step drop its gradients on every rank, and the update stops there.
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from fastrlhf.algorithms import aggregation_weights
-from fastrlhf.device import host_read
-from fastrlhf.guards import StepGuard, grads_finite
+from fastrlhf.engine.device import host_read
+from fastrlhf.engine.guards import StepGuard, grads_finite
 from fastrlhf.rl.experience import Experience, split_batch
 
 __all__ = ["DeepSpeedLearner", "Minibatch", "TorchLearner", "UpdateResult", "as_learner", "minibatch_order",
@@ -162,7 +162,7 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
 
     Losses and metrics stay on the device while the micro-batches run; each minibatch's sums are
     carried into the guard's decision at its optimizer step, so the update reads the device once per
-    optimizer step (``fastrlhf.guards``).
+    optimizer step (``fastrlhf.engine.guards``).
     """
     sums: dict[str, float] = defaultdict(float)
     minibatches, tokens = 0, 0.0

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fastrlhf import comm
+from fastrlhf.distributed import comm
 
 __all__ = ["Validator"]
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-from fastrlhf.device import to_device
+from fastrlhf.engine.device import to_device
 from fastrlhf.rollout.base import (
     RolloutEngine,
     cut_at_stop_strings,

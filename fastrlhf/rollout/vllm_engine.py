@@ -89,12 +89,12 @@ class VLLMEngine(RolloutEngine):
       creating one; ``close()`` tears vLLM down without destroying the trainer's group.
       Engine construction is then collective: every rank must build its engine.
     - ``update_weights`` reloads in place (for plain Llama and Qwen2 on CPU, straight into the GEMMs'
-      packed weights, see ``cpu_inplace_sync``; else the worker's ``reload_weights``; see
+      packed weights, see ``vllm_inplace_sync``; else the worker's ``reload_weights``; see
       ``vllm_adapter.reload_weights``) and resets the prefix cache, so the next ``generate`` sees
       only the new weights.
     - ``sleep()`` on CUDA is vLLM's sleep mode (``sleep=True``). On CPU, once a sync has put the
       GEMMs on in-place packed weights, it always releases their pages and the KV cache's
-      (``cpu_inplace_sync.release_for_update``): the trainer's update runs without them, and the
+      (``vllm_inplace_sync.release_for_update``): the trainer's update runs without them, and the
       next sync (which the step runs before generating again: :attr:`needs_sync`) rewrites them.
     """
 
@@ -249,7 +249,7 @@ class VLLMEngine(RolloutEngine):
     def share_input_embedding(self, weight: torch.Tensor) -> int:
         """On CPU, read the trainer's input embedding ``weight`` instead of holding a copy of it; returns
         the bytes freed (0: not shared). ``weight`` must change only by updates followed by a sync
-        before the next ``generate`` (see ``cpu_inplace_sync.share_input_embedding``)."""
+        before the next ``generate`` (see ``vllm_inplace_sync.share_input_embedding``)."""
         self._check_open()
         if self.on_cuda:
             return 0

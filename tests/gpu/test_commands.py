@@ -21,8 +21,8 @@ import sys
 import pytest
 import torch
 import yaml
+from helpers.launch import run_group
 from helpers.proof import model_dtype, model_shape
-from launch import run_group
 
 from fastrlhf.distributed import free_port
 
@@ -37,7 +37,7 @@ CPU_BOUNDS = (0.75, 1.25)
 @pytest.fixture(scope="module")
 def proof(where, tmp_path_factory):
     """The model folder and the data files every command reads."""
-    from fastrlhf.tiny_models import make_qwen2_on
+    from fastrlhf.modeling.tiny import make_qwen2_on
 
     root = tmp_path_factory.mktemp(f"proof-{where}")
     shape = model_shape(where)
@@ -151,7 +151,7 @@ def test_rl_trains(proof, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
 def test_plan_against_the_measured_peak(proof, name):
-    from fastrlhf.plan import load_plan_config, plan_memory
+    from fastrlhf.memory.plan import load_plan_config, plan_memory
 
     _, where, _ = proof
     path, records = run(proof, name)

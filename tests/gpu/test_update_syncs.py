@@ -1,12 +1,12 @@
 """One whole RL update (every micro-batch, backward and optimizer step of the actor) on the production
 learner, a DeepSpeed ZeRO-2 engine, reads the device once per optimizer step: the guard's decision,
-named ``the optimizer step's skip decision and metrics`` (``fastrlhf.guards``), which brings the
+named ``the optimizer step's skip decision and metrics`` (``fastrlhf.engine.guards``), which brings the
 losses' and gradients' finiteness, the gradient norm and the step's metrics in one transfer.
 
 On CUDA the update runs under ``torch.cuda.set_sync_debug_mode("error")``: any other host read
 (``.item()``, a blocking copy, ``nonzero``, DeepSpeed's or transformers' own) raises there. On the CPU
 the same step runs at tiny shapes and checks the named reads; the unnamed ones a CPU cannot see are
-``tests/test_device_placement.py``'s to catch (an emulated second device).
+``tests/engine/test_device_placement.py``'s to catch (an emulated second device).
 """
 
 import contextlib
@@ -25,13 +25,14 @@ from fastrlhf.config import (
     TrainConfig,
     TrainerConfig,
 )
-from fastrlhf.device import watch_host_reads
-from fastrlhf.guards import StepGuard
+from fastrlhf.engine.deepspeed import build_train_engine
+from fastrlhf.engine.device import watch_host_reads
+from fastrlhf.engine.guards import StepGuard
 from fastrlhf.modeling import use_attention
+from fastrlhf.modeling.tiny import make_qwen2_on
 from fastrlhf.rl.rewards import RewardScorer
 from fastrlhf.rl.step import RLStep
 from fastrlhf.rollout.hf_engine import HFEngine
-from fastrlhf.tiny_models import make_qwen2_on
 
 DECISION = "the optimizer step's skip decision and metrics"
 
@@ -83,7 +84,7 @@ def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
     for model in (actor, reference):  # the attention model.attention: auto picks here (flex or flash-attn on CUDA)
         use_attention(model, packing, shared)
     guard = StepGuard()
-    engine = D.build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=dtype == torch.bfloat16), lr=1e-6,
+    engine = build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=dtype == torch.bfloat16), lr=1e-6,
                                   micro_batch_size=2, grad_accum=2, max_grad_norm=1.0, guard=guard)
     scorer = RewardScorer(lambda prompt, completion, meta: sum(completion) % 7 / 7)  # rewards that differ
     step = CheckedStep(config, engine, HFEngine(engine.module), scorer, reference=reference,

@@ -15,7 +15,7 @@ ordinary CPU test sees either. :class:`OtherDevice` gives a CPU process a second
   counted as a read, since CUDA makes a blocking copy of it);
 - ``torch.zeros(..., device=dev)``, ``x.to(dev)``, ``module.to(dev)`` create device tensors;
 - every host read of a device value is recorded in :attr:`OtherDevice.reads`, with the name of the
-  :func:`fastrlhf.device.host_read` block it happened in (None outside one): the CPU counterpart of
+  :func:`fastrlhf.engine.device.host_read` block it happened in (None outside one): the CPU counterpart of
   ``torch.cuda.set_sync_debug_mode``.
 
 Code on the emulated device sees ``x.device.type == "meta"``: not ``cpu``, so the GPU branches of
@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from fastrlhf.device import current_host_read
+from fastrlhf.engine.device import current_host_read
 
 DEVICE = torch.device("meta")
 aten = torch.ops.aten
@@ -119,7 +119,7 @@ class OtherDevice(TorchDispatchMode):
         return module.to(DEVICE)
 
     def unnamed_reads(self) -> list[tuple[str, str]]:
-        """``(op, where)`` of each read made outside a named :func:`fastrlhf.device.host_read`."""
+        """``(op, where)`` of each read made outside a named :func:`fastrlhf.engine.device.host_read`."""
         return [(op, where) for name, op, where in self.reads if name is None]
 
     def _read(self, func) -> None:

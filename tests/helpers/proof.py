@@ -2,7 +2,7 @@
 
 import torch
 
-from fastrlhf.tiny_models import QWEN2_1_5B
+from fastrlhf.modeling.tiny import QWEN2_1_5B
 
 
 def model_shape(where: str) -> dict:

@@ -1,0 +1,37 @@
+"""Reference RL math: the one home of every formula the trainer and the kernels use. Plain
+PyTorch, importable with torch alone. Per-token tensors are ``[B, T]`` aligned on response tokens;
+``mask`` is 1.0 where a token counts and 0.0 elsewhere. Names follow verl's ``core_algos``.
+
+Masking is done with ``torch.where`` rather than multiplication so that whatever sits at a
+masked position (-inf logprobs of padding, NaN values) can never leak into a result.
+
+What differs between PPO and GRPO lives in two registries, verl-style:
+
+* :data:`ADV_ESTIMATORS` (``@register_adv_est``): ``gae`` (PPO, with a critic) and ``grpo``;
+  ``ADV_ESTIMATOR_OF[algorithm]`` says which one an algorithm uses.
+* :data:`POLICY_LOSSES` (``@register_policy_loss``): ``vanilla`` (clipped surrogate, clip-higher,
+  dual clip), ``cispo`` and ``gspo``; chosen by ``trainer.policy_loss``.
+
+Adding a loss is one registered function. ``token_level=True`` says each token's loss depends on
+that token alone; such a loss runs inside the token-chunked fused kernels
+(``fastrlhf.kernels.fused_linear_policy_loss``), which evaluate it on chunks of flattened tokens.
+A loss that needs a whole sequence (GSPO's sequence-level ratio) is registered with
+``token_level=False`` and trained through the fused logprob kernel plus autograd instead; neither
+path materialises the ``[tokens, vocab]`` logits.
+
+The formulas live in four modules, all re-exported here: ``masked`` (masked reductions), ``logprobs``
+(logprobs, entropy and KL from logits), ``advantages`` (GAE, GRPO, the estimator registry) and
+``losses`` (aggregation, the policy-loss registry, value, SFT and reward-model losses).
+"""
+
+from fastrlhf.algorithms.advantages import *  # noqa: F403
+from fastrlhf.algorithms.advantages import __all__ as _advantages
+from fastrlhf.algorithms.logprobs import *  # noqa: F403
+from fastrlhf.algorithms.logprobs import __all__ as _logprobs
+from fastrlhf.algorithms.logprobs import _check_temperature  # noqa: F401 (the kernels' argument check)
+from fastrlhf.algorithms.losses import *  # noqa: F403
+from fastrlhf.algorithms.losses import __all__ as _losses
+from fastrlhf.algorithms.masked import *  # noqa: F403
+from fastrlhf.algorithms.masked import __all__ as _masked
+
+__all__ = [*_masked, *_logprobs, *_advantages, *_losses]

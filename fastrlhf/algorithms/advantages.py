@@ -1,0 +1,189 @@
+"""Token rewards and advantages: GAE (PPO, with a critic) and group-relative scores (GRPO), and the
+registry of estimators by name (``@register_adv_est``; ``ADV_ESTIMATOR_OF[algorithm]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fastrlhf.algorithms.logprobs import kl_penalty
+from fastrlhf.algorithms.masked import (
+    _keep,
+    check_same_shape,
+    masked_sum,
+    whiten_with_stats,
+)
+from fastrlhf.distributed import comm
+
+__all__ = [
+    "ADV_ESTIMATORS", "ADV_ESTIMATOR_OF", "compute_gae", "compute_grpo_advantages", "gae_advantages",
+    "grpo_token_advantages", "last_token_index", "register_adv_est", "shape_rewards", "whiten_across_ranks"
+]
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last mask==1 position (-1 for a row with none)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(_keep(mask), positions, torch.full_like(positions, -1)).amax(-1)
+
+
+def shape_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    kind: str = "k1",
+) -> torch.Tensor:
+    """Per-token reward ``-kl_coef * kl * mask`` with ``scores[b]`` added at row b's last token.
+
+    A row with no mask==1 position receives no score (there is no token to credit).
+    """
+    check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask)
+    if scores.shape != logprobs.shape[:1]:
+        raise ValueError(f"shape mismatch: scores has shape {tuple(scores.shape)} but logprobs has shape "
+                         f"{tuple(logprobs.shape)} (expected scores of shape [B])")
+    kl = kl_penalty(logprobs, ref_logprobs, kind, mask)
+    zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
+    rewards = torch.where(_keep(mask), -kl_coef * kl, zero)
+    last = last_token_index(mask)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
+    return rewards
+
+
+def compute_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation; returns ``(advantages, returns)``, advantages not whitened.
+
+    The reverse recursion skips mask==0 positions: they neither receive an advantage (0 there)
+    nor break the chain (the next value and running advantage carry across them), so a
+    multi-turn response with masked tool output in the middle is one trajectory.
+    """
+    check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
+    keep = _keep(mask)
+    B, T = values.shape
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
+    running = torch.zeros(B, dtype=values.dtype, device=values.device)
+    advantages = []
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * running
+        next_value = torch.where(keep[:, t], values[:, t], next_value)
+        running = torch.where(keep[:, t], gae, running)
+        advantages.append(torch.where(keep[:, t], gae, torch.zeros_like(gae)))
+    adv = torch.stack(advantages[::-1], dim=1)
+    return adv, adv + values
+
+
+def compute_grpo_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor | Sequence[int],
+    eps: float = 1e-6,
+    scale_by_std: bool = True,
+) -> torch.Tensor:
+    """Group-relative advantages ``[B]``: score minus its group's mean, over (unbiased std + eps).
+
+    ``scale_by_std=False`` is Dr.GRPO (no std division). A group of one gets 0.
+    """
+    group_ids = torch.as_tensor(group_ids, device=scores.device)
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"shape mismatch: scores has shape {tuple(scores.shape)} but group_ids has shape "
+                         f"{tuple(group_ids.shape)} (expected both [B])")
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(scores))
+    total = zeros.index_add(0, inverse, scores)
+    mean = total / count
+    centered = scores - mean[inverse]
+    adv = centered
+    if scale_by_std:
+        sq = zeros.index_add(0, inverse, centered.square())
+        std = (sq / (count - 1).clamp(min=1)).sqrt()
+        adv = centered / (std[inverse] + eps)
+    return torch.where(count[inverse] > 1, adv, torch.zeros_like(adv))
+
+
+# fn(exp, trainer_config) -> (advantages [B, T], returns [B, T] or None); ``exp`` is the step's batch
+# (``fastrlhf.rl.experience.Experience``), read for the fields each estimator names.
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+# The estimator each algorithm uses (PPO's needs the critic's values).
+ADV_ESTIMATOR_OF = {"ppo": "gae", "grpo": "grpo"}
+
+
+def register_adv_est(name: str):
+    """Decorator: register an advantage estimator under ``name``."""
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"an advantage estimator named {name!r} is already registered")
+        ADV_ESTIMATORS[name] = fn
+        return fn
+
+    return decorator
+
+
+@register_adv_est("grpo")
+def grpo_token_advantages(exp, cfg) -> tuple[torch.Tensor, None]:
+    """GRPO: each completion's group-relative score on every one of its tokens; no critic, no returns.
+
+    Reads ``exp.scores [B]``, ``exp.group_ids [B]``, ``exp.response_mask [B, T]`` and
+    ``cfg.scale_by_std`` (false: Dr.GRPO). Groups never straddle ranks (each rank samples all n
+    completions of its prompts), so this needs no communication.
+    """
+    per_sequence = compute_grpo_advantages(exp.scores, exp.group_ids, scale_by_std=cfg.scale_by_std)
+    return (per_sequence[:, None] * exp.response_mask).detach(), None
+
+
+@register_adv_est("gae")
+def gae_advantages(exp, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO: token rewards (score at the last token, ``-kl_coef * KL(old || ref)`` on every token when
+    ``cfg.kl_in_reward``), then GAE over the critic's values; advantages whitened over the whole
+    batch, every rank's tokens together, when ``cfg.whiten_advantages`` (returns are not).
+
+    Reads ``exp.scores [B]``, ``exp.values``, ``exp.old_logprobs``, ``exp.ref_logprobs`` and
+    ``exp.response_mask`` (``[B, T]``); ``cfg.gamma``, ``cfg.lam``, ``cfg.kl_coef``, ``cfg.kl_kind``.
+    Returns ``(advantages, returns)`` ``[B, T]``.
+    """
+    mask = exp.response_mask
+    if cfg.kl_in_reward and cfg.kl_coef != 0.0:
+        token_rewards = shape_rewards(exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_coef, cfg.kl_kind)
+    else:
+        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        token_rewards = shape_rewards(exp.scores, zeros, zeros, mask, 0.0, "k1")
+    advantages, returns = compute_gae(token_rewards, exp.values, mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        advantages = whiten_across_ranks(advantages, mask)
+    return advantages.detach(), returns.detach()
+
+
+def whiten_across_ranks(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`masked_whiten` with the mean and variance of the global batch, not of this rank's share.
+
+    Per-rank statistics would make the update depend on how the batch was split. Two reductions
+    of two numbers each (sum and count, then the sum of squared deviations from the global mean:
+    the same two-pass variance as :func:`masked_var`), on the advantages' device; no host sync.
+    Fewer than two kept tokens in the whole batch: returned unchanged (no variance to divide by).
+    """
+    x = advantages.detach().double()
+    totals = comm.all_reduce_(torch.stack([masked_sum(x, mask), (mask > 0).sum().double()]))
+    count = totals[1]
+    mean = totals[0] / count.clamp(min=1)
+    squares = comm.all_reduce_(masked_sum((x - mean).square(), mask).reshape(1))[0]
+    var = squares / (count - 1).clamp(min=1)
+    whitened = whiten_with_stats(advantages, mask, mean.to(advantages.dtype), var.to(advantages.dtype))
+    return torch.where(count >= 2, whitened, advantages)

@@ -1,0 +1,87 @@
+"""Logprobs, entropy and the KL estimators of a policy to its reference, from logits (the reference the
+fused kernels are tested against).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastrlhf.algorithms.masked import _keep, check_same_shape
+
+__all__ = [
+    "K3_CLAMP", "LOG_RATIO_CLAMP", "KL_KINDS", "entropy_from_logits", "kl_penalty", "logprobs_from_logits"
+]
+
+
+KL_KINDS = ("k1", "abs", "k2", "k3")
+
+
+# verl's names for the same estimators, accepted so configs move between the projects.
+_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+
+# exp() of a log-ratio above this overflows fp32 long before it carries information.
+LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 -> fp32 for the softmax math; fp64 stays fp64 (gradchecks need it)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) gathered at ``labels``, in fp32 (fp64 stays fp64).
+
+    logits ``[..., V]``, labels ``[...]``.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"shape mismatch: logits has shape {tuple(logits.shape)} (expected labels shape + [V]) "
+            f"but labels has shape {tuple(labels.shape)}"
+        )
+    _check_temperature(temperature)
+    logp = torch.log_softmax(_upcast(logits) / temperature, dim=-1)
+    return logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) in fp32; stays finite when some logits are -inf."""
+    _check_temperature(temperature)
+    z = _upcast(logits) / temperature
+    p = torch.softmax(z, dim=-1)
+    # H = lse(z) - sum p*z. A -inf logit has p == 0: zero its z so 0 * -inf never makes a NaN
+    # (in the value or in the gradient).
+    z_finite = z.masked_fill(torch.isneginf(z), 0.0)
+    return torch.logsumexp(z, dim=-1) - (p * z_finite).sum(-1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL estimator between the policy and the reference (Schulman's k1/k2/k3, and |k1|).
+
+    With ``mask``, masked positions are 0 and pass no gradient whatever they hold: padding with a
+    -inf reference logprob would otherwise send ``0 * inf = NaN`` back through k2 (masking the
+    result afterwards is too late for the backward pass).
+    """
+    check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    kind = _KL_ALIASES.get(kind, kind)
+    diff = logprobs - ref_logprobs
+    if mask is not None:
+        check_same_shape(logprobs=logprobs, mask=mask)
+        diff = torch.where(_keep(mask), diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
+    if kind == "k1":
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind == "k2":
+        return 0.5 * diff.square()
+    if kind == "k3":
+        d = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (torch.exp(d) - d - 1).clamp(-K3_CLAMP, K3_CLAMP)
+    raise ValueError(f"unknown KL kind {kind!r}; expected one of {', '.join(KL_KINDS)}")

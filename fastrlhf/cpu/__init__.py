@@ -1,0 +1,21 @@
+"""What exists only to make CPU runs fit and run fast; a GPU run never imports it.
+
+- ``hostmem``: glibc heap settings and trims (after each backward), page release with ``madvise``;
+- ``file_pages``: a frozen model's weights (pages of its checkpoint file) leave resident memory
+  between its passes;
+- ``zero_master``: at ZeRO 1-2 with fp32 weights, DeepSpeed's cloned master partition becomes a view
+  of the weights themselves;
+- ``vllm_inplace_sync`` and ``packed_linear`` (with ``cpu_pack.c``): a weight sync writes vLLM-CPU's
+  packed GEMM weights in place instead of reloading the model.
+
+Reached through one switch, :func:`fastrlhf.engine.platform.cpu_tools` (None on a GPU);
+``tests/cpu/test_isolation.py`` checks that a GPU run's objects load none of this package.
+"""
+
+from fastrlhf.cpu import file_pages, hostmem, vllm_inplace_sync, zero_master
+from fastrlhf.cpu.file_pages import FilePages
+from fastrlhf.cpu.hostmem import configure_cpu_heap, trim_heap_after_backward
+from fastrlhf.cpu.zero_master import share_master_weights
+
+__all__ = ["FilePages", "configure_cpu_heap", "file_pages", "hostmem", "share_master_weights",
+           "trim_heap_after_backward", "vllm_inplace_sync", "zero_master"]

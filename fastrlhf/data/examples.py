@@ -1,0 +1,296 @@
+"""Rows -> validated token-id examples: RL prompts (ids, text or a chat through the chat template, their
+other columns beside them), SFT examples, preference pairs and labelled sequences; the columns reward
+functions need, checked before any model loads.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+from fastrlhf.data.reading import (
+    CHAT_FIELD,
+    DataError,
+    LazyTokenizer,
+    _BadLine,
+    _check_len,
+    _check_vocab,
+    _collect,
+    _short,
+    _Skip,
+    _tokens,
+)
+
+__all__ = [
+    "CHAT_TEMPLATE_CHOICES", "OVERLONG_CHOICES", "Columns", "PromptExample", "SFTExample", "PairExample",
+    "ClassificationExample", "load_prompts", "load_sft_examples", "load_pairwise_examples",
+    "load_classification_examples", "check_columns", "uneven_columns", "report_uneven_columns"
+]
+
+
+CHAT_TEMPLATE_CHOICES = (True, False, "auto")
+
+
+OVERLONG_CHOICES = ("error", "truncate", "skip")
+
+
+class Columns(dict):
+    """A prompt row's columns (every field but the prompt): what reward functions receive as ``meta`` or
+    keyword arguments and what validation files record. :attr:`prompt` is the row's prompt as given: its
+    text, its messages, or None for token ids. It rides beside the columns, not among them, so that a
+    reward in TRL's format can read it while every reader of the columns sees only the columns."""
+
+    def __init__(self, columns=(), prompt: str | list[dict] | None = None):
+        super().__init__(columns)
+        self.prompt = prompt
+
+
+@dataclass
+class PromptExample:
+    prompt_ids: list[int]
+    meta: dict = field(default_factory=Columns)  # a Columns from load_prompts
+    source: str = ""  # where the row is: "file:line" or "folder:row N" (for messages naming it)
+
+
+@dataclass
+class SFTExample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+@dataclass
+class PairExample:
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+
+@dataclass
+class ClassificationExample:
+    input_ids: list[int]
+    label: int
+
+
+def _id_and_text_names(field_name: str) -> tuple[str, ...]:
+    """``prompt_ids`` also accepts ``prompt`` (text) and vice versa."""
+    if field_name.endswith("_ids"):
+        return field_name, field_name[: -len("_ids")]
+    return field_name, f"{field_name}_ids"
+
+
+def _is_chat(value) -> bool:
+    return isinstance(value, list) and any(isinstance(m, dict) for m in value)
+
+
+def _chat(value, field_name: str) -> list[dict]:
+    """A validated chat: a non-empty list of objects with text ``role`` and ``content``. Keys that are null
+    (a column of a Parquet/``datasets`` struct that another row has) are left out, as if absent."""
+    if not isinstance(value, list) or not value:
+        raise _BadLine(f"field {field_name!r} must be a non-empty list of {{\"role\": text, \"content\": text}} "
+                       f"objects, got {_short(value)}")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise _BadLine(f"field {field_name!r}: message {i} must be an object with text 'role' and 'content', "
+                           f"got {_short(message)}")
+        messages.append({k: v for k, v in message.items() if v is not None})
+    return messages
+
+
+def _prompt(row: dict, names: tuple[str, ...], tokenizer: LazyTokenizer, vocab_size: int | None,
+            chat_template: bool | str) -> tuple[list[int], str | list[dict] | None]:
+    """``(ids, given)`` of a row's prompt: the first present field of ``names`` + ``messages``; ids as given,
+    text tokenized (``chat_template: true``: as one user message through the template), a chat through the
+    template. ``given``: the text or the validated messages (None for token ids)."""
+    fields = tuple(dict.fromkeys((*names, CHAT_FIELD)))
+    for name in fields:
+        if name in row and row[name] is not None:
+            value = row[name]
+            break
+    else:
+        raise _BadLine(f"missing field {' or '.join(repr(n) for n in fields)}")
+    if name == CHAT_FIELD or _is_chat(value):
+        messages = _chat(value, name)
+        if chat_template is False:
+            raise _BadLine(f"field {name!r} is a chat but data.chat_template is false; "
+                           "set data.chat_template to true or auto")
+        ids, given = tokenizer.chat_ids(messages, name), messages
+    elif isinstance(value, str) and chat_template is True:
+        ids = tokenizer.chat_ids([{"role": "user", "content": value}], name, why=" (data.chat_template is true)") \
+            if value else []
+        given = value
+    else:
+        ids = _tokens({name: value}, (name,), "prompt", tokenizer, vocab_size, special=True)
+        return ids, value if isinstance(value, str) else None
+    if not ids:
+        raise _BadLine("empty prompt")
+    _check_vocab(ids, vocab_size, "prompt")
+    return ids, given
+
+
+def _check_choices(chat_template, overlong=None):
+    if chat_template not in CHAT_TEMPLATE_CHOICES or type(chat_template) not in (bool, str):
+        raise ValueError(f"chat_template must be true, false or 'auto', got {chat_template!r}")
+    if overlong is not None and overlong not in OVERLONG_CHOICES:
+        raise ValueError(f"overlong must be one of {', '.join(OVERLONG_CHOICES)}, got {overlong!r}")
+
+
+def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: int | None = None,
+                 vocab_size: int | None = None, tokenizer_path: str | None = None, *,
+                 chat_template: bool | str = "auto", overlong: str = "error") -> list[PromptExample]:
+    """RL prompts, one per row: ``{"prompt_ids": [...]}``, ``{"prompt": "text"}`` or ``{"messages": [{"role",
+    "content"}, ...]}`` (the prompt field's names come from ``prompt_field``; a chat in it works too).
+
+    ``chat_template`` (``data.chat_template``): a chat is always put through the tokenizer's chat template
+    with the generation prompt (``auto``: a bad line when the tokenizer has no template; ``false``: a chat
+    is a bad line); ``true`` also puts text through it as one user message, ``auto``/``false`` tokenize
+    text as it is. Token ids are used as given.
+
+    ``overlong`` (``data.overlong``), for a prompt longer than ``max_prompt_len`` tokens: ``error`` (a bad
+    line), ``truncate`` (keep its last ``max_prompt_len`` tokens, so a template's generation prompt stays) or
+    ``skip`` (leave the row out; rank 0 prints how many; all left out is an error).
+
+    Every other column of a row (``answer``, ``data_source``...) travels in the example's ``meta`` (a
+    :class:`Columns`, which also holds the prompt as given), so reward functions receive it; a key in
+    ``meta`` itself wins over a column of the same name. ``source`` is the row's ``file:line``.
+    """
+    _check_choices(chat_template, overlong)
+    tokenizer = LazyTokenizer(tokenizer_path)
+    names = _id_and_text_names(prompt_field)
+
+    def parse(row: dict, where: str) -> PromptExample:
+        ids, given = _prompt(row, names, tokenizer, vocab_size, chat_template)
+        meta = row.get("meta", {})
+        if meta is None:
+            meta = {}
+        if not isinstance(meta, dict):
+            raise _BadLine(f"field 'meta' must be an object, got {_short(meta)}")
+        if max_prompt_len is not None and len(ids) > max_prompt_len:
+            if overlong == "truncate":
+                ids = ids[-max_prompt_len:]
+            elif overlong == "skip":
+                raise _Skip
+            else:
+                _check_len(ids, max_prompt_len, "prompt")
+        columns = {k: v for k, v in row.items() if k not in names and k not in ("meta", CHAT_FIELD)}
+        return PromptExample(ids, Columns({**columns, **meta}, given), where)
+
+    return _collect(path, parse, skipped_as=f"longer than max_prompt_len ({max_prompt_len} tokens)")
+
+
+def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None,
+                      vocab_size: int | None = None, tokenizer_path: str | None = None, *,
+                      chat_template: bool | str = "auto") -> list[SFTExample]:
+    """SFT pairs: ``{"prompt_ids"/"prompt", "response_ids"/"response"}`` or ``{"messages": [..., {"role":
+    "assistant", "content": ...}]}`` rows.
+
+    A chat's prompt is the template of all its messages but the last, with the generation prompt; its
+    response is the last (assistant) message's text, tokenized without special tokens, plus EOS (as a text
+    response). ``chat_template`` as in :func:`load_prompts`.
+    """
+    _check_choices(chat_template)
+    tokenizer = LazyTokenizer(tokenizer_path)
+    pair_fields = ("prompt_ids", "prompt", "response_ids", "response")
+
+    def parse(row: dict, where: str) -> SFTExample:
+        if row.get(CHAT_FIELD) is not None and all(row.get(k) is None for k in pair_fields):
+            messages = _chat(row[CHAT_FIELD], CHAT_FIELD)
+            if chat_template is False:
+                raise _BadLine(f"field {CHAT_FIELD!r} is a chat but data.chat_template is false; "
+                               "set data.chat_template to true or auto")
+            if len(messages) < 2 or messages[-1]["role"] != "assistant":
+                raise _BadLine(f"field {CHAT_FIELD!r} must end with an assistant message (the response) after at "
+                               f"least one other message, got roles {[m['role'] for m in messages]}")
+            prompt = tokenizer.chat_ids(messages[:-1], CHAT_FIELD)
+            _check_vocab(prompt, vocab_size, "prompt")
+            response = _tokens({"response": messages[-1]["content"]}, ("response",), "response", tokenizer,
+                               vocab_size, special=False, append_eos=True)
+        else:
+            prompt, _ = _prompt(row, ("prompt_ids", "prompt"), tokenizer, vocab_size, chat_template)
+            response = _tokens(row, ("response_ids", "response"), "response", tokenizer, vocab_size, special=False,
+                               append_eos=True)
+        _check_len(prompt, max_prompt_len, "prompt")
+        _check_len(prompt + response, max_len, "prompt + response")
+        return SFTExample(prompt, response)
+
+    return _collect(path, parse)
+
+
+def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = None,
+                           tokenizer_path: str | None = None) -> list[PairExample]:
+    """Preference pairs: ``{"prompt", "chosen", "rejected"}`` (text or ``*_ids`` token lists; prompt optional)."""
+    tokenizer = LazyTokenizer(tokenizer_path)
+
+    def parse(row: dict, where: str) -> PairExample:
+        prompt = _tokens(row, ("prompt_ids", "prompt"), "prompt", tokenizer, vocab_size, special=True,
+                         required=False)
+        chosen = _tokens(row, ("chosen_ids", "chosen"), "chosen", tokenizer, vocab_size, special=not prompt)
+        rejected = _tokens(row, ("rejected_ids", "rejected"), "rejected", tokenizer, vocab_size, special=not prompt)
+        _check_len(prompt + chosen, max_len, "prompt + chosen")
+        _check_len(prompt + rejected, max_len, "prompt + rejected")
+        return PairExample(prompt, chosen, rejected)
+
+    return _collect(path, parse)
+
+
+def load_classification_examples(path: str, max_len: int, num_labels: int, vocab_size: int | None = None,
+                                 tokenizer_path: str | None = None) -> list[ClassificationExample]:
+    """Labelled sequences: ``{"text"/"input_ids", "label"}`` lines, label in [0, num_labels)."""
+    tokenizer = LazyTokenizer(tokenizer_path)
+
+    def parse(row: dict, where: str) -> ClassificationExample:
+        ids = _tokens(row, ("input_ids", "text"), "text", tokenizer, vocab_size, special=True)
+        _check_len(ids, max_len, "text")
+        if "label" not in row:
+            raise _BadLine("missing field 'label'")
+        label = row["label"]
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_labels:
+            raise _BadLine(f"label must be an integer in [0, {num_labels}), got {_short(label)}")
+        return ClassificationExample(ids, label)
+
+    return _collect(path, parse)
+
+
+def check_columns(examples: list[PromptExample], required: dict[str, list[str]]) -> None:
+    """Every column that a reward function needs (``{function name: [column, ...]}``, from
+    ``fastrlhf.rl.rewards.required_columns``) is a key of every prompt's ``meta`` (a null value counts as
+    present: the function is then called with None for that row); else a DataError naming each row."""
+    problems = []
+    for example in examples:
+        for name, columns in required.items():
+            for column in columns:
+                if column not in example.meta:
+                    problems.append(f"{example.source or '(unknown row)'}: reward function {name!r} needs column "
+                                    f"{column!r}, which this row lacks")
+    if problems:
+        raise DataError(problems)
+
+
+def uneven_columns(examples: list[PromptExample]) -> list[str]:
+    """One line per column that some rows have and others lack, naming it, how many rows lack it and the
+    first of them. Such a row reaches a reward function as None for that column, as a ``datasets``
+    column filled with nulls would: a column name mistyped in some rows shows only as a flat reward curve.
+    (In Parquet and ``datasets`` folders every row has every column, null or not: none is uneven there.)"""
+    have = Counter(column for example in examples for column in example.meta)
+    lines = []
+    for column, count in have.items():
+        if count < len(examples):
+            first = next(e.source or "(unknown row)" for e in examples if column not in e.meta)
+            lines.append(f"column {column!r} is missing from {len(examples) - count} of {len(examples)} rows, "
+                         f"first at {first}")
+    return lines
+
+
+def report_uneven_columns(examples: list[PromptExample], strict: bool = False) -> None:
+    """:func:`uneven_columns` as one warning line each on rank 0, or with ``strict`` (``data.strict_columns``)
+    as a DataError."""
+    uneven = uneven_columns(examples)
+    if uneven and strict:
+        raise DataError([f"{line} (data.strict_columns is true)" for line in uneven])
+    if os.environ.get("RANK", "0") == "0":
+        for line in uneven:
+            print(f"warning: data: {line} (data.strict_columns: true makes this an error)", file=sys.stderr,
+                  flush=True)

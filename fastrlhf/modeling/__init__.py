@@ -1,0 +1,26 @@
+"""Models: Hugging Face checkpoints loaded for training or inference (``loading``: dtype, LoRA, ZeRO-3
+partitioned loading, the attention of packed rows, the critic's value head, the final export), the
+tied embedding / LM head gradient (``tied_gradient``) and models made locally (``tiny``: tiny ones for
+tests and the demo, Qwen2.5-1.5B's shape for the GPU proof).
+
+Imports ``fastrlhf.config`` and ``fastrlhf.sequences``; DeepSpeed only to load under ZeRO-3.
+"""
+
+from fastrlhf.modeling.loading import (
+    CausalLMWithValueHead,
+    apply_lora,
+    base_model,
+    export_hf,
+    load_causal_lm,
+    load_sequence_classifier,
+    load_value_model,
+    torch_dtype,
+    unwrap,
+    use_attention,
+    vocab_size,
+    zero3_loading,
+)
+
+__all__ = ["CausalLMWithValueHead", "apply_lora", "base_model", "export_hf", "load_causal_lm",
+           "load_sequence_classifier", "load_value_model", "torch_dtype", "unwrap", "use_attention", "vocab_size",
+           "zero3_loading"]

@@ -1,0 +1,277 @@
+"""Models from local folders (``from_pretrained``), optional LoRA, and export back to HF safetensors.
+
+The exported folder is a plain Hugging Face model (LoRA merged, ZeRO-3 shards gathered) that
+``from_pretrained`` and vLLM load directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+import torch
+from torch import nn
+
+__all__ = [
+    "torch_dtype",
+    "zero3_loading",
+    "load_causal_lm",
+    "use_attention",
+    "load_sequence_classifier",
+    "CausalLMWithValueHead",
+    "load_value_model",
+    "apply_lora",
+    "unwrap",
+    "base_model",
+    "vocab_size",
+    "export_hf",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                    "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A config dtype name as a torch dtype; ``auto`` (a config not resolved by ``parse_config``) as
+    ``fastrlhf.config.precision`` resolves it on this machine."""
+    if name == "auto":
+        from fastrlhf.config.precision import gpu_available
+
+        name = "bfloat16" if gpu_available() else "float32"
+    return _DTYPES[name]
+
+
+def apply_lora(model, model_cfg, task_type: str = "CAUSAL_LM"):
+    """Wrap ``model`` in a PEFT LoRA adapter when ``model_cfg.lora_r > 0`` (only the adapter trains)."""
+    if model_cfg.lora_r <= 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha, lora_dropout=model_cfg.lora_dropout,
+                      target_modules=list(model_cfg.lora_targets), task_type=task_type)
+    return get_peft_model(model, lora)
+
+
+def _finish(model, model_cfg, task_type: str):
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return apply_lora(model, model_cfg, task_type)
+
+
+@contextlib.contextmanager
+def zero3_loading(ds_config: dict | None):
+    """Inside, ``from_pretrained`` loads straight into ZeRO-3 partitions (no full replica per rank).
+
+    Only for a ``ds_config`` at stage 3 (the dict given to the engine that will own the model);
+    otherwise a no-op. Weights missing from the folder (a new score head) get HF's ZeRO-3 init.
+    """
+    if not ds_config or ds_config.get("zero_optimization", {}).get("stage") != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    keep_alive = HfDeepSpeedConfig(ds_config)  # transformers holds only a weak reference to it
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del keep_alive
+
+
+def use_attention(model, packing: bool, share_prompts: bool = False, backend: str = "auto") -> str | None:
+    """Set ``model`` up to run packed rows (``trainer.packing``) with ``backend`` (``model.attention`` as
+    :mod:`fastrlhf.sequences.attention` resolved it; ``auto`` here: the table's choice for this machine and the
+    model's dtype). It then runs ``fastrlhf_packed`` (:mod:`fastrlhf.sequences.packed_attention`), which takes a
+    packed row to that backend and everything else (padded batches, generation) to sdpa. Returns the
+    backend; None without packing (the model keeps its attention)."""
+    if not packing:
+        return None
+    from fastrlhf.sequences import packed_attention
+    from fastrlhf.sequences.attention import choose
+
+    hf = base_model(model)
+    if backend == "auto":
+        dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(hf.dtype, "float32")
+        backend = choose("auto", torch.cuda.is_available(), dtype, share_prompts)
+    hf.set_attn_implementation(packed_attention.register())
+    packed_attention.set_backend(hf, backend)
+    return backend
+
+
+def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True, zero3_config: dict | None = None,
+                   dtype: str | None = None):
+    """``AutoModelForCausalLM`` from ``path`` (default ``model_cfg.path``); LoRA applied only if trainable.
+
+    ``zero3_config``: the stage-3 DeepSpeed config of the engine to come, to load partitioned.
+    ``dtype``: instead of ``model_cfg.dtype`` (frozen copies load in the actor's compute dtype).
+    """
+    from transformers import AutoModelForCausalLM
+
+    with zero3_loading(zero3_config):
+        model = AutoModelForCausalLM.from_pretrained(path or model_cfg.path,
+                                                     dtype=torch_dtype(dtype or model_cfg.dtype))
+    if not trainable:
+        return model.eval().requires_grad_(False)
+    return _finish(model.train(), model_cfg, "CAUSAL_LM")
+
+
+def load_sequence_classifier(model_cfg, num_labels: int, path: str | None = None, trainable: bool = True,
+                             zero3_config: dict | None = None):
+    """``AutoModelForSequenceClassification`` (a fresh score head over a causal LM folder is fine)."""
+    from transformers import AutoModelForSequenceClassification
+
+    with zero3_loading(zero3_config):
+        model = AutoModelForSequenceClassification.from_pretrained(path or model_cfg.path, num_labels=num_labels,
+                                                                   dtype=torch_dtype(model_cfg.dtype))
+    if model.config.pad_token_id is None:
+        # The classifier pools the last non-pad token; without a pad id it refuses batches larger than 1.
+        model.config.pad_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else 0
+    if not trainable:
+        return model.eval().requires_grad_(False)
+    return _finish(model.train(), model_cfg, "SEQ_CLS")
+
+
+class CausalLMWithValueHead(nn.Module):
+    """A causal LM backbone with a scalar value per token (the PPO critic)."""
+
+    def __init__(self, lm, value_head: nn.Linear | None = None):
+        super().__init__()
+        self.lm = lm
+        hidden = base_model(lm).config.hidden_size
+        self.v_head = value_head if value_head is not None else nn.Linear(hidden, 1)
+        if value_head is None:
+            # Small init: the first value estimates start near zero instead of swamping the returns.
+            nn.init.normal_(self.v_head.weight, std=1.0 / (hidden + 1))
+            nn.init.zeros_(self.v_head.bias)
+        self.v_head.to(next(lm.parameters()).dtype)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, **attention_kwargs):
+        """``[B, L]`` fp32 values. ``attention_mask`` None with ``position_ids`` restarting at 0: packed
+        sequences (no cache is built: with one, transformers would not see the packing);
+        ``attention_kwargs`` reach the attention (shared-prompt segments)."""
+        decoder = base_model(self.lm).get_decoder()
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=use_cache, **attention_kwargs)
+        hidden = out.last_hidden_state
+        return self.v_head(hidden).squeeze(-1).float()
+
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def load_value_model(model_cfg, path: str | None = None, trainable: bool = True) -> CausalLMWithValueHead:
+    """Critic from ``path``: a saved value head (``value_head.safetensors``) is reused, else a fresh one."""
+    path = path or model_cfg.path
+    lm = load_causal_lm(model_cfg, path, trainable=trainable)
+    head = None
+    head_file = os.path.join(path, VALUE_HEAD_FILE)
+    if os.path.exists(head_file):
+        from safetensors.torch import load_file
+
+        state = load_file(head_file)
+        head = nn.Linear(state["weight"].shape[1], 1)
+        head.load_state_dict(state)
+    model = CausalLMWithValueHead(lm, head)
+    model.v_head.requires_grad_(trainable)
+    return model
+
+
+def unwrap(model_or_engine):
+    """The nn.Module inside a DeepSpeed engine (or the module itself)."""
+    return getattr(model_or_engine, "module", model_or_engine)
+
+
+def base_model(model):
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def vocab_size(path: str) -> int | None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return getattr(config, "vocab_size", None)
+
+
+def _gathered_state_dict(model, zero_stage: int, bucket_bytes: int | None = None) -> dict | None:
+    """Full state dict on rank 0 (None elsewhere); collective under ZeRO-3.
+
+    Below ZeRO-3 every rank holds the whole model: its own tensors, no copy. ZeRO-3 parameters are
+    gathered a bucket at a time (the weight sync's gather), so no rank ever holds the whole model on
+    its device; rank 0 keeps a CPU copy of each bucket.
+    """
+    from fastrlhf import distributed as D
+
+    if zero_stage != 3:
+        return {k: v.detach() for k, v in model.state_dict().items()} if D.is_main() else None
+    from fastrlhf.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_bucketed_weights
+
+    gathered = {}
+    for name, tensor in iter_bucketed_weights(model, bucket_bytes or DEFAULT_BUCKET_BYTES):  # collective
+        if D.is_main():
+            gathered[name] = tensor.cpu()
+    if not D.is_main():
+        return None
+    # state_dict also holds buffers and each tied weight under every name it has; the gather
+    # yields each parameter once, under the name named_parameters() gives it.
+    first_name = {}
+    for name, param in model.named_parameters():
+        first_name.setdefault(id(param), name)
+    return {key: gathered[first_name[id(value)]] if id(value) in first_name else value.detach().clone().cpu()
+            for key, value in model.state_dict(keep_vars=True).items()}
+
+
+def _save_hf_model(model, state: dict, out_dir: str) -> None:
+    """Write ``model``'s Hugging Face folder with the weights in ``state`` (a full state dict).
+
+    A plain model saves ``state`` as it is (no second model in memory, whatever ``model``'s own
+    parameters are sharded into); a LoRA model is rebuilt unsharded so the adapter can be merged in.
+    """
+    if hasattr(model, "get_base_model"):
+        from peft import get_peft_model
+
+        base = base_model(model)
+        fresh = get_peft_model(type(base)(base.config), model.peft_config["default"])
+        fresh.load_state_dict(state, strict=True)
+        fresh.merge_and_unload().save_pretrained(out_dir, safe_serialization=True)
+        return
+    model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+
+
+def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from: str | None = None,
+              bucket_bytes: int | None = None) -> str:
+    """Save a Hugging Face folder (safetensors) that transformers and vLLM load; collective, atomic.
+
+    Under ZeRO-3 the parameters are gathered ``bucket_bytes`` at a time (default: the weight sync's).
+
+    A :class:`CausalLMWithValueHead` exports the LM plus ``value_head.safetensors``.
+    """
+    from fastrlhf import distributed as D
+    from fastrlhf.distributed import comm
+
+    model = unwrap(model_or_engine)
+    state = _gathered_state_dict(model, zero_stage, bucket_bytes)
+    if D.is_main():
+        tmp = f"{out_dir.rstrip(os.sep)}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(model, CausalLMWithValueHead):
+            from safetensors.torch import save_file
+
+            lm_state = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
+            head_state = {k[len("v_head."):]: v.contiguous() for k, v in state.items() if k.startswith("v_head.")}
+            _save_hf_model(model.lm, lm_state, tmp)
+            save_file(head_state, os.path.join(tmp, VALUE_HEAD_FILE))
+        else:
+            _save_hf_model(model, state, tmp)
+        if tokenizer_from:
+            for name in _TOKENIZER_FILES:
+                src = os.path.join(tokenizer_from, name)
+                if os.path.exists(src):
+                    shutil.copy2(src, os.path.join(tmp, name))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(tmp, out_dir)
+    comm.barrier()
+    return out_dir

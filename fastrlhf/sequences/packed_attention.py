@@ -1,0 +1,252 @@
+"""The attention of packed rows, one transformers attention implementation for every backend.
+
+A packed row (``fastrlhf.sequences.packing.PackedLayout``: sequences end to end, positions restarting at 0, or
+with shared prompts each group's prompt once) comes with :class:`PackedRows` (its bounds, known on
+the host) and a FlexAttention block mask built on the host from them (:func:`block_mask`). Passed as
+the attention mask, the block mask also keeps transformers from searching the position ids for the
+packing (a device read per forward on a GPU) and from building a dense ``[N, N]`` mask.
+``fastrlhf_packed`` then runs the row with the run's backend (``model.attention``, chosen by
+:mod:`fastrlhf.sequences.attention`):
+
+- ``flex``: FlexAttention with that block mask (compiled on CUDA): masked blocks are skipped;
+- ``flash_attention_2``: flash-attn's variable-length kernel with the layout's ``cu_seqlens``;
+- ``sdpa``: one causal sdpa call per sequence (per segment with shared prompts): the cost is the sum of
+  the squares of the sequence lengths, not the square of the row (a dense mask made a 2,224-token row
+  of workload C cost 1.24x the padded batch it replaced).
+
+Everything else (a padded batch with its mask, generation with a cache) runs sdpa, as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+NAME = "fastrlhf_packed"
+# FlexAttention's default tile: the block mask's granularity.
+BLOCK_SIZE = 128
+
+
+@dataclass
+class PackedRows:
+    """What the attention of one packed row needs besides q, k, v (a forward kwarg, host data but ``cu``).
+
+    ``bounds``: start offsets of the sequences plus the row's length; ``segments``: with shared prompts,
+    ``(start, end, prefix_start, prefix_end)`` per attention segment (tokens ``start:end`` see the prefix,
+    then causally themselves); ``cu``: ``bounds`` as a device int32 tensor (flash-attn's ``cu_seqlens``).
+    """
+
+    bounds: list[int]
+    segments: list[tuple[int, int, int, int]] | None
+    cu: torch.Tensor
+
+    @property
+    def longest(self) -> int:
+        if self.segments is not None:
+            return max(end - start + pe - ps for start, end, ps, pe in self.segments)
+        return max(e - s for s, e in itertools.pairwise(self.bounds))
+
+
+def set_backend(model: torch.nn.Module, backend: str) -> None:
+    """Run ``model``'s packed rows with ``backend`` (on its attention layers: a module attribute, so it is
+    never written into the model's config.json)."""
+    for m in model.modules():
+        if hasattr(m, "layer_idx"):
+            m.fastrlhf_attention = backend
+
+
+def sequence_bounds(position_ids: torch.Tensor) -> list[int]:
+    """Start offsets of the sequences of one packed row plus its length: a sequence starts wherever a
+    position is not the previous one plus 1 (transformers' rule, ``find_packed_sequence_indices``)."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos[1:] != pos[:-1] + 1).reshape(-1) + 1
+    return [0, *starts.tolist(), pos.numel()]
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                     sliding_window=None, position_ids=None, fastrlhf_rows: PackedRows | None = None, **kwargs):
+    """transformers attention interface: ``query`` ``[B, Hq, N, D]``, ``key``/``value`` ``[B, Hkv, N, D]``
+    -> (``[B, N, Hq, D]``, None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def sdpa(q, k, v, mask):
+        return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+
+    if fastrlhf_rows is None:
+        return _unlabelled(sdpa, query, key, value, attention_mask, position_ids, sliding_window, kwargs), None
+    if sliding_window is not None and fastrlhf_rows.longest > sliding_window:  # a window no backend here applies
+        raise ValueError(f"{NAME}: a sequence of {fastrlhf_rows.longest} tokens is longer than the model's sliding "
+                         f"window ({sliding_window}); set trainer.packing: false for this model")
+    if query.shape[0] != 1:
+        raise ValueError(f"{NAME}: a packed row is a batch of one, got {query.shape[0]}")
+    backend = getattr(module, "fastrlhf_attention", "sdpa")
+    if backend == "flex":
+        return _flex(query, key, value, attention_mask, scaling), None
+    if backend == "flash_attention_2" and fastrlhf_rows.segments is None:
+        return _flash_varlen(query, key, value, fastrlhf_rows, scaling, dropout if module.training else 0.0), None
+    if fastrlhf_rows.segments is not None:
+        return _shared_prompt_attention(sdpa, query, key, value, fastrlhf_rows.segments), None
+    return _per_sequence(sdpa, query, key, value, fastrlhf_rows.bounds), None
+
+
+def _per_sequence(sdpa, query, key, value, bounds: list[int]) -> torch.Tensor:
+    """sdpa with no mask is causal within each slice: exactly the block-diagonal causal mask."""
+    if len(bounds) == 2:
+        return sdpa(query, key, value, None)
+    return torch.cat([sdpa(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None)
+                      for s, e in itertools.pairwise(bounds)], dim=1)
+
+
+def _unlabelled(sdpa, query, key, value, attention_mask, position_ids, sliding_window, kwargs) -> torch.Tensor:
+    """A call without :class:`PackedRows`: a padded batch or generation (sdpa with its mask), or a packed
+    row given by its position ids alone (bounds read from them: a device read, fine on a CPU)."""
+    packed = attention_mask is None and position_ids is not None and query.shape[2] == key.shape[2] > 1
+    if not packed:
+        return sdpa(query, key, value, attention_mask)
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None and query.shape[0] == 1:
+        bounds = [cu.tolist()]
+    else:
+        pos = position_ids.expand(query.shape[0], -1) if position_ids.shape[0] != query.shape[0] else position_ids
+        bounds = [sequence_bounds(row) for row in pos]
+    longest = max(e - s for b in bounds for s, e in itertools.pairwise(b))
+    if sliding_window is not None and longest > sliding_window:
+        raise ValueError(f"{NAME}: a sequence of {longest} tokens is longer than the model's sliding window "
+                         f"({sliding_window}); set trainer.packing: false for this model")
+    rows = [_per_sequence(sdpa, query[i:i + 1], key[i:i + 1], value[i:i + 1], b) for i, b in enumerate(bounds)]
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+_compiled_flex = None
+
+
+def _flex(query, key, value, mask, scaling) -> torch.Tensor:
+    """FlexAttention with the row's block mask: compiled on CUDA (eager FlexAttention is a dense reference)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if not isinstance(mask, BlockMask):
+        raise ValueError(f"{NAME}: the flex backend needs the packed row's block mask, got {type(mask).__name__}")
+    fn = flex_attention
+    if query.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=True)
+        fn = _compiled_flex
+    out = fn(query, key, value, block_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+def _flash_varlen(query, key, value, rows: PackedRows, scaling, dropout: float) -> torch.Tensor:
+    """flash-attn's variable-length kernel over the row's sequences (it takes GQA as it is)."""
+    from flash_attn import flash_attn_varlen_func
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, D]
+    longest = rows.longest
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=rows.cu, cu_seqlens_k=rows.cu, max_seqlen_q=longest,
+                                 max_seqlen_k=longest, dropout_p=dropout, softmax_scale=scaling, causal=True)
+    return out[None]
+
+
+def _shared_prompt_attention(sdpa, query, key, value, segments):
+    """One packed row (B = 1) of segments ``(start, end, prefix_start, prefix_end)``: the tokens
+    ``start:end`` attend to the whole prefix and causally to themselves, as the same tokens right after
+    the prefix would in a sequence of their own."""
+    outs = []
+    for start, end, prefix_start, prefix_end in segments:
+        q = query[:, :, start:end]
+        if prefix_end == prefix_start:
+            outs.append(sdpa(q, key[:, :, start:end], value[:, :, start:end], None))
+            continue
+        k = torch.cat([key[:, :, prefix_start:prefix_end], key[:, :, start:end]], dim=2)
+        v = torch.cat([value[:, :, prefix_start:prefix_end], value[:, :, start:end]], dim=2)
+        # Query i (0-based in the segment) sees the prefix and segment keys 0..i: causal, lower-right aligned.
+        prefix = prefix_end - prefix_start
+        mask = torch.ones(end - start, prefix + end - start, dtype=torch.bool, device=q.device).tril(prefix)
+        outs.append(sdpa(q, k, v, mask[None, None]))
+    return torch.cat(outs, dim=1)
+
+
+def block_mask(token_segments: list[tuple[int, int, int, int]], length: int, device,
+               block: int = BLOCK_SIZE):
+    """The FlexAttention ``BlockMask`` of a packed row, built on the host from its segments and moved once.
+
+    ``token_segments``: ``(start, end, prefix_start, prefix_end)`` covering the row: tokens ``start:end``
+    attend causally within ``start:end`` and to every token of ``prefix_start:prefix_end`` (empty for a
+    plain packed sequence). A ``block x block`` tile is listed as full when every pair in it may attend
+    (no mask evaluated there), as partial when some may (the mask function decides), else skipped.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    own_lo, pre_lo, pre_hi = torch.empty(length, dtype=torch.long), torch.zeros(length, dtype=torch.long), \
+        torch.zeros(length, dtype=torch.long)
+    for start, end, prefix_start, prefix_end in token_segments:
+        own_lo[start:end], pre_lo[start:end], pre_hi[start:end] = start, prefix_start, prefix_end
+    blocks = -(-length // block)
+    r0 = torch.arange(blocks) * block
+    r1 = torch.clamp(r0 + block, max=length) - 1
+    q0, q1, c0, c1 = r0[:, None], r1[:, None], r0[None, :], r1[None, :]
+    # Causal within the own segment: own_lo is non-decreasing along the row.
+    first = torch.maximum(q0, c0)
+    any_own = (first <= q1) & (own_lo[first.clamp(max=length - 1)] <= c1)
+    full_own = (c1 <= q0) & (own_lo[r1][:, None] <= c0)
+    full, listed = full_own, any_own
+    has_prefix = pre_hi > pre_lo
+    if bool(has_prefix.any()):  # shared prompts: per token which tiles its prefix touches or covers, then per tile
+        tile = torch.arange(length) // block
+        touches = has_prefix[:, None] & (pre_lo[:, None] <= r1[None, :]) & (pre_hi[:, None] > r0[None, :])
+        covers = has_prefix[:, None] & (pre_lo[:, None] <= r0[None, :]) & (pre_hi[:, None] > r1[None, :])
+        listed = listed | (torch.zeros(blocks, blocks, dtype=torch.long).index_add_(0, tile, touches.long()) > 0)
+        full = full | (torch.zeros(blocks, blocks, dtype=torch.long).index_add_(0, tile, covers.long())
+                       == torch.bincount(tile, minlength=blocks)[:, None])
+    partial = listed & ~full
+
+    def indices(kind: torch.Tensor):
+        counts = kind.sum(-1).to(torch.int32)
+        order = torch.argsort((~kind).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # listed blocks first
+        return counts[None, None], order[None, None]
+
+    from fastrlhf.engine.device import to_device
+
+    kv_num, kv_idx = indices(partial)
+    full_num, full_idx = indices(full)
+    seg = to_device(own_lo, device)
+    lo, hi = to_device(pre_lo, device), to_device(pre_hi, device)
+
+    def mask_mod(b, h, q, kv):
+        qc, kc = q.clamp(max=length - 1), kv.clamp(max=length - 1)
+        return ((seg[qc] == seg[kc]) & (kv <= q)) | ((kv >= lo[qc]) & (kv < hi[qc]))
+
+    kv_num, kv_idx, full_num, full_idx = to_device((kv_num, kv_idx, full_num, full_idx), device)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(length, length))
+
+
+def check_model(model) -> None:
+    """Raise unless ``model`` (a transformers model or decoder) runs this attention: any other would
+    misread a packed row (its block mask, its segments) and attend across sequences."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl != NAME:
+        raise ValueError(f"a packed row (trainer.packing) needs the {NAME} attention "
+                         f"(fastrlhf.modeling.use_attention); this model runs {impl!r}")
+
+
+def _mask(*, attention_mask=None, **kwargs):
+    """The mask transformers builds for this implementation: sdpa's for a padded batch; none for a
+    row without a padding mask (causality and packed boundaries are the attention function's job)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None:
+        return None
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
+def register() -> str:
+    """Register ``fastrlhf_packed`` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, packed_attention)
+    AttentionMaskInterface.register(NAME, _mask)
+    return NAME

@@ -1,0 +1,17 @@
+"""The two stages before RL: ``fastrlhf sft`` (``sft``) and ``fastrlhf rm`` (``reward_model``, pairwise and
+classifier), each a job (data, model, loss) run by the loop they share (``loop``: micro-batches, the
+guarded optimizer step, checkpoints, export).
+"""
+
+from fastrlhf.supervised.loop import (
+    SupervisedJob,
+    engine_config,
+    micro_batch_size,
+    micro_batches,
+    run_supervised,
+    seed_everything,
+    train_on_batch,
+)
+
+__all__ = ["SupervisedJob", "engine_config", "micro_batch_size", "micro_batches", "run_supervised",
+           "seed_everything", "train_on_batch"]

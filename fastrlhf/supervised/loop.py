@@ -1,0 +1,162 @@
+"""The training loop shared by ``fastrlhf sft`` and ``fastrlhf rm``: DeepSpeed engine, guarded steps,
+metrics, atomic checkpoints with exact resume, and a final Hugging Face export.
+
+The command-specific parts (data, model, loss) come in as a :class:`SupervisedJob`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fastrlhf import distributed as D
+from fastrlhf.config import check_world_size, config_to_dict
+from fastrlhf.config.precision import apply_matmul_precision
+from fastrlhf.data import EpochSampler, balanced_shard, shard
+from fastrlhf.distributed import comm
+from fastrlhf.engine.deepspeed import build_train_engine, deepspeed_config
+from fastrlhf.engine.guards import StepGuard
+from fastrlhf.engine.loop import resume_step, run_steps
+from fastrlhf.engine.metrics import MetricsLogger
+from fastrlhf.rl.update import DeepSpeedLearner
+from fastrlhf.sequences.packing import fixed_count_groups, micro_batch_plan
+
+__all__ = ["SupervisedJob", "run_supervised", "seed_everything", "engine_config", "micro_batch_size", "micro_batches",
+           "train_on_batch"]
+
+
+@dataclass
+class SupervisedJob:
+    """A command's data, model and loss for :func:`run_supervised`.
+
+    ``loss_fn(engine, examples, scale) -> (loss, {metric: float})``: ``scale`` x the SUM of the loss over
+    the micro-batch's ``examples`` (``scale`` is 1 / the total ``weight_of`` the rank's whole step batch,
+    so the micro-batches' losses add up to the batch's mean whatever the split), and metrics summed
+    over those examples (those named in ``mean_metrics`` are then divided by the batch's examples).
+    ``token_parts(example, packed)``: the token counts a micro-batch pays for the example (see
+    ``fastrlhf.sequences.packing.group_cost``; ``rows_per_item`` rows per example when padded), for
+    ``trainer.max_tokens_per_microbatch``.
+    """
+
+    examples: list
+    model: torch.nn.Module
+    loss_fn: Callable
+    bar_keys: tuple = ("loss",)
+    weight_of: Callable = lambda example: 1.0
+    token_parts: Callable | None = None
+    rows_per_item: int = 1
+    mean_metrics: tuple = ()
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def micro_batch_size(config) -> int:
+    """Examples per rank per micro-step; the global batch must split evenly over ranks x grad_accum."""
+    t, world = config.trainer, D.world_size()
+    check_world_size(config, world)
+    return t.batch_size // (world * t.grad_accum)
+
+
+def engine_config(config) -> dict:
+    """The DeepSpeed config the training engine will get (models load partitioned from it under ZeRO-3)."""
+    t = config.trainer
+    return deepspeed_config(config.deepspeed, micro_batch_size(config), t.grad_accum, t.max_grad_norm)
+
+
+def micro_batches(job: SupervisedJob, batch: list, micro: int, max_tokens: int | None, packed: bool) -> list[list[int]]:
+    """The micro-batches of a rank's step batch (positions in it): ``micro`` examples at a time, or by
+    the token budget, as many on every rank (ZeRO's collectives run once per micro-batch)."""
+    if max_tokens is None:
+        return fixed_count_groups(len(batch), micro)
+    if job.token_parts is None:
+        raise ValueError("trainer.max_tokens_per_microbatch: this command cannot count its examples' tokens")
+    parts = [tuple(job.token_parts(e, packed)) for e in batch]
+    return micro_batch_plan([parts], micro, max_tokens, packed, job.rows_per_item)[0]
+
+
+def rank_examples(job: SupervisedJob, indices: list[int], balance: bool, rank: int, world: int) -> list:
+    """This rank's examples of a step's sampled ``indices``: dealt by their real tokens
+    (``trainer.balance_ranks``; :func:`fastrlhf.data.balanced_shard`), else a contiguous slice."""
+    if balance and job.token_parts is not None:
+        lengths = [sum(job.token_parts(job.examples[j], True)) for j in indices]
+        indices = balanced_shard(indices, lengths, rank, world)
+    else:
+        indices = shard(indices, rank, world)
+    return [job.examples[j] for j in indices]
+
+
+def train_on_batch(job: SupervisedJob, learner, batch: list, micro: int, max_tokens: int | None,
+                   packed: bool) -> dict[str, float]:
+    """One optimizer step on a rank's ``batch``: its micro-batches' losses, backward, the guarded step.
+    Returns the step's metrics summed over the batch (``job.mean_metrics`` averaged over its examples).
+
+    Losses and metrics stay on the model's device until the optimizer step, whose guard decision
+    brings them to the host in its one read (``fastrlhf.engine.guards``)."""
+    guard, model = learner.guard, getattr(learner, "engine", learner.module)
+    scale = 1.0 / max(sum(job.weight_of(e) for e in batch), 1e-12)
+    groups = micro_batches(job, batch, micro, max_tokens, packed)
+    sums: dict = {}
+    for index, group in enumerate(groups):
+        loss, stats = job.loss_fn(model, [batch[i] for i in group], scale)
+        guard.note_loss(loss)  # a bad loss on any rank: the optimizer drops this step's gradients
+        for key, value in {"loss": loss.detach(), **stats}.items():
+            sums[key] = sums[key] + value if key in sums else value
+        boundary = index == len(groups) - 1
+        if boundary:
+            guard.carry({f"step/{key}": value for key, value in sums.items()})
+        learner.backward(loss, boundary=boundary)
+        learner.step()
+    sums = {key[len("step/"):]: value for key, value in guard.carried().items() if key.startswith("step/")}
+    for key in job.mean_metrics:
+        if key in sums:
+            sums[key] /= max(len(batch), 1)
+    return sums
+
+
+def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
+    """Train ``job`` for ``config.trainer.max_steps`` optimizer steps; returns the last step's metrics."""
+    t = config.trainer
+    world = D.world_size()
+    micro = micro_batch_size(config)
+
+    guard = StepGuard(t.max_skipped_steps)
+    apply_matmul_precision(config)
+    engine = build_train_engine(job.model, config.deepspeed, lr=t.lr, weight_decay=t.weight_decay,
+                                warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
+                                max_grad_norm=t.max_grad_norm, guard=guard)
+    sampler = EpochSampler(len(job.examples), seed=config.seed)
+    stateful = {"model": engine, "sampler": sampler, "guard": guard}
+
+    start_step = resume_step(config.output_dir, stateful, resume)
+    logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=job.bar_keys,
+                           tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config),
+                           resume=resume)
+    engine.train()
+
+    learner = DeepSpeedLearner(engine, guard)
+
+    def one_step(step: int) -> dict:
+        started = time.perf_counter()
+        batch = rank_examples(job, sampler.next_indices(t.batch_size), t.balance_ranks, D.rank(), world)
+        sums = train_on_batch(job, learner, batch, micro, t.max_tokens_per_microbatch, t.packing)
+        skipped = guard.end_step()
+        grad_norm = learner.grad_norm() if not skipped else None
+        metrics = comm.mean_over_ranks(sums)
+        metrics.update(lr=engine.get_lr()[0], skipped=int(skipped), skipped_total=guard.skipped_total,
+                       step_time_s=time.perf_counter() - started)
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        return metrics
+
+    return run_steps(config, one_step, start_step=start_step, stateful=stateful, logger=logger, guard=guard,
+                     skip_reason="non-finite loss or gradient", export_engine=engine)

@@ -1,0 +1,121 @@
+"""``fastrlhf rm``: reward models on ``AutoModelForSequenceClassification``.
+
+pairwise:   Bradley-Terry, loss = -logsigmoid(r_chosen - r_rejected), accuracy = P(r_chosen > r_rejected)
+classifier: cross-entropy over ``num_labels`` classes, accuracy of the argmax
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastrlhf import distributed as D
+from fastrlhf.algorithms import bradley_terry_loss
+from fastrlhf.config import RMConfig
+from fastrlhf.data import load_classification_examples, load_pairwise_examples
+from fastrlhf.engine.device import model_device, to_device
+from fastrlhf.modeling import base_model, load_sequence_classifier, unwrap, use_attention, vocab_size
+from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
+
+__all__ = ["build_job", "pad_batch", "pairwise_loss", "classifier_loss", "rm_token_parts", "scores", "run"]
+
+
+def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids`` and ``attention_mask``, on the host."""
+    length = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, s in enumerate(sequences):
+        input_ids[row, :len(s)] = torch.tensor(s)
+        attention_mask[row, :len(s)] = 1
+    return input_ids, attention_mask
+
+
+def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False) -> torch.Tensor:
+    """``[S, num_labels]`` fp32 logits of each sequence at its last token. ``packed``: all sequences in
+    one row (``fastrlhf.sequences.packing.PackedLayout``), the model's body run on it and its score head on each
+    sequence's last hidden state; otherwise right-padded, through the model's own forward."""
+    from fastrlhf.rl.forward import SDPA_ATTENTIONS, _check_segments, attention_of, classifier_body_and_head
+    from fastrlhf.sequences.packing import PackedLayout, padded_causal_mask
+
+    device = model_device(engine)
+    if not packed:
+        input_ids, attention_mask = to_device(pad_batch(sequences, pad_id), device)
+        # On sdpa the mask comes built, not found by a device read (see fastrlhf.rl.forward.MicroBatch).
+        mask = padded_causal_mask(attention_mask) if attention_of(engine) in SDPA_ATTENTIONS else attention_mask
+        return engine(input_ids=input_ids, attention_mask=mask).logits.float()
+
+    model = base_model(unwrap(engine))
+    layout = PackedLayout.build([len(s) for s in sequences], [0] * len(sequences), device=device)
+    input_ids = to_device(torch.tensor([t for s in sequences for t in s], dtype=torch.long)[None], device)
+    body, head = classifier_body_and_head(model)
+    _check_segments(body, inputs := layout.model_kwargs())
+    hidden = body(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
+    return head(hidden[0, layout.last_index]).float()
+
+
+def pairwise_loss(engine, pairs, pad_id: int, scale: float | None = None, packed: bool = False):
+    """Bradley-Terry loss: the mean over ``pairs`` (``scale``: ``scale`` x the sum, a micro-batch's share of
+    a larger batch's mean); metrics ``accuracy`` and ``margin``, means (with ``scale``: sums)."""
+    # Chosen and rejected go through one forward pass (one micro-batch): one batch of 2B sequences.
+    sequences = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
+    rewards = scores(engine, sequences, pad_id, packed)[:, 0]
+    chosen, rejected = rewards[: len(pairs)], rewards[len(pairs):]
+    # Metrics stay on the device (0-dim tensors): the step reads them once, with its guard decision.
+    margin = (chosen - rejected).detach()
+    if scale is None:
+        loss = bradley_terry_loss(chosen, rejected)
+        return loss, {"accuracy": (margin > 0).float().mean(), "margin": margin.mean()}
+    loss = bradley_terry_loss(chosen, rejected) * (len(pairs) * scale)
+    return loss, {"accuracy": (margin > 0).float().sum(), "margin": margin.sum()}
+
+
+def classifier_loss(engine, examples, pad_id: int, scale: float | None = None, packed: bool = False):
+    """Cross-entropy, mean over ``examples`` (``scale``: ``scale`` x the sum); ``accuracy`` (with ``scale``: a sum)."""
+    logits = scores(engine, [e.input_ids for e in examples], pad_id, packed)
+    labels = to_device(torch.tensor([e.label for e in examples]), logits.device)
+    hits = (logits.detach().argmax(-1) == labels).float()
+    if scale is None:
+        return F.cross_entropy(logits, labels), {"accuracy": hits.mean()}
+    loss = F.cross_entropy(logits, labels, reduction="sum") * scale
+    return loss, {"accuracy": hits.sum()}
+
+
+def rm_token_parts(example, packed: bool) -> tuple[int, ...]:
+    """Tokens an example costs a micro-batch: a pair's two sequences (padded, each row as wide as the
+    longer: two rows per pair), or one sequence."""
+    if hasattr(example, "chosen_ids"):
+        chosen, rejected = (len(example.prompt_ids) + len(ids) for ids in (example.chosen_ids, example.rejected_ids))
+        return (chosen, rejected) if packed else (max(chosen, rejected),)
+    return (len(example.input_ids),)
+
+
+def build_job(config: RMConfig, model, examples: list) -> SupervisedJob:
+    """The reward model's loss (``config.kind``) over ``examples`` for :func:`run_supervised`."""
+    pad_id = base_model(model).config.pad_token_id
+    loss = pairwise_loss if config.kind == "pairwise" else classifier_loss
+
+    def loss_fn(engine, micro_batch, scale):
+        return loss(engine, micro_batch, pad_id, scale, config.trainer.packing)
+
+    # The loss is the mean over the rank's step batch of pairs (examples); a pair stays in one micro-batch.
+    return SupervisedJob(examples, model, loss_fn, bar_keys=("loss", "accuracy"), token_parts=rm_token_parts,
+                         rows_per_item=2 if config.kind == "pairwise" else 1, mean_metrics=("accuracy", "margin"))
+
+
+def load_examples(config: RMConfig) -> list:
+    vocab = vocab_size(config.model.path)
+    if config.kind == "pairwise":
+        return load_pairwise_examples(config.data.path, config.data.max_len, vocab, config.model.path)
+    return load_classification_examples(config.data.path, config.data.max_len, config.resolved_num_labels, vocab,
+                                        config.model.path)
+
+
+def run(config: RMConfig, resume: bool = False) -> dict:
+    seed_everything(config.seed)
+    examples = load_examples(config)
+    # After the data checks: bad data fails without starting a process group.
+    D.init_distributed(shared_dir=config.output_dir)
+    model = load_sequence_classifier(config.model, config.resolved_num_labels, zero3_config=engine_config(config))
+    use_attention(model, config.trainer.packing, backend=config.model.attention)
+    return run_supervised(config, build_job(config, model, examples), resume=resume)

@@ -1,0 +1,139 @@
+"""``fastrlhf sft``: supervised fine-tuning, next-token loss on response tokens only."""
+
+from __future__ import annotations
+
+import torch
+
+from fastrlhf import distributed as D
+from fastrlhf.algorithms import logprobs_from_logits, masked_sum, nll_loss
+from fastrlhf.config import SFTConfig
+from fastrlhf.data import SFTExample, load_sft_examples
+from fastrlhf.engine.device import model_device, to_device
+from fastrlhf.modeling import base_model, load_causal_lm, unwrap, use_attention, vocab_size
+from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
+
+__all__ = ["build_job", "collate_sft", "packed_response_logprobs", "sft_loss", "sft_token_parts", "run"]
+
+
+def collate_sft(examples: list[SFTExample], pad_id: int) -> dict:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (1 on response tokens), on the
+    host (:func:`fastrlhf.engine.device.to_device` takes them to the model)."""
+    length = max(len(e.prompt_ids) + len(e.response_ids) for e in examples)
+    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), length), dtype=torch.float32)
+    for row, e in enumerate(examples):
+        p, r = len(e.prompt_ids), len(e.response_ids)
+        input_ids[row, :p + r] = torch.tensor(e.prompt_ids + e.response_ids)
+        attention_mask[row, :p + r] = 1
+        loss_mask[row, p:p + r] = 1.0
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=None, chunk_bytes=None) -> torch.Tensor:
+    """Log-probability of each next token, ``[B, T-1]`` fp32.
+
+    The fused path runs the LM head chunk by chunk on the final hidden states, so the
+    ``[B, T, vocab]`` logits never exist; under ZeRO-3 the head weight is a partition, so the
+    model's own forward (whose hooks gather it) is used instead.
+    """
+    from fastrlhf.rl.forward import SDPA_ATTENTIONS, attention_of
+    from fastrlhf.sequences.packing import padded_causal_mask
+
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    labels = input_ids[:, 1:]
+    if attention_of(engine) in SDPA_ATTENTIONS:  # built here, not found by a device read (rl/forward.MicroBatch)
+        attention_mask = padded_causal_mask(attention_mask)
+    if use_fused:
+        from fastrlhf.kernels import fused_linear_logprob_entropy
+
+        model = base_model(unwrap(engine))
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        head = model.get_output_embeddings()
+        logprobs, _ = fused_linear_logprob_entropy(hidden[:, :-1], head.weight, labels, bias=head.bias,
+                                                   chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+        return logprobs
+    return logprobs_from_logits(engine(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1], labels)
+
+
+def sft_loss(engine, batch: dict, use_fused: bool = True, chunk_size=None, chunk_bytes=None,
+             scale: float | None = None) -> torch.Tensor:
+    """Mean negative log-likelihood over response tokens (prompt and padding masked out); with
+    ``scale``, ``scale`` x their sum instead (a micro-batch's share of a larger batch's mean)."""
+    logprobs, mask = response_logprobs(engine, batch, use_fused, chunk_size, chunk_bytes), batch["loss_mask"][:, 1:]
+    if scale is None:
+        return nll_loss(logprobs, mask)
+    return -masked_sum(logprobs, mask) * scale
+
+
+def _predicted(e: SFTExample) -> tuple[list[int], list[int]]:
+    """(context, predicted tokens) of an example: the response, except a first response token that
+    no prompt token precedes (as in the padded layout, where nothing predicts position 0)."""
+    if e.prompt_ids:
+        return e.prompt_ids, e.response_ids
+    return e.response_ids[:1], e.response_ids[1:]
+
+
+def packed_response_logprobs(engine, examples: list[SFTExample], use_fused: bool = True, chunk_size=None,
+                             chunk_bytes=None) -> torch.Tensor:
+    """``[M]`` fp32 log-probabilities of the examples' response tokens, all examples packed in one row
+    (``fastrlhf.sequences.packing.PackedLayout``: positions restart per example, no padding, no attention
+    across examples). The LM head runs on the ``[M, H]`` hidden states that predict response tokens,
+    called as a module (so under ZeRO-3 its weight is gathered for the fused kernel too)."""
+    from fastrlhf.rl.forward import _check_segments, _head_forward, _logprob_head_fn, body_and_head
+    from fastrlhf.sequences.packing import PackedLayout
+
+    device = model_device(engine)
+    split = [_predicted(e) for e in examples]
+    layout = PackedLayout.build([len(c) for c, _ in split], [len(r) for _, r in split], device=device)
+    input_ids, labels = to_device((torch.tensor([t for c, r in split for t in c + r], dtype=torch.long)[None],
+                                   torch.tensor([t for _, r in split for t in r], dtype=torch.long)), device)
+    body, head = body_and_head(engine)
+    _check_segments(body, inputs := layout.model_kwargs())
+    hidden = body(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
+    hidden = hidden[0, layout.hidden_index]
+    if use_fused:
+        with _head_forward(head, _logprob_head_fn(head, 1.0, chunk_size, chunk_bytes)):
+            return head(hidden, labels)[0]
+    return logprobs_from_logits(head(hidden), labels)
+
+
+def sft_token_parts(e: SFTExample, packed: bool) -> tuple[int, ...]:
+    """Tokens an example costs a micro-batch: its own when packed; right-padded, prompt and response
+    share one width."""
+    return (len(e.prompt_ids), len(e.response_ids)) if packed else (len(e.prompt_ids) + len(e.response_ids),)
+
+
+def build_job(config: SFTConfig, model, examples: list[SFTExample]) -> SupervisedJob:
+    """The SFT loss over ``examples`` for :func:`fastrlhf.supervised.run_supervised` (``model``: loaded)."""
+    pad_id = base_model(model).config.pad_token_id
+    pad_id = 0 if pad_id is None else pad_id
+    t = config.trainer
+    # Padded, the fused head reads lm_head.weight directly, which ZeRO-3 partitions; packed, the head
+    # is called as a module (its hooks gather the weight), so the fused kernel runs at every stage.
+    use_fused = t.fused_loss and (t.packing or config.deepspeed.zero_stage != 3)
+
+    def loss_fn(engine, micro_batch, scale):
+        tokens = float(sum(len(_predicted(e)[1]) for e in micro_batch))
+        if t.packing:
+            logprobs = packed_response_logprobs(engine, micro_batch, use_fused, t.loss_chunk_size, t.loss_chunk_bytes)
+            return -logprobs.sum() * scale, {"response_tokens": tokens}
+        batch = to_device(collate_sft(micro_batch, pad_id), model_device(engine))
+        loss = sft_loss(engine, batch, use_fused, t.loss_chunk_size, t.loss_chunk_bytes, scale=scale)
+        return loss, {"response_tokens": tokens}
+
+    # The loss is the mean over the rank's step batch of its response tokens' negative log-likelihood.
+    return SupervisedJob(examples, model, loss_fn, bar_keys=("loss",), weight_of=lambda e: len(_predicted(e)[1]),
+                         token_parts=sft_token_parts)
+
+
+def run(config: SFTConfig, resume: bool = False) -> dict:
+    seed_everything(config.seed)
+    examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
+                                 vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path,
+                                 chat_template=config.data.chat_template)
+    # After the data checks: bad data fails without starting a process group.
+    D.init_distributed(shared_dir=config.output_dir)
+    model = load_causal_lm(config.model, zero3_config=engine_config(config))
+    use_attention(model, config.trainer.packing, backend=config.model.attention)
+    return run_supervised(config, build_job(config, model, examples), resume=resume)

@@ -1,1 +1,0 @@
-"""Built-in tasks: synthetic data, tokenizers and rule rewards for the embedded demo and the tests."""

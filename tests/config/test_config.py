@@ -1,0 +1,308 @@
+"""Run configs: every class of bad config fails with one line naming the key; examples parse."""
+
+import glob
+import os
+
+import pytest
+import yaml
+from helpers.paths import ROOT
+
+from fastrlhf.config import (
+    ConfigError,
+    LoopConfig,
+    SFTTrainerConfig,
+    TrainConfig,
+    TrainerConfig,
+    check_world_size,
+    load_config,
+    parse_config,
+)
+
+DROP = "<drop>"
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+@pytest.fixture
+def paths(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    return {"model": str(model), "prompts": str(prompts), "out": str(tmp_path / "out")}
+
+
+def grpo(paths, **sections):
+    raw = {
+        "algorithm": "grpo",
+        "output_dir": paths["out"],
+        "model": {"path": paths["model"]},
+        "reward": {"function": "length"},
+        "data": {"prompts": paths["prompts"]},
+        "rollout": {"n": 4},
+        "trainer": {"max_steps": 10, "prompts_per_step": 4, "minibatch_size": 8},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {k: v for k, v in {**raw[key], **value}.items() if v != DROP}
+        elif value == DROP:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    return raw
+
+
+def error_of(raw, command="train") -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw, command)
+    message = str(info.value)
+    assert "\n" not in message
+    return info.value
+
+
+def test_valid_grpo_config_has_defaults(paths):
+    config = parse_config(grpo(paths))
+    assert isinstance(config, TrainConfig)
+    assert config.rollout_batch_size == 16
+    assert config.trainer.lr == 1.0e-6 and config.trainer.kl_kind == "k3"
+    assert config.deepspeed.zero_stage == 2 and config.critic is None
+    with pytest.raises(AttributeError):
+        config.trainer.lr = 1.0  # frozen
+
+
+@pytest.mark.parametrize(
+    "sections, key, phrase",
+    [
+        ({"algorithm": "ppo"}, "critic", "needs a critic section"),
+        ({"trainer": {"minibatch_size": 3}}, "trainer.minibatch_size",
+         "3 does not divide the rollout batch of 16 (trainer.prompts_per_step x rollout.n)"),
+        ({"rollout": {"n": 1}}, "rollout.n", "rollout.n >= 2"),
+        ({"reward": {"function": None}}, "reward", "neither"),
+        ({"reward": {"function": "length", "model_path": "x"}}, "reward", "both"),
+        ({"deepspeed": {"zero_stage": 4}}, "deepspeed.zero_stage", "0, 1, 2 or 3"),
+        ({"trainer": {"lr": 0.0}}, "trainer.lr", "> 0"),
+        ({"trainer": {"lr": -1e-5}}, "trainer.lr", "> 0"),
+        ({"rollout": {"temperature": -0.5}}, "rollout.temperature", ">= 0"),
+        ({"output_dir": DROP}, "output_dir", "missing required key"),
+        ({"trainer": {"max_steps": DROP}}, "trainer.max_steps", "missing required key"),
+        ({"trainer": {"max_steps": None}}, "trainer.max_steps", "expected an integer"),
+        ({"model": {"path": "/nonexistent/model"}}, "model.path", "does not exist"),
+        ({"data": {"prompts": "/nonexistent/p.jsonl"}}, "data.prompts", "does not exist"),
+        ({"trainer": {"learning_rate": 1e-5}}, "trainer.learning_rate", "unknown key"),
+        ({"trainer": {"lr": "fast"}}, "trainer.lr", "expected a number"),
+        ({"trainer": {"lr": float("inf")}}, "trainer.lr", "expected a finite number"),
+        ({"trainer": {"max_steps": 2.5}}, "trainer.max_steps", "expected an integer"),
+        ({"algorithm": "dpo"}, "algorithm", "'grpo' | 'ppo'"),
+        ({"deepspeed": {"offload_param": True}}, "deepspeed.offload_param", "zero_stage 3"),
+        ({"model": {"lora_targets": "q_proj"}}, "model.lora_targets", "a list of a string"),
+        ({"trainer": {"dual_clip": 0.5}}, "trainer.dual_clip", "> 1"),
+    ],
+)
+def test_impossible_train_configs_name_the_key(paths, sections, key, phrase):
+    err = error_of(grpo(paths, **sections))
+    assert err.key == key, str(err)
+    assert str(err).startswith(f"{key}: ") and phrase in str(err), str(err)
+
+
+def test_ppo_with_critic_section_is_valid(paths):
+    config = parse_config(grpo(paths, algorithm="ppo", critic={"lr": 2e-5}, rollout={"n": 1},
+                               trainer={"minibatch_size": 4}))
+    assert config.critic.path is None and config.critic.lr == 2e-5
+    # An empty `critic:` means all defaults.
+    assert parse_config(grpo(paths, algorithm="ppo", critic=None)).critic is not None
+
+
+def write_yaml(path, raw):
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_set_overrides_parse_yaml_scalars(paths, tmp_path):
+    path = write_yaml(tmp_path / "run.yaml", grpo(paths))
+    config = load_config(path, "train", ["trainer.lr=1e-5", "rollout.n=8", "trainer.tis_cap=null",
+                                         "trainer.minibatch_size=16", "deepspeed.bf16=true"])
+    assert config.trainer.lr == 1e-5 and config.rollout.n == 8 and config.trainer.tis_cap is None
+    assert config.deepspeed.bf16 is True
+    with pytest.raises(ConfigError, match=r"^trainer\.lrr: unknown key"):
+        load_config(path, "train", ["trainer.lrr=1"])
+    with pytest.raises(ConfigError, match=r"^--set: expected key=value"):
+        load_config(path, "train", ["trainer.lr"])
+    with pytest.raises(ConfigError, match=r"^rollout.n: is 4, not a section"):
+        load_config(path, "train", ["rollout.n.x=1"])
+
+
+def test_yaml_floats_without_dot(paths, tmp_path):
+    raw_text = yaml.safe_dump(grpo(paths)).replace("minibatch_size: 8", "minibatch_size: 8\n  lr: 3e-6")
+    path = tmp_path / "run.yaml"
+    path.write_text(raw_text)
+    assert load_config(str(path)).trainer.lr == 3e-6
+
+
+def test_bad_yaml_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("algorithm: grpo\ntrainer: {max_steps: 1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:\d+: invalid YAML"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_sft_and_rm_schemas(paths):
+    sft = {"output_dir": paths["out"], "model": {"path": paths["model"]}, "data": {"path": paths["prompts"]},
+           "trainer": {"max_steps": 3, "batch_size": 4}}
+    assert parse_config(sft, "sft").trainer.batch_size == 4
+    assert error_of({**sft, "trainer": {"max_steps": 3, "batch_size": 4, "grad_accum": 3}}, "sft").key == \
+        "trainer.grad_accum"
+    assert error_of({**sft, "data": {"path": "/none"}}, "sft").key == "data.path"
+    assert error_of({k: v for k, v in sft.items() if k != "output_dir"}, "sft").key == "output_dir"
+    rm = {**sft, "kind": "classifier"}
+    assert parse_config(rm, "rm").resolved_num_labels == 2
+    assert parse_config({**sft}, "rm").resolved_num_labels == 1
+    assert error_of({**rm, "kind": "pairwise", "num_labels": 3}, "rm").key == "num_labels"
+    assert error_of({**rm, "kind": "ranking"}, "rm").key == "kind"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(EXAMPLES, "*.yaml"))))
+def test_examples_parse(path, paths):
+    command = {"grpo": "train", "ppo": "train", "sft": "sft", "rm": "rm"}[os.path.basename(path)[:-5]]
+    overrides = [f"model.path={paths['model']}", f"output_dir={paths['out']}"]
+    if os.path.basename(path) == "ppo.yaml":
+        overrides.append(f"reward.model_path={paths['model']}")
+    cwd = os.getcwd()
+    os.chdir(os.path.join(EXAMPLES, ".."))  # the examples' data paths are relative to the checkout root
+    try:
+        config = load_config(path, command, overrides)
+    finally:
+        os.chdir(cwd)
+    assert config.output_dir == paths["out"]
+
+
+def test_example_count():
+    names = {os.path.basename(p) for p in glob.glob(os.path.join(EXAMPLES, "*.yaml"))}
+    assert {"grpo.yaml", "ppo.yaml", "sft.yaml", "rm.yaml"} <= names
+
+
+def test_eval_section(paths):
+    config = parse_config(grpo(paths, eval={"data": paths["prompts"], "every": 5, "group_by": "kind",
+                                            "stop_at": 0.99}))
+    assert config.eval.every == 5 and config.eval.stop_at == 0.99 and config.eval.reward is None
+    assert (config.eval.n, config.eval.temperature, config.eval.before_train) == (1, 0.0, True)
+    assert parse_config(grpo(paths)).eval.data is None  # no validation by default
+    assert error_of(grpo(paths, eval={"stop_at": 0.9})).key == "eval.stop_at"
+    assert "needs eval.data" in str(error_of(grpo(paths, eval={"group_by": "kind"})))
+    assert error_of(grpo(paths, eval={"data": paths["prompts"], "every": 0})).key == "eval.every"
+    assert error_of(grpo(paths, eval={"data": paths["out"] + "/nope.jsonl"})).key == "eval.data"
+    # The old key name fails with the new one named.
+    renamed = error_of(grpo(paths, eval={"prompts": paths["prompts"]}))
+    assert renamed.key == "eval.prompts" and "renamed to eval.data" in str(renamed)
+    # pass@n needs sampling: n greedy completions would all be the same.
+    assert error_of(grpo(paths, eval={"data": paths["prompts"], "n": 4})).key == "eval.n"
+    assert parse_config(grpo(paths, eval={"data": paths["prompts"], "n": 4, "temperature": 1.0})).eval.n == 4
+    assert error_of(grpo(paths, eval={"data": paths["prompts"], "temperature": -1})).key == "eval.temperature"
+    # A reward model or batch text rewards validate with the run's own reward: no eval.reward needed.
+    learned = grpo(paths, reward={"function": DROP, "model_path": paths["model"]}, eval={"data": paths["prompts"]})
+    assert parse_config(learned).eval.reward is None
+    learned["eval"]["reward"] = "length"
+    assert parse_config(learned).eval.reward == "length"
+
+
+def sft_raw(paths, **trainer):
+    return {"output_dir": paths["out"], "model": {"path": paths["model"]}, "data": {"path": paths["prompts"]},
+            "trainer": {"max_steps": 3, "batch_size": 4, **trainer}}
+
+
+def test_trainers_share_the_loop_settings_once():
+    import dataclasses
+
+    loop = [f.name for f in dataclasses.fields(LoopConfig)]
+    for cls in (TrainerConfig, SFTTrainerConfig):
+        assert issubclass(cls, LoopConfig)
+        assert [f.name for f in dataclasses.fields(cls)][: len(loop)] == loop  # loop settings first, in one order
+    assert "fused_loss" in loop and "use_fused_loss" not in {f.name for f in dataclasses.fields(SFTTrainerConfig)}
+    assert TrainerConfig(max_steps=1).lr == 1.0e-6 and SFTTrainerConfig(max_steps=1).lr == 1.0e-5
+
+
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_sft_and_rm_fused_loss_and_its_old_name(paths, tmp_path, command):
+    assert parse_config(sft_raw(paths), command).trainer.fused_loss is True
+    assert parse_config(sft_raw(paths, fused_loss=False), command).trainer.fused_loss is False
+    err = error_of(sft_raw(paths, use_fused_loss=False), command)
+    assert err.key == "trainer.use_fused_loss"
+    assert str(err) == "trainer.use_fused_loss: was renamed to trainer.fused_loss; use that key instead"
+    # The same through --set.
+    path = write_yaml(tmp_path / "run.yaml", sft_raw(paths))
+    with pytest.raises(ConfigError, match=r"^trainer\.use_fused_loss: was renamed to trainer\.fused_loss"):
+        load_config(path, command, ["trainer.use_fused_loss=false"])
+
+
+def test_policy_loss(paths):
+    assert parse_config(grpo(paths)).trainer.policy_loss == "vanilla"
+    assert parse_config(grpo(paths, trainer={"policy_loss": "gspo"})).trainer.policy_loss == "gspo"
+    assert error_of(grpo(paths, trainer={"policy_loss": ""})).key == "trainer.policy_loss"
+    assert error_of(grpo(paths, trainer={"policy_loss": 3})).key == "trainer.policy_loss"
+    assert "unknown policy loss 'ppo2'; registered: cispo, gspo, vanilla" in str(
+        error_of(grpo(paths, trainer={"policy_loss": "ppo2"})))
+
+
+def world_error(config, world) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        check_world_size(config, world)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def test_check_world_size_prompts_per_step(paths):
+    config = parse_config(grpo(paths, rollout={"n": 2}, trainer={"prompts_per_step": 6, "minibatch_size": 6}))
+    check_world_size(config, 3)
+    err = world_error(config, 4)
+    assert err.key == "trainer.prompts_per_step"
+    assert str(err) == ("trainer.prompts_per_step: 6 does not split over 4 ranks (each rank samples whole groups "
+                        "for its own prompts)")
+
+
+def test_check_world_size_minibatch_size(paths):
+    config = parse_config(grpo(paths, trainer={"prompts_per_step": 4, "minibatch_size": 8, "grad_accum": 2}))
+    check_world_size(config, 2)  # 8 = 2 ranks x 2 micro-steps x 2
+    check_world_size(config, 4)
+    err = world_error(parse_config(grpo(paths, trainer={"prompts_per_step": 4, "minibatch_size": 4,
+                                                        "grad_accum": 2})), 4)
+    assert err.key == "trainer.minibatch_size"
+    assert str(err) == ("trainer.minibatch_size: 4 sequences per optimizer step do not split over 4 ranks x "
+                        "trainer.grad_accum 2")
+
+
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_check_world_size_batch_size(paths, command):
+    config = parse_config(sft_raw(paths, batch_size=8, grad_accum=2), command)
+    check_world_size(config, 1)
+    check_world_size(config, 4)
+    err = world_error(config, 3)
+    assert err.key == "trainer.batch_size"
+    assert str(err) == "trainer.batch_size: 8 does not split over 3 ranks x trainer.grad_accum 2"
+
+
+def test_importing_config_stays_cheap():
+    import subprocess
+    import sys
+
+    code = "import sys, fastrlhf.config; sys.exit(1 if 'torch' in sys.modules else 0)"
+    root = ROOT
+    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+
+
+def test_reward_functions_batch_text_rewards(paths):
+    raw = grpo(paths, reward={"function": None, "functions": [{"function": "mod:exact", "weight": 2.0},
+                                                              {"function": "length"}]})
+    config = parse_config(raw)
+    assert [(f.function, f.weight) for f in config.reward.functions] == [("mod:exact", 2.0), ("length", 1.0)]
+    bad = grpo(paths, reward={"function": None, "functions": [{"function": "a:b:c"}]})
+    assert error_of(bad).key == "reward.functions[0].function"
+    assert error_of(grpo(paths, reward={"function": None, "functions": [{"weight": 1.0}]})).key == \
+        "reward.functions[0].function"
+    assert "set reward.function, reward.functions or reward.model_path" in str(
+        error_of(grpo(paths, reward={"function": None, "functions": []})))
+    # Validation scores with the run's reward, text rewards included.
+    with_eval = grpo(paths, reward={"function": None, "functions": [{"function": "length"}]},
+                     eval={"data": paths["prompts"]})
+    assert parse_config(with_eval).eval.reward is None

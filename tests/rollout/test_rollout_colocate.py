@@ -1,0 +1,201 @@
+"""A rollout engine beside the trainer on one GPU, proven on CPU: the vLLM arguments built for CUDA, the
+sleep / wake / sync order a step drives (a recording engine), and a stale engine stopped by the
+per-step logprob check before it trains anything."""
+
+import copy
+
+import pytest
+import torch
+from helpers.rl_case import GRPO, PAD, PROMPTS, changed, make_config, tiny_actor
+
+import fastrlhf.rl.step as step_module
+from fastrlhf.engine.guards import StepFailed
+from fastrlhf.rl.step import RLStep
+from fastrlhf.rollout import HFEngine
+from fastrlhf.rollout.vllm_adapter import llm_kwargs
+
+BASE = dict(dtype="bfloat16", max_model_len=512, seed=3, distributed_executor_backend="external_launcher",
+            enable_prefix_caching=True)
+
+
+def test_cuda_kwargs_carry_utilization_sleep_tp_and_cuda_graphs():
+    kwargs = llm_kwargs("m", on_cuda=True, gpu_memory_utilization=0.35, sleep=True, tensor_parallel_size=2,
+                        kv_cache_bytes=1 << 30, **BASE)
+    assert kwargs["gpu_memory_utilization"] == 0.35 and kwargs["enable_sleep_mode"] is True
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["enforce_eager"] is False  # CUDA graphs on
+    assert "kv_cache_memory_bytes" not in kwargs  # on CUDA the utilization sizes the KV cache
+    assert kwargs["skip_tokenizer_init"] and kwargs["logprobs_mode"] == "processed_logprobs"
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert llm_kwargs("m", on_cuda=True, gpu_memory_utilization=0.5, enforce_eager=True, **BASE)["enforce_eager"]
+    # Without a utilization vLLM would take its 0.9 default and refuse to start beside the trainer.
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        llm_kwargs("m", on_cuda=True, **BASE)
+
+
+def test_cpu_kwargs_size_the_kv_cache_and_refuse_what_needs_cuda():
+    kwargs = llm_kwargs("m", on_cuda=False, kv_cache_bytes=64 << 20, gpu_memory_utilization=0.3, **BASE)
+    assert kwargs["kv_cache_memory_bytes"] == 64 << 20 and kwargs["enforce_eager"] is True
+    assert "enable_sleep_mode" not in kwargs and "gpu_memory_utilization" not in kwargs
+    with pytest.raises(ValueError, match="sleep mode needs CUDA"):
+        llm_kwargs("m", on_cuda=False, kv_cache_bytes=1, sleep=True, **BASE)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 needs CUDA"):
+        llm_kwargs("m", on_cuda=False, kv_cache_bytes=1, tensor_parallel_size=2, **BASE)
+
+
+class RecordingEngine(HFEngine):
+    """An HF engine on its own copy of the weights that records every call a step makes to it."""
+
+    def __init__(self, model, log):
+        super().__init__(model)
+        self.log = log
+
+    def generate(self, prompts, sampling):
+        self.log.append("generate")
+        return super().generate(prompts, sampling)
+
+    def sleep(self):
+        self.log.append("sleep")
+
+    def wake_up(self, tags=("weights", "kv_cache")):
+        self.log.append("wake:" + "+".join(tags))
+
+    def update_weights(self, named_tensors):
+        self.log.append("update_weights")
+        super().update_weights(named_tensors)
+
+
+def _colocated_step(engine_cls, monkeypatch, log, **config):
+    actor = tiny_actor()
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    engine = engine_cls(copy.deepcopy(actor), log)
+    # On-policy (one update per batch): the old-logprob pass is skipped, so only the probe checks the engine.
+    hp = make_config(GRPO, kl_coef=0.0, temperature=1.0, minibatch_size=12, ppo_epochs=1, tis_cap=None, **config)
+    monkeypatch.setattr(step_module, "empty_device_cache", lambda device: log.append("empty_cache"))
+    original = step_module.sequence_logprobs
+    monkeypatch.setattr(step_module, "sequence_logprobs",
+                        lambda model, exp, *a, **k: log.append(f"actor_logprobs:{exp.batch_size}")
+                        or original(model, exp, *a, **k))
+    rl = RLStep(hp, actor, rollout=engine, scorer=lambda exp, p, c, m: torch.rand(exp.batch_size),
+                actor_optimizer=opt, pad_token_id=PAD, rollout_shares_actor=False)
+    return rl, actor, engine
+
+
+def test_a_step_sleeps_after_generating_and_wakes_weights_then_kv_cache_around_the_sync(monkeypatch):
+    log = []
+    rl, actor, engine = _colocated_step(RecordingEngine, monkeypatch, log)
+    for step in (1, 2):
+        metrics = rl(PROMPTS, None, step=step)
+        assert metrics["skipped"] == 0.0 and metrics["logprob_mismatch_mean"] < 1e-4  # the engine is current
+    one_step = ["generate", "sleep", "empty_cache",  # generation's memory goes back before scoring and the update
+                "actor_logprobs:2",  # the stale-engine probe: on-policy, 2 sequences re-scored by the actor
+                "empty_cache", "wake:weights", "update_weights", "wake:kv_cache"]
+    assert log == one_step * 2
+    assert all(torch.equal(a, b) for a, b in zip(actor.state_dict().values(), engine.model.state_dict().values(),
+                                                   strict=True))
+
+
+class BrokenWakeEngine(RecordingEngine):
+    """Comes back from sleep with other weights than it was given (what a failed wake-up looks like)."""
+
+    def wake_up(self, tags=("weights", "kv_cache")):
+        super().wake_up(tags)
+        if "kv_cache" in tags:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.normal_(0.0, 1.0)
+
+
+def test_an_engine_generating_with_other_weights_stops_the_run_before_training_on_it(monkeypatch):
+    log = []
+    rl, actor, _ = _colocated_step(BrokenWakeEngine, monkeypatch, log)
+    rl(PROMPTS, None, step=1)  # trains, syncs, then the wake-up corrupts the engine
+    before = copy.deepcopy(actor)
+    with pytest.raises(StepFailed, match=r"differ from the actor's by .* \(rollout.max_logprob_mismatch 0.5\)"):
+        rl(PROMPTS, None, step=2)
+    assert changed(before, actor) == 0.0  # nothing was trained on the stale engine's completions
+    assert log[-2:] == ["empty_cache", "actor_logprobs:2"]
+    # Only logged, not stopped, when asked to (or under top-k / top-p, whose logprobs are renormalised).
+    log.clear()
+    rl, _, _ = _colocated_step(BrokenWakeEngine, monkeypatch, log, max_logprob_mismatch=None)
+    rl(PROMPTS, None, step=1)
+    assert rl(PROMPTS, None, step=2)["logprob_mismatch_mean"] > 0.5
+
+
+def test_auto_utilization_is_what_the_trainers_models_leave_free_less_a_margin(monkeypatch):
+    from fastrlhf.config import ConfigError, RolloutConfig
+    from fastrlhf.rl import trainer
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (30 * gib, 80 * gib))
+    assert trainer._gpu_memory_utilization(RolloutConfig()) == 0.27  # 30/80 free, less 0.10
+    assert trainer._gpu_memory_utilization(RolloutConfig(gpu_memory_utilization=0.6)) == 0.6  # as given
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * gib, 80 * gib))
+    with pytest.raises(ConfigError, match="only 10.0 of 80.0 GiB are free"):
+        trainer._gpu_memory_utilization(RolloutConfig())
+
+
+class EchoEngine:
+    """Answers each prompt with its last token; records the batches it was asked for."""
+
+    kind, tokenizer, vocab_size, max_model_len, weight_dtype = "vllm", None, 100, 64, torch.float32
+
+    def __init__(self):
+        self.batches = []
+
+    def generate(self, prompts, sampling):
+        from fastrlhf.rollout import Completion
+
+        self.batches.append(prompts)
+        return [[Completion([p[-1]], [0.0], "stop")] for p in prompts]
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_a_tensor_parallel_group_generates_its_ranks_prompts_together_and_splits_the_results(rank, monkeypatch):
+    import json
+
+    from fastrlhf.distributed import comm
+    from fastrlhf.rollout import SamplingConfig
+    from fastrlhf.rollout.tensor_parallel import TensorParallelGroup
+
+    per_rank = [[[1, 10], [1, 11]], [[2, 20]], [[3, 30], [3, 31], [3, 32]], [[4, 40]]]  # 4 ranks, groups of 2
+    mine = per_rank[rank]
+    monkeypatch.setattr(comm, "gather_bytes", lambda data: [json.dumps(p).encode() if r != rank else data
+                                                             for r, p in enumerate(per_rank)])
+    engine = EchoEngine()
+    results = TensorParallelGroup(engine, group_size=2, rank=rank).generate(mine, SamplingConfig())
+    group = per_rank[0] + per_rank[1] if rank < 2 else per_rank[2] + per_rank[3]
+    assert engine.batches == [group]  # both ranks of the group submit the same requests, in rank order
+    assert [c.token_ids for (c,) in results] == [[p[-1]] for p in mine]  # each keeps its own
+
+
+def test_a_run_that_cannot_fit_its_gpus_stops_at_launch_with_the_plans_line(tmp_path, monkeypatch, capsys):
+    import time
+
+    from test_plan import QWEN25_1_5B, gpu_grpo, model_folder
+
+    import fastrlhf.config.precision as precision
+    import fastrlhf.memory.plan as plan_module
+    from fastrlhf.memory.plan import PlanError
+    from fastrlhf.rl import trainer
+
+    config = gpu_grpo(model_folder(tmp_path / "qwen", QWEN25_1_5B), zero_stage=2)
+    monkeypatch.setattr(precision, "gpu_available", lambda: True)  # as on a GPU node
+    monkeypatch.setattr(plan_module, "_cuda_budget", lambda: 16 * 2**30)
+    started = time.perf_counter()
+    with pytest.raises(PlanError, match=r"^plan: needs .* GiB per GPU, over the 16.0 GiB budget .*; largest: "):
+        trainer._memory_plan(config, 8)
+    assert time.perf_counter() - started < 1.0
+    monkeypatch.setattr(plan_module, "_cuda_budget", lambda: 80 * 2**30)
+    plan = trainer._memory_plan(config, 8)
+    assert plan.fits and 0.0 < plan.gpu_memory_utilization < 1.0
+    # auto takes the lower of what is free at engine start (less 10%) and what the plan leaves.
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (79 * 2**30, 80 * 2**30))
+    auto = trainer._gpu_memory_utilization(config.rollout.__class__(gpu_memory_utilization="auto"), plan)
+    assert auto == min(plan.gpu_memory_utilization, 0.88)
+    # On a CPU the budget moves with whatever else runs: the plan only warns.
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)
+    monkeypatch.setattr(plan_module, "_host_budget", lambda ranks: 2**20)
+    assert not trainer._memory_plan(config, 8).fits
+    assert "warning: memory plan:" in capsys.readouterr().out
