@@ -182,7 +182,7 @@ def make_model(model: str, out_dir: str, seed: int = 0) -> int:
         _qwen_tokenizer().save_pretrained(out_dir)
         return count_parameters(lm)
     if model == "doubling":
-        from fastrlhf.tasks import script_doubling as task
+        from fastrlhf.demo import script_doubling as task
 
         # The demo's shape (fastrlhf/demo/data.py MODEL_SHAPE).
         config = LlamaConfig(vocab_size=len(task.VOCAB), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -211,7 +211,7 @@ def make_prompts(model: str, count: int, prompt_len: int, seed: int = 0, prompt_
         lengths = [rng.randint(prompt_len_min or prompt_len, prompt_len) for _ in range(count)]
         return [[rng.randrange(0, QWEN_ORDINARY) for _ in range(n)] for n in lengths]
     if model == "doubling":
-        from fastrlhf.tasks import script_doubling as task
+        from fastrlhf.demo import script_doubling as task
 
         return [task.encode(task.make_example(rng, prefixed=True).prompt) for _ in range(count)]
     return [[rng.randrange(3, LLAMA32K["vocab_size"]) for _ in range(prompt_len)] for _ in range(count)]

@@ -88,6 +88,25 @@ def test_the_circle_finder_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_every_import_of_fastrlhf_names_a_module_that_exists():
+    mods = modules()
+    missing = []
+    for name, path in mods.items():
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                if base.startswith("fastrlhf") and base not in mods:
+                    missing.append(f"{name}: from {base} import ...")
+            elif isinstance(node, ast.Import):
+                missing += [f"{name}: import {a.name}" for a in node.names
+                            if a.name.startswith("fastrlhf") and a.name not in mods]
+    assert missing == []
+
+
 def test_no_module_above_500_lines():
     long = {name: n for name, path in modules().items() if (n := len(open(path).read().splitlines())) > MAX_LINES}
     assert long == {}

@@ -13,9 +13,5 @@ Reached through one switch, :func:`fastrlhf.engine.platform.cpu_tools` (None on 
 """
 
 from fastrlhf.cpu import file_pages, hostmem, vllm_inplace_sync, zero_master
-from fastrlhf.cpu.file_pages import FilePages
-from fastrlhf.cpu.hostmem import configure_cpu_heap, trim_heap_after_backward
-from fastrlhf.cpu.zero_master import share_master_weights
 
-__all__ = ["FilePages", "configure_cpu_heap", "file_pages", "hostmem", "share_master_weights",
-           "trim_heap_after_backward", "vllm_inplace_sync", "zero_master"]
+__all__ = ["file_pages", "hostmem", "vllm_inplace_sync", "zero_master"]

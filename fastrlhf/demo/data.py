@@ -11,7 +11,7 @@ import json
 import os
 import random
 
-from fastrlhf.tasks import script_doubling as task
+from fastrlhf.demo import script_doubling as task
 
 __all__ = ["MODEL_SHAPE", "SCRIPT_LABELS", "split_numbers", "write_data", "write_classifier_data", "make_initial_model"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from fastrlhf.tasks import script_doubling as task
+from fastrlhf.demo import script_doubling as task
 
 __all__ = ["load_eval_prompts", "greedy_completions", "evaluate"]
 

@@ -96,7 +96,7 @@ def prepare_for_prefixes(src: str, dst: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fastrlhf.tasks import script_doubling as task
+    from fastrlhf.demo import script_doubling as task
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     emb = model.get_input_embeddings().weight

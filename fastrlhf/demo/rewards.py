@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from fastrlhf.tasks import script_doubling as task
+from fastrlhf.demo import script_doubling as task
 
 __all__ = ["script_classifier", "classifier_path"]
 

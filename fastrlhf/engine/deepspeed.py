@@ -90,14 +90,14 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
 
     cpu = cpu_tools()
     if cpu is not None:
-        cpu.trim_heap_after_backward(model)  # before the update's large buffers: see fastrlhf.cpu.hostmem
+        cpu.hostmem.trim_heap_after_backward(model)  # before the update's large buffers: see fastrlhf.cpu.hostmem
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     if not clip_in_optimizer:
         # The norm DeepSpeed's wrapper computed before it calls our step (ZeRO 1-3, bf16): carried into
         # the guard's decision from there, so that reading it costs no host read of its own.
         optimizer.norm_source = lambda: getattr(engine.optimizer, "_global_grad_norm", None)
     if cpu is not None:
-        cpu.share_master_weights(engine.optimizer)  # fp32 weights at ZeRO 1-2: no cloned master partition
+        cpu.zero_master.share_master_weights(engine.optimizer)  # fp32 weights at ZeRO 1-2: no cloned master partition
     return engine
 
 

@@ -7,11 +7,11 @@ through these files (PPO adds the critic's calls in the same files):
 3. ``fastrlhf/rl/experience.py``      completions -> one padded batch (the tensor layout)
 4. ``fastrlhf/rl/rewards.py``         scores: reward functions and/or a reward model
 5. ``fastrlhf/rl/forward.py``         model passes: old/ref logprobs, values, the actor's and critic's losses
-6. ``fastrlhf/algorithms.py``         every formula: advantages, TIS, policy losses, KL (registries by name)
+6. ``fastrlhf/algorithms/``          every formula: ``advantages.py`` (estimators), ``losses.py`` (TIS, policy, KL)
 7. ``fastrlhf/rl/update.py``          epochs x minibatches x micro-batches, the learners, the NaN guard's checks
 8. ``fastrlhf/rollout/weight_sync.py`` push the updated weights into a separate engine
 
-Below them sit the fused kernels (``fastrlhf.kernels``, whose reference math is ``algorithms.py``),
+Below them sit the fused kernels (``fastrlhf.kernels``, whose reference math is ``fastrlhf.algorithms``),
 the guard (``fastrlhf/engine/guards.py``) and the collectives (``fastrlhf/distributed/comm.py``).
 
 :class:`RLStep` holds the models; it knows nothing about files or launchers (``rl/trainer.py``
@@ -244,7 +244,7 @@ class RLStep:
             from fastrlhf.engine.platform import cpu_tools
 
             cpu = cpu_tools(self.device)
-            self._reference_pages = cpu.FilePages(self.reference) if cpu is not None else False
+            self._reference_pages = cpu.file_pages.FilePages(self.reference) if cpu is not None else False
         return self._reference_pages.release() if self._reference_pages else 0
 
     def forward_groups(self, exp: Experience, micro: int) -> list[list[int]] | None:

@@ -363,7 +363,7 @@ def run(config, resume: bool = False) -> dict:
 
     cpu = cpu_tools()
     if cpu is not None:
-        cpu.configure_cpu_heap()  # before anything large is allocated: see fastrlhf.cpu.hostmem
+        cpu.hostmem.configure_cpu_heap()  # before anything large is allocated: see fastrlhf.cpu.hostmem
     # Before the process group: a bad config or data line stops every rank at once, none left waiting.
     prepared = preflight(config)
     examples, tokenizer = prepared.examples, prepared.tokenizer

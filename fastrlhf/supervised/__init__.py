@@ -8,10 +8,11 @@ from fastrlhf.supervised.loop import (
     engine_config,
     micro_batch_size,
     micro_batches,
+    rank_examples,
     run_supervised,
     seed_everything,
     train_on_batch,
 )
 
-__all__ = ["SupervisedJob", "engine_config", "micro_batch_size", "micro_batches", "run_supervised",
+__all__ = ["SupervisedJob", "engine_config", "micro_batch_size", "micro_batches", "rank_examples", "run_supervised",
            "seed_everything", "train_on_batch"]

@@ -26,7 +26,7 @@ from fastrlhf.rl.update import DeepSpeedLearner
 from fastrlhf.sequences.packing import fixed_count_groups, micro_batch_plan
 
 __all__ = ["SupervisedJob", "run_supervised", "seed_everything", "engine_config", "micro_batch_size", "micro_batches",
-           "train_on_batch"]
+           "rank_examples", "train_on_batch"]
 
 
 @dataclass

@@ -5,8 +5,8 @@ import json
 import os
 
 import pytest
-from fastrlhf.tasks import script_doubling as task
 
+from fastrlhf.demo import script_doubling as task
 from fastrlhf.demo.pipeline import DemoOptions, prepare_for_prefixes, run_demo
 from fastrlhf.demo.report import PLOTS
 

@@ -1,7 +1,8 @@
 import random
 
 import pytest
-from fastrlhf.tasks import script_doubling as task
+
+from fastrlhf.demo import script_doubling as task
 
 
 def test_vocabulary_and_ids():

@@ -4,7 +4,7 @@ every later init_distributed forever; init_distributed clears it once it is olde
 import os
 import time
 
-from fastrlhf.distributed import STALE_BUILD_LOCK_S, clear_stale_build_lock
+from fastrlhf.distributed.launch import STALE_BUILD_LOCK_S, clear_stale_build_lock
 
 
 def _lock(root, name, age_s):

@@ -118,8 +118,8 @@ def test_a_tied_qwen2_rl_update_gets_the_same_gradients_through_the_handoff(monk
     trainer's RLStep): the same gradients and metrics with the handoff as with autograd's sum."""
     import contextlib
 
-    from tests.test_packing import PAD, RecordingSGD, make_config, ragged_batch
-    from tests.test_packing import VOCAB as PACK_VOCAB
+    from helpers.packing_case import PAD, RecordingSGD, make_config, ragged_batch
+    from helpers.packing_case import VOCAB as PACK_VOCAB
 
     import fastrlhf.rl.forward as forward
     from fastrlhf.modeling import use_attention
