@@ -291,6 +291,27 @@ def trl_available() -> bool:
     return importlib.util.find_spec("trl") is not None
 
 
+def run_in_own_group(cmd: list[str], env: dict, timeout_s: float, what: str) -> tuple[int, str, str]:
+    """``(exit code, stdout, stderr)`` of ``cmd`` run from the repository root in a process group of its own,
+    killed whole on timeout (then a RuntimeError naming ``what``): a hung child never outlives its benchmark."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise RuntimeError(f"{what} timed out after {timeout_s} s:\n{stderr[-6000:]}") from None
+    finally:
+        for parent in (proc.pid, os.getpid()):  # emit()'s lock: the launcher's (several ranks) or ours
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(tempfile.gettempdir(), f"fastrlhf-e2e-emit-{parent}.lock"))
+    return proc.returncode, stdout, stderr
+
+
 def run_child(trainer: str, spec: dict, timeout_s: float = 1200.0) -> dict:
     """Run one trainer's child script on ``spec``; returns its E2E_RESULT (raises with its stderr on failure).
 
@@ -298,9 +319,6 @@ def run_child(trainer: str, spec: dict, timeout_s: float = 1200.0) -> dict:
     launcher for both trainers), ``threads // nproc`` torch threads each, and the ranks' results are
     merged (:func:`merge_ranks`). The launcher and its ranks form one process group, killed on timeout.
     """
-    import signal
-    import subprocess
-
     nproc = int(spec.get("nproc", 1))
     from fastrlhf.demo.stages import child_env
 
@@ -313,21 +331,10 @@ def run_child(trainer: str, spec: dict, timeout_s: float = 1200.0) -> dict:
 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + cmd[1:]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise RuntimeError(f"{trainer} child timed out after {timeout_s} s:\n{stderr[-6000:]}") from None
-    finally:
-        for parent in (proc.pid, os.getpid()):  # emit()'s lock: the launcher's (several ranks) or ours
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(tempfile.gettempdir(), f"fastrlhf-e2e-emit-{parent}.lock"))
+    returncode, stdout, stderr = run_in_own_group(cmd, env, timeout_s, f"{trainer} child")
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or len(lines) < nproc:
-        raise RuntimeError(f"{trainer} child failed (exit {proc.returncode}, {len(lines)} of {nproc} results):\n"
+    if returncode != 0 or len(lines) < nproc:
+        raise RuntimeError(f"{trainer} child failed (exit {returncode}, {len(lines)} of {nproc} results):\n"
                            f"{stderr[-6000:]}")
     return merge_ranks([json.loads(line[len(RESULT_PREFIX):]) for line in lines])
 

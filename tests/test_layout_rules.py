@@ -23,6 +23,23 @@ def modules() -> dict[str, str]:
     return out
 
 
+def fastrlhf_imports(name: str, path: str):
+    """``(module, names)`` of each import of a fastrlhf module in the file of module ``name`` (at module
+    level or inside a function; relative imports resolved): ``from m import a, b`` -> (m, [a, b]),
+    ``import m`` -> (m, [])."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            if base.startswith("fastrlhf"):
+                yield base, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            yield from ((a.name, []) for a in node.names if a.name.startswith("fastrlhf"))
+
+
 def import_graph() -> dict[str, set[str]]:
     mods = modules()
 
@@ -33,18 +50,12 @@ def import_graph() -> dict[str, set[str]]:
 
     graph = {}
     for name, path in mods.items():
-        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
         deps = set()
-        for node in ast.walk(ast.parse(open(path).read())):
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
-                if base.startswith("fastrlhf"):
-                    deps.update(resolve(f"{base}.{a.name}") for a in node.names)
-            elif isinstance(node, ast.Import):
-                deps.update(resolve(a.name) for a in node.names if a.name.startswith("fastrlhf"))
+        for module, names in fastrlhf_imports(name, path):
+            if names:
+                deps.update(resolve(f"{module}.{n}") for n in names)
+            else:
+                deps.add(resolve(module))
         graph[name] = {d for d in deps if d and d != name}
     return graph
 
@@ -90,20 +101,8 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_every_import_of_fastrlhf_names_a_module_that_exists():
     mods = modules()
-    missing = []
-    for name, path in mods.items():
-        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(open(path).read())):
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
-                if base.startswith("fastrlhf") and base not in mods:
-                    missing.append(f"{name}: from {base} import ...")
-            elif isinstance(node, ast.Import):
-                missing += [f"{name}: import {a.name}" for a in node.names
-                            if a.name.startswith("fastrlhf") and a.name not in mods]
+    missing = [f"{name}: {module}" for name, path in mods.items() for module, _ in fastrlhf_imports(name, path)
+               if module not in mods]
     assert missing == []
 
 

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from benchmarks.gpu.races import model_shape
+from benchmarks.gpu.races import actor_engine, model_shape
 
 LAYOUTS = {"padded": dict(packing=False), "packed": dict(packing=True), "shared": dict(packing=True,
                                                                                      share_prompts=True)}
@@ -44,17 +44,13 @@ def race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16
     from fastrlhf import distributed as D
     from fastrlhf.config import (
         DataConfig,
-        DeepSpeedConfig,
         ModelConfig,
         RewardConfig,
         RolloutConfig,
         TrainConfig,
         TrainerConfig,
     )
-    from fastrlhf.engine.deepspeed import build_train_engine
-    from fastrlhf.engine.guards import StepGuard
     from fastrlhf.modeling import use_attention
-    from fastrlhf.modeling.tiny import make_qwen2_on
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep
     from fastrlhf.sequences.attention import choose
@@ -66,12 +62,8 @@ def race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16
     prompt_ids, completions = completions_of(prompts, n, tuple(prompt_range), max_new, model["vocab_size"], seed)
     backend = choose("auto", device == "cuda", dtype, share_prompts=False)
     shared_backend = choose("auto", device == "cuda", dtype, share_prompts=True)
-    actor = make_qwen2_on(dev, torch_dtype, seed=seed, **model).train()
-    actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    reference = make_qwen2_on(dev, torch_dtype, seed=seed, **model).requires_grad_(False)
-    guard = StepGuard()
-    engine = build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=torch_dtype == torch.bfloat16), lr=1e-7,
-                                  micro_batch_size=1, grad_accum=1, max_grad_norm=1.0, guard=guard)
+    engine, reference, guard = actor_engine(dev, torch_dtype, model, seed, 1e-7, 1, 1)
+    actor = engine.module
     out: dict = dict(shape=shape, sequences=prompts * n, backend=backend, shared_backend=shared_backend,
                      real_tokens=sum(len(p) * n + sum(len(c.token_ids) for c in row)
                                      for p, row in zip(prompt_ids, completions, strict=True)))

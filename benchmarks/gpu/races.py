@@ -23,9 +23,7 @@ import inspect
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -274,6 +272,24 @@ def _ratio(out: dict, key: str, num: str, den: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ race 2
+def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batch: int, grad_accum: int):
+    """``(engine, reference, guard)`` as ``fastrlhf train`` builds them for GRPO: the actor from random init in a
+    ZeRO-2 engine (bf16 with fp32 master weights on a GPU), gradient checkpointing, its frozen reference."""
+    from fastrlhf.config import DeepSpeedConfig
+    from fastrlhf.engine.deepspeed import build_train_engine
+    from fastrlhf.engine.guards import StepGuard
+    from fastrlhf.modeling.tiny import make_qwen2_on
+
+    actor = make_qwen2_on(dev, torch_dtype, seed=seed, **model).train()
+    actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as modeling.py
+    actor.config.use_cache = False
+    reference = make_qwen2_on(dev, torch_dtype, seed=seed, **model).requires_grad_(False)
+    guard = StepGuard()
+    engine = build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=torch_dtype == torch.bfloat16), lr=lr,
+                                micro_batch_size=micro_batch, grad_accum=grad_accum, max_grad_norm=1.0, guard=guard)
+    return engine, reference, guard
+
+
 def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16", prompts: int = 8,
                    n: int = 8, prompt_len: int = 128, new_tokens: int = 256, grad_accum: int = 2, updates: int = 4,
                    gemm_size: int = 8192, seed: int = 0) -> dict:
@@ -293,16 +309,13 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     from fastrlhf import distributed as D
     from fastrlhf.config import (
         DataConfig,
-        DeepSpeedConfig,
         ModelConfig,
         RewardConfig,
         RolloutConfig,
         TrainConfig,
         TrainerConfig,
     )
-    from fastrlhf.engine.deepspeed import build_train_engine
-    from fastrlhf.engine.guards import StepGuard
-    from fastrlhf.modeling.tiny import count_parameters, make_qwen2_on
+    from fastrlhf.modeling.tiny import count_parameters
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep
     from fastrlhf.rollout.hf_engine import HFEngine
@@ -318,15 +331,8 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                          data=DataConfig(prompts="unused"), trainer=trainer, algorithm="grpo", seed=seed,
                          rollout=RolloutConfig(n=n, max_new_tokens=new_tokens, max_logprob_mismatch=None),
                          reward=RewardConfig(function="target_token"))
-    actor = make_qwen2_on(dev, torch_dtype, seed=seed, **model).train()
-    actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as modeling.py
-    actor.config.use_cache = False
-    reference = make_qwen2_on(dev, torch_dtype, seed=seed, **model).requires_grad_(False)
-    params = count_parameters(actor)
-    guard = StepGuard()
-    engine = build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=torch_dtype == torch.bfloat16), lr=1e-6,
-                                  micro_batch_size=batch // grad_accum, grad_accum=grad_accum, max_grad_norm=1.0,
-                                  guard=guard)
+    engine, reference, guard = actor_engine(dev, torch_dtype, model, seed, 1e-6, batch // grad_accum, grad_accum)
+    actor, params = engine.module, count_parameters(engine.module)
     timed: list[dict] = []
 
     class TimedStep(RLStep):
@@ -419,16 +425,11 @@ def _child_env(device: str) -> dict:
 
 def _run(cmd: list[str], env: dict, timeout_s: float) -> str:
     """Run ``cmd`` from the repository root in its own process group (killed whole on timeout); its stdout."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise RuntimeError(f"timed out after {timeout_s} s: {' '.join(cmd[:6])}\n{stderr[-6000:]}") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd[:6])}\n{(stdout + stderr)[-6000:]}")
+    from benchmarks.e2e_common import run_in_own_group
+
+    returncode, stdout, stderr = run_in_own_group(cmd, env, timeout_s, " ".join(cmd[:6]))
+    if returncode != 0:
+        raise RuntimeError(f"exit {returncode}: {' '.join(cmd[:6])}\n{(stdout + stderr)[-6000:]}")
     return stdout
 
 

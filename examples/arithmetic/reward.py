@@ -47,18 +47,24 @@ def extract_answer(completion: str) -> float | None:
     return to_number(stated[-1]) if stated else None
 
 
-def correctness(prompts, completions, completion_ids, answer, **kwargs) -> list[float | None]:
-    """1.0 where the completion's stated answer equals ``answer``, 0.0 where it differs or is not stated;
-    None where the row has no answer (or one that is not a number)."""
+def answer_matches(completions, answer, extract=extract_answer) -> list[float | None]:
+    """1.0 where ``extract`` finds in a completion (text or TRL's assistant turn) the number of the row's
+    ``answer``, 0.0 where it finds another or none; None where the row has no answer that is a number."""
     out: list[float | None] = []
     for completion, expected in zip(completions, answer, strict=True):
         target = None if expected is None else to_number(str(expected))
         if target is None:
             out.append(None)
             continue
-        got = extract_answer(completion_text(completion))
+        got = extract(completion_text(completion))
         out.append(float(got is not None and abs(got - target) < 1e-9))
     return out
+
+
+def correctness(prompts, completions, completion_ids, answer, **kwargs) -> list[float | None]:
+    """1.0 where the completion's stated answer equals ``answer``, 0.0 where it differs or is not stated;
+    None where the row has no answer (or one that is not a number)."""
+    return answer_matches(completions, answer)
 
 
 def format_reward(prompts, completions, completion_ids, **kwargs) -> list[float | None]:

@@ -26,8 +26,7 @@ import re
 import sys
 from collections.abc import Iterator
 
-from examples.arithmetic.reward import NUMBER, extract_answer, to_number
-from fastrlhf.rl.rewards import completion_text
+from examples.arithmetic.reward import NUMBER, answer_matches, extract_answer, to_number
 
 __all__ = ["INSTRUCTION", "MARK", "convert", "convert_row", "correctness", "final_answer", "main"]
 
@@ -54,15 +53,7 @@ def correctness(prompts, completions, answer, **kwargs) -> list[float | None]:
     """1.0 where the completion's :func:`final_answer` equals ``answer``, 0.0 where it differs or is missing;
     None where the row's answer is missing or not a number. Completions in either form (TRL's
     conversational ``[{"role": "assistant", "content": ...}]`` or text)."""
-    out: list[float | None] = []
-    for completion, expected in zip(completions, answer, strict=True):
-        target = None if expected is None else to_number(str(expected))
-        if target is None:
-            out.append(None)
-            continue
-        got = final_answer(completion_text(completion))
-        out.append(float(got is not None and abs(got - target) < 1e-9))
-    return out
+    return answer_matches(completions, answer, final_answer)
 
 
 class BadRow(ValueError):
