@@ -31,8 +31,8 @@ pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
 # Short, so that the lost-node test ends soon; every wait in a healthy run is far shorter on this model.
 TIMEOUT_S = 30
-# What a step measures about itself (not a result of the run, so not compared).
-TIMINGS = ("time/", "step_time", "wall_time", "tokens_per_second")
+# What a step measures about itself (not a result of the run, so not compared): times and memory.
+TIMINGS = ("time/", "step_time", "wall_time", "tokens_per_second", "memory/")
 _port = iter(range(29600, 29700))
 
 
