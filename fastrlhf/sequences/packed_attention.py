@@ -211,12 +211,14 @@ def block_mask(token_segments: list[tuple[int, int, int, int]], length: int, dev
 
     kv_num, kv_idx = indices(partial)
     full_num, full_idx = indices(full)
-    seg = to_device(own_lo, device)
-    lo, hi = to_device(pre_lo, device), to_device(pre_hi, device)
+    # Per-token data padded to whole tiles, so that the mask function indexes it at any position of a tile
+    # and captures tensors only: a compiled kernel is then reused for every row, whatever its length.
+    pad = blocks * block - length
+    seg = to_device(torch.nn.functional.pad(own_lo, (0, pad), value=-1), device)
+    lo, hi = (to_device(torch.nn.functional.pad(t, (0, pad)), device) for t in (pre_lo, pre_hi))
 
     def mask_mod(b, h, q, kv):
-        qc, kc = q.clamp(max=length - 1), kv.clamp(max=length - 1)
-        return ((seg[qc] == seg[kc]) & (kv <= q)) | ((kv >= lo[qc]) & (kv < hi[qc]))
+        return ((seg[q] == seg[kv]) & (kv <= q)) | ((kv >= lo[q]) & (kv < hi[q]))
 
     kv_num, kv_idx, full_num, full_idx = to_device((kv_num, kv_idx, full_num, full_idx), device)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
