@@ -117,7 +117,9 @@ class StepGuard:
         parts = ([flag] if flag is not None else []) + list(tensors.values())
         values = []
         if parts:
-            device = parts[0].device
+            # Gathered where the device values are (host scalars go there), so that the one read waits for
+            # them; never copied to the host first without waiting (a non-blocking device-to-host copy).
+            device = next((t.device for t in parts if t.device.type != "cpu"), parts[0].device)
             with host_read(name):
                 values = torch.stack([to_device(t.detach().reshape(()), device).double() for t in parts]).tolist()
         ok = bool(values.pop(0)) if flag is not None else True
