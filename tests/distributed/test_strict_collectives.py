@@ -17,6 +17,7 @@ import torch.distributed as dist
 import yaml
 from helpers.launch import run_group
 from helpers.paths import ROOT
+from helpers.rl_runs import launch_env
 from helpers.strict_collectives import StrictCollectiveError, install
 
 from fastrlhf.distributed import comm, free_port
@@ -131,9 +132,7 @@ def _plan(root):
 def test_strict_collectives_two_ranks_rl_sft_rm_and_checkpoints(workdir):
     plan_path = workdir / "plan.json"
     plan_path.write_text(json.dumps(_plan(workdir)))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                               "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", FASTRLHF_DIST_TIMEOUT="120", FASTRLHF_NO_PROGRESS="1")
+    env = launch_env()
     rc, out = run_group([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), SCRIPT, str(plan_path),
                          str(workdir)], timeout=400, env=env)
     assert rc == 0, out[-6000:]

@@ -13,17 +13,20 @@ SCRIPTS = os.path.join(ROOT, "tests", "rl", "scripts")
 PY = sys.executable
 DEEPSPEED = os.path.join(os.path.dirname(PY), "deepspeed")
 TRAIN = [PY, "-m", "fastrlhf", "train", "--config"]
+# Everything a launcher (or an in-process vLLM engine of an earlier test) may leave that says how many
+# ranks and nodes there are: a stray LOCAL_WORLD_SIZE would make WORLD_SIZE=2 two nodes.
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "LOCAL_SIZE",
+              "GROUP_WORLD_SIZE", "GROUP_RANK", "CROSS_SIZE", "CROSS_RANK")
 
 
 def launch_env(**extra):
     """The environment of a launched run: none of this process's rendezvous variables (a launcher sets
     its own), one thread per rank, a short collective timeout, no progress bar, the test reward
-    functions importable."""
-    e = dict(os.environ)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(key, None)
+    functions importable, and Python's fault handler on: a rank killed by a signal (SIGABRT, SIGSEGV
+    inside gloo or DeepSpeed) prints every thread's Python stack, not only the launcher's exit code."""
+    e = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     # One thread per rank: two ranks on a shared 2-core machine otherwise spin against each other.
-    e.update(OMP_NUM_THREADS="1", FASTRLHF_DIST_TIMEOUT="120", FASTRLHF_NO_PROGRESS="1",
+    e.update(OMP_NUM_THREADS="1", FASTRLHF_DIST_TIMEOUT="120", FASTRLHF_NO_PROGRESS="1", PYTHONFAULTHANDLER="1",
              PYTHONPATH=os.pathsep.join([SCRIPTS, e.get("PYTHONPATH", "")]))
     e.update(extra)
     return e

@@ -12,14 +12,11 @@ import pytest
 import yaml
 from helpers.launch import run_group
 from helpers.paths import ROOT
+from helpers.rl_runs import launch_env
 
 from fastrlhf.distributed import free_port
 
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-# Everything a launcher (or an in-process vLLM engine of an earlier test) may leave that says how many
-# ranks and nodes there are: a stray LOCAL_WORLD_SIZE would make WORLD_SIZE=2 below two nodes.
-LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "LOCAL_SIZE",
-              "GROUP_WORLD_SIZE", "GROUP_RANK", "CROSS_SIZE", "CROSS_RANK")
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +56,7 @@ def _config(root, name, **sections):
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env.update(OMP_NUM_THREADS="1", FASTRLHF_NO_PROGRESS="1", FASTRLHF_DIST_TIMEOUT="30",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "rl", "scripts"), env.get("PYTHONPATH", "")]),
-               **extra)
-    return env
+    return launch_env(FASTRLHF_DIST_TIMEOUT="30", **extra)
 
 
 CASES = {

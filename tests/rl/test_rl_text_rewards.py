@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from helpers.paths import ROOT
 
 from fastrlhf.config import RewardFunctionConfig
 from fastrlhf.data import Columns, load_prompts
@@ -214,8 +213,8 @@ def _run(text_model, name, functions, launcher=False, trainer=None, **sections):
     import sys
 
     import yaml
+    from helpers.rl_runs import launch_env
 
-    root = ROOT
     config = {"algorithm": "grpo", "output_dir": str(text_model / name), "model": {"path": str(text_model / "model")},
               "reward": {"functions": functions}, "data": {"prompts": str(text_model / "prompts.jsonl")},
               "rollout": {"engine": "hf", "n": 2, "max_new_tokens": 3},
@@ -225,10 +224,7 @@ def _run(text_model, name, functions, launcher=False, trainer=None, **sections):
         config[key] = {**config.get(key, {}), **value}
     path = text_model / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", FASTRLHF_NO_PROGRESS="1", FASTRLHF_DIST_TIMEOUT="60",
-               PYTHONPATH=os.pathsep.join([os.path.join(root, "tests", "rl", "scripts"), env.get("PYTHONPATH", "")]))
+    env = launch_env(FASTRLHF_DIST_TIMEOUT="60")
     if launcher:
         from helpers.launch import run_group
 

@@ -338,6 +338,7 @@ def test_two_ranks_zero2_zero3_packed_step_equals_the_padded_step(tmp_path):
     import sys
 
     from helpers.launch import run_group
+    from helpers.rl_runs import launch_env
 
     from fastrlhf.distributed import free_port
     from fastrlhf.modeling.tiny import save_tiny_llama
@@ -350,10 +351,7 @@ def test_two_ranks_zero2_zero3_packed_step_equals_the_padded_step(tmp_path):
     with open(tmp_path / "prompts.jsonl", "w") as f:
         for i in range(4):
             f.write(json.dumps({"prompt_ids": [5 + i, 6, 7 + 2 * i][: 1 + i % 3], "meta": {"target_token": 3}}) + "\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", FASTRLHF_DIST_TIMEOUT="60", FASTRLHF_NO_PROGRESS="1",
-               PYTHONPATH=os.pathsep.join([scripts, env.get("PYTHONPATH", "")]))
+    env = launch_env(FASTRLHF_DIST_TIMEOUT="60")
     cases = ["ppo:2", "grpo:2", "ppo:3", "grpo:3", "grpo:2:shared", "ppo:3:shared"]
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     rc, out = run_group([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()),
