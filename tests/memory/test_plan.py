@@ -106,18 +106,22 @@ def test_qwen2_5_1_5b_zero2_on_8x80(tmp_path):
         "rollout working memory": 16384 * (3 * inter + 4 * h) * 2 + 3 * 1024 * V * 4,
         "activations": tokens * (28 * 2 * h + 2 * layer_act + 12 * h) + 8 * 1536 * 1536,
         "fused loss": chunk * V * 2 + V * h * (4 + 2) + 8 * 1024 * h * 2,
-        "optimizer step temporaries": P // 8 * 4,  # the rank's gradient partition in fp32 (fused AdamW: no more)
+        # the rank's bf16 gradient partition flattened, then that copy cast to fp32 (fused AdamW: no more)
+        "optimizer step temporaries": P // 8 * (2 + 4),
         "CUDA context": GiB,
     }
     assert chunk == 1728
-    assert plan.components == expected
     update = expected["activations"] + expected["fused loss"]
     assert update > expected["optimizer step temporaries"]  # the update is the peak phase
+    rollout = sum(v for k, v in expected.items() if k.startswith("rollout"))
+    # 9% over what the trainer's allocator holds at the peak: not vLLM's memory, not the context
+    ours = sum(expected.values()) - rollout - expected["optimizer step temporaries"] - GiB
+    expected["allocator slack"] = int(ours * 0.09)
+    assert plan.components == expected
     held = sum(expected.values()) - update - expected["optimizer step temporaries"]
     assert plan.total == held + update and plan.peak_phase == "update"
     assert plan.fits and plan.largest == "rollout KV cache"
-    rollout = sum(v for k, v in expected.items() if k.startswith("rollout"))
-    assert plan.gpu_memory_utilization == util(budget, plan.total - rollout) == 0.75
+    assert plan.gpu_memory_utilization == util(budget, plan.total - rollout) == 0.73
     # 16 prompts x 8 completions per rank, 1536 tokens (a multiple of 16), K and V of 28 layers x 2 kv heads x 128
     assert plan.kv_cache_bytes == kv_cache_bytes_for(gpu_grpo(str(tmp_path / "m"), 2), 8, "cuda") == \
         128 * 1536 * 28 * 2 * 2 * 128 * 2
@@ -154,6 +158,9 @@ def test_qwen2_5_7b_zero3_on_8x80(tmp_path, offload):
     budget = 80 * GiB
     plan = plan_memory(gpu_grpo(model_folder(tmp_path / "m", QWEN25_7B), 3, offload), 8, budget, "cuda")
     expected, host = seven_b_expected(offload)
+    rollout = sum(v for k, v in expected.items() if k.startswith("rollout"))
+    not_at_the_peak = expected.get("optimizer step temporaries", 0) + expected["weight sync bucket"]
+    expected["allocator slack"] = int((sum(expected.values()) - rollout - not_at_the_peak - GiB) * 0.09)
     assert plan.components == expected
     assert plan.host == host
     phases = {"update": expected["activations"] + expected["fused loss"],
@@ -163,9 +170,9 @@ def test_qwen2_5_7b_zero3_on_8x80(tmp_path, offload):
     assert plan.total == held + phases["update"] and plan.peak_phase == "update" and plan.fits
     rollout = sum(v for k, v in expected.items() if k.startswith("rollout"))
     assert plan.gpu_memory_utilization == util(budget, plan.total - rollout)
-    # The trainer holds 21.80 GiB plus the update's 11.67 (offloaded: 5.84 + 11.67):
-    # (80 - 33.47 - 4) / 80 = 0.532 and (80 - 17.51 - 4) / 80 = 0.731.
-    assert plan.gpu_memory_utilization == (0.73 if offload else 0.53)
+    # The trainer holds 21.80 GiB plus the update's 11.67 and 9% of the two as allocator slack (offloaded:
+    # 5.84 + 11.67 + 9%): (80 - 36.48 - 4) / 80 = 0.494 and (80 - 19.09 - 4) / 80 = 0.711.
+    assert plan.gpu_memory_utilization == (0.71 if offload else 0.49)
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,7 +318,10 @@ def test_sleep_holds_generation_and_update_one_at_a_time(tmp_path):
     engine = sum(v for k, v in c.items() if k.startswith("rollout"))  # weights, KV cache, working memory
     update = c["activations"] + c["fused loss"]
     assert awake.peak_phase == "update" and asleep.peak_phase == "generation" and engine > update
-    assert asleep.total == awake.total - engine - update + engine
+    # Asleep, the update is not at the peak, nor its allocator slack.
+    slack = c["allocator slack"] - asleep.components["allocator slack"]
+    assert abs(slack - update * 0.09) <= 1
+    assert asleep.total == awake.total - engine - update - slack + engine
     assert asleep.phases["generation"] == ["rollout weights", "rollout KV cache", "rollout working memory"]
     assert asleep.host["rollout weights (asleep)"] == c["rollout weights"]
     assert asleep.gpu_memory_utilization > awake.gpu_memory_utilization
@@ -431,7 +441,7 @@ def test_plan_command_prints_the_table_and_the_utilization(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "actor optimizer states" in out and "rollout KV cache" in out and "fits" in out
-    assert "rollout.gpu_memory_utilization: 0.75" in out
+    assert "rollout.gpu_memory_utilization: 0.73" in out
     assert "heavy: []" in out  # no torch, deepspeed, vllm or transformers imported
     assert elapsed < 5
 
