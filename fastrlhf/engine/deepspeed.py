@@ -91,6 +91,9 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
     cpu = cpu_tools()
     if cpu is not None:
         cpu.hostmem.trim_heap_after_backward(model)  # before the update's large buffers: see fastrlhf.cpu.hostmem
+    from fastrlhf.engine.deepspeed_reads import remove_zero_step_reads
+
+    remove_zero_step_reads()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     if not clip_in_optimizer:
         # The norm DeepSpeed's wrapper computed before it calls our step (ZeRO 1-3, bf16): carried into

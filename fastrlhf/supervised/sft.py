@@ -48,12 +48,14 @@ def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=No
         from fastrlhf.kernels import fused_linear_logprob_entropy
 
         model = base_model(unwrap(engine))
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     use_cache=False).last_hidden_state
         head = model.get_output_embeddings()
         logprobs, _ = fused_linear_logprob_entropy(hidden[:, :-1], head.weight, labels, bias=head.bias,
                                                    chunk_size=chunk_size, chunk_bytes=chunk_bytes)
         return logprobs
-    return logprobs_from_logits(engine(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1], labels)
+    return logprobs_from_logits(engine(input_ids=input_ids, attention_mask=attention_mask,
+                                       use_cache=False).logits[:, :-1], labels)
 
 
 def sft_loss(engine, batch: dict, use_fused: bool = True, chunk_size=None, chunk_bytes=None,

@@ -14,7 +14,8 @@ ordinary CPU test sees either. :class:`OtherDevice` gives a CPU process a second
   (host 0-dim scalars are allowed, as on CUDA; a host index tensor into a device tensor is allowed and
   counted as a read, since CUDA makes a blocking copy of it);
 - ``torch.zeros(..., device=dev)``, ``x.to(dev)``, ``module.to(dev)`` create device tensors;
-- every host read of a device value is recorded in :attr:`OtherDevice.reads`, with the name of the
+- every host read of a device value, and every blocking copy of host data to the device (both stall a
+  CUDA stream), is recorded in :attr:`OtherDevice.reads`, with the name of the
   :func:`fastrlhf.engine.device.host_read` block it happened in (None outside one): the CPU counterpart of
   ``torch.cuda.set_sync_debug_mode``.
 
@@ -88,7 +89,10 @@ class _Factories(TorchFunctionMode):
             self.owner._read(func.__name__)
             return func(args[0].data_, *args[1:], **kwargs)
         if func in self._FUNCS and _is_emulated(kwargs.get("device")):
-            return DeviceTensor(func(*args, **{**kwargs, "device": "cpu"}))
+            out = func(*args, **{**kwargs, "device": "cpu"})
+            if out.numel():  # host data copied to the device: CUDA waits for the stream (a blocking copy)
+                self.owner._read(f"{func.__name__}(..., device=) (a blocking host-to-device copy)")
+            return DeviceTensor(out)
         if func is torch.Tensor.new_tensor and isinstance(args[0], DeviceTensor) and kwargs.get("device") is None:
             return DeviceTensor(args[0].data_.new_tensor(*args[1:], **kwargs))
         return func(*args, **kwargs)
@@ -130,14 +134,14 @@ class OtherDevice(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        on_device, on_host, targets = [], [], []
+        on_device, on_host, host_scalars, targets = [], [], [], []
 
         def unwrap(x):
             if isinstance(x, DeviceTensor):
                 on_device.append(x)
                 return x.data_
-            if isinstance(x, torch.Tensor) and x.dim() > 0:
-                on_host.append(x)
+            if isinstance(x, torch.Tensor):
+                (on_host if x.dim() > 0 else host_scalars).append(x)
             if isinstance(x, torch.device):  # a target device (keyword or, e.g. in aten.to.device, positional)
                 targets.append(x)
                 return torch.device("cpu") if _is_emulated(x) else x
@@ -148,12 +152,13 @@ class OtherDevice(TorchDispatchMode):
         if targets:
             if _is_emulated(targets[0]):
                 wrap = True
-                if on_host and func is not aten.copy_.default and not kwargs.get("non_blocking", False):
+                if (on_host or host_scalars) and func is not aten.copy_.default \
+                        and not kwargs.get("non_blocking", False):
                     self._read(f"{func} (a blocking host-to-device copy)")
             elif on_device:  # device -> host
                 self._read(func)
                 wrap = False
-        elif func is aten.copy_.default and on_device and on_host:
+        elif func is aten.copy_.default and on_device and (on_host or host_scalars):
             self._read(f"{func} (a copy between host and device)")
         elif on_device and on_host:
             if func in _INDEX_OPS:
