@@ -61,6 +61,9 @@ class StepGuard:
         self.skipped_total = 0
         self.skipped_in_row = 0
         self.update_skipped = False  # this step's update is (being) skipped, on every rank
+        # This optimizer step is decided: ZeRO-3 steps its sub-groups (sub_group_size, 1e9 parameters)
+        # one optimizer.step() each, and the first one decides for all (see GuardedAdamW.step).
+        self.decided = False
         self._losses_finite: torch.Tensor | None = None  # the losses noted since the last decision
         self._carry: dict[str, torch.Tensor | float] = {}
         self._carried: dict[str, float] = {}
@@ -78,11 +81,13 @@ class StepGuard:
         a flag on the loss's device: no host read here."""
         ok = torch.isfinite(loss.detach()).all()
         self._losses_finite = ok if self._losses_finite is None else self._losses_finite & ok
+        self.decided = False
 
     def carry(self, values: dict) -> None:
         """Values (device tensors or floats) the host needs once this optimizer step is decided: they
         come to the host with the decision, in its one read; :meth:`carried` gives them as floats."""
         self._carry.update(values)
+        self.decided = False
 
     def carried(self) -> dict[str, float]:
         """The values carried into the last decision, as floats. Carried values that no decision has
@@ -100,7 +105,7 @@ class StepGuard:
         self._losses_finite = None
         ok, self._carried = self._read(comm.all_ranks_flag(flag), "the optimizer step's skip decision and metrics")
         skip = not ok or self.update_skipped
-        self.update_skipped = skip
+        self.update_skipped, self.decided = skip, True
         return skip
 
     def settle(self, grads_finite=True) -> None:
@@ -129,7 +134,7 @@ class StepGuard:
     def end_step(self) -> bool:
         """Close a training step; returns True if its update was skipped."""
         self.settle()
-        skipped, self.update_skipped = self.update_skipped, False
+        skipped, self.update_skipped, self.decided = self.update_skipped, False, False
         if skipped:
             self.skipped_total += 1
             self.skipped_in_row += 1
@@ -199,6 +204,15 @@ class GuardedAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"]]
+        if self.guard is not None and self.guard.decided:
+            # A later ZeRO-3 sub-group (or parameter group) of an optimizer step the first one decided, on
+            # the whole step's losses and DeepSpeed's global norm (ZeRO-3 itself refuses a non-finite one):
+            # asking again would read the device again and lose the metrics the first read brought.
+            if self.guard.update_skipped:
+                for p in params:
+                    p.grad = None
+                return None
+            return super().step(closure)
         norm = None
         if self.max_grad_norm is not None:
             with_grad = [p for p in params if p.grad is not None]

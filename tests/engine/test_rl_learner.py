@@ -110,6 +110,39 @@ def test_bf16_zero2_decides_a_step_in_one_named_read():
         assert unchanged is not stepped and (norm > 0 if stepped else True), (poison, norm)
 
 
+def test_zero3_sub_groups_share_one_decision_and_its_metrics():
+    """ZeRO-3 runs optimizer.step() once per sub-group of ``sub_group_size`` parameters (1e9 by default: a
+    1.5B model has two, a tiny CPU model one). On the 1.5B PPO run on an H100 the second sub-group's
+    step asked the guard again: a second host read, and the step's carried metrics (policy and value
+    losses) replaced by the second read's, logged as NaN. Here a tiny model is split into sub-groups."""
+    from fastrlhf.engine.device import watch_host_reads
+    from fastrlhf.engine.guards import StepGuard
+    from fastrlhf.modeling.tiny import make_tiny_llama
+    from fastrlhf.rl.update import DeepSpeedLearner
+
+    D.init_distributed(timeout_s=60)
+    guard = StepGuard(3)
+    model = make_tiny_llama(vocab_size=64, hidden_size=64, num_layers=2, dtype=torch.bfloat16).train()
+    ds = DeepSpeedConfig(zero_stage=3, bf16=True, extra={"zero_optimization": {"sub_group_size": 10_000}})
+    engine = build_train_engine(model, ds, lr=1e-2, max_grad_norm=1.0, guard=guard)
+    assert len(engine.optimizer.fp32_partitioned_groups_flat) > 2  # several sub-groups, as at 1.5B
+    learner = DeepSpeedLearner(engine, guard)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    for poison in (1.0, float("nan")):
+        with watch_host_reads() as reads:
+            loss = engine(input_ids=ids, labels=ids).loss * poison
+            guard.note_loss(loss)
+            guard.carry({"policy_loss": loss.detach()})
+            learner.backward(loss)
+            stepped = learner.step()
+            carried = guard.carried()
+        assert reads == ["the optimizer step's skip decision and metrics"], reads
+        assert stepped is (poison == 1.0) and guard.end_step() is not stepped
+        # a NaN step never reaches our optimizer: ZeRO-3 skips it on the norm, and the guard settles it
+        assert "policy_loss" in carried and ("grad_norm" in carried) is stepped, carried
+        assert (carried["policy_loss"] == carried["policy_loss"]) is stepped, carried  # NaN only when poisoned
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
 def test_all_finite_sees_every_non_finite_value(dtype, bad):

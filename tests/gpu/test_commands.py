@@ -91,7 +91,11 @@ def _config(root, name, where):
                      "trainer": {**loop, "max_steps": 3, "prompts_per_step": 8, "minibatch_size": 16,
                                  "grad_accum": 2, "kl_coef": 0.01, "lr": 1e-6 if cuda else 1e-3,
                                  "packing": shared, "share_prompts": shared},
-                     "deepspeed": {"zero_stage": 3 if ppo else 2}}
+                     # ZeRO-3 steps its optimizer once per sub_group_size (1e9) parameters: two sub-groups at
+                     # 1.5B, so the tiny CPU model is split into several as well.
+                     "deepspeed": {"zero_stage": 3 if ppo else 2,
+                                   **({} if cuda or not ppo else
+                                      {"extra": {"zero_optimization": {"sub_group_size": 10_000}}})}}
 
 
 def run(proof, name):
