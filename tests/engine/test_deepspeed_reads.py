@@ -2,7 +2,8 @@
 ``torch.cuda.set_sync_debug_mode("error")``, tests/gpu/test_update_syncs.py); fastrlhf.engine.deepspeed_reads
 replaces the two functions. Here, on the emulated second device (helpers.other_device, which records what
 stalls a CUDA stream): DeepSpeed's own functions read, the replacements do not, and both give the same values,
-for finite, non-finite and DeepSpeed's -1 sentinel norms."""
+for finite, non-finite and DeepSpeed's -1 sentinel norms. And the engine's throughput timer, which waits for the
+whole device at every forward and step from the third optimizer step on, is off."""
 
 from types import SimpleNamespace
 
@@ -70,3 +71,30 @@ def test_unscale_and_clip_grads(originals, norm, clip_grad, loss_scale):
     assert our_reads == []
     if clip_grad > 0:  # DeepSpeed branches on the norm's validity: bool() of a device tensor
         assert their_reads, their_reads
+
+
+def test_a_trained_engine_never_synchronizes_the_device():
+    """DeepSpeed's throughput timer (on by default) calls ``get_accelerator().synchronize()`` around every
+    ``engine(...)`` forward and step once two optimizer steps are done: on CUDA a wait for the whole device,
+    on the CPU a no-op, so it is recorded here."""
+    from deepspeed.accelerator import get_accelerator
+
+    from fastrlhf import distributed as D
+    from fastrlhf.config import DeepSpeedConfig
+    from fastrlhf.engine.deepspeed import build_train_engine
+    from fastrlhf.modeling.tiny import make_tiny_llama
+
+    D.init_distributed(timeout_s=60)
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, num_layers=1).train()
+    engine = build_train_engine(model, DeepSpeedConfig(zero_stage=2), lr=1e-3, max_grad_norm=1.0)
+    accelerator, calls = get_accelerator(), []
+    original = accelerator.synchronize
+    accelerator.synchronize = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+    try:
+        ids = torch.tensor([[3, 4, 5, 6]])
+        for _ in range(4):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+    finally:
+        del accelerator.synchronize
+    assert engine.global_steps == 4 and calls == []
