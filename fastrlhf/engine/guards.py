@@ -5,7 +5,8 @@ The protocol, shared by the RL step and the supervised (SFT, RM) loop::
     guard.inputs_ok(*tensors)    # RL, before the update: anything non-finite it would consume skips the step
     guard.note_loss(loss)        # each micro-batch, before backward: a device flag, no host read
     guard.carry(metrics)         # device values the host wants after this optimizer step
-    optimizer.step()             # GuardedAdamW (or TorchLearner) asks guard.should_skip(grads_finite)
+    optimizer.step()             # GuardedAdamW (or TorchLearner) asks guard.should_skip(grads_finite), once:
+                                 # ZeRO-3's further sub-group steps follow that decision until note_loss/carry
     guard.carried()              # the carried values, as floats
     skipped = guard.end_step()   # closes the step: counted, reported in the metrics
     guard.check_budget(step)     # the loop, after logging: raises TooManySkippedSteps after too many
