@@ -54,5 +54,5 @@ setup(
         # `make bench-gpu` (benchmarks/gpu) races TRL and Liger-Kernel on a GPU, at the versions measured.
         "gpu-bench": ["trl==1.16.0", "liger-kernel==0.8.5"],
     },
-    entry_points={"console_scripts": ["fastrlhf=fastrlhf.cli:main"]},
+    entry_points={"console_scripts": ["fastrlhf=fastrlhf.cli:entry"]},
 )

@@ -1,5 +1,3 @@
-import sys
+from fastrlhf.cli import entry
 
-from fastrlhf.cli import main
-
-sys.exit(main())
+entry()

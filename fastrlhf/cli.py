@@ -185,5 +185,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_with(code: int) -> None:
+    """Leave the process with ``code``. A launched rank (its process group started) runs Python's exit
+    handlers (logging, W&B, vLLM) and then leaves without C++ static destructors: at that point torch's
+    c10d stores abort the process about one exit in three on two CPU ranks ("terminate called without an
+    active exception", SIGABRT), which turned finished runs and clean one-line errors into crashes."""
+    if _group_started():
+        import atexit
+
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def entry() -> None:
+    """The ``fastrlhf`` command and ``python -m fastrlhf``."""
+    exit_with(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

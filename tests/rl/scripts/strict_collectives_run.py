@@ -26,8 +26,13 @@ def main():
     for argv in plan:
         rc = cli(argv)
         if rc != 0:
-            sys.exit(rc)
+            from fastrlhf.cli import exit_with
+
+            exit_with(rc)
 
 
 if __name__ == "__main__":
     main()
+    from fastrlhf.cli import exit_with
+
+    exit_with(0)  # as a launched fastrlhf rank leaves: without the c10d stores' exit-time abort
