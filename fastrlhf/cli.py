@@ -201,8 +201,18 @@ def exit_with(code: int) -> None:
 
 
 def entry() -> None:
-    """The ``fastrlhf`` command and ``python -m fastrlhf``."""
-    exit_with(main())
+    """The ``fastrlhf`` command and ``python -m fastrlhf``. A launched rank that crashes prints its traceback
+    and leaves with 1 the same way (else the exit-time abort can turn it into a SIGABRT)."""
+    try:
+        code = main()
+    except Exception:
+        if not _group_started():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = EXIT_FAILED
+    exit_with(code)
 
 
 if __name__ == "__main__":

@@ -134,3 +134,19 @@ def test_exit_with_runs_the_exit_handlers_and_keeps_the_code(group):
     assert result.returncode == 3, result.stderr[-2000:]
     assert result.stdout.splitlines() == ["leaving", "exit handlers ran"], result.stdout
     assert open(os.path.join(ROOT, "fastrlhf", "__main__.py")).read().strip().endswith("entry()")
+
+
+def test_a_launched_rank_that_crashes_leaves_with_1_through_exit_with(monkeypatch, capsys):
+    codes = []
+
+    def crash(argv=None):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "main", crash)
+    monkeypatch.setattr(cli, "exit_with", codes.append)
+    monkeypatch.setattr(cli, "_group_started", lambda: True)
+    cli.entry()
+    assert codes == [cli.EXIT_FAILED] and "RuntimeError: boom" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "_group_started", lambda: False)  # before any group: an ordinary crash
+    with pytest.raises(RuntimeError, match="boom"):
+        cli.entry()
