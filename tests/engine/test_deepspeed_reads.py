@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.other_device import OtherDevice
+from helpers.other_device import OtherDevice, accelerator_syncs
 
 from fastrlhf.engine import deepspeed_reads as R
 
@@ -77,8 +77,6 @@ def test_a_trained_engine_never_synchronizes_the_device():
     """DeepSpeed's throughput timer (on by default) calls ``get_accelerator().synchronize()`` around every
     ``engine(...)`` forward and step once two optimizer steps are done: on CUDA a wait for the whole device,
     on the CPU a no-op, so it is recorded here."""
-    from deepspeed.accelerator import get_accelerator
-
     from fastrlhf import distributed as D
     from fastrlhf.config import DeepSpeedConfig
     from fastrlhf.engine.deepspeed import build_train_engine
@@ -87,14 +85,9 @@ def test_a_trained_engine_never_synchronizes_the_device():
     D.init_distributed(timeout_s=60)
     model = make_tiny_llama(vocab_size=64, hidden_size=32, num_layers=1).train()
     engine = build_train_engine(model, DeepSpeedConfig(zero_stage=2), lr=1e-3, max_grad_norm=1.0)
-    accelerator, calls = get_accelerator(), []
-    original = accelerator.synchronize
-    accelerator.synchronize = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
-    try:
-        ids = torch.tensor([[3, 4, 5, 6]])
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with accelerator_syncs() as calls:
         for _ in range(4):
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
-    finally:
-        del accelerator.synchronize
     assert engine.global_steps == 4 and calls == []

@@ -13,6 +13,7 @@ import contextlib
 
 import pytest
 import torch
+from helpers.other_device import accelerator_syncs
 from helpers.proof import model_dtype, model_shape
 
 from fastrlhf import distributed as D
@@ -49,27 +50,6 @@ def sync_debug(device: torch.device):
         yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
-
-
-@contextlib.contextmanager
-def accelerator_syncs():
-    """Records DeepSpeed's ``get_accelerator().synchronize()`` calls: a wait for the whole device on CUDA, a
-    no-op on the CPU, where only this record shows them (e.g. its throughput timer's, see
-    tests/engine/test_deepspeed_reads.py)."""
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator, calls = get_accelerator(), []
-    original = accelerator.synchronize
-
-    def synchronize(*args, **kwargs):
-        calls.append("accelerator.synchronize")
-        return original(*args, **kwargs)
-
-    accelerator.synchronize = synchronize
-    try:
-        yield calls
-    finally:
-        del accelerator.synchronize  # the class's method again
 
 
 class CheckedStep(RLStep):

@@ -25,6 +25,7 @@ Code on the emulated device sees ``x.device.type == "meta"``: not ``cpu``, so th
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 
 import torch
@@ -173,3 +174,23 @@ class OtherDevice(TorchDispatchMode):
         if not wrap:
             return out
         return tree_map(lambda x: DeviceTensor(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+@contextlib.contextmanager
+def accelerator_syncs():
+    """Records DeepSpeed's ``get_accelerator().synchronize()`` calls: a wait for the whole device on CUDA, a
+    no-op on the CPU, where only this record shows them (its throughput timer's, for one)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator, calls = get_accelerator(), []
+    original = accelerator.synchronize
+
+    def synchronize(*args, **kwargs):
+        calls.append("accelerator.synchronize")
+        return original(*args, **kwargs)
+
+    accelerator.synchronize = synchronize
+    try:
+        yield calls
+    finally:
+        del accelerator.synchronize  # the class's method again
