@@ -22,3 +22,14 @@ def cpu_flex(monkeypatch):
     import torch.nn.attention.flex_attention as flex
 
     monkeypatch.setattr(flex, "_validate_device", lambda *args: None)
+
+
+@pytest.fixture(autouse=True)
+def _unpatched_linear():
+    """A ZeRO-3 engine replaces ``torch.nn.functional.linear`` for the whole process ("memory efficient
+    linear", on by default), and it stays replaced after the test; the next test gets torch's own back."""
+    import torch
+
+    linear = torch.nn.functional.linear
+    yield
+    torch.nn.functional.linear = linear

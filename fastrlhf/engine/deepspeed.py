@@ -102,6 +102,13 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
         # The norm DeepSpeed's wrapper computed before it calls our step (ZeRO 1-3, bf16): carried into
         # the guard's decision from there, so that reading it costs no host read of its own.
         optimizer.norm_source = lambda: getattr(engine.optimizer, "_global_grad_norm", None)
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if guard is not None and isinstance(engine.optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+        from fastrlhf.engine.deepspeed_reads import guard_checks_the_norm
+
+        guard_checks_the_norm(engine.optimizer)  # ZeRO's own invalid-norm read is the guard's decision's
     if cpu is not None:
         cpu.zero_master.share_master_weights(engine.optimizer)  # fp32 weights at ZeRO 1-2: no cloned master partition
     return engine

@@ -207,8 +207,8 @@ class GuardedAdamW(torch.optim.AdamW):
         params = [p for group in self.param_groups for p in group["params"]]
         if self.guard is not None and self.guard.decided:
             # A later ZeRO-3 sub-group (or parameter group) of an optimizer step the first one decided, on
-            # the whole step's losses and DeepSpeed's global norm (ZeRO-3 itself refuses a non-finite one):
-            # asking again would read the device again and lose the metrics the first read brought.
+            # the whole step's losses and DeepSpeed's global norm: asking again would read the device
+            # again and lose the metrics the first read brought.
             if self.guard.update_skipped:
                 for p in params:
                     p.grad = None
@@ -220,9 +220,17 @@ class GuardedAdamW(torch.optim.AdamW):
             norm = self._global_grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm)
         elif self.norm_source is not None:
             norm = self.norm_source()
-        if self.guard is not None and norm is not None:
+        if self.guard is None:
+            return super().step(closure)
+        ok = grads_finite(params)
+        if norm is not None:
             self.guard.carry({"grad_norm": norm})
-        if self.guard is not None and self.guard.should_skip(grads_finite(params)):
+        if isinstance(norm, torch.Tensor):
+            # The global norm covers every ZeRO-3 sub-group and rank, where these gradients are one sub-group's
+            # partition: an invalid one (DeepSpeed's -1 sentinel too) drops the whole step. DeepSpeed's own
+            # check of it, a host read, is off inside this step (fastrlhf.engine.deepspeed_reads).
+            ok = (torch.isfinite(norm) & (norm >= 0)) & ok
+        if self.guard.should_skip(ok):
             for p in params:
                 p.grad = None
             return None

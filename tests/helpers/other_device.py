@@ -194,3 +194,27 @@ def accelerator_syncs():
         yield calls
     finally:
         del accelerator.synchronize  # the class's method again
+
+
+class _ScalarReads(TorchDispatchMode):
+    def __init__(self, reads: list):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _READING_OPS:
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+            where = f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}" if frames else "?"
+            self.reads.append((current_host_read(), str(func), where))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def scalar_reads():
+    """Records every value-dependent op (``bool()``, ``.item()``, ``nonzero``...) on ordinary tensors as
+    ``(host_read name or None, op, where)``: inside code that on a GPU holds only device tensors (a DeepSpeed
+    optimizer step), each is a read that stalls the stream. Where host and device tensors mix, use
+    :class:`OtherDevice`, which tells them apart. ``.tolist()`` does not dispatch and is not seen."""
+    reads: list[tuple[str | None, str, str]] = []
+    with _ScalarReads(reads):
+        yield reads
