@@ -108,7 +108,7 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
     if guard is not None and isinstance(engine.optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
         from fastrlhf.engine.deepspeed_reads import guard_checks_the_norm
 
-        guard_checks_the_norm(engine.optimizer)  # ZeRO's own invalid-norm read is the guard's decision's
+        guard_checks_the_norm(engine.optimizer)  # the guard judges the global norm, not DeepSpeed's own read
     if cpu is not None:
         cpu.zero_master.share_master_weights(engine.optimizer)  # fp32 weights at ZeRO 1-2: no cloned master partition
     return engine
