@@ -19,7 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["apply_matmul_precision", "compute_dtype", "gpu_available", "resolve_precision"]
+__all__ = ["apply_matmul_precision", "compute_dtype", "gpu_available", "resolve_precision", "trained_zero_stage"]
+
+
+def trained_zero_stage(ds) -> int:
+    """The ZeRO stage a trained engine runs at: ``deepspeed.zero_stage``, except that bf16 at stage 0 runs ZeRO-1.
+
+    At stage 0 DeepSpeed trains bf16 weights through its fp16 wrapper (``FP16_UnfusedOptimizer`` for a torch
+    optimizer), which checks each parameter's gradient for overflow on the host: a device read per parameter and
+    step (about 340 for a 1.5B Qwen2). ZeRO-1 keeps the same fp32 master weights, on one rank the same memory
+    (less on several), and leaves that check to the guard's one read. The engine config and the memory plan
+    both ask here."""
+    return 1 if ds.zero_stage == 0 and ds.bf16 is True else ds.zero_stage
 
 
 def gpu_available() -> bool:

@@ -25,7 +25,9 @@ def deep_merge(base: dict, extra: dict) -> dict:
 def deepspeed_config(ds, micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float | None = None,
                      zero_stage: int | None = None, trainable: bool = True) -> dict:
     """The DeepSpeed config dict for one engine, from the ``deepspeed:`` section (``extra`` merged last)."""
-    stage = ds.zero_stage if zero_stage is None else zero_stage
+    from fastrlhf.config.precision import trained_zero_stage
+
+    stage = (trained_zero_stage(ds) if trainable else ds.zero_stage) if zero_stage is None else zero_stage
     zero: dict = {"stage": stage}
     if trainable and ds.offload_optimizer and stage > 0:
         zero["offload_optimizer"] = {"device": "cpu"}

@@ -8,6 +8,8 @@ mirrors equal to their sources.
 
 from __future__ import annotations
 
+from fastrlhf.config.precision import trained_zero_stage
+
 from .architecture import ModelShape
 
 # vLLM's KV-cache block (tokens): 16 on CUDA, 128 with the CPU attention backend.
@@ -73,7 +75,7 @@ def optimizer_bytes_per_param(ds, w: int) -> int:
 
 def trained_engine(name: str, params: int, trained: int, w: int, ds, gpus: int, device: str, out: dict, host: dict):
     """Weights, gradients and optimizer states of one DeepSpeed engine, on the device or offloaded."""
-    stage, on_host = ds.zero_stage, device == "cpu"
+    stage, on_host = trained_zero_stage(ds), device == "cpu"
     weights = params * w // (gpus if stage == 3 else 1)
     grads = trained * w // (gpus if stage >= 2 else 1)
     states = trained * optimizer_bytes_per_param(ds, w) // (gpus if stage >= 1 else 1)
@@ -98,15 +100,16 @@ def _zero_extra(config) -> dict:
 
 def zero_buffers(config, trained_counts: list[int], shapes: list[ModelShape], w: int, device: str) -> int:
     ds, z = config.deepspeed, _zero_extra(config)
-    if ds.zero_stage == 0:
+    stage = trained_zero_stage(ds)
+    if stage == 0:
         return 0
     bucket = int(z.get("reduce_bucket_size", 5e8))
-    overlap = z.get("overlap_comm", ds.zero_stage == 3)
-    copies = 2 if overlap and ds.zero_stage < 3 else 1
-    if ds.zero_stage < 3 and z.get("contiguous_gradients", True) is False and not ds.offload_optimizer:
+    overlap = z.get("overlap_comm", stage == 3)
+    copies = 2 if overlap and stage < 3 else 1
+    if stage < 3 and z.get("contiguous_gradients", True) is False and not ds.offload_optimizer:
         copies = 0
     total = sum((bucket if device == "cuda" else min(bucket, t)) * w * copies for t in trained_counts)
-    if ds.zero_stage == 3:
+    if stage == 3:
         # Gathered for compute, by each ZeRO-3 engine (actor, reference, critic): DeepSpeed keeps up to
         # stage3_max_live_parameters (1e9) gathered plus the prefetch bucket, and does not release a
         # parameter it will use again within stage3_max_reuse_distance (1e9): a model smaller than that
@@ -124,11 +127,12 @@ def optimizer_step_temporaries(ds, trained_counts: list[int], gpus: int, device:
     step peaks at exactly the two over its held memory). The AdamW step itself is torch's fused kernel
     (``fastrlhf.engine.guards.GuardedAdamW``), which makes no full-size temporary, so ZeRO-0 adds nothing.
     Offloaded optimizer states step on the host."""
-    if ds.zero_stage == 0 or (ds.offload_optimizer and device == "cuda"):
+    stage = trained_zero_stage(ds)
+    if stage == 0 or (ds.offload_optimizer and device == "cuda"):
         return 0
     z = (ds.extra or {}).get("zero_optimization", {}) if isinstance(ds.extra, dict) else {}
     shard = max(trained_counts) // gpus
-    if ds.zero_stage == 3:
+    if stage == 3:
         return min(shard, int(z.get("sub_group_size", 1e9))) * 4
     return shard * (4 + (w if w < 4 else 0))
 

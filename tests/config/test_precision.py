@@ -37,6 +37,17 @@ def test_defaults_resolve_to_bf16_with_fp32_master_weights_on_a_gpu(tmp_path):
     assert config.model.tf32 is True
 
 
+def test_bf16_at_stage_0_trains_as_zero_1(tmp_path):
+    """DeepSpeed's stage-0 bf16 wrapper reads each parameter's gradient on the host every step
+    (tests/engine/test_deepspeed_reads.py); the trainable engine runs ZeRO-1 instead, a frozen one stays at 0."""
+    config = parse_config(raw_train(tmp_path, deepspeed={"zero_stage": 0}), on_gpu=True)
+    assert config.deepspeed.zero_stage == 0 and config.deepspeed.bf16 is True
+    assert deepspeed_config(config.deepspeed)["zero_optimization"]["stage"] == 1
+    assert deepspeed_config(config.deepspeed, trainable=False)["zero_optimization"]["stage"] == 0
+    cpu = parse_config(raw_train(tmp_path, deepspeed={"zero_stage": 0}), on_gpu=False)  # fp32: no wrapper
+    assert deepspeed_config(cpu.deepspeed)["zero_optimization"]["stage"] == 0
+
+
 def test_defaults_stay_fp32_on_a_cpu(tmp_path):
     config = parse_config(raw_train(tmp_path), on_gpu=False)
     assert (config.model.dtype, config.deepspeed.bf16, config.rollout.dtype) == ("float32", False, "float32")

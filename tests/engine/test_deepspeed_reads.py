@@ -139,15 +139,16 @@ def _poisoned_step(engine, learner, where: str | None) -> bool:
 
 
 @pytest.mark.parametrize("stage,dtype", [(3, torch.bfloat16), (3, torch.float32), (2, torch.float32),
-                                         (2, torch.bfloat16)], ids=["zero3-bf16", "zero3-fp32", "zero2-fp32",
-                                                                    "zero2-bf16"])
+                                         (2, torch.bfloat16), (0, torch.bfloat16)],
+                         ids=["zero3-bf16", "zero3-fp32", "zero2-fp32", "zero2-bf16", "zero0-bf16"])
 @pytest.mark.parametrize("poison", [None, "first", "last"])
 def test_a_guarded_zero_step_reads_the_device_once(stage, dtype, poison):
     """ZeRO-3's step (any dtype) and ZeRO 1-2's in fp32 decide on DeepSpeed's ``is_invalid_grad_norm`` of the
     global norm whether to step at all: ``bool()`` of a device tensor, a second read beside the guard's. With
     a guard the global norm's validity is part of the guard's decision, and DeepSpeed's check is off in that
     step: one read, and a NaN gradient confined to the last ZeRO-3 sub-group (finite in the first, where
-    the guard is asked) still drops the whole step."""
+    the guard is asked) still drops the whole step. ZeRO-0 in bf16 trains as ZeRO-1 (see deepspeed_config):
+    DeepSpeed's own stage-0 wrapper reads every parameter's gradient."""
     from helpers.other_device import scalar_reads
 
     from fastrlhf.engine.device import watch_host_reads

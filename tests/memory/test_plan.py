@@ -360,7 +360,8 @@ def test_kv_cache_bytes_for_rounds_to_vllms_block(small):
 
 
 def test_check_names_the_largest_component_and_a_remedy(tmp_path):
-    plan = plan_memory(gpu_grpo(model_folder(tmp_path / "m", QWEN25_7B), 0), 8, 80 * GiB)
+    # One GPU: bf16 at stage 0 trains as ZeRO-1 (trained_zero_stage), whose optimizer states one rank holds whole.
+    plan = plan_memory(gpu_grpo(model_folder(tmp_path / "m", QWEN25_7B), 0), 1, 80 * GiB)
     assert not plan.fits and plan.largest == "actor optimizer states"
     with pytest.raises(PlanError) as info:
         plan.check()
@@ -369,6 +370,13 @@ def test_check_names_the_largest_component_and_a_remedy(tmp_path):
     assert message.startswith(f"plan: needs {plan.total / GiB:.1f} GiB per GPU, over the 80.0 GiB budget")
     assert f"largest: actor optimizer states {7_615_616_512 * 12 / GiB:.1f} GiB (try deepspeed.zero_stage 3 or " \
            "deepspeed.offload_optimizer)" in message
+
+
+def test_bf16_at_stage_0_is_planned_as_the_zero_1_it_trains_as(tmp_path):
+    folder = model_folder(tmp_path / "m", QWEN25_1_5B)
+    stage0, stage1 = (plan_memory(gpu_grpo(folder, stage), 8, 80 * GiB, "cuda") for stage in (0, 1))
+    assert stage0.components == stage1.components
+    assert stage0.components["actor optimizer states"] == qwen_1_5b_params() * 12 // 8
 
 
 def test_parse_bytes():
@@ -447,8 +455,8 @@ def test_plan_command_prints_the_table_and_the_utilization(tmp_path):
 
 
 def test_plan_command_that_does_not_fit_exits_2_with_one_line(tmp_path):
-    result, _ = run_plan("--config", plan_yaml(tmp_path, QWEN25_7B), "--gpus", "8", "--gpu-memory", "80GiB",
-                         "--set", "deepspeed.zero_stage=0")
+    result, _ = run_plan("--config", plan_yaml(tmp_path, QWEN25_7B), "--gpus", "1", "--gpu-memory", "80GiB",
+                         "--set", "deepspeed.zero_stage=0")  # one rank holds the optimizer states whole
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
