@@ -1,9 +1,11 @@
-"""DeepSpeed's ZeRO 1-2 optimizer step reads the device twice per parameter group (found on one H100 under
-``torch.cuda.set_sync_debug_mode("error")``, tests/gpu/test_update_syncs.py); fastrlhf.engine.deepspeed_reads
-replaces the two functions. Here, on the emulated second device (helpers.other_device, which records what
-stalls a CUDA stream): DeepSpeed's own functions read, the replacements do not, and both give the same values,
-for finite, non-finite and DeepSpeed's -1 sentinel norms. And the engine's throughput timer, which waits for the
-whole device at every forward and step from the third optimizer step on, is off."""
+"""DeepSpeed's ZeRO optimizer steps read the device beside the guard's one read (found on one H100 under
+``torch.cuda.set_sync_debug_mode("error")``, tests/gpu/test_update_syncs.py, and by the CPU recorders here);
+fastrlhf.engine.deepspeed_reads replaces what reads. On the emulated second device (helpers.other_device, which
+records what stalls a CUDA stream): DeepSpeed's own functions read, the replacements do not, and both give the
+same values, for finite, non-finite and DeepSpeed's -1 sentinel norms. A whole guarded step (ZeRO-2 and 3 in
+bf16 and fp32, ZeRO-0 in bf16) reads once (helpers.other_device.scalar_reads) and drops a NaN gradient
+wherever it is. And the engine's throughput timer, which waits for the whole device at every forward and step
+from the third optimizer step on, is off."""
 
 from types import SimpleNamespace
 
@@ -129,8 +131,7 @@ def _poisoned_step(engine, learner, where: str | None) -> bool:
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     try:
         loss = engine(input_ids=ids, labels=ids).loss
-        if learner.guard is not None:
-            learner.guard.note_loss(loss)
+        learner.guard.note_loss(loss)
         learner.backward(loss)
         return learner.step()
     finally:
@@ -147,8 +148,9 @@ def test_a_guarded_zero_step_reads_the_device_once(stage, dtype, poison):
     global norm whether to step at all: ``bool()`` of a device tensor, a second read beside the guard's. With
     a guard the global norm's validity is part of the guard's decision, and DeepSpeed's check is off in that
     step: one read, and a NaN gradient confined to the last ZeRO-3 sub-group (finite in the first, where
-    the guard is asked) still drops the whole step. ZeRO-0 in bf16 trains as ZeRO-1 (see deepspeed_config):
-    DeepSpeed's own stage-0 wrapper reads every parameter's gradient."""
+    the guard is asked) still drops the whole step. ZeRO-0 in bf16 trains as ZeRO-1
+    (``fastrlhf.config.precision.trained_zero_stage``): DeepSpeed's own stage-0 wrapper reads every parameter's
+    gradient."""
     from helpers.other_device import scalar_reads
 
     from fastrlhf.engine.device import watch_host_reads
