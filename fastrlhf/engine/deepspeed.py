@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 
+from fastrlhf.config.precision import trained_zero_stage
+
 __all__ = ["build_frozen_engine", "build_train_engine", "deep_merge", "deepspeed_config"]
 
 
@@ -25,8 +27,6 @@ def deep_merge(base: dict, extra: dict) -> dict:
 def deepspeed_config(ds, micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float | None = None,
                      zero_stage: int | None = None, trainable: bool = True) -> dict:
     """The DeepSpeed config dict for one engine, from the ``deepspeed:`` section (``extra`` merged last)."""
-    from fastrlhf.config.precision import trained_zero_stage
-
     stage = (trained_zero_stage(ds) if trainable else ds.zero_stage) if zero_stage is None else zero_stage
     zero: dict = {"stage": stage}
     if trainable and ds.offload_optimizer and stage > 0:
@@ -82,10 +82,10 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
         # The config check, again where the engine is built, for models and configs made in code.
         raise ValueError(f"the model's trainable weights are {half.pop()} and deepspeed.bf16 is off: that trains "
                          "without fp32 master weights; enable deepspeed.bf16 or set deepspeed.pure_bf16")
-    # At stage 0 in fp32 DeepSpeed clips with clip_grad_norm_ and throws the norm away, so
+    # At stage 0 (in fp32: see trained_zero_stage) DeepSpeed clips with clip_grad_norm_ and throws the norm away, so
     # get_global_grad_norm() would report nothing; there the optimizer clips instead and keeps the
     # norm where the engine reads it. (Stages 1-3 and bf16 compute the norm themselves.)
-    clip_in_optimizer = ds.zero_stage == 0 and ds.bf16 is not True
+    clip_in_optimizer = trained_zero_stage(ds) == 0
     optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, guard=guard,
                              max_grad_norm=(max_grad_norm or float("inf")) if clip_in_optimizer else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(warmup_steps))

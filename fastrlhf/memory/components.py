@@ -65,7 +65,7 @@ def sequences(config, world: int) -> int:
 
 def optimizer_bytes_per_param(ds, w: int) -> int:
     """Adam's moments plus DeepSpeed's fp32 master copy (see the module docstring), per trained parameter."""
-    if ds.zero_stage == 0 and ds.bf16 is not True:
+    if trained_zero_stage(ds) == 0:
         return 2 * w  # a plain torch AdamW: moments in the weights' dtype, no master copy
     # fp32 weights on the device are their own master: ZeRO-3 steps them, and at ZeRO 1-2
     # fastrlhf.cpu.zero_master points DeepSpeed's cloned partition back at them.
