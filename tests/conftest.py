@@ -33,3 +33,13 @@ def _unpatched_linear():
     linear = torch.nn.functional.linear
     yield
     torch.nn.functional.linear = linear
+
+
+@pytest.fixture(params=["real", "forced-off"])
+def cpu_probe_answer(request):
+    """The CPU probe's real answer for this machine, then the probe forced to "unavailable": a test of
+    machine-dependent code runs on both paths on every machine (tests/helpers/cpu_probe.py)."""
+    from helpers.cpu_probe import probe_answer
+
+    with probe_answer(request.param) as probe:
+        yield probe

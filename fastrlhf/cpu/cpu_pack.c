@@ -4,14 +4,15 @@
  * dst[n / B][k][n % B] = W[n][k], what oneDNN's brgemm wants for B = W^T ("BA16a64b" with K a
  * multiple of 16, B = 64 on AVX2/AVX-512); for bf16 the words are pairs of K-adjacent values
  * ("BA16a64b2a"), which is the same transpose of W viewed as an [N, K/2] matrix of 4-byte words.
- * fastrlhf.rollout.cpu_packed_linear checks the layout before using this file. Being a transpose,
+ * fastrlhf.cpu.probe checks the layout before anything uses this file. Being a transpose,
  * it goes through 8x8 register tiles (AVX) rather than element by element, which keeps it near the
  * cost of a plain copy; torch's strided copy and oneDNN's reorder into a fresh buffer cost several
  * times that.
  * Words are only moved (loads, shuffles, stores), never converted, so any 4-byte content is exact.
  *
- * Built at run time with the machine's C compiler (see cpu_packed_linear.load_pack_kernel); the
- * scalar loops below are the whole kernel where AVX is missing.
+ * Built at run time with the machine's C compiler (fastrlhf.cpu.packed_linear.build_pack_kernel, with the
+ * flags fastrlhf.cpu.probe picks for this CPU); the scalar loops below are the whole kernel where AVX is
+ * missing or not targeted, and fastrlhf_pack_isa says which of the two was compiled.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -71,4 +72,13 @@ void fastrlhf_pack_rows_32bit(const uint32_t *src, size_t ld, size_t n_rows, siz
             for (size_t k = 0; k < K; ++k) d[k * B + r] = s[r * ld + k];
         i += span;
     }
+}
+
+/* Which transposes were compiled: "avx" (8x8 register tiles) or "scalar". */
+const char *fastrlhf_pack_isa(void) {
+#ifdef __AVX__
+    return "avx";
+#else
+    return "scalar";
+#endif
 }

