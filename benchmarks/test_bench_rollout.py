@@ -200,6 +200,7 @@ def _measure_sync(benchmark, engine, source, size: str = TARGET_SIZE) -> float:
         target=f"<= {MAX_SYNC_OVER_COPY}x",
         target_met=bool(ratio <= MAX_SYNC_OVER_COPY),
         packed_in_place=_packed_in_place(engine),
+        cpu_probe=_cpu_probe_summary(),
     )
     if STRICT:
         assert ratio <= MAX_SYNC_OVER_COPY, f"sync takes {ratio:.2f}x a plain copy_ (target <= {MAX_SYNC_OVER_COPY}x)"
@@ -212,6 +213,13 @@ def _packed_in_place(engine) -> bool:
     from fastrlhf.cpu import vllm_inplace_sync
 
     return vllm_inplace_sync.gemm_weight_kinds(engine.llm) == {"in_place"}
+
+
+def _cpu_probe_summary() -> str:
+    """What this CPU allows the in-place sync (fastrlhf/cpu/probe.py): the figures mean that path."""
+    from fastrlhf.cpu.probe import cpu_probe
+
+    return cpu_probe().summary()
 
 
 def _update_path(engine) -> str:

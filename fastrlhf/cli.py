@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         from fastrlhf.config import config_to_dict
 
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+        _print_cpu_fast_paths(args.command, config)
         return 0
 
     from fastrlhf.data import DataError
@@ -183,6 +184,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _lost_peer(config, reason)
     return 0
+
+
+def _print_cpu_fast_paths(command: str, config) -> None:
+    """On a CPU, what the weight sync of an RL run with a vLLM engine does on this CPU (the CPU probe's
+    answer), as a YAML comment: a run whose CPU allows no in-place packing is not silently slower."""
+    from fastrlhf.engine.platform import cpu_tools
+
+    cpu = cpu_tools()
+    if command != "train" or cpu is None or config.rollout.engine == "hf":
+        return
+    print(f"# {cpu.probe.cpu_probe().summary()}")
 
 
 def exit_with(code: int) -> None:

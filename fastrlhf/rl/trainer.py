@@ -76,6 +76,10 @@ def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None
                         gpu_memory_utilization=_gpu_memory_utilization(ro, plan) if on_cuda else None,
                         sleep=ro.sleep and on_cuda, tensor_parallel_size=ro.tensor_parallel_size,
                         enforce_eager=ro.enforce_eager is True)
+    if not on_cuda and D.is_main():  # what the weight syncs do on this CPU, once
+        from fastrlhf.engine.platform import cpu_tools
+
+        print(f"rollout: vllm; {cpu_tools('cpu').probe.cpu_probe().summary()}", flush=True)
     if tp > 1:
         from fastrlhf.rollout.tensor_parallel import TensorParallelGroup
 
