@@ -143,9 +143,12 @@ def test_engine_auto_falls_back_to_hf_where_vllm_cannot_run_the_model(root, monk
     ({"model": {"lora_r": 4}}, False),  # syncs send merged copies, not the actor's tensors
     ({"rollout": {"tensor_parallel_size": 2}}, False),  # each engine holds a shard of its own
 ])
-def test_cpu_vllm_engine_is_handed_the_actors_own_embedding(root, monkeypatch, sections, shared):
+def test_cpu_vllm_engine_is_handed_the_actors_own_embedding(root, monkeypatch, capsys, sections, shared):
     """On a CPU the in-process vLLM engine reads the actor's input embedding (no copy of its own)
-    only where the actor holds it whole and the syncs send the actor's own tensors."""
+    only where the actor holds it whole and the syncs send the actor's own tensors; the run says once
+    what the weight sync does on this CPU (the CPU probe's answer)."""
+    from fastrlhf.cpu.probe import cpu_probe
+
     import fastrlhf.rollout as rollout
     import fastrlhf.rollout.tensor_parallel as tensor_parallel
     from fastrlhf.config import load_config
@@ -170,6 +173,8 @@ def test_cpu_vllm_engine_is_handed_the_actors_own_embedding(root, monkeypatch, s
     actor = make_tiny_llama(vocab_size=64, hidden_size=32, num_heads=2)
     engine, shares_actor = trainer._build_rollout(config, actor, 10**9, "cpu")
     assert isinstance(engine, RecordingEngine) and not shares_actor
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout: vllm")]
+    assert said == [f"rollout: vllm; {cpu_probe().summary()}"]
     if shared:
         assert len(calls) == 1 and calls[0] is actor.get_input_embeddings().weight
     else:
