@@ -147,11 +147,10 @@ def test_cpu_vllm_engine_is_handed_the_actors_own_embedding(root, monkeypatch, c
     """On a CPU the in-process vLLM engine reads the actor's input embedding (no copy of its own)
     only where the actor holds it whole and the syncs send the actor's own tensors; the run says once
     what the weight sync does on this CPU (the CPU probe's answer)."""
-    from fastrlhf.cpu.probe import cpu_probe
-
     import fastrlhf.rollout as rollout
     import fastrlhf.rollout.tensor_parallel as tensor_parallel
     from fastrlhf.config import load_config
+    from fastrlhf.cpu.probe import cpu_probe
     from fastrlhf.modeling.tiny import make_tiny_llama
     from fastrlhf.rl import trainer
 
