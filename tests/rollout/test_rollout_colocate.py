@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from helpers.plan_cases import QWEN25_1_5B, gpu_grpo, model_folder
 from helpers.rl_case import GRPO, PAD, PROMPTS, changed, make_config, tiny_actor
 
 import fastrlhf.rl.step as step_module
@@ -171,8 +172,6 @@ def test_a_tensor_parallel_group_generates_its_ranks_prompts_together_and_splits
 
 def test_a_run_that_cannot_fit_its_gpus_stops_at_launch_with_the_plans_line(tmp_path, monkeypatch, capsys):
     import time
-
-    from test_plan import QWEN25_1_5B, gpu_grpo, model_folder
 
     import fastrlhf.config.precision as precision
     import fastrlhf.memory.plan as plan_module
