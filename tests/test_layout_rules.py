@@ -1,5 +1,6 @@
 """The shape of the package: no import circles in fastrlhf/ or kernels/ (imports inside functions
-included), no module above 500 lines, at most 14 entries at fastrlhf's top level."""
+included), no module above 500 lines, at most 14 entries at fastrlhf's top level; and no file under
+tests/ or benchmarks/ imports a test module or a conftest (what tests share lives in tests/helpers/)."""
 
 import ast
 import os
@@ -119,3 +120,84 @@ def test_fastrlhf_top_level_holds_at_most_14_entries():
     for package in packages:  # each package says what it holds
         init = os.path.join(ROOT, "fastrlhf", package, "__init__.py")
         assert ast.get_docstring(ast.parse(open(init).read())), f"fastrlhf/{package}/__init__.py has no docstring"
+
+
+# --------------------------------------------------------------------------------------------
+# Tests import no test module
+# --------------------------------------------------------------------------------------------
+
+
+def is_test_module(dotted: str) -> bool:
+    """Whether a dotted module name names a test module (pytest's ``test_*`` / ``*_test``) or a conftest,
+    at any level (``test_plan``, ``benchmarks.test_bench_e2e``, ``tests.conftest``)."""
+    return any(part.startswith("test_") or part.endswith("_test") or part == "conftest"
+               for part in dotted.split("."))
+
+
+def imports_of_test_modules(source: str) -> list[str]:
+    """The imports in ``source`` (anywhere in it, inside functions too) that name a test module or a
+    conftest: ``import test_x``, ``from test_x import a``, ``from pkg import test_x``, ``from . import
+    conftest`` and ``importlib.import_module("test_x")`` / ``__import__("test_x")``, as one line each."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names if is_test_module(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            if is_test_module(module) or any(is_test_module(a.name) for a in node.names):
+                found.append(f"line {node.lineno}: from {module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            arg = node.args[0].value
+            if name in ("import_module", "__import__") and isinstance(arg, str) and is_test_module(arg):
+                found.append(f"line {node.lineno}: {name}({arg!r})")
+    return found
+
+
+def test_no_test_module_imports_another_test_module():
+    """A test that imports another test module (``from test_plan import ...``) works only when pytest
+    happened to import that module first (its folder is then on ``sys.path``), so it fails run alone;
+    and the imported module's tests are collected twice. Shared cases go in tests/helpers/."""
+    bad = []
+    for folder in ("tests", "benchmarks"):
+        for dirpath, dirs, files in os.walk(os.path.join(ROOT, folder)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    bad += [f"{os.path.relpath(path, ROOT)}: {line}"
+                            for line in imports_of_test_modules(open(path).read())]
+    assert bad == []
+
+
+def test_the_test_import_finder_finds_them():
+    source = """
+import os, test_a
+import tests.conftest
+from test_b import x
+from benchmarks.test_bench_e2e import y
+from helpers import test_c
+from . import conftest
+from .c_test import z
+from helpers.rl_case import make_config
+import contest, testing, attest
+
+def f():
+    from test_d import w
+    importlib.import_module("test_e")
+    __import__("conftest")
+    importlib.import_module("fastrlhf.kernels.policy_loss")
+"""
+    assert imports_of_test_modules(source) == [
+        "line 2: import test_a",
+        "line 3: import tests.conftest",
+        "line 4: from test_b import x",
+        "line 5: from benchmarks.test_bench_e2e import y",
+        "line 6: from helpers import test_c",
+        "line 7: from . import conftest",
+        "line 8: from .c_test import z",
+        "line 13: from test_d import w",
+        "line 14: import_module('test_e')",
+        "line 15: __import__('conftest')",
+    ]
