@@ -2,8 +2,10 @@
 
 Both backends: "torch" (the whole-chunk CPU path) and "triton" (the shared Triton primitives run
 by TRITON_INTERPRET=1, see tests/conftest.py; interpreter cost grows with tokens, so those cases
-stay at a dozen tokens). The reference builds ``logits = hidden @ weight.T + bias`` in the input
-dtype and differentiates the reference math with autograd.
+stay at a dozen tokens). The reference builds ``logits = hidden @ weight.T + bias`` in float64 from
+the same input values and differentiates the reference math with autograd; outputs must lie within
+the error bounds of tests/helpers/fp32_bounds.py (the GEMMs in the input dtype with fp32
+accumulation, the softmax math in fp32, in any summation order).
 """
 
 import pytest
@@ -13,6 +15,15 @@ from fastrlhf.kernels.fused_linear import (
     default_chunk_size,
     fused_linear_logprob_entropy,
     fused_linear_policy_loss,
+)
+from fastrlhf.kernels.logprob_entropy import default_block_v
+from helpers.fp32_bounds import (
+    assert_within,
+    linear_grad_bounds,
+    linear_logits,
+    policy_loss_bounds,
+    softmax_bounds,
+    softmax_grad_bound,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,20 +53,17 @@ def leaves(hidden, weight, bias):
     return [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
 
 
-def reference_copies(dtype, *tensors):
-    """Inputs for the reference: fp32 cases run it in float64 (fp32 cancellation in the reference's
-    entropy would otherwise dominate the comparison on near-deterministic rows); bf16 cases in bf16,
-    so that both sides round the same GEMM outputs."""
-    if dtype != torch.float32:
-        return tensors
+def leaf_names(hidden, weight, bias):
+    return [name for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias))
+            if t is not None and t.requires_grad]
+
+
+def reference_copies(*tensors):
+    """float64 copies of the inputs (the same values: bf16 and fp32 are exact in float64) for the reference."""
     return tuple(
         None if t is None else t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t
         for t in tensors
     )
-
-
-def as_dtype(tensors, dtype):
-    return [t.to(dtype) for t in tensors]
 
 
 def grads_of(out, inputs):
@@ -86,15 +94,27 @@ def ref_policy_loss(lp, ent, d, clip_low, clip_high, dual_clip, kl_coef, kl_kind
     return loss, metrics
 
 
-def assert_close(actual, expected, dtype, what):
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert torch.isfinite(actual).all(), f"{what} is not finite"
-    if dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
-    else:
-        scale = expected.float().abs().max().item()
-        torch.testing.assert_close(actual.float(), expected.float(), rtol=3e-2, atol=3e-2 * scale,
-                                   msg=lambda m: f"{what}: {m}")
+def head_bounds(hidden, weight, bias, labels, temperature, backend):
+    """The softmax bounds of the head's logits as the kernel computes them (a GEMM in the input dtype)."""
+    logits, logit_error = linear_logits(hidden, weight, bias)
+    v = weight.shape[0]
+    blocks = -(-v // default_block_v(v)) if backend == "triton" else 1
+    return softmax_bounds(logits, labels, temperature, logit_error=logit_error, blocks=blocks)
+
+
+def dlogits_bound(stats, g_lp, g_ent, dtype, backend, **errors):
+    # dlogits overwrite the chunk's logits (the input dtype); the Triton interpreter truncates to bf16.
+    return softmax_grad_bound(stats, g_lp, g_ent, out_dtype=dtype, truncates=backend == "triton", **errors)
+
+
+def assert_grads_within(got, want, names, hidden, weight, dlogits, num_chunks, scale=1.0):
+    """The head's gradients (kernel, in the input dtype) against the float64 reference ones."""
+    reference = dict(zip(names, want, strict=True))
+    bounds = linear_grad_bounds(hidden, weight, dlogits, reference, num_chunks=num_chunks,
+                                with_bias="bias" in names, scale=scale)
+    for name, a in zip(names, got, strict=True):
+        assert a.dtype == hidden.dtype and torch.isfinite(a).all(), f"grad of {name}"
+        assert_within(a, scale * reference[name], bounds[name], f"grad of {name}")
 
 
 def check_logprob_entropy(shape, h, v, backend, dtype=torch.float32, bias=True, temperature=1.0, chunk_size=4,
@@ -109,14 +129,15 @@ def check_logprob_entropy(shape, h, v, backend, dtype=torch.float32, bias=True, 
     assert lp.shape == ent.shape == labels.shape and lp.dtype == ent.dtype == torch.float32
     got = grads_of((lp * g_lp).sum() + (ent * g_ent).sum(), inputs)
 
-    rh, rw, rb, rg_lp, rg_ent = reference_copies(dtype, hidden, weight, b, g_lp, g_ent)
+    rh, rw, rb, rg_lp, rg_ent = reference_copies(hidden, weight, b, g_lp, g_ent)
     lp_ref, ent_ref = ref_lp_ent(rh, rw, rb, labels, temperature)
-    want = as_dtype(grads_of((lp_ref * rg_lp).sum() + (ent_ref * rg_ent).sum(), leaves(rh, rw, rb)), dtype)
-    assert_close(lp.detach(), lp_ref.detach().float(), dtype, "logprobs")
-    assert_close(ent.detach(), ent_ref.detach().float(), dtype, "entropy")
-    for name, a, e in zip(("first input", "second input", "third input")[: len(got)], got, want, strict=True):
-        assert a.dtype == e.dtype == dtype
-        assert_close(a, e, dtype, f"grad of the {name}")
+    want = grads_of((lp_ref * rg_lp).sum() + (ent_ref * rg_ent).sum(), leaves(rh, rw, rb))
+    stats = head_bounds(hidden, weight, b, labels, temperature, backend)
+    assert_within(lp, lp_ref, stats.logprobs_bound, "logprobs")
+    assert_within(ent, ent_ref, stats.entropy_bound, "entropy")
+    n = labels.numel()
+    assert_grads_within(got, want, leaf_names(hidden, weight, b), hidden, weight,
+                        dlogits_bound(stats, g_lp, g_ent, dtype, backend), -(-n // min(chunk_size or n, n)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,10 +177,11 @@ def test_logprob_entropy_one_output_used_and_noncontiguous_inputs():
     assert not hidden.is_contiguous() and not weight.is_contiguous()
     _, ent = fused_linear_logprob_entropy(hidden, weight, labels, chunk_size=5, backend="torch")
     got = grads_of(ent.sum(), [hidden, weight])
-    rh, rw = reference_copies(torch.float32, hidden, weight)
-    want = as_dtype(grads_of(A.entropy_from_logits(rh @ rw.t()).sum(), [rh, rw]), torch.float32)
-    for a, e in zip(got, want, strict=True):
-        assert_close(a, e, torch.float32, "entropy-only grad")
+    rh, rw = reference_copies(hidden, weight)
+    want = grads_of(A.entropy_from_logits(rh @ rw.t()).sum(), [rh, rw])
+    stats = head_bounds(hidden, weight, None, labels, 1.0, "torch")
+    assert_grads_within(got, want, ["hidden", "weight"], hidden, weight,
+                        dlogits_bound(stats, None, torch.ones(16), torch.float32, "torch"), 4)
 
 
 def test_logprob_entropy_minus_inf_bias_entry_stays_finite():
@@ -170,12 +192,15 @@ def test_logprob_entropy_minus_inf_bias_entry_stays_finite():
     labels[labels == 3] = 4
     lp, ent = fused_linear_logprob_entropy(hidden, weight, labels, bias=b, chunk_size=3, backend="torch")
     got = grads_of((lp + ent).sum(), [hidden, weight])
-    rh, rw, rb = reference_copies(torch.float32, hidden, weight, b)
+    rh, rw, rb = reference_copies(hidden, weight, b)
     lp_ref, ent_ref = ref_lp_ent(rh, rw, rb, labels, 1.0)
-    want = as_dtype(grads_of((lp_ref + ent_ref).sum(), [rh, rw]), torch.float32)
-    assert_close(ent.detach(), ent_ref.detach().float(), torch.float32, "entropy")
-    for a, e in zip(got, want, strict=True):
-        assert_close(a, e, torch.float32, "grad")
+    want = grads_of((lp_ref + ent_ref).sum(), [rh, rw])
+    stats = head_bounds(hidden, weight, b, labels, 1.0, "torch")
+    assert_within(lp, lp_ref, stats.logprobs_bound, "logprobs")
+    assert_within(ent, ent_ref, stats.entropy_bound, "entropy")
+    ones = torch.ones(7)
+    assert_grads_within(got, want, ["hidden", "weight"], hidden, weight,
+                        dlogits_bound(stats, ones, ones, torch.float32, "torch"), 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,20 +228,31 @@ def check_policy_loss(backend, shape=(3, 7), h=16, v=300, dtype=torch.float32, b
     assert loss.shape == () and loss.dtype == torch.float32
     got = grads_of(loss * grad_scale, inputs)
 
-    rh, rw, rb = reference_copies(dtype, hidden, weight, b)
-    rd = dict(zip(d, reference_copies(dtype, *d.values()), strict=True))
+    rh, rw, rb = reference_copies(hidden, weight, b)
+    rd = dict(zip(d, reference_copies(*d.values()), strict=True))
     if on_policy:
         rd["old_logprobs"] = None  # the reference's own convention: old = its logprobs, detached
     lp, ent = ref_lp_ent(rh, rw, rb, labels, temperature)
     loss_ref, metrics_ref = ref_policy_loss(lp, ent, rd, **kw)
-    want = as_dtype(grads_of(loss_ref * grad_scale, leaves(rh, rw, rb)), dtype)
-    assert_close(loss.detach(), loss_ref.detach().float(), dtype, "loss")
+    want = grads_of(loss_ref, leaves(rh, rw, rb))
+
+    stats = head_bounds(hidden, weight, b, labels, temperature, backend)
+    n = labels.numel()
+    num_chunks = -(-n // min(chunk_size, n))
+    pb = policy_loss_bounds(stats, rd["old_logprobs"], rd["advantages"], A.aggregation_weights(rd["mask"], kw["agg"]),
+                            rd["ref_logprobs"], clip_low=kw["clip_low"], clip_high=kw["clip_high"],
+                            dual_clip=kw["dual_clip"], kl_coef=kw["kl_coef"], kl_kind=kw["kl_kind"],
+                            entropy_coef=kw["entropy_coef"], num_chunks=num_chunks)
+    assert_within(loss, loss_ref, pb.loss_bound, "loss")
     assert set(metrics) == {"clipfrac", "approx_kl", "entropy", "kl"}
     for k in metrics:
-        assert_close(metrics[k], metrics_ref[k].float(), dtype, f"metric {k}")
-    for a, e in zip(got, want, strict=True):
-        assert a.dtype == e.dtype == dtype
-        assert_close(a, e, dtype, "grad")
+        assert_within(metrics[k], metrics_ref[k], pb.metric_bounds[k], f"metric {k}")
+    with_entropy = kw["entropy_coef"] != 0.0
+    dlogits = dlogits_bound(stats, pb.grad_logprobs, pb.grad_entropy if with_entropy else None, dtype, backend,
+                            grad_logprobs_error=pb.grad_logprobs_error,
+                            grad_entropy_error=pb.grad_entropy_error if with_entropy else None)
+    assert_grads_within(got, want, leaf_names(hidden, weight, b), hidden, weight, dlogits, num_chunks,
+                        scale=grad_scale)
     return loss, metrics
 
 
