@@ -90,9 +90,11 @@ def run_stage(name: str, cmd: list[str], log_path: str, metrics_path: str | None
                 follow(bar)
             if proc.returncode == 0:
                 follow(bar)
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
+        except BaseException:
+            # Ctrl-C, and equally a test's timeout (pytest-timeout raises in this loop) or any other error
+            # here: the child runs in its own session, so nothing else would stop it, and a 2-rank job left
+            # running loads the machine for whatever runs next.
+            _stop(proc)
             raise
         finally:
             bar.close()
@@ -101,6 +103,23 @@ def run_stage(name: str, cmd: list[str], log_path: str, metrics_path: str | None
             tail = f.read()[-3000:]
         raise StageFailed(f"stage {name!r} failed (exit {proc.returncode}); log: {log_path}\n{tail}")
     return time.perf_counter() - started
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """Stop the child's whole process group: SIGTERM (the deepspeed launcher then stops its ranks), SIGKILL
+    if it has not exited after ``grace_s``. The grace is not a budget of the child's work: past it the
+    child is killed, which is what was asked anyway."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def resolved_config(command: str, config_path: str, sets: list[str]):
