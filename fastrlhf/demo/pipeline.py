@@ -79,6 +79,18 @@ def _say(opts: DemoOptions, text: str) -> None:
         print(text, flush=True)
 
 
+def _stage_env(threads: int, **extra) -> dict:
+    """``child_env`` for the demo's child stages, with OpenMP's idle threads sleeping (``OMP_WAIT_POLICY=
+    PASSIVE``) unless the environment chooses a policy. With libgomp's default, a thread that waits at the
+    end of a parallel region spins; on a loaded 2-core machine it spins away the time slice its peer needs.
+    Measured on 2 vCPUs, 100 pretraining steps of the demo (2 threads), the same weights either way: with
+    two busy loops beside it 68 s wall and 54 s of CPU by default against 37 s and 15 s passive; unloaded
+    24-36 s against 15 s (benchmarks/results/history/2026-11-26-demo-test-under-load.md)."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        extra = {"OMP_WAIT_POLICY": "PASSIVE", **extra}
+    return child_env(threads, **extra)
+
+
 # ----------------------------------------------------------------------------------------------- stages
 
 
@@ -193,10 +205,10 @@ def run_demo(opts: DemoOptions) -> dict:
                 f"data.path={os.path.join(paths['data'], 'pretrain.jsonl')}", f"seed={opts.pretrain_seed}",
                 *opts.pretrain_set]
         pre_steps = resolved_config("sft", pretrain_cfg, sets).trainer.max_steps
-        cmd = [py, "-m", "fastrlhf", "sft", *_config_args(pretrain_cfg, sets)]
+        cmd = [py, "-m", "fastrlhf", "sft", *_config_args(pretrain_cfg, sets), "--overwrite"]
         times["pretrain"] = run_stage("pretrain", cmd, os.path.join(paths["logs"], "pretrain.log"),
                                        os.path.join(paths["pretrain"], "metrics.jsonl"), pre_steps, opts.progress,
-                                       env=child_env(opts.threads))
+                                       env=_stage_env(opts.threads))
 
         announce(stages[2])
         t0 = time.perf_counter()
@@ -220,10 +232,10 @@ def run_demo(opts: DemoOptions) -> dict:
             sets = [f"output_dir={paths['rm']}", f"model.path={paths['pretrained']}",
                     f"data.path={data_file['classifier']}", *opts.rm_set]
             rm_steps = resolved_config("rm", rm_cfg, sets).trainer.max_steps
-            cmd = [py, "-m", "fastrlhf", "rm", *_config_args(rm_cfg, sets)]
+            cmd = [py, "-m", "fastrlhf", "rm", *_config_args(rm_cfg, sets), "--overwrite"]
             times["reward_model"] = run_stage("reward model", cmd, os.path.join(paths["logs"], "rm.log"),
                                                os.path.join(paths["rm"], "metrics.jsonl"), rm_steps, opts.progress,
-                                               env=child_env(opts.threads))
+                                               env=_stage_env(opts.threads))
             _write_stamp(rm_final, rm_key)
         env_extra["FASTRLHF_DEMO_CLASSIFIER"] = os.path.abspath(rm_final)
 
@@ -257,7 +269,7 @@ def run_demo(opts: DemoOptions) -> dict:
            "train", *_config_args(rl_cfg, sets)]
     times["rl"] = run_stage(f"RL {opts.algo}", cmd, os.path.join(paths["logs"], f"{run_name}.log"),
                              os.path.join(run_dir, "metrics.jsonl"), rl_config.trainer.max_steps, opts.progress,
-                             env=child_env(max(1, opts.threads // opts.ranks), **env_extra))
+                             env=_stage_env(max(1, opts.threads // opts.ranks), **env_extra))
 
     # ---- 7: evaluate after
     announce(stages[-2])
