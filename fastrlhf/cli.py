@@ -174,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         _error("error", f"{exc} (a checkpoint was saved; fix and rerun with --resume)")
         return EXIT_FAILED
     except RewardFunctionError as exc:
-        # The rank the function failed on says why (a checkpoint of the last good step was saved).
-        if exc.local or _is_main_process():
-            print(f"reward error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        # Every rank holds the failing rank's message (one line, then the user's frames) and exit code: 1 for
+        # a function that raised (a checkpoint of the last good step was saved), 2 for one wrong as written.
+        _say(f"reward error: {exc}", local=True)
+        return exc.exit_code
     except Exception as exc:
         reason = lost_peer_reason(exc)
         if reason is None:

@@ -4,7 +4,6 @@ rank 0, and optional TensorBoard / W&B (offline) when those packages are install
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from collections.abc import Iterable
@@ -13,11 +12,11 @@ __all__ = ["MetricsLogger", "read_metrics", "truncate_metrics"]
 
 
 def _plain(value):
-    """JSON-safe scalar: tensors become floats, NaN/inf become strings (JSON has no literal for them)."""
+    """A plain scalar: tensors become floats. NaN and infinities stay numbers: written as ``NaN``,
+    ``Infinity``, ``-Infinity`` (Python's json, pandas, TensorBoard and W&B read them back as floats; a
+    string would turn a metric's column into text)."""
     if hasattr(value, "item"):
         value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
     return value
 
 

@@ -19,8 +19,8 @@ builds it from a config). Models come as DeepSpeed engines or as plain modules w
 optimizers, so a single process without DeepSpeed runs exactly the same step.
 
 Metrics (reduced over ranks: means, except times and ``*_max``: the slowest / largest rank, and
-token counts: summed): reward_mean/std (over finite rewards), reward_nonfinite (NaN/inf rewards:
-the step is skipped), reward/<name> (each text reward), truncated_fraction (completions cut at
+token counts: summed): reward_mean/std (over finite rewards; NaN where there is none), reward_nonfinite
+(NaN/inf rewards: the step is skipped), reward/<name> (each text reward), truncated_fraction (completions cut at
 max_new_tokens), kl (rollout KL of the old policy to the reference), entropy,
 rollout_entropy, policy_loss, value_loss, clipfrac, approx_kl, logprob_mismatch_mean/max (|actor
 recomputed - engine|), tis_weight_mean, advantage_mean, grad_norm, generated_tokens,
@@ -161,25 +161,15 @@ class RLStep:
         """[B] fp32 scores, one row per (prompt, sample) in the batch's prompt-major order.
 
         ``reward.truncated_reward`` replaces the score of a completion cut at the length cap. A
-        reward function that fails on one rank fails the step on every rank (agreed in one
-        collective), so no rank is left waiting in the next one.
+        reward function that fails on one rank fails the step on every rank, with that rank's message
+        (:func:`fastrlhf.rl.rewards.agree_on_reward_failure`), so no rank is left waiting in the next
+        collective.
         """
-        from fastrlhf.rl.rewards import RewardFunctionError
+        from fastrlhf.rl.rewards import agree_on_reward_failure
 
         rows = [(p, c.token_ids, m) for p, m, samples in zip(prompts, metas, completions, strict=True)
                 for c in samples]
-        error = None
-        try:
-            scores = self.scorer(exp, *map(list, zip(*rows, strict=True))).float()
-        except RewardFunctionError as exc:
-            error, scores = exc, None
-        failed = comm.reduce_floats([float(r == D.rank() and error is not None) for r in range(self.world)], "max")
-        if any(failed):
-            if error is not None:
-                raise error
-            ranks = ", ".join(str(r) for r, f in enumerate(failed) if f)
-            raise RewardFunctionError(f"a reward function failed on rank {ranks} (its message is that rank's)",
-                                      local=False)
+        scores = agree_on_reward_failure(lambda: self.scorer(exp, *map(list, zip(*rows, strict=True))).float())
         truncated_reward = self.config.reward.truncated_reward
         if truncated_reward is not None:
             cut = to_device(torch.tensor([c.finish_reason == "length" for samples in completions for c in samples]),
@@ -338,8 +328,9 @@ class RLStep:
         total = comm.reduce_floats([float(scores[finite].sum()), float(scores[finite].square().sum()),
                                     float(finite.sum()), float(exp.response_mask.sum())], "sum")
         count = max(total[2], 1.0)
-        mean = total[0] / count
-        var = max(total[1] / count - mean * mean, 0.0) * (count / max(count - 1, 1))
+        # No finite reward at all: no mean either (NaN, written as a JSON number), not a made-up 0.
+        mean = total[0] / count if total[2] else float("nan")
+        var = max(total[1] / count - mean * mean, 0.0) * (count / max(count - 1, 1)) if total[2] else float("nan")
         local = {**local, **{f"time/{k}": v for k, v in times.items()}}
         keys = sorted(local)
         summed = comm.reduce_floats([float(local[k]) for k in keys], "sum")

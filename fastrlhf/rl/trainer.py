@@ -314,21 +314,19 @@ def _max_reward(config) -> float:
 
 def build_validator(config, eval_examples, rl_step, tokenizer):
     """The :class:`~fastrlhf.rl.validation.Validator` of ``eval``: the run's reward, or ``eval.reward``."""
-    import torch
-
     from fastrlhf import distributed as D
-    from fastrlhf.rl.rewards import resolve_reward_function
+    from fastrlhf.rl.rewards import RewardScorer, agree_on_reward_failure
     from fastrlhf.rl.validation import Validator
     from fastrlhf.rollout import SamplingConfig
 
     e, ro = config.eval, config.rollout
     if e.reward is not None:
-        fn = resolve_reward_function(e.reward)
+        scorer = RewardScorer(e.reward)  # the run's reward-call path: its checks, errors and cross-rank agreement
 
         def score(prompts, completions, metas):
-            return torch.tensor([float(fn(p, c.token_ids, m))
-                                 for p, m, samples in zip(prompts, metas, completions, strict=True)
-                                 for c in samples], dtype=torch.float64)
+            rows = [(p, c.token_ids, m) for p, m, samples in zip(prompts, metas, completions, strict=True)
+                    for c in samples]
+            return agree_on_reward_failure(lambda: scorer(None, *map(list, zip(*rows, strict=True)))).double()
     else:
         score = rl_step.score_rollout
     sampling = SamplingConfig(n=e.n, temperature=e.temperature, top_p=ro.top_p if e.temperature else 1.0,

@@ -132,7 +132,7 @@ def this_process_on_the_device() -> float:
 def _finite(records, keys):
     for r in records:
         for k in keys:
-            # metrics.jsonl writes a non-finite value as a string ("nan", "inf")
+            # metrics.jsonl writes a non-finite value as a number (NaN, Infinity): isfinite refuses it
             assert isinstance(r.get(k), (int, float)) and math.isfinite(r[k]), (k, r)
 
 

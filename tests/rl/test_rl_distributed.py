@@ -2,6 +2,7 @@
 killed mid-step and resumed, which must end where the uninterrupted run ends."""
 
 import json
+import math
 import os
 import signal
 
@@ -97,6 +98,8 @@ def test_too_many_skipped_rl_steps_stop_with_a_checkpoint(tiny):
     # The step that stops the run is logged too, and the last good weights are checkpointed.
     assert sorted(records) == [1, 2] and all(r["skipped"] == 1.0 for r in records.values())
     assert records[2]["skipped_steps"] == 2.0
+    # No finite reward: NaN logged as JSON numbers (read back as floats), not "nan" strings nor a made-up 0.0.
+    assert all(math.isnan(r[k]) for r in records.values() for k in ("reward_mean", "advantage_mean")), records
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-2"
     assert not (out / "final").exists()
 

@@ -299,6 +299,25 @@ def test_nan_reward_skips_step_and_keeps_parameters():
     assert changed(before, actor) > 1e-3
 
 
+def test_a_step_with_no_finite_reward_logs_nan_as_numbers_not_a_made_up_0(tmp_path):
+    """All rewards NaN: the step is skipped and counted; reward_mean/std have no value (NaN, not 0.0), and
+    metrics.jsonl holds NaN as a JSON number (json.loads reads a float), not the string "nan"."""
+    from fastrlhf.engine.metrics import MetricsLogger, read_metrics
+
+    hp = make_config(GRPO)
+    rl, actor, _ = _guarded_step(hp)
+    rl.scorer = FixedScorer(torch.full_like(SCORES, float("nan")))
+    metrics = rl(PROMPTS, None, step=1, completions=fixed_completions(actor, hp.rollout.temperature))
+    assert metrics["skipped"] == 1.0 and metrics["reward_nonfinite"] == float(SCORES.numel())
+    logger = MetricsLogger(str(tmp_path), total_steps=1, enabled=True)
+    logger.log(1, metrics)
+    logger.close()
+    (record,) = read_metrics(str(tmp_path / "metrics.jsonl"))
+    for key in ("reward_mean", "reward_std", "advantage_mean"):
+        assert isinstance(record[key], float) and math.isnan(record[key]), (key, record[key])
+    assert '"reward_mean": NaN' in (tmp_path / "metrics.jsonl").read_text()
+
+
 def test_truncated_completions_are_counted_and_can_get_their_own_reward():
 
     completions = fixed_completions(tiny_actor(), 1.0)

@@ -4,6 +4,7 @@ weights, None, errors; and the columns of a prompt row travelling to the reward.
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,15 +149,125 @@ def test_a_reward_function_that_raises_or_miscounts_is_named_in_one_line():
 
     with pytest.raises(RewardFunctionError) as info:
         score(RewardScorer(text_rewards=[TextReward("broken", broken)], tokenizer=CharTokenizer()))
-    message = str(info.value)
-    assert "\n" not in message
-    assert message.startswith("reward function 'broken' raised KeyError on a batch of 4 completions")
+    assert "\n" not in info.value.summary and info.value.exit_code == 1  # raised on some input: exit 1
+    assert info.value.summary.startswith("reward function 'broken' raised KeyError on a batch of 4 completions")
+    assert str(info.value).startswith(info.value.summary + "\n")  # then the function's own frames
 
     def miscount(prompts, completions, completion_ids, **_):
         return [1.0]
 
-    with pytest.raises(RewardFunctionError, match="'miscount' returned 1 values for a batch of 4 completions"):
+    with pytest.raises(RewardFunctionError, match="'miscount' returned 1 values for a batch of 4 completions") as info:
         score(RewardScorer(text_rewards=[TextReward("miscount", miscount)], tokenizer=CharTokenizer()))
+    assert info.value.exit_code == 2 and "\n" not in str(info.value)  # wrong as written: exit 2
+    assert str(info.value).endswith(f"(it is at tests/rl/test_rl_text_rewards.py:{miscount.__code__.co_firstlineno})")
+
+
+def _parse(text):
+    return int(text[1:])  # "de" -> ValueError
+
+
+def _checked(completions):
+    return [float(_parse(c)) for c in completions]
+
+
+def test_a_raising_reward_shows_the_frames_of_the_users_own_file_not_fastrlhfs():
+    """Per-sample and batch alike: the summary line, then the frames of this file (the user's), from the
+    function down to the line that raised; none of fastrlhf's, of an installed package's or the stdlib's."""
+
+    def per_sample(prompt_ids, completion_ids, meta):
+        return json.loads("{")  # raises inside the standard library: its frames are not shown
+
+    def batch(prompts, completions, completion_ids, **_):
+        return _checked(completions)
+
+    for scorer, first in ((RewardScorer(per_sample), "json.loads"), (RewardScorer(
+            text_rewards=[TextReward("batch", batch)], tokenizer=CharTokenizer()), "return _checked(completions)")):
+        with pytest.raises(RewardFunctionError) as info:
+            score(scorer)
+        lines = str(info.value).splitlines()
+        files = [line.split('"')[1] for line in lines[1:] if line.startswith("  File ")]
+        assert files and all(f == __file__ for f in files), lines
+        assert first in lines[2] and info.value.exit_code == 1, lines
+    assert lines[0] == "reward function 'batch' raised ValueError on a batch of 4 completions: invalid literal " \
+                       "for int() with base 10: 'e'"
+    functions = [line.rsplit(" in ", 1)[1] for line in lines if line.startswith("  File ")]
+    assert [f for f in functions if f != "<listcomp>"] == ["batch", "_checked", "_parse"], lines
+    assert "    return int(text[1:])  # \"de\" -> ValueError" in lines, lines  # the line that raised
+
+
+def test_a_per_sample_reward_that_raises_is_a_reward_error_naming_the_completion():
+    def fails_on_the_third(prompt_ids, completion_ids, meta):
+        if completion_ids == [0]:
+            raise ZeroDivisionError("division by zero")
+        return 1.0
+
+    fails_on_the_third.__name__ = "mine"
+    with pytest.raises(RewardFunctionError) as info:
+        score(RewardScorer(fails_on_the_third))
+    assert info.value.summary == ("reward function 'mine' raised ZeroDivisionError on completion 2 of a batch of 4: "
+                                  "division by zero") and info.value.exit_code == 1
+
+
+@pytest.mark.parametrize("returned, got", [
+    (lambda n: ["correct"] * n, "str 'correct' for completion 0 of a batch of 4"),
+    (lambda n: ["1.0"] * n, "str '1.0' for completion 0 of a batch of 4"),  # TRL refuses these too
+    (lambda n: [0.5, [1.0], 0.5, 0.5], "list [1.0] for completion 1 of a batch of 4"),
+    (lambda n: 0.5, "float for a batch of 4 completions"),
+    (lambda n: "0.5", "str for a batch of 4 completions"),
+    (lambda n: {"a": 1.0}, "dict for a batch of 4 completions"),
+    (lambda n: torch.ones(n, 1), "Tensor of shape (4, 1) for a batch of 4 completions"),
+])
+def test_a_batch_reward_of_the_wrong_type_is_wrong_as_written_exit_2(returned, got):
+    def wrong(prompts, completions, completion_ids, **_):
+        return returned(len(completions))
+
+    with pytest.raises(RewardFunctionError) as info:
+        score(RewardScorer(text_rewards=[TextReward("wrong", wrong)], tokenizer=CharTokenizer()))
+    assert info.value.summary.startswith(f"reward function 'wrong' returned {got}; expected "), info.value.summary
+    assert info.value.exit_code == 2 and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["1.0", [1.0], (1.0,), 1 + 2j])
+def test_a_per_sample_reward_of_the_wrong_type_is_wrong_as_written_exit_2(value):
+    with pytest.raises(RewardFunctionError) as info:
+        score(RewardScorer(lambda prompt_ids, completion_ids, meta: value))
+    assert info.value.summary.startswith(f"reward function '<lambda>' returned {type(value).__name__} "
+                                         f"{value!r} for completion 0 of a batch of 4; expected a number")
+    assert info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("convert", [np.array, tuple, torch.tensor, lambda v: (x for x in v),
+                                     lambda v: [np.float32(x) for x in v], lambda v: [torch.tensor(x) for x in v]],
+                         ids=["numpy", "tuple", "tensor", "generator", "numpy-scalars", "0-dim-tensors"])
+def test_batch_rewards_as_trl_takes_them_numpy_arrays_tuples_tensors(convert):
+    def exact(prompts, completions, completion_ids, answer, **_):
+        return convert([float(c == a) for c, a in zip(completions, answer, strict=True)])
+
+    scores = score(RewardScorer(text_rewards=[TextReward("exact", exact)], tokenizer=CharTokenizer()))
+    torch.testing.assert_close(scores, torch.tensor([1.0, 0.0, 1.0, 0.0]))
+
+
+def test_per_sample_rewards_take_numpy_scalars_bools_and_none_as_no_reward():
+    values = iter([np.float64(0.25), None, True, np.int64(2)])
+    scorer = RewardScorer(lambda prompt_ids, completion_ids, meta: next(values))
+    torch.testing.assert_close(score(scorer), torch.tensor([0.25, 0.0, 1.0, 2.0]))
+
+
+def test_none_is_no_reward_from_that_function_and_a_completion_none_scores_gets_0_as_in_trl():
+    """TRL turns None into NaN and sums the functions with nansum: a None adds nothing, and a completion
+    that no function scores gets 0. The per-sample function takes part in the same sum."""
+
+    def some(prompts, completions, completion_ids, **_):
+        return [1.0, None, None, 0.5]
+
+    def others(prompts, completions, completion_ids, **_):
+        return np.array([None, 2.0, None, 0.5])  # an object array, as np.array of floats and None makes
+
+    per_sample = iter([None, 0.25, None, None])
+    scorer = RewardScorer(lambda prompt_ids, completion_ids, meta: next(per_sample), tokenizer=CharTokenizer(),
+                          text_rewards=[TextReward("some", some), TextReward("others", others, 2.0)])
+    torch.testing.assert_close(score(scorer), torch.tensor([1.0, 4.25, 0.0, 1.5]))
+    assert scorer.metrics == {"reward/some": 0.75, "reward/others": 1.25}
 
 
 def test_nan_from_a_text_reward_reaches_the_scores_so_the_guard_skips_the_step():
@@ -264,23 +375,38 @@ def test_a_raising_text_reward_ends_the_run_with_one_line_naming_it(text_model):
         in proc.stderr, proc.stderr[-3000:]
 
 
+def _ended_alike(proc, out, line, frame):
+    """Both ranks stopped with ``line`` (said once, by rank 0), then the user's ``frame``; no rank lost
+    contact with the other or crashed; step 1's weights kept, step 2 (which changed nothing) to retry."""
+    text = proc.stdout
+    assert proc.returncode == 1, text[-4000:]
+    said = [x.split("] ", 1)[-1] if x.startswith("[") else x for x in text.splitlines() if "reward error: " in x]
+    assert said == [line], text[-4000:]
+    assert frame in text and "lost contact" not in text and "Traceback" not in text, text[-4000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-1"
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_reward_failing_on_one_rank_stops_both_with_its_line_and_the_last_good_checkpoint(text_model):
     proc, out = _run(text_model, "text_boom_rank1", [{"function": "text_rewards:boom_on_rank_1_at_step_2"}],
                      launcher=True, trainer={"max_steps": 3})
-    assert proc.returncode != 0, proc.stdout[-4000:]
-    # One line from each rank (the launcher may interleave the two ranks' writes, so count, not split).
-    own = ("reward error: reward function 'boom_on_rank_1_at_step_2' raised ValueError on a batch of 2 "
-           "completions: could not parse the answer of row 7")
-    other = "reward error: a reward function failed on rank 1 (its message is that rank's)"
-    assert proc.stdout.count("reward error: ") == 2, proc.stdout[-4000:]
-    assert proc.stdout.count(own) == 1 and proc.stdout.count(other) == 1, proc.stdout[-4000:]
-    assert "Traceback" not in proc.stdout
-    # Step 1 completed on both ranks: its weights are kept; step 2 changed nothing and is retried on --resume.
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step-1"
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1]
+    _ended_alike(proc, out, "reward error: reward function 'boom_on_rank_1_at_step_2' raised ValueError on a batch "
+                 "of 2 completions on rank 1: could not parse the answer of row 7",
+                 'text_rewards.py", line 35, in boom_on_rank_1_at_step_2')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_per_sample_reward_raising_on_one_rank_stops_both_alike(text_model):
+    """reward.function takes the batch rewards' path: the healthy rank does not report a lost peer."""
+    proc, out = _run(text_model, "sample_boom_rank1", [], launcher=True, trainer={"max_steps": 3},
+                     reward={"function": "sample_rewards:raise_on_rank_1_at_step_2"})
+    _ended_alike(proc, out, "reward error: reward function 'raise_on_rank_1_at_step_2' raised ValueError on "
+                 "completion 0 of a batch of 2 on rank 1: no answer in this completion",
+                 'sample_rewards.py", line 10, in _answer')
 
 
 @pytest.mark.slow
