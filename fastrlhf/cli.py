@@ -14,6 +14,7 @@ from fastrlhf import __version__
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 
 COMMANDS = {
     "train": "PPO or GRPO on DeepSpeed ZeRO with vLLM or HF rollouts",
@@ -38,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set trainer.lr=1e-5 (repeatable; YAML scalars)")
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+        p.add_argument("--overwrite", action="store_true",
+                       help="delete the earlier run's files in output_dir first (a used output_dir is refused "
+                            "without --resume or --overwrite)")
+        p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                       help="import MODULE before the config is checked, e.g. one that registers a policy loss, "
+                            "an advantage estimator or a reward (repeatable; also the config key imports)")
         p.add_argument("--dry-run", action="store_true",
                        help="validate the config, print it with every auto setting resolved for this machine, exit")
         p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -103,6 +110,61 @@ def _lost_peer(config, reason: str) -> None:
     os._exit(EXIT_FAILED)
 
 
+def _claim_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
+    """A used ``output_dir`` is refused without ``--resume`` or ``--overwrite`` (``fastrlhf.engine.outputs``).
+    With ``--overwrite`` rank 0 removes the earlier run's files once every rank has passed every check
+    (a run that fails its checks deletes nothing) and before the process group starts: the other ranks
+    wait for it in the rendezvous, and none writes into ``output_dir`` before the group is up, so none
+    races the removal (``fastrlhf.distributed.launch.before_group``). The other ranks do not look: the
+    folder is rank 0's to clear."""
+    from fastrlhf.config import ConfigError
+    from fastrlhf.distributed.launch import before_group
+    from fastrlhf.engine.outputs import check_output_dir, clear_run_files
+
+    if resume and overwrite:
+        raise ConfigError("--overwrite", "conflicts with --resume (--resume continues the run in output_dir, "
+                                         "--overwrite deletes it)")
+    if overwrite and not _is_main_process():
+        return
+    check_output_dir(output_dir, resume, overwrite)
+    if overwrite:
+        def clear() -> None:
+            removed = clear_run_files(output_dir)
+            if removed:
+                _say(f"note: --overwrite: removed the earlier run in {output_dir} ({', '.join(removed)})")
+
+        before_group(clear)
+
+
+def _resume_command(args) -> str:
+    """The command line that continues this run: this one with ``--resume`` (and without ``--overwrite``,
+    which would delete it)."""
+    import shlex
+
+    words = [args.command, "--config", args.config]
+    for item in args.overrides:
+        words += ["--set", item]
+    for module in args.imports:
+        words += ["--import", module]
+    line = shlex.join([*words, "--resume"])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched: the same launcher options, this command
+        return f"`deepspeed <the same options> --module fastrlhf {line}`"
+    return f"`fastrlhf {line}`"
+
+
+def _interrupted(config, args) -> None:
+    """Ctrl-C: one line naming the checkpoint to continue from and the command that does, no traceback."""
+    from fastrlhf.engine.checkpoint import latest_checkpoint
+
+    try:
+        latest = latest_checkpoint(config.output_dir)
+    except OSError:
+        latest = None
+    where = (f"the last checkpoint is {latest}" if latest else
+             "no checkpoint was written yet (--resume then starts again at step 0)")
+    _say(f"interrupted (Ctrl-C): {where}; continue with {_resume_command(args)}")
+
+
 def _dispatch(command: str, config, resume: bool):
     if command == "sft":
         from fastrlhf.supervised.sft import run
@@ -131,11 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     from fastrlhf.config import ConfigError, check_world_size, load_config
 
     try:
-        config = load_config(args.config, args.command, args.overrides)
+        config = load_config(args.config, args.command, args.overrides, imports=args.imports)
         # The launcher has set the world size already: batch-vs-ranks errors need no process group.
         check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
+        if not args.dry_run:
+            _claim_output_dir(config.output_dir, args.resume, args.overwrite)
     except ConfigError as exc:
         return _failed_checks(f"config error: {exc}")
+    except KeyboardInterrupt:
+        _say("interrupted (Ctrl-C) before the run started")
+        return EXIT_INTERRUPTED
     if args.dry_run:
         import yaml
 
@@ -146,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from fastrlhf.data import DataError
+    from fastrlhf.distributed.launch import discard_before_group
     from fastrlhf.distributed.multinode import NodeError, lost_peer_reason
     from fastrlhf.engine.checkpoint import CheckpointError
     from fastrlhf.engine.guards import TooManySkippedSteps
@@ -153,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         _dispatch(args.command, config, args.resume)
+    except KeyboardInterrupt:
+        _interrupted(config, args)
+        return EXIT_INTERRUPTED
     except ConfigError as exc:  # checks that need the launched world (e.g. batch size vs ranks)
         if not _group_started():
             return _failed_checks(f"config error: {exc}")
@@ -183,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         if reason is None:
             raise
         _lost_peer(config, reason)
+    finally:
+        discard_before_group()  # the command ended before its process group started: --overwrite deleted nothing
     return 0
 
 

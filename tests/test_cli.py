@@ -162,3 +162,302 @@ def test_a_launched_rank_that_crashes_leaves_with_1_through_exit_with(monkeypatc
     monkeypatch.setattr(cli, "_group_started", lambda: False)  # before any group: an ordinary crash
     with pytest.raises(RuntimeError, match="boom"):
         cli.entry()
+
+
+# ---- a used output_dir (issue 44, item 3) -------------------------------------------------------------------
+
+
+@pytest.fixture
+def command_yaml(tmp_path, train_yaml):
+    """``command -> config path`` for train, sft and rm, all with output_dir ``tmp_path/out``."""
+    (tmp_path / "sft.jsonl").write_text('{"prompt_ids": [3], "response_ids": [4]}\n')
+    (tmp_path / "rm.jsonl").write_text('{"chosen_ids": [3, 4], "rejected_ids": [3, 5]}\n')
+    paths = {"train": train_yaml}
+    for command in ("sft", "rm"):
+        raw = {"output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path / "model")},
+               "data": {"path": str(tmp_path / f"{command}.jsonl")}, "trainer": {"max_steps": 1, "batch_size": 1}}
+        paths[command] = str(tmp_path / f"{command}.yaml")
+        (tmp_path / f"{command}.yaml").write_text(yaml.safe_dump(raw))
+    return paths
+
+
+@pytest.fixture
+def dispatched(monkeypatch):
+    """The commands the CLI dispatched (no model loads): ``[(command, resume), ...]``; each passes its checks
+    and reaches the start of its process group (``init_distributed`` runs what must come first there)."""
+    from fastrlhf.distributed.launch import run_before_group
+
+    calls = []
+
+    def dispatch(command, config, resume):
+        calls.append((command, resume))
+        run_before_group()
+
+    monkeypatch.setattr(cli, "_dispatch", dispatch)
+    return calls
+
+
+def _use(out, entry):
+    out.mkdir(exist_ok=True)
+    if entry.endswith("/"):
+        (out / entry).mkdir()
+        (out / entry / "x").write_text("")
+    else:
+        (out / entry).write_text("{}\n")
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "rm"])
+@pytest.mark.parametrize("entry", ["metrics.jsonl", "checkpoints/", "final/", "config.yaml"])
+def test_a_used_output_dir_is_refused_in_one_line_before_any_model_loads(command_yaml, tmp_path, capsys, dispatched,
+                                                                         command, entry):
+    _use(tmp_path / "out", entry)
+    started = time.monotonic()
+    assert cli.main([command, "--config", command_yaml[command]]) == 2
+    assert time.monotonic() - started < 1.0 and dispatched == []
+    out = tmp_path / "out"
+    assert capsys.readouterr().err.splitlines() == [
+        f"config error: output_dir: {out} holds an earlier run ({entry}): add --resume to continue it, --overwrite to "
+        "delete it and start again, or choose another output_dir"]
+    assert sorted(os.listdir(out)) == [entry.rstrip("/")]  # untouched
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "rm"])
+def test_overwrite_deletes_the_earlier_run_and_nothing_else(command_yaml, tmp_path, capsys, dispatched, command):
+    out = tmp_path / "out"
+    for entry in ("metrics.jsonl", "config.yaml", "checkpoints/", "final/", "eval/"):
+        _use(out, entry)
+    (out / "notes.txt").write_text("mine")
+    assert cli.main([command, "--config", command_yaml[command], "--overwrite"]) == 0
+    assert dispatched == [(command, False)]
+    assert os.listdir(out) == ["notes.txt"]
+    assert capsys.readouterr().err.strip() == (f"note: --overwrite: removed the earlier run in {out} (config.yaml, "
+                                               "metrics.jsonl, checkpoints/, final/, eval/)")
+
+
+def test_resume_a_new_folder_and_one_with_other_files_are_not_refused(train_yaml, tmp_path, dispatched):
+    out = tmp_path / "out"
+    assert cli.main(["train", "--config", train_yaml]) == 0  # no folder yet
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert cli.main(["train", "--config", train_yaml]) == 0  # only files of the user's
+    _use(out, "checkpoints/")
+    assert cli.main(["train", "--config", train_yaml, "--resume"]) == 0
+    assert cli.main(["train", "--config", train_yaml, "--dry-run"]) == 0  # a dry run neither checks nor deletes
+    assert dispatched == [("train", False), ("train", False), ("train", True)]
+    assert sorted(os.listdir(out)) == ["checkpoints", "notes.txt"]
+
+
+def test_overwrite_deletes_nothing_when_the_run_fails_its_checks(train_yaml, tmp_path, monkeypatch, capsys):
+    from fastrlhf.data import DataError
+    from fastrlhf.distributed.launch import run_before_group
+
+    out = tmp_path / "out"
+    _use(out, "checkpoints/")
+
+    def bad_data(command, config, resume):
+        raise DataError(["prompts.jsonl:3: empty prompt"])  # found before the process group starts
+
+    monkeypatch.setattr(cli, "_dispatch", bad_data)
+    assert cli.main(["train", "--config", train_yaml, "--overwrite"]) == 2
+    assert capsys.readouterr().err.strip() == "data error: prompts.jsonl:3: empty prompt"
+    run_before_group()  # what a later group start in this process would run: nothing is left pending
+    assert os.listdir(out) == ["checkpoints"]
+
+
+def test_overwrite_with_resume_is_refused(train_yaml, capsys, dispatched):
+    assert cli.main(["train", "--config", train_yaml, "--overwrite", "--resume"]) == 2
+    assert capsys.readouterr().err.strip() == ("config error: --overwrite: conflicts with --resume (--resume continues "
+                                               "the run in output_dir, --overwrite deletes it)")
+
+
+def test_under_a_launcher_only_rank_0_deletes_the_earlier_run(train_yaml, tmp_path, monkeypatch, capsys, dispatched):
+    """Rank 0 deletes before it joins the process group, where the other ranks wait for it: they neither
+    delete (a race on the same files) nor check (they could see it half deleted)."""
+    out = tmp_path / "out"
+    _use(out, "checkpoints/")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cli.main(["train", "--config", train_yaml, "--overwrite"]) == 0
+    assert os.listdir(out) == ["checkpoints"]
+    assert cli.main(["train", "--config", train_yaml]) == 2  # without --overwrite every rank refuses (rank 0 says it)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert cli.main(["train", "--config", train_yaml, "--overwrite"]) == 0
+    assert not out.exists() or os.listdir(out) == []
+    assert dispatched == [("train", False), ("train", False)]
+
+
+# ---- --import (issue 44, item 4) ----------------------------------------------------------------------------------
+
+
+def test_import_registers_a_policy_loss_before_the_config_is_checked(train_yaml, tmp_path, capsys):
+    from helpers.plugins import user_plugins
+
+    with user_plugins(tmp_path / "plugins") as make:
+        name = make('from fastrlhf.algorithms import register_policy_loss, vanilla_policy_loss\n'
+                    'register_policy_loss("cli_test_loss")(vanilla_policy_loss)\n')
+        unknown = ["train", "--config", train_yaml, "--set", "trainer.policy_loss=cli_test_loss", "--dry-run"]
+        assert cli.main(unknown) == 2
+        assert "unknown policy loss 'cli_test_loss'" in capsys.readouterr().err
+        assert cli.main(["train", "--config", train_yaml, "--import", name, "--set",
+                         "trainer.policy_loss=cli_test_loss", "--dry-run"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["imports"] == [name] and resolved["trainer"]["policy_loss"] == "cli_test_loss"
+
+
+def test_an_import_that_fails_is_one_line_exit_2_and_fast(train_yaml):
+    result, elapsed = run_cli("train", "--config", train_yaml, "--import", "no_such_plugin_module")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["config error: --import: cannot import 'no_such_plugin_module': "
+                                          "ModuleNotFoundError: No module named 'no_such_plugin_module'"]
+    assert elapsed < 3.0
+
+
+def readme_policy_loss() -> tuple[str, list[str]]:
+    """README's policy-loss example: the fenced block that registers it, and the command it is run with."""
+    import re
+    import shlex
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "@register_policy_loss(" in b]
+    (command,) = re.findall(r"`(fastrlhf train --config run\.yaml [^`]*)`", text)
+    return code, shlex.split(command)
+
+
+# Wraps the README's loss (imported before it: --import order) to record, per rank, that training called it.
+SPY = """
+import os
+from fastrlhf.algorithms import POLICY_LOSSES, PolicyLoss
+
+_loss = POLICY_LOSSES["my_loss"]
+
+def _spy(*args, **kwargs):
+    open(f"called-by-rank-{os.environ.get('RANK', '0')}", "w").close()
+    return _loss.fn(*args, **kwargs)
+
+POLICY_LOSSES["my_loss"] = PolicyLoss(_spy, _loss.token_level)
+"""
+
+
+def _readme_workdir(tmp_path, imports=None):
+    from helpers.rl_runs import grpo_config, make_tiny
+
+    code, command = readme_policy_loss()
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_loss.py").write_text(code)
+    (work / "spy.py").write_text(SPY)
+    make_tiny(tmp_path)
+    extra = {"imports": imports} if imports else {}
+    config = grpo_config(tmp_path, tmp_path / "out", reward="length", trainer={"max_steps": 2, "save_every": 0},
+                         **extra)
+    os.replace(config, work / "run.yaml")
+    return work, command
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_readme_policy_loss_example_runs_through_the_cli_as_written(tmp_path):
+    """README's `@register_policy_loss("my_loss")` block, saved as my_loss.py, trained with README's own
+    command (the `fastrlhf` console script, which does not put the current directory on sys.path)."""
+    from helpers.rl_runs import launch_env, metrics_by_step
+
+    work, command = _readme_workdir(tmp_path)
+    assert command[:3] == ["fastrlhf", "train", "--config"] and "--import" in command
+    script = os.path.join(os.path.dirname(sys.executable), "fastrlhf")
+    result = subprocess.run([script, *command[1:], "--import", "spy"], cwd=work, env=launch_env(),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (work / "called-by-rank-0").exists()
+    assert sorted(metrics_by_step(tmp_path / "out")) == [1, 2]
+    saved = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
+    assert saved["imports"] == ["my_loss", "spy"] and saved["trainer"]["policy_loss"] == "my_loss"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_imports_and_overwrite_under_the_deepspeed_launcher_on_every_rank(tmp_path):
+    """The config's `imports` on both ranks of `deepspeed --module fastrlhf` (a rank without them would
+    refuse trainer.policy_loss: my_loss), and --overwrite of a used output_dir: rank 0 clears it, and
+    the run that follows is this one alone."""
+    from helpers.launch import run_group
+    from helpers.rl_runs import DEEPSPEED, launch_env, metrics_by_step
+
+    from fastrlhf.distributed import free_port
+
+    work, _ = _readme_workdir(tmp_path, imports=["my_loss", "spy"])
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step-99").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step-99\n")
+    (out / "metrics.jsonl").write_text('{"step": 99}\n')
+    train = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "fastrlhf", "train",
+             "--config", "run.yaml", "--set", "trainer.policy_loss=my_loss"]
+    rc, log = run_group(train, env=launch_env(), timeout=300, cwd=str(work))
+    assert rc == 2, log[-3000:]
+    assert "config error: output_dir: " in log and "holds an earlier run" in log
+    rc, log = run_group([*train, "--overwrite"], env=launch_env(), timeout=300, cwd=str(work))
+    assert rc == 0, log[-4000:]
+    assert (work / "called-by-rank-0").exists() and (work / "called-by-rank-1").exists()
+    assert sorted(metrics_by_step(out)) == [1, 2]
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-2"]
+
+
+# ---- logs without a terminal, the engine used, Ctrl-C (issue 44, item 7) --------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint, world", [(True, "1"), (False, "1"), (True, "2")])
+def test_ctrl_c_ends_with_one_line_naming_the_checkpoint_and_the_resume_command(train_yaml, tmp_path, monkeypatch,
+                                                                                capsys, checkpoint, world):
+    out = tmp_path / "out"
+
+    def interrupted(command, config, resume):
+        if checkpoint:
+            (out / "checkpoints" / "step-2").mkdir(parents=True)
+            (out / "checkpoints" / "latest").write_text("step-2\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_dispatch", interrupted)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert cli.main(["train", "--config", train_yaml, "--set", "trainer.lr=2e-6", "--overwrite"]) == 130
+    where = (f"the last checkpoint is {out}/checkpoints/step-2" if checkpoint else
+             "no checkpoint was written yet (--resume then starts again at step 0)")
+    command = f"train --config {train_yaml} --set trainer.lr=2e-6 --resume"
+    command = f"deepspeed <the same options> --module fastrlhf {command}" if world == "2" else f"fastrlhf {command}"
+    assert capsys.readouterr().err.splitlines() == [f"interrupted (Ctrl-C): {where}; continue with `{command}`"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_without_a_terminal_logs_each_step_names_its_engine_and_stops_cleanly_on_ctrl_c(tmp_path):
+    """stdout is a pipe (as under a launcher writing a log file): one line per step, the engine `auto` chose
+    in the log and in config.yaml; Ctrl-C in step 3 (after the step-2 checkpoint) ends the run with one
+    line whose --resume command then finishes it."""
+    import shlex
+
+    from helpers.rl_runs import TRAIN, grpo_config, launch_env, make_tiny, metrics_by_step
+
+    make_tiny(tmp_path)
+    out = tmp_path / "out"
+    config = grpo_config(tmp_path, out, rollout={"engine": "auto", "n": 2, "max_new_tokens": 5})
+    env = {k: v for k, v in launch_env(FASTRLHF_TEST_INTERRUPT_AFTER_CALLS="8").items()
+           if k != "FASTRLHF_NO_PROGRESS"}
+    result = subprocess.run([*TRAIN, config], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "rollout.engine: hf (auto)" in result.stdout.splitlines()
+    assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["engine"] == "hf"
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [s.split()[1] for s in steps] == ["1/4", "2/4"], result.stdout
+    for line in steps:
+        assert [w.split("=")[0] for w in line.split()[2:]] == ["reward", "kl", "loss", "tokens/s", "s/step"], line
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (f"interrupted (Ctrl-C): the last checkpoint is {out}/checkpoints/step-2; continue with "
+                    f"`fastrlhf train --config {config} --resume`")
+    resume = shlex.split(last.split("`")[1])
+    env.pop("FASTRLHF_TEST_INTERRUPT_AFTER_CALLS")
+    result = subprocess.run([sys.executable, "-m", *resume], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(metrics_by_step(out)) == [1, 2, 3, 4]

@@ -103,6 +103,9 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
     _positive(t.keep_checkpoints, f"{prefix}.keep_checkpoints", strict=False)
     _positive(t.max_skipped_steps, f"{prefix}.max_skipped_steps")
     _positive(t.log_every, f"{prefix}.log_every")
+    for name in ("wandb_project", "wandb_run_name"):
+        if getattr(t, name) is not None and not t.wandb:
+            raise ConfigError(f"{prefix}.{name}", f"needs {prefix}.wandb (offline or online), which is off")
 
 
 
@@ -171,6 +174,14 @@ def _validate_train(c: TrainConfig, base: str):
         if t.policy_loss not in POLICY_LOSSES:
             raise ConfigError("trainer.policy_loss", f"unknown policy loss {t.policy_loss!r}; registered: "
                                                      f"{', '.join(sorted(POLICY_LOSSES))}")
+    if t.adv_estimator != "auto":
+        from fastrlhf.algorithms import ADV_ESTIMATORS
+
+        if t.adv_estimator not in ADV_ESTIMATORS:
+            raise ConfigError("trainer.adv_estimator", f"unknown advantage estimator {t.adv_estimator!r}; registered: "
+                                                       f"{', '.join(sorted(ADV_ESTIMATORS))} (or auto)")
+        if t.adv_estimator == "gae" and c.algorithm != "ppo":
+            raise ConfigError("trainer.adv_estimator", "gae needs a critic's values: algorithm ppo")
     rollout_batch = c.rollout_batch_size
     if rollout_batch % t.minibatch_size:
         raise ConfigError("trainer.minibatch_size", f"{t.minibatch_size} does not divide the rollout batch of "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -14,7 +15,7 @@ from .checks import validate
 from .errors import ConfigError
 from .schema import SCHEMAS
 
-__all__ = ["RENAMED_KEYS", "apply_overrides", "parse_config", "load_config", "config_to_dict"]
+__all__ = ["RENAMED_KEYS", "apply_overrides", "import_modules", "parse_config", "load_config", "config_to_dict"]
 
 # Keys that changed name: old dotted key -> new dotted key. A config that still uses the old name fails with
 # one line saying what it is called now (never silently ignored, never silently accepted).
@@ -182,6 +183,52 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# imports: user modules that register policy losses, advantage estimators, rewards
+# --------------------------------------------------------------------------------------------
+
+
+def _user_frame(exc: BaseException) -> str:
+    """`` (file.py:12)``: the deepest frame of ``exc`` outside Python, its installed packages and fastrlhf
+    (the user's own code), or ""."""
+    import sys
+    import traceback
+
+    ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the fastrlhf package
+    roots = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, ours)})
+    frame = None
+    for entry in traceback.extract_tb(exc.__traceback__):
+        if not entry.filename.startswith("<") and not os.path.realpath(entry.filename).startswith(roots):
+            frame = entry
+    return f" ({os.path.relpath(frame.filename)}:{frame.lineno})" if frame is not None else ""
+
+
+def import_modules(names, key: str) -> None:
+    """Import each module of ``names`` (``--import`` or the config's ``imports``), so that what it registers
+    is known before the config is checked; the current directory is importable, as under ``python -m``.
+    A module that fails to import is a one-line ConfigError naming it (``key[i]``)."""
+    import importlib
+    import sys
+
+    if not isinstance(names, list) or any(not isinstance(n, str) or not n.strip() for n in names):
+        raise ConfigError(key, f"expected a list of module names, got {names!r}")
+    # Last on the path, so a user's file never shadows an installed module (as reward.function does).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    for i, name in enumerate(names):
+        where = key if key.startswith("--") else f"{key}[{i}]"
+        if name.endswith(".py") or os.sep in name:
+            stem = os.path.splitext(os.path.basename(name))[0]
+            raise ConfigError(where, f"{name!r} is a path; give a module name (e.g. {stem}) importable from the "
+                                     "current directory or PYTHONPATH")
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 -- any failure of the user's module is a config error
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ConfigError(where, f"cannot import {name!r}: {type(exc).__name__}"
+                                     f"{': ' + message if message else ''}{_user_frame(exc)}") from None
+
+
+# --------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------
 
@@ -201,6 +248,8 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu:
         # An empty `critic:` section means "all defaults", which is how a PPO config says "use a value head".
         if "critic" in raw and raw["critic"] is None:
             raw = {**raw, "critic": {}}
+    if "imports" in raw:  # before the config is built: what they register is looked up while checking it
+        import_modules(raw["imports"], "imports")
     config = _build(cls, raw, "")
     validate(config, base_dir)
     from fastrlhf.config.precision import gpu_available, resolve_precision
@@ -210,9 +259,12 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu:
     return resolve_attention(resolve_precision(config, on_gpu), on_gpu)
 
 
-def load_config(path: str, command: str = "train", overrides: list[str] | None = None, on_gpu: bool | None = None):
-    """Read a YAML run config, apply ``--set`` overrides, validate, resolve ``auto`` precision for a GPU
-    run when ``on_gpu`` (None: this machine). Raises ConfigError (one line)."""
+def load_config(path: str, command: str = "train", overrides: list[str] | None = None, on_gpu: bool | None = None,
+                imports: list[str] | None = None):
+    """Read a YAML run config, apply ``--set`` overrides, import ``imports`` (``--import``) and the config's
+    own ``imports``, validate, resolve ``auto`` precision for a GPU run when ``on_gpu`` (None: this
+    machine). The config's ``imports`` then lists both (``--import`` first), as the run's saved
+    ``config.yaml`` does. Raises ConfigError (one line)."""
     if command not in SCHEMAS:
         raise ConfigError("", f"unknown command {command!r}; expected one of {', '.join(SCHEMAS)}")
     try:
@@ -226,6 +278,11 @@ def load_config(path: str, command: str = "train", overrides: list[str] | None =
     if not isinstance(raw, dict):
         raise ConfigError("", f"{path}: the config must be a mapping of keys, got {type(raw).__name__}")
     raw = apply_overrides(raw, list(overrides or []))
+    if imports:
+        import_modules(list(imports), "--import")
+        listed = raw.get("imports") or []
+        if isinstance(listed, list):
+            raw["imports"] = [*imports, *(n for n in listed if n not in imports)]
     # Relative paths in a config mean "relative to the current directory", as on the command line.
     return parse_config(raw, command, base_dir=".", on_gpu=on_gpu)
 

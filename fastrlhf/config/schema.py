@@ -167,7 +167,11 @@ class LoopConfig:
     max_skipped_steps: int = 3
     log_every: int = 1
     tensorboard: bool = False
-    wandb: bool = False
+    # Weights & Biases (when installed): false; true or offline (a local run under output_dir/wandb, `wandb sync`
+    # uploads it); online (streamed to the W&B server: needs `wandb login` or WANDB_API_KEY)
+    wandb: bool | Literal["offline", "online"] = False
+    wandb_project: str | None = None  # null: fastrlhf
+    wandb_run_name: str | None = None  # null: output_dir's folder name
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,8 @@ class TrainerConfig(LoopConfig):
     minibatch_size: int = 32
     ppo_epochs: int = 1
     policy_loss: str = "vanilla"  # a registered policy loss (fastrlhf.algorithms)
+    # a registered advantage estimator (@register_adv_est); auto: the algorithm's (ppo: gae, grpo: grpo)
+    adv_estimator: str = "auto"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
@@ -222,6 +228,9 @@ class TrainConfig:
     trainer: TrainerConfig
     reward: RewardConfig
     seed: int = 0
+    # Modules imported before the config is checked (as --import MODULE does): ones that register a policy loss,
+    # an advantage estimator or a reward by name. The current directory is importable; every rank imports them
+    imports: list[str] = field(default_factory=list)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     critic: CriticConfig | None = None
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -255,6 +264,7 @@ class SFTConfig:
     data: SFTDataConfig
     trainer: SFTTrainerConfig
     seed: int = 0
+    imports: list[str] = field(default_factory=list)  # as TrainConfig.imports
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
@@ -273,6 +283,7 @@ class RMConfig:
     kind: Literal["pairwise", "classifier"] = "pairwise"
     num_labels: int | None = None  # None: 1 for pairwise, 2 for classifier
     seed: int = 0
+    imports: list[str] = field(default_factory=list)  # as TrainConfig.imports
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     @property

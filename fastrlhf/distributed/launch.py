@@ -11,7 +11,29 @@ from datetime import timedelta
 
 from fastrlhf.distributed.ranks import DEFAULT_TIMEOUT_S, free_port, local_rank, rank, world_size
 
-__all__ = ["DEFAULT_TIMEOUT_S", "clear_stale_build_lock", "init_distributed"]
+__all__ = ["DEFAULT_TIMEOUT_S", "before_group", "clear_stale_build_lock", "discard_before_group", "init_distributed",
+           "run_before_group"]
+
+# Rank 0's work on the shared output_dir that no other rank may race (``--overwrite`` removing an earlier run):
+# run once every rank has passed its checks at the start gate, before the process group starts. Until the
+# group is up no rank writes into output_dir, and every other rank waits for rank 0 in the rendezvous.
+_before_group: list = []
+
+
+def before_group(fn) -> None:
+    """Run ``fn()`` in :func:`init_distributed` on rank 0, after the start gate and before the process group."""
+    _before_group.append(fn)
+
+
+def run_before_group() -> None:
+    """Run (and forget) what :func:`before_group` registered, in order."""
+    while _before_group:
+        _before_group.pop(0)()
+
+
+def discard_before_group() -> None:
+    """Forget what :func:`before_group` registered (the command ended before its process group started)."""
+    _before_group.clear()
 
 
 
@@ -36,6 +58,10 @@ def init_distributed(timeout_s: float | None = None, shared_dir: str | None = No
     from fastrlhf.distributed import multinode
 
     multinode.start_gate(timeout_s=timeout_s)
+    if rank() == 0:  # every rank passed its checks; none has joined the group, so none writes yet
+        run_before_group()
+    else:
+        discard_before_group()
     if torch.cuda.is_available():
         # Before the first collective: NCCL (and ``barrier``) otherwise put every rank's traffic,
         # and a CUDA context, on device 0.

@@ -106,6 +106,9 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
             save_checkpoint(config.output_dir, good, stateful, keep_last=t.keep_checkpoints)
         logger.close()
         raise
+    except KeyboardInterrupt:  # Ctrl-C: the command line names the last checkpoint and the --resume command
+        logger.close()
+        raise
     finally:
         if after_loop is not None:
             after_loop()

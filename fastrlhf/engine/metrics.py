@@ -1,14 +1,17 @@
-"""Per-step metrics: ``output_dir/metrics.jsonl`` (one flushed JSON object per step), a tqdm bar on
-rank 0, and optional TensorBoard / W&B (offline) when those packages are installed."""
+"""Per-step metrics: ``output_dir/metrics.jsonl`` (one flushed JSON object per step), on rank 0 a tqdm bar
+when the output is a terminal and else one text line per logged step (a launcher writing to a file, a
+cluster's log, ``FASTRLHF_NO_PROGRESS=1``), and optional TensorBoard / W&B (offline, or online when asked
+for) when those packages are installed."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterable
 
-__all__ = ["MetricsLogger", "read_metrics", "truncate_metrics"]
+__all__ = ["MetricsLogger", "progress_bar_wanted", "read_metrics", "step_line", "truncate_metrics"]
 
 
 def _plain(value):
@@ -44,16 +47,53 @@ def truncate_metrics(path: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def progress_bar_wanted() -> bool:
+    """A progress bar only on a terminal: not with ``FASTRLHF_NO_PROGRESS=1``, nor when stdout or stderr is
+    a file or a pipe (a launcher's log), where each redraw would be a line of noise; there each logged step
+    is one text line instead."""
+    if os.environ.get("FASTRLHF_NO_PROGRESS") == "1":
+        return False
+    return all(getattr(stream, "isatty", lambda: False)() for stream in (sys.stdout, sys.stderr))
+
+
+def _number(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or (abs(value) >= 1000 and math.isfinite(value)):
+        return f"{value:.0f}"
+    return f"{value:.4g}"
+
+
+def step_line(step: int, total_steps: int, record: dict, line_keys: Iterable[tuple[str, str]]) -> str:
+    """``step 3/20 reward=0.5 kl=0.0012 loss=-0.034 tokens/s=812 s/step=1.92``: each ``(label, key)`` of
+    ``line_keys`` whose key the record has, and ``skipped`` when the step's update was skipped."""
+    parts = [f"step {step}/{total_steps}"]
+    parts += [f"{label}={_number(record[key])}" for label, key in line_keys if key in record]
+    if record.get("skipped"):
+        parts.append("skipped")
+    return " ".join(parts)
+
+
 class MetricsLogger:
-    """Writes only on the main rank; other ranks get a silent logger, so callers need no rank checks."""
+    """Writes only on the main rank; other ranks get a silent logger, so callers need no rank checks.
+
+    ``bar_keys``: the metrics the progress bar shows; ``line_keys``: ``(label, key)`` pairs of the text
+    line printed per logged step where there is no bar (default: the bar's keys). ``wandb``: false, true or
+    ``"offline"`` (a local run folder, ``wandb sync`` later), or ``"online"``; ``wandb_project`` (None:
+    "fastrlhf") and ``wandb_run_name`` (None: ``output_dir``'s folder name) name the run.
+    """
 
     def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, bar_keys: Iterable[str] = ("loss",),
-                 enabled: bool | None = None, tensorboard: bool = False, wandb: bool = False,
-                 run_config: dict | None = None, resume: bool = False):
+                 enabled: bool | None = None, tensorboard: bool = False, wandb: bool | str = False,
+                 run_config: dict | None = None, resume: bool = False,
+                 line_keys: Iterable[tuple[str, str]] | None = None, wandb_project: str | None = None,
+                 wandb_run_name: str | None = None):
         from fastrlhf import distributed as D
 
         self.enabled = D.is_main() if enabled is None else enabled
         self.bar_keys = tuple(bar_keys)
+        self.line_keys = tuple(line_keys) if line_keys is not None else tuple((k, k) for k in self.bar_keys)
+        self.total_steps = total_steps
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self._file = self._bar = self._tb = self._wandb = None
         if not self.enabled:
@@ -62,10 +102,10 @@ class MetricsLogger:
         if resume:
             truncate_metrics(self.path, start_step)
         self._file = open(self.path, "a" if resume else "w", encoding="utf-8")
-        from tqdm import tqdm
+        if progress_bar_wanted():
+            from tqdm import tqdm
 
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
-                         disable=os.environ.get("FASTRLHF_NO_PROGRESS") == "1")
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -78,7 +118,10 @@ class MetricsLogger:
             try:
                 import wandb as wandb_module
 
-                self._wandb = wandb_module.init(mode="offline", dir=output_dir, config=run_config or {})
+                mode = "online" if wandb == "online" else "offline"
+                name = wandb_run_name or os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
+                self._wandb = wandb_module.init(mode=mode, project=wandb_project or "fastrlhf", name=name,
+                                                dir=output_dir, config=run_config or {})
             except ImportError:
                 print("warning: trainer.wandb is on but the wandb package is not installed; skipping it",
                       file=sys.stderr)
@@ -95,6 +138,8 @@ class MetricsLogger:
                                   refresh=False)
             self._bar.n = step
             self._bar.refresh()
+        else:
+            print(step_line(step, self.total_steps, record, self.line_keys), flush=True)
         numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._tb is not None:
             for key, value in numeric.items():

@@ -129,8 +129,14 @@ class RLStep:
             prep = {**getattr(self.scorer, "metrics", {}), **self.logprobs_and_values(exp),
                     "truncated_fraction": sum(truncated) / max(len(truncated), 1),
                     "rank_tokens": rank_tokens, "rank_tokens_max": rank_tokens}
-            estimator = ADV_ESTIMATORS[ADV_ESTIMATOR_OF[self.config.algorithm]]
-            exp.advantages, exp.returns = estimator(exp, self.config.trainer)
+            name = self.config.trainer.adv_estimator
+            name = ADV_ESTIMATOR_OF[self.config.algorithm] if name == "auto" else name
+            exp.advantages, exp.returns = ADV_ESTIMATORS[name](exp, self.config.trainer)
+            if self.critic is not None and exp.returns is None:
+                from fastrlhf.config import ConfigError
+
+                raise ConfigError("trainer.adv_estimator", f"{name} returns no returns, which the critic of "
+                                                           "algorithm ppo is trained on")
             prep["advantage_mean"] = float(masked_mean(exp.advantages, exp.response_mask))
         consumed = [t for t in (exp.scores, exp.advantages, exp.old_logprobs, exp.ref_logprobs, exp.values,
                                 exp.returns, exp.is_weights) if t is not None]

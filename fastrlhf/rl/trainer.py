@@ -350,6 +350,23 @@ def rank_prompts(examples: list, indices: list[int], balance: bool, rank: int, w
     return [examples[i] for i in indices]
 
 
+# The text line of each logged step where there is no progress bar (fastrlhf.engine.metrics.step_line).
+STEP_LINE_KEYS = (("reward", "reward_mean"), ("kl", "kl"), ("loss", "policy_loss"), ("eval", "eval/reward_mean"),
+                  ("tokens/s", "tokens_per_second"), ("s/step", "wall_time"))
+
+
+def _with_engine_used(config, kind: str):
+    """The config with ``rollout.engine`` the engine this run uses (``auto`` resolved), said once on rank 0:
+    the saved ``config.yaml`` and the log say which one ran."""
+    import dataclasses
+
+    from fastrlhf import distributed as D
+
+    if D.is_main():
+        print(f"rollout.engine: {kind}" + (" (auto)" if config.rollout.engine == "auto" else ""), flush=True)
+    return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine=kind))
+
+
 def run(config, resume: bool = False) -> dict:
     """Train for ``trainer.max_steps`` steps; returns the last step's metrics (collective)."""
     from fastrlhf import distributed as D
@@ -374,6 +391,7 @@ def run(config, resume: bool = False) -> dict:
     guard = StepGuard(t.max_skipped_steps)
     rl_step, stateful = build_rl_step(config, guard, tokenizer, prepared.text_rewards, prepared.reward_tokenizer,
                                       prepared.plan)
+    config = _with_engine_used(config, rl_step.rollout.kind)
     sampler = EpochSampler(len(examples), seed=config.seed)
     stateful.update(sampler=sampler, guard=guard)
 
@@ -381,7 +399,9 @@ def run(config, resume: bool = False) -> dict:
     if start_step or getattr(rl_step.rollout, "sync_at_start", False):
         rl_step.sync()  # restored weights; or a CPU vLLM engine's GEMMs on weights its sleep() can release
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=("reward_mean", "kl", "policy_loss"),
-                           tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config), resume=resume)
+                           line_keys=STEP_LINE_KEYS, tensorboard=t.tensorboard, wandb=t.wandb,
+                           wandb_project=t.wandb_project, wandb_run_name=t.wandb_run_name,
+                           run_config=config_to_dict(config), resume=resume)
     validator = build_validator(config, prepared.eval_examples, rl_step, tokenizer) if prepared.eval_examples else None
 
     def validate(step: int) -> dict:

@@ -139,8 +139,10 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
 
     start_step = resume_step(config.output_dir, stateful, resume)
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=job.bar_keys,
-                           tensorboard=t.tensorboard, wandb=t.wandb, run_config=config_to_dict(config),
-                           resume=resume)
+                           line_keys=[*((k, k) for k in job.bar_keys), ("tokens/s", "tokens_per_second"),
+                                      ("s/step", "step_time_s")],
+                           tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
+                           wandb_run_name=t.wandb_run_name, run_config=config_to_dict(config), resume=resume)
     engine.train()
 
     learner = DeepSpeedLearner(engine, guard)
@@ -152,8 +154,11 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
         skipped = guard.end_step()
         grad_norm = learner.grad_norm() if not skipped else None
         metrics = comm.mean_over_ranks(sums)
+        step_time = time.perf_counter() - started
         metrics.update(lr=engine.get_lr()[0], skipped=int(skipped), skipped_total=guard.skipped_total,
-                       step_time_s=time.perf_counter() - started)
+                       step_time_s=step_time)
+        if "response_tokens" in metrics:  # SFT: the mean over ranks of each rank's tokens
+            metrics["tokens_per_second"] = float(metrics["response_tokens"]) * world / max(step_time, 1e-9)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         return metrics

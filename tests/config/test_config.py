@@ -306,3 +306,88 @@ def test_reward_functions_batch_text_rewards(paths):
     with_eval = grpo(paths, reward={"function": None, "functions": [{"function": "length"}]},
                      eval={"data": paths["prompts"]})
     assert parse_config(with_eval).eval.reward is None
+
+
+# ---- imports, trainer.adv_estimator, W&B (issue 44, items 4 and 7) -------------------------------------------
+
+
+@pytest.fixture
+def plugin(tmp_path):
+    """``plugin(source) -> module name``: a module of the user's (tests/helpers/plugins.py)."""
+    from helpers.plugins import user_plugins
+
+    with user_plugins(tmp_path / "plugins") as make:
+        yield make
+
+
+LOSS_PLUGIN = """
+from fastrlhf.algorithms import register_policy_loss, vanilla_policy_loss
+
+@register_policy_loss("{name}")
+def loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, dual_clip):
+    return vanilla_policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high)
+"""
+
+ESTIMATOR_PLUGIN = """
+from fastrlhf.algorithms import register_adv_est, grpo_token_advantages
+
+register_adv_est("{name}")(grpo_token_advantages)
+"""
+
+
+def test_imports_register_a_policy_loss_and_an_estimator_before_the_config_is_checked(paths, plugin, tmp_path):
+    loss, estimator = plugin(LOSS_PLUGIN.format(name="test_loss")), plugin(ESTIMATOR_PLUGIN.format(name="test_est"))
+    raw = grpo(paths, imports=[loss, estimator], trainer={"policy_loss": "test_loss", "adv_estimator": "test_est"})
+    config = parse_config(raw)
+    assert config.imports == [loss, estimator] and config.trainer.adv_estimator == "test_est"
+    assert parse_config(grpo(paths)).imports == [] and parse_config(grpo(paths)).trainer.adv_estimator == "auto"
+    # --import (load_config's imports) comes first in the config's imports, once.
+    path = write_yaml(tmp_path / "run.yaml", grpo(paths, imports=[estimator], trainer={"policy_loss": "test_loss"}))
+    assert load_config(path, "train", imports=[loss, estimator]).imports == [loss, estimator]
+    for command in ("sft", "rm"):
+        assert parse_config({**sft_raw(paths), "imports": [loss]}, command).imports == [loss]
+
+
+@pytest.mark.parametrize("imports, message", [
+    (["no_such_module_here"], "imports[0]: cannot import 'no_such_module_here': ModuleNotFoundError: No module named "
+                              "'no_such_module_here'"),
+    (["plugins/my_loss.py"], "imports[0]: 'plugins/my_loss.py' is a path; give a module name (e.g. my_loss) importable "
+                             "from the current directory or PYTHONPATH"),
+    ("my_loss", "imports: expected a list of module names, got 'my_loss'"),
+])
+def test_an_import_that_fails_is_one_line_naming_it(paths, imports, message):
+    assert str(error_of(grpo(paths, imports=imports))) == message
+
+
+def test_an_import_that_raises_names_the_line_of_the_users_file(paths, plugin, tmp_path):
+    name = plugin("x = 1\nraise RuntimeError('not configured')\n")
+    where = os.path.relpath(tmp_path / "plugins" / f"{name}.py")
+    assert str(error_of(grpo(paths, imports=[name]))) == (f"imports[0]: cannot import '{name}': RuntimeError: not "
+                                                          f"configured ({where}:2)")
+
+
+def test_adv_estimator_names_a_registered_one(paths):
+    assert "unknown advantage estimator 'nope'; registered: gae, grpo (or auto)" in str(
+        error_of(grpo(paths, trainer={"adv_estimator": "nope"})))
+    assert str(error_of(grpo(paths, trainer={"adv_estimator": "gae"}))) == ("trainer.adv_estimator: gae needs a "
+                                                                           "critic's values: algorithm ppo")
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "rm"])
+def test_wandb_mode_project_and_run_name(paths, command):
+    def raw(**trainer):
+        if command == "train":
+            return grpo(paths, trainer=trainer)
+        return sft_raw(paths, **trainer)
+
+    assert parse_config(raw(), command).trainer.wandb is False
+    for mode in (True, "offline", "online"):
+        t = parse_config(raw(wandb=mode, wandb_project="p", wandb_run_name="r"), command).trainer
+        assert (t.wandb, t.wandb_project, t.wandb_run_name) == (mode, "p", "r")
+    assert str(error_of(raw(wandb="cloud"), command)) == ("trainer.wandb: expected true or false or 'offline' | "
+                                                          "'online', got 'cloud'")
+    assert str(error_of(raw(wandb_project="p"), command)) == ("trainer.wandb_project: needs trainer.wandb (offline or "
+                                                              "online), which is off")
+    err = str(error_of(raw(wandb_projekt="p"), command))
+    assert err.startswith("trainer.wandb_projekt: unknown key (known keys here: ")
+    assert "wandb, wandb_project, wandb_run_name" in err

@@ -3,6 +3,7 @@ random model has from step 1), and, once it has been called more than N times (a
 mid-step, after a checkpoint):
 
 - ``FASTRLHF_TEST_KILL_AFTER_CALLS=N``: a SIGKILL of its own process;
+- ``FASTRLHF_TEST_INTERRUPT_AFTER_CALLS=N``: a SIGINT of its own process (Ctrl-C), once;
 - ``FASTRLHF_TEST_HANG_AFTER_CALLS=N``: it writes ``FASTRLHF_TEST_HANG_MARKER`` (a path) and then
   sleeps for good, a rank that stops answering with its sockets still open (the multi-node test
   then takes its node off the network and kills it, as a node that dies does).
@@ -21,6 +22,9 @@ def reward(prompt_ids, completion_ids, meta):
     kill_after = int(os.environ.get("FASTRLHF_TEST_KILL_AFTER_CALLS", "0"))
     if kill_after and _calls > kill_after:
         os.kill(os.getpid(), signal.SIGKILL)
+    interrupt_after = int(os.environ.get("FASTRLHF_TEST_INTERRUPT_AFTER_CALLS", "0"))
+    if interrupt_after and _calls == interrupt_after + 1:
+        os.kill(os.getpid(), signal.SIGINT)
     hang_after = int(os.environ.get("FASTRLHF_TEST_HANG_AFTER_CALLS", "0"))
     if hang_after and _calls > hang_after:
         with open(os.environ["FASTRLHF_TEST_HANG_MARKER"], "w") as f:
