@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from .errors import ConfigError
 from .schema import DeepSpeedConfig, LoopConfig, ModelConfig, RMConfig, SFTConfig, SFTTrainerConfig, TrainConfig
@@ -39,12 +40,22 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
+# owner/name, as the model hub names a model (Qwen/Qwen2.5-0.5B-Instruct)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def _check_model_folder(path: str | None, key: str, base: str):
-    """A ``save_pretrained`` folder: config.json naming a model_type, and weights (read, not loaded)."""
+    """A ``save_pretrained`` folder: config.json naming a model_type, and weights (read, not loaded). A
+    missing path shaped like a hub id whose first part is no folder here is refused with the download command."""
     if path is None:
         return
-    _check_path(path, key, base)
     folder = path if os.path.isabs(path) else os.path.join(base, path)
+    if not os.path.exists(folder) and _HUB_ID.fullmatch(path) and not os.path.isdir(os.path.dirname(folder)):
+        local = f"models/{path.split('/')[1]}"
+        raise ConfigError(key, f"{path} is not a local folder, and fastrlhf reads models from local folders only "
+                               f"(no model hub): download it first with `hf download {path} --local-dir {local}` "
+                               f"(huggingface-cli download on huggingface_hub < 1.0), then set {key}: {local}")
+    _check_path(path, key, base)
     if not os.path.isdir(folder):
         raise ConfigError(key, f"{path} is a file; expected a model folder (save_pretrained output)")
     try:

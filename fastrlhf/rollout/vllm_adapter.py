@@ -106,11 +106,25 @@ def llm_kwargs(
     return kwargs
 
 
+def _not_chat_warmup(record) -> bool:
+    """vLLM's ``LLM`` renders the folder's chat template once at start, which cannot work without the
+    tokenizer it skips (``skip_tokenizer_init``; prompts arrive as token ids): it logs a 20-line traceback
+    for every chat model. This drops that record and nothing else."""
+    return not str(record.msg).startswith("Chat template warmup failed")
+
+
 def make_llm(**kwargs):
     """A ``vllm.LLM`` from :func:`llm_kwargs`."""
+    import logging
+
     from vllm import LLM
 
-    return LLM(**kwargs)
+    renderer_log = logging.getLogger("vllm.renderers.base")
+    renderer_log.addFilter(_not_chat_warmup)
+    try:
+        return LLM(**kwargs)
+    finally:
+        renderer_log.removeFilter(_not_chat_warmup)
 
 
 def sleep_llm(llm) -> None:
