@@ -7,11 +7,21 @@
 #
 #   scripts/check_gpu_install.sh        (or: make check-gpu-install)
 #
-# Uses .venv/bin/python if present, else python3 (>= 3.10, pip >= 22.2); PYTHON=... overrides.
-# INDEX_URL=... points it at a PyPI mirror. Needs only the package registry. From an index that serves
-# wheel metadata on its own (PEP 658, as pypi.org does) pip fetches only that; from one that does not,
-# it downloads whole wheels: about 4 GB (torch, vllm, triton, the CUDA libraries), about 70 s at
-# 200 MB/s. Nothing is kept (--no-cache-dir).
+# Uses .venv/bin/python if present, else python3 (>= 3.10); PYTHON=... overrides. INDEX_URL=... points
+# it at a PyPI mirror. Needs only the package registry; about a minute, a progress line every 10 s
+# (PROGRESS_EVERY_S).
+#
+# Reads wheel metadata only, a few MB in all: each wheel's METADATA file where the index serves it beside
+# the wheel (PEP 658, as pypi.org does), else the same file read out of the wheel by HTTP range requests
+# (pip's --use-feature=fast-deps; for mirrors and proxies without PEP 658). pip >= 25.3 stops there in a
+# dry run, where older pips download every wheel after resolving (about 4 GB: torch, vllm, triton, the
+# CUDA libraries). With an older pip, pip 25.3 or newer is first fetched into the check's own temporary
+# folder (about 2 MB) and run from there; the environment's pip is not touched. A whole wheel of 10 MB
+# or more that pip starts to download (an index that allows neither) stops the check with one line.
+#
+# Nothing is left behind: pip's own temporary files go to the check's folder (TMPDIR), which is removed
+# on exit, on Ctrl-C and on a kill (pip is stopped first); no cache (--no-cache-dir).
+# CHECK_TIMEOUT_S (default 300) stops a check that hangs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,18 +29,17 @@ if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 INDEX_URL=${INDEX_URL:-https://pypi.org/simple}
+CHECK_TIMEOUT_S=${CHECK_TIMEOUT_S:-300}
+PROGRESS_EVERY_S=${PROGRESS_EVERY_S:-10}
+MIN_PIP=25.3  # the first pip whose --dry-run stops at the metadata, without downloading the wheels
 
 "$PYTHON" - <<'EOF'
 import platform
 import sys
-from importlib.metadata import version
 
-pip = tuple(int(x) for x in version("pip").split(".")[:2])
 problems = []
 if sys.version_info < (3, 10):
     problems.append(f"Python >= 3.10 needed, this is {platform.python_version()}")
-if pip < (22, 2):
-    problems.append(f"pip >= 22.2 needed (for --dry-run --report), this is {version('pip')}")
 if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
     problems.append(f"resolves for this machine's platform: Linux x86_64 needed, this is "
                     f"{platform.system()} {platform.machine()}")
@@ -38,26 +47,89 @@ if problems:
     sys.exit("check_gpu_install: " + "; ".join(problems))
 EOF
 
-report=$(mktemp "${TMPDIR:-/tmp}/gpu-install-report.XXXXXX.json")
-log=$(mktemp "${TMPDIR:-/tmp}/gpu-install-log.XXXXXX.txt")
-trap 'rm -f "$report" "$log"' EXIT
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-install-check.XXXXXX")
+pip_pid=
+stop_pip() {  # pip and its children (a source build's backend): TERM, then KILL after 5 s
+    if [[ -n "$pip_pid" ]] && kill -0 "$pip_pid" 2>/dev/null; then
+        kill -TERM -- "-$pip_pid" 2>/dev/null || kill -TERM "$pip_pid" 2>/dev/null || true
+        for _ in 1 2 3 4 5; do kill -0 "$pip_pid" 2>/dev/null || break; sleep 1; done
+        kill -KILL -- "-$pip_pid" 2>/dev/null || kill -KILL "$pip_pid" 2>/dev/null || true
+        wait "$pip_pid" 2>/dev/null || true
+    fi
+    pip_pid=
+}
+trap 'stop_pip; rm -rf "$work"' EXIT
+trap 'echo "check_gpu_install: interrupted; nothing left behind"; exit 130' INT
+trap 'exit 143' TERM
+mkdir "$work/tmp"
+export TMPDIR="$work/tmp"  # pip's temporary folders (source builds, downloads) go there too
+report="$work/report.json"
+log="$work/pip.log"
+
+# A pip that reads metadata only: the environment's, if recent enough, else one fetched into $work.
+pip=("$PYTHON" -m pip)
+have=$("$PYTHON" -c 'from importlib.metadata import version; print(version("pip"))' 2>/dev/null || echo 0)
+if ! "$PYTHON" -c 'import re, sys; v = [tuple(int(x) for x in re.findall(r"\d+", s)[:2]) for s in sys.argv[1:]]
+sys.exit(v[0] < v[1])' "$have" "$MIN_PIP"; then
+    echo "pip $have downloads every wheel in a dry run: fetching pip>=$MIN_PIP into $work (about 2 MB, removed at exit)"
+    env PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip --isolated install --quiet --disable-pip-version-check \
+        --no-cache-dir --index-url "$INDEX_URL" ${PIP_CERT:+--cert "$PIP_CERT"} --target "$work/pip" "pip>=$MIN_PIP"
+    pip=(env "PYTHONPATH=$work/pip${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m pip)
+fi
 
 # What a CUDA machine with a stock pip resolves: no pip configuration file (PIP_CONFIG_FILE=/dev/null:
 # no global, user or site file, so no local constraints, find-links or extra indexes), no PIP_*
 # variables (--isolated), PyPI as the only index, nothing installed counted (--ignore-installed), no
 # cache. Only the CA bundle and the timeout of the environment are kept (they change no resolution).
-cmd=(env PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip --isolated install --dry-run --ignore-installed
-     --no-cache-dir --disable-pip-version-check --index-url "$INDEX_URL" --report "$report"
+cmd=(env PIP_CONFIG_FILE=/dev/null "${pip[@]}" --isolated install --dry-run --ignore-installed
+     --no-cache-dir --disable-pip-version-check --progress-bar off --use-feature=fast-deps --index-url "$INDEX_URL"
+     --report "$report"
      ${PIP_CERT:+--cert "$PIP_CERT"} ${PIP_DEFAULT_TIMEOUT:+--timeout "$PIP_DEFAULT_TIMEOUT"} '.[gpu]')
 echo "\$ ${cmd[*]}"
-echo "pip $("$PYTHON" -m pip --version | cut -d' ' -f2), Python $("$PYTHON" -c 'import platform; print(platform.python_version(), platform.system(), platform.machine())')"
+echo "pip $("${pip[@]}" --version | cut -d' ' -f2), Python $("$PYTHON" -c 'import platform; print(platform.python_version(), platform.system(), platform.machine())')"
+
+# The first whole wheel of 10 MB or more in pip's log ("Downloading torch-2.13.0-...whl (527.3 MB)"; a
+# metadata read is "Downloading torch-2.13.0-...whl.metadata (30 kB)"): its name and size, else nothing.
+whole_wheel() {
+    awk '$1 == "Downloading" && $2 ~ /\.whl$/ { size = $3; unit = $4; gsub(/[()]/, "", size); gsub(/[()]/, "", unit)
+         if (unit == "GB" || (unit == "MB" && size + 0 >= 10)) { print $2 " (" size " " unit ")"; exit } }' "$log"
+}
+
 start=$SECONDS
-if ! "${cmd[@]}" >"$log" 2>&1; then
-    grep -vE '^ *(Collecting|Downloading|Using cached) |━' "$log" | tail -n 30 || true
+setsid "${cmd[@]}" >"$log" 2>&1 </dev/null &  # its own process group: stop_pip ends its children too
+pip_pid=$!
+next=0
+while kill -0 "$pip_pid" 2>/dev/null; do
+    elapsed=$((SECONDS - start))
+    wheel=$(whole_wheel)
+    if [[ -n "$wheel" ]]; then
+        stop_pip
+        echo "FAIL: pip started downloading a whole wheel, $wheel, after $elapsed s: the index serves neither its" \
+             "metadata (PEP 658) nor byte ranges of it, and this check reads metadata only; use pypi.org"
+        exit 1
+    fi
+    if ((elapsed >= CHECK_TIMEOUT_S)); then
+        stop_pip
+        echo "FAIL: pip had not resolved '.[gpu]' after $elapsed s (CHECK_TIMEOUT_S); the last lines of its output:"
+        tail -n 5 "$log"
+        exit 1
+    fi
+    if ((elapsed >= next)); then
+        read -r count latest < <(awk '$1 == "Collecting" { n++; last = $2 } END { print n + 0, last }' "$log")
+        echo "  ${elapsed} s: ${count} packages read${latest:+ (the latest: $latest)}"
+        next=$((next + PROGRESS_EVERY_S))
+    fi
+    sleep 1
+done
+if wait "$pip_pid"; then status=0; else status=$?; fi
+pip_pid=
+if ((status != 0)); then
+    grep -vE '^ *(Collecting|Downloading|Using cached|Obtaining) |━' "$log" | tail -n 30 || true
     echo "FAIL: pip could not resolve '.[gpu]' (after $((SECONDS - start)) s; the last lines of its output are above)"
     exit 1
 fi
-echo "resolved in $((SECONDS - start)) s"
+reads=$(grep -cE '^ *(Downloading .*\.metadata |Obtaining dependency information from )' "$log" || true)
+echo "resolved in $((SECONDS - start)) s, from $reads wheels' metadata"
 
 "$PYTHON" - "$report" <<'EOF'
 import ast
@@ -100,7 +172,7 @@ cuda = sorted(n for n in ver if n.startswith("cuda-"))
 print(f"  cuda-* ({len(cuda)}): " + ", ".join(f"{n}=={ver[n]}" for n in cuda))
 where = {n: urlparse(u).netloc or f"{urlparse(u).scheme}://" for n, u in url.items() if n != "fastrlhf"}
 origins = collections.Counter(where.values())
-print("  downloaded from: " + ", ".join(f"{where} ({n})" for where, n in sorted(origins.items())))
+print("  files on: " + ", ".join(f"{where} ({n})" for where, n in sorted(origins.items())))
 
 errors = [f"{name} resolved to {ver.get(name)}, expected {want}" for name, want in expected.items()
           if ver.get(name) != want]

@@ -1,10 +1,19 @@
-"""The ``gpu`` extra, read from setup.py without a network (scripts/check_gpu_install.sh resolves it
-against PyPI; that needs the registry, so it is not part of this suite)."""
+"""The ``gpu`` extra, read from setup.py without a network; scripts/check_gpu_install.sh (which resolves it
+against PyPI) run with a fake pip: metadata only, progress lines, nothing left behind."""
 
 import ast
+import json
+import os
+import platform
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
+from helpers.launch import kill_group, run_group
 from helpers.paths import ROOT as CHECKOUT
 
 ROOT = Path(CHECKOUT)
@@ -43,3 +52,160 @@ def test_no_extra_lists_flash_attn():
     extras = setup_kwargs()["extras_require"]
     assert all("flash-attn" not in names(reqs) for reqs in extras.values()), extras
 
+
+
+# ------------------------------------------------------------------ scripts/check_gpu_install.sh, with a fake pip
+# The real check needs the package registry (`make check-gpu-install`, about a minute). These run the script
+# itself with a stand-in for pip on PYTHONPATH that prints what pip prints, writes what pip writes into
+# TMPDIR and hands back a report of the pinned versions, in seconds and without a network.
+
+FAKE_MAIN = r'''
+import json, os, shutil, sys, tempfile, time
+
+here = os.path.dirname(os.path.abspath(__file__))
+version = open(os.path.join(here, "VERSION")).read().strip()
+args = sys.argv[1:]
+if "--version" in args:
+    print(f"pip {version} from {here} (python)")
+    sys.exit(0)
+if "--target" in args:  # the check fetching a recent pip: this stand-in again, as version 26.3
+    make = os.environ["FAKE_PIP_MAKE"]
+    sys.exit(os.system(f"{sys.executable} {make} {args[args.index('--target') + 1]} 26.3"))
+with open(os.environ["FAKE_PIP_PIDFILE"], "w") as f:
+    f.write(str(os.getpid()))
+junk = tempfile.mkdtemp(prefix="pip-unpack-")  # what pip leaves in TMPDIR when it is stopped
+with open(os.path.join(junk, "torch.whl"), "wb") as f:
+    f.write(b"0" * (1 << 20))
+mode = os.environ.get("FAKE_PIP_MODE", "metadata")
+old = tuple(int(x) for x in version.split(".")[:2]) < (25, 3)
+for name in ["torch", "vllm", "triton", "transformers", "deepspeed", "nvidia-nccl-cu13"]:
+    print(f"Collecting {name}", flush=True)
+    if mode == "wheels" or old:  # an index without metadata, or a pip that downloads every wheel
+        print(f"  Downloading {name}-1.0-cp311-cp311-manylinux_2_28_x86_64.whl (526.6 MB)", flush=True)
+        time.sleep(120)
+        sys.exit(1)
+    print(f"  Downloading {name}-1.0-py3-none-any.whl.metadata (30 kB)", flush=True)
+    time.sleep(0.5)
+if mode == "hang":
+    time.sleep(120)
+shutil.rmtree(junk)
+shutil.copy(os.environ["FAKE_PIP_REPORT"], args[args.index("--report") + 1])
+print("Would install torch vllm triton", flush=True)
+'''
+
+FAKE_MAKE = r'''
+import os, sys
+
+root, version = sys.argv[1], sys.argv[2]
+os.makedirs(os.path.join(root, "pip"), exist_ok=True)
+os.makedirs(os.path.join(root, f"pip-{version}.dist-info"), exist_ok=True)
+open(os.path.join(root, "pip", "__init__.py"), "w").close()
+open(os.path.join(root, "pip", "VERSION"), "w").write(version)
+open(os.path.join(root, "pip", "__main__.py"), "w").write(open(os.environ["FAKE_PIP_MAIN"]).read())
+open(os.path.join(root, f"pip-{version}.dist-info", "METADATA"), "w").write(
+    f"Metadata-Version: 2.1\nName: pip\nVersion: {version}\n")
+'''
+
+needs_linux_x86 = pytest.mark.skipif((platform.system(), platform.machine()) != ("Linux", "x86_64"),
+                                     reason="the check resolves for Linux x86_64 only")
+
+
+def pinned_report() -> dict:
+    """A pip report of what '.[gpu]' resolves to: setup.py's pins, CUDA torch's nvidia wheels."""
+    kw = setup_kwargs()
+    versions = {"torch": pins(kw["install_requires"])["torch"], "vllm": pins(kw["extras_require"]["gpu"])["vllm"],
+                "triton": pins(kw["extras_require"]["gpu"])["triton"], "transformers": "5.19.0",
+                "deepspeed": "0.19.8", "nvidia-nccl-cu13": "2.29.7", "nvidia-cudnn-cu13": "9.20.0.48"}
+    install = [{"metadata": {"name": name, "version": v},
+                "download_info": {"url": f"https://files.pythonhosted.org/packages/ab/{name}-{v}-py3-none-any.whl"}}
+               for name, v in versions.items()]
+    install.append({"metadata": {"name": "fastrlhf", "version": "0.1.0"}, "download_info": {"url": f"file://{ROOT}"}})
+    return {"environment": {"python_full_version": platform.python_version(), "sys_platform": "linux",
+                            "platform_machine": "x86_64"}, "install": install}
+
+
+@pytest.fixture
+def fake_pip(tmp_path):
+    """``(env, tmpdir, pidfile)``: the environment that runs the check with a fake pip of version
+    ``make(version)``, an empty TMPDIR for it, and the file the fake's dry run writes its pid to."""
+    (tmp_path / "main.py").write_text(FAKE_MAIN)
+    (tmp_path / "make.py").write_text(FAKE_MAKE)
+    (tmp_path / "report.json").write_text(json.dumps(pinned_report()))
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path / "fake"),
+           "FAKE_PIP_MAIN": str(tmp_path / "main.py"), "FAKE_PIP_MAKE": str(tmp_path / "make.py"),
+           "FAKE_PIP_REPORT": str(tmp_path / "report.json"), "FAKE_PIP_PIDFILE": str(tmp_path / "pip.pid"),
+           "TMPDIR": str(tmp_path / "tmp"), "PROGRESS_EVERY_S": "1"}
+
+    def make(version: str, mode: str = "metadata") -> dict:
+        subprocess.run([sys.executable, str(tmp_path / "make.py"), str(tmp_path / "fake"), version], env=env,
+                       check=True)
+        return {**env, "FAKE_PIP_MODE": mode}
+
+    return make, tmp_path / "tmp", tmp_path / "pip.pid"
+
+
+def check(env, timeout=60):
+    return run_group(["bash", os.path.join(ROOT, "scripts", "check_gpu_install.sh")], timeout=timeout, env=env)
+
+
+def alive(pidfile) -> bool:
+    try:
+        os.kill(int(pidfile.read_text()), 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@needs_linux_x86
+def test_the_check_reads_metadata_with_progress_lines_and_leaves_nothing(fake_pip):
+    make, tmpdir, _ = fake_pip
+    code, out = check(make("26.3"))
+    assert code == 0, out
+    assert re.search(r"^  [1-9]\d* s: [1-9]\d* packages read \(the latest: \S+\)$", out, re.M), out
+    assert "resolved in" in out and "from 6 wheels' metadata" in out
+    assert out.rstrip().endswith("OK: '.[gpu]' resolves with torch {} (CUDA), vllm 0.32.0, triton {}".format(
+        pinned_report()["install"][0]["metadata"]["version"], pinned_report()["install"][2]["metadata"]["version"]))
+    assert os.listdir(tmpdir) == []
+
+
+@needs_linux_x86
+def test_a_pip_that_downloads_whole_wheels_is_replaced_by_a_recent_one(fake_pip):
+    """pip < 25.3 downloads every wheel in a dry run (4 GB): the check runs pip >= 25.3 from its own folder."""
+    make, tmpdir, _ = fake_pip
+    code, out = check(make("23.2.1"))
+    assert code == 0, out
+    assert "pip 23.2.1 downloads every wheel in a dry run: fetching pip>=25.3" in out and "\npip 26.3," in out, out
+    assert os.listdir(tmpdir) == []
+
+
+@needs_linux_x86
+def test_a_whole_wheel_download_stops_the_check_in_one_line(fake_pip):
+    make, tmpdir, pidfile = fake_pip
+    started = time.monotonic()
+    code, out = check(make("26.3", mode="wheels"))
+    assert code == 1 and time.monotonic() - started < 30, out
+    assert out.strip().splitlines()[-1].startswith(
+        "FAIL: pip started downloading a whole wheel, torch-1.0-cp311-cp311-manylinux_2_28_x86_64.whl (526.6 MB), "
+        "after "), out
+    assert not alive(pidfile) and os.listdir(tmpdir) == []
+
+
+@needs_linux_x86
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stopped_check_stops_pip_and_leaves_nothing(fake_pip, sig):
+    make, tmpdir, pidfile = fake_pip
+    proc = subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "check_gpu_install.sh")], env=make("26.3", "hang"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (pidfile.exists() and pidfile.read_text() and os.listdir(tmpdir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert os.listdir(tmpdir), "the check did not start pip"
+        time.sleep(1)
+        proc.send_signal(sig)  # the script alone, as a launcher's or CI's kill does
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], out
+    assert not alive(pidfile) and os.listdir(tmpdir) == [], out
