@@ -46,7 +46,7 @@ test-multinode: $(STAMP)
 # The GPU proof on a CUDA machine (tests/gpu: the cuda half, marker `gpu`; `make test` runs its CPU half):
 # kernels at V=151,936, the RL update's host reads, every command through the launcher, the memory plan
 # against the measured peak; under 8 minutes on one H100/H200. Runs with .venv's python where it exists,
-# else python3: the GPU machine has no venv (`source .gpu-carry/on_device.sh` first, see README).
+# else python3 (the project's own lent GPU machines have no venv: docs/gpu.md, "For maintainers").
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 test-gpu:
 	TRITON_INTERPRET=0 $(GPU_PY) -m pytest -m gpu tests/gpu -p no:cacheprovider $(PYTEST_ARGS)
@@ -64,7 +64,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -c "import trl; print('bench extra: trl', trl.__version__)"
 	touch $(BENCH_STAMP)
 
-# About 10 minutes on a quiet 2-core machine (plus the install); the figures mean little while other work runs.
+# About 25 minutes on a quiet 2-core machine (plus the install); the figures mean little while other work runs.
 bench: $(BENCH_STAMP)
 	mkdir -p benchmarks/results
 	$(PY) -m pytest benchmarks --ignore=benchmarks/gpu --benchmark-json=benchmarks/results/bench.json $(PYTEST_ARGS)
@@ -85,7 +85,8 @@ arithmetic: $(STAMP)
 	$(PY) -m examples.arithmetic.run --seed $(or $(SEEDS),0) --engine $(or $(ENGINE),hf) $(if $(FRESH),--fresh)
 
 # Needs the package registry, not the venv: proves that `pip install '.[gpu]'` resolves on a CUDA
-# machine (a dry run against PyPI, nothing installed) and prints the torch/vllm/triton/nvidia-* it picks.
+# machine (a dry run against PyPI that reads wheel metadata only, about a minute, a progress line every
+# 10 s, nothing installed or left behind) and prints the torch/vllm/triton/nvidia-* it picks.
 check-gpu-install:
 	scripts/check_gpu_install.sh
 

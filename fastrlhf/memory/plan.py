@@ -171,12 +171,15 @@ class MemoryPlan:
                         f"{self.components[self.largest] / GiB:.1f} GiB" + (f" (try {hint})" if hint else ""))
 
 
-def parse_bytes(text: str) -> int:
-    """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``81920MiB``, ``1.5TiB`` or a number of bytes."""
+def parse_bytes(text: str, unit: int = 1) -> int:
+    """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``81920MiB``, ``1.5TiB``, or a bare number of ``unit`` bytes
+    (``fastrlhf plan --gpu-memory 80``: GiB)."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B?)\s*", str(text), re.IGNORECASE)
     if not m:
-        raise ValueError(f"expected a size such as 80GiB, 80GB or 85899345920, got {text!r}")
+        raise ValueError(f"expected a size such as 80 (GiB), 80GiB, 80GB or 81920MiB, got {text!r}")
     number, prefix, suffix = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
+    if not prefix and not suffix:
+        return int(number * unit)
     power = "KMGT".index(prefix) + 1 if prefix else 0
     base = 1000 if suffix == "b" and prefix else 1024
     return int(number * base**power)
@@ -220,7 +223,7 @@ def _host_budget(gpus: int) -> int:
                     return int(line.split()[1]) * 1024 // gpus
     except OSError:
         pass
-    raise PlanError("cannot read MemAvailable from /proc/meminfo; pass --gpu-memory (bytes per rank)")
+    raise PlanError("cannot read MemAvailable from /proc/meminfo; pass --gpu-memory (GiB per rank)")
 
 
 def _cuda_budget() -> int:
@@ -463,8 +466,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--config", required=True, help="run config of `fastrlhf train` (YAML)")
     parser.add_argument("--gpus", type=int, default=1, help="ranks (GPUs, or CPU processes) of the run (default 1)")
     parser.add_argument("--gpu-memory", dest="gpu_memory", default=None, metavar="SIZE",
-                        help="memory per GPU, e.g. 80GiB (default: this machine's GPU; on --device cpu: "
-                             "MemAvailable over the ranks)")
+                        help="memory per GPU in GiB, e.g. 80, or with a unit: 80GiB, 80GB, 81920MiB (default: this "
+                             "machine's GPU; on --device cpu: MemAvailable over the ranks)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="plan a GPU (default) or CPU run")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set deepspeed.zero_stage=3 (repeatable)")
@@ -476,7 +479,7 @@ def main(args) -> int:
         if args.gpus < 1:
             raise PlanError(f"--gpus must be >= 1, got {args.gpus}")
         try:
-            budget = parse_bytes(args.gpu_memory) if args.gpu_memory is not None else None
+            budget = parse_bytes(args.gpu_memory, unit=GiB) if args.gpu_memory is not None else None
         except ValueError as exc:
             raise PlanError(f"--gpu-memory: {exc}") from None
         config = load_plan_config(args.config, args.overrides, args.device)

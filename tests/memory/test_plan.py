@@ -424,6 +424,16 @@ def test_plan_command_that_does_not_fit_exits_2_with_one_line(tmp_path):
     assert lines[0].startswith("plan: needs ") and "largest: actor optimizer states" in lines[0]
 
 
+def test_plan_command_reads_a_bare_gpu_memory_as_gib(tmp_path):
+    """``--gpu-memory 80`` is 80 GiB, as the GPU's size is said (it was 80 bytes: a budget of 0.00 GiB)."""
+    results = [run_plan("--config", plan_yaml(tmp_path, QWEN25_1_5B), "--gpus", "8", "--gpu-memory", size)[0]
+               for size in ("80", "80GiB", "80.0")]
+    assert [r.returncode for r in results] == [0, 0, 0], results[0].stderr
+    assert results[0].stdout == results[1].stdout == results[2].stdout
+    assert "rollout.gpu_memory_utilization: 0.73" in results[0].stdout
+    assert parse_bytes("80", unit=GiB) == 80 * GiB and parse_bytes("80B", unit=GiB) == 80
+
+
 @pytest.mark.parametrize("args, expected", [
     (("--set", "trainer.grad_accum=3"), "config error: trainer.grad_accum: 3 does not divide"),
     (("--gpus", "3"), "config error: trainer.prompts_per_step: 128 does not split over 3 ranks"),
