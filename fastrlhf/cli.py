@@ -94,13 +94,9 @@ def _lost_peer(config, reason: str) -> None:
     """A collective failed because a peer is gone: one line with the checkpoint to resume from, then exit at
     once (tearing down a process group, or vLLM, with a dead peer can block: nothing is left to save)."""
     from fastrlhf.distributed import DEFAULT_TIMEOUT_S
-    from fastrlhf.engine.checkpoint import latest_checkpoint
 
     timeout = os.environ.get("FASTRLHF_DIST_TIMEOUT", str(DEFAULT_TIMEOUT_S))
-    try:
-        latest = latest_checkpoint(config.output_dir)
-    except OSError:
-        latest = None
+    latest = _last_checkpoint(config)
     resume = (f"the last complete checkpoint is {latest}: restart every node with --resume" if latest else
               "no checkpoint was written yet: restart the run")
     _say(f"distributed error: lost contact with another rank ({reason}): a node died, was killed, or did not answer "
@@ -152,14 +148,19 @@ def _resume_command(args) -> str:
     return f"`fastrlhf {line}`"
 
 
-def _interrupted(config, args) -> None:
-    """Ctrl-C: one line naming the checkpoint to continue from and the command that does, no traceback."""
+def _last_checkpoint(config) -> str | None:
+    """The run's latest complete checkpoint, or None (none yet, or its folder cannot be read)."""
     from fastrlhf.engine.checkpoint import latest_checkpoint
 
     try:
-        latest = latest_checkpoint(config.output_dir)
+        return latest_checkpoint(config.output_dir)
     except OSError:
-        latest = None
+        return None
+
+
+def _interrupted(config, args) -> None:
+    """Ctrl-C: one line naming the checkpoint to continue from and the command that does, no traceback."""
+    latest = _last_checkpoint(config)
     where = (f"the last checkpoint is {latest}" if latest else
              "no checkpoint was written yet (--resume then starts again at step 0)")
     _say(f"interrupted (Ctrl-C): {where}; continue with {_resume_command(args)}")

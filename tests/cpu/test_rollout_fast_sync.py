@@ -104,6 +104,21 @@ def _expected_gemm_kinds(model, dtype) -> set[str]:
             else "vllm" for n, k in shapes}
 
 
+def _generic_path_gives_the_same_engine(engine, first, second, expected_first, direct_samples, spy, monkeypatch):
+    """vLLM's generic reload from ``first`` to ``second`` leaves the engine sampling exactly what the
+    direct path left it sampling (``direct_samples``), on vLLM's own packed weights."""
+    from fastrlhf.cpu.vllm_inplace_sync import gemm_weight_kinds
+
+    _generic_only(monkeypatch)
+    sync_weights(first, engine)
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
+    sync_weights(second, engine)
+    assert spy.generic == 2
+    assert gemm_weight_kinds(engine.llm) == {"vllm"}
+    assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == direct_samples
+    monkeypatch.undo()
+
+
 def _generic_only(monkeypatch):
     from fastrlhf.rollout import vllm_adapter
 
@@ -149,15 +164,7 @@ def _llama_direct_path(first, second, engine, kinds, monkeypatch):
     assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_second
     direct = _samples(engine.generate(PROMPTS[:3], SAMPLED))
 
-    # The generic path from the first model to the second gives the very same engine.
-    _generic_only(monkeypatch)
-    sync_weights(first, engine)
-    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
-    sync_weights(second, engine)
-    assert spy.generic == 2
-    assert gemm_weight_kinds(engine.llm) == {"vllm"}
-    assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == direct
-    monkeypatch.undo()
+    _generic_path_gives_the_same_engine(engine, first, second, expected_first, direct, spy, monkeypatch)
 
     # And the direct path after a generic reload, back to the first model.
     spy = _PathSpy(monkeypatch)
@@ -348,15 +355,7 @@ def test_tiny_qwen2_takes_the_direct_path_and_matches_the_trainer_and_the_generi
     direct = engine.generate(PROMPTS[:3], SAMPLED)
     assert _max_logprob_error(second, direct, PROMPTS[:3], SAMPLED.temperature) <= 1e-4
 
-    # The generic path from the first model to the second gives the very same engine.
-    _generic_only(monkeypatch)
-    sync_weights(first, engine)
-    assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected_first
-    sync_weights(second, engine)
-    assert spy.generic == 2
-    assert gemm_weight_kinds(engine.llm) == {"vllm"}
-    assert _samples(engine.generate(PROMPTS[:3], SAMPLED)) == _samples(direct)
-    monkeypatch.undo()
+    _generic_path_gives_the_same_engine(engine, first, second, expected_first, _samples(direct), spy, monkeypatch)
 
     # And the direct path after a generic reload, back to the first model (as the next test expects).
     spy = _PathSpy(monkeypatch)
