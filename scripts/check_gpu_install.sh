@@ -12,7 +12,7 @@
 # (PROGRESS_EVERY_S).
 #
 # Reads wheel metadata only, a few MB in all: each wheel's METADATA file where the index serves it beside
-# the wheel (PEP 658, as pypi.org does), else the same file read out of the wheel by HTTP range requests
+# the wheel (PEP 658, as the public index does), else the same file read out of the wheel by HTTP range requests
 # (pip's --use-feature=fast-deps; for mirrors and proxies without PEP 658). pip >= 25.3 stops there in a
 # dry run, where older pips download every wheel after resolving (about 4 GB: torch, vllm, triton, the
 # CUDA libraries). With an older pip, pip 25.3 or newer is first fetched into the check's own temporary
@@ -105,7 +105,7 @@ while kill -0 "$pip_pid" 2>/dev/null; do
     if [[ -n "$wheel" ]]; then
         stop_pip
         echo "FAIL: pip started downloading a whole wheel, $wheel, after $elapsed s: the index serves neither its" \
-             "metadata (PEP 658) nor byte ranges of it, and this check reads metadata only; use pypi.org"
+             "metadata (PEP 658) nor byte ranges of it, and this check reads metadata only; use the public index (the default INDEX_URL)"
         exit 1
     fi
     if ((elapsed >= CHECK_TIMEOUT_S)); then

@@ -117,7 +117,7 @@ def pinned_report() -> dict:
                 "triton": pins(kw["extras_require"]["gpu"])["triton"], "transformers": "5.19.0",
                 "deepspeed": "0.19.8", "nvidia-nccl-cu13": "2.29.7", "nvidia-cudnn-cu13": "9.20.0.48"}
     install = [{"metadata": {"name": name, "version": v},
-                "download_info": {"url": f"https://files.pythonhosted.org/packages/ab/{name}-{v}-py3-none-any.whl"}}
+                "download_info": {"url": f"https://files.example/packages/ab/{name}-{v}-py3-none-any.whl"}}
                for name, v in versions.items()]
     install.append({"metadata": {"name": "fastrlhf", "version": "0.1.0"}, "download_info": {"url": f"file://{ROOT}"}})
     return {"environment": {"python_full_version": platform.python_version(), "sys_platform": "linux",
