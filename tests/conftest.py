@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 
@@ -6,6 +7,12 @@ import pytest
 # vLLM do), so that kernel tests with backend="triton" run on CPU tensors. `make test-gpu` sets
 # TRITON_INTERPRET=0: there the kernels run compiled.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A suite started in the background by a non-interactive shell (as CI may start it) inherits SIGINT
+# ignored, and so would every command a test starts: the Ctrl-C tests' children would never see their
+# SIGINT. A handler (unlike SIG_IGN) is reset to the default on exec, so the children get Ctrl-C back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config):

@@ -26,4 +26,7 @@ def bare_clone(dest) -> str:
 
 def clone_env(clone: str, **extra) -> dict:
     """The environment for commands run in ``clone``: its code first on the path, no progress bars."""
-    return {**os.environ, "PYTHONPATH": str(clone), "FASTRLHF_NO_PROGRESS": "1", "HF_HUB_OFFLINE": "1", **extra}
+    from helpers.rl_runs import LAUNCH_ENV  # an earlier test's rendezvous port, still bound in this process
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    return {**env, "PYTHONPATH": str(clone), "FASTRLHF_NO_PROGRESS": "1", "HF_HUB_OFFLINE": "1", **extra}

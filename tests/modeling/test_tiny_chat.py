@@ -11,6 +11,7 @@ import sys
 import pytest
 from helpers.launch import run_group
 from helpers.paths import ROOT
+from helpers.rl_runs import launch_env
 
 from fastrlhf.modeling.tiny_chat import CHAT_TEMPLATE, TOOL_TOKENS, build_chat_tokenizer
 
@@ -149,7 +150,7 @@ def test_every_example_that_needs_a_tokenizer_runs_from_the_tiny_chat_model(exam
         overrides.append(f"reward.model_path={tiny_chat}")
     argv = [sys.executable, "-m", "fastrlhf", "train", "--config", example]
     code, out = run_group([*argv, *(w for o in overrides for w in ("--set", o))], timeout=400,
-                          env={**os.environ, "FASTRLHF_NO_PROGRESS": "1"})
+                          env={k: v for k, v in launch_env().items() if k != "OMP_NUM_THREADS"})
     assert code == 0, out[-4000:]
     assert "Chat template warmup failed" not in out  # vLLM's start without a tokenizer, silenced
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
