@@ -171,6 +171,11 @@ def _validate_train(c: TrainConfig, base: str):
         raise ConfigError("rollout.tensor_parallel_size", "tensor parallelism is vLLM's; set rollout.engine: vllm")
     _positive(ro.max_logprob_mismatch, "rollout.max_logprob_mismatch")
     _positive(ro.mismatch_probe, "rollout.mismatch_probe")
+    _positive(ro.max_turns, "rollout.max_turns")
+    _positive(ro.tool_timeout_s, "rollout.tool_timeout_s")
+    if (ro.tools or ro.environment) and ro.tensor_parallel_size > 1:
+        raise ConfigError("rollout.tools", "multi-turn episodes advance each rank's engine on its own; they do not run "
+                          "with rollout.tensor_parallel_size > 1 yet")
     if any(not isinstance(x, str) or not x for x in ro.stop):
         raise ConfigError("rollout.stop", f"stop strings must be non-empty strings, got {ro.stop!r}")
 

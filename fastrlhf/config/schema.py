@@ -116,6 +116,15 @@ class RolloutConfig:
     # (mean |difference|, nats): the engine is generating with other weights (checked without top-k/top-p)
     max_logprob_mismatch: float | None = 0.5
     mismatch_probe: int = 2  # shortest sequences per rank re-scored by the actor when the old-logprob pass is skipped
+    # Multi-turn tool use (fastrlhf.rollout.episodes, docs/tools.md), TRL's interface: functions as 'module:function'
+    # (type hints + Google-style docstring), and/or an environment class 'module:Class' (one instance per
+    # episode; reset(**row), public methods as tools, optional get_reward()). max_new_tokens then counts an
+    # episode's generated tokens over all its assistant turns.
+    tools: list[str] = field(default_factory=list)
+    environment: str | None = None
+    max_turns: int = 4  # assistant turns per episode (a turn without a tool call ends it sooner)
+    tool_timeout_s: float = 5.0  # a tool call running longer becomes an error message to the policy
+    tool_parser: str = "hermes"  # how tool calls are read from a turn (fastrlhf.rollout.tools.TOOL_CALL_PARSERS)
 
 
 @dataclass(frozen=True)
@@ -248,6 +257,9 @@ class SFTDataConfig:
     max_len: int = 512  # prompt + response tokens; longer examples are reported as bad lines
     max_prompt_len: int | None = None
     chat_template: bool | Literal["auto"] = "auto"  # as data.chat_template of `fastrlhf train`
+    # Tools ('module:function', as rollout.tools) whose schemas the chat template lists in each chat's prompt:
+    # SFT on tool-using demonstrations sees the prompt the RL run's episodes start from
+    tools: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,8 @@ def _check_choices(chat_template, overlong=None):
 
 def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: int | None = None,
                  vocab_size: int | None = None, tokenizer_path: str | None = None, *,
-                 chat_template: bool | str = "auto", overlong: str = "error") -> list[PromptExample]:
+                 chat_template: bool | str = "auto", overlong: str = "error",
+                 tools: list[dict] | None = None) -> list[PromptExample]:
     """RL prompts, one per row: ``{"prompt_ids": [...]}``, ``{"prompt": "text"}`` or ``{"messages": [{"role",
     "content"}, ...]}`` (the prompt field's names come from ``prompt_field``; a chat in it works too).
 
@@ -155,10 +156,11 @@ def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: in
 
     Every other column of a row (``answer``, ``data_source``...) travels in the example's ``meta`` (a
     :class:`Columns`, which also holds the prompt as given), so reward functions receive it; a key in
-    ``meta`` itself wins over a column of the same name. ``source`` is the row's ``file:line``.
+    ``meta`` itself wins over a column of the same name. ``source`` is the row's ``file:line``. ``tools``: the
+    JSON schemas the chat template lists in each chat prompt (``rollout.tools``).
     """
     _check_choices(chat_template, overlong)
-    tokenizer = LazyTokenizer(tokenizer_path)
+    tokenizer = LazyTokenizer(tokenizer_path, tools)
     names = _id_and_text_names(prompt_field)
 
     def parse(row: dict, where: str) -> PromptExample:
@@ -183,16 +185,16 @@ def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: in
 
 def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None,
                       vocab_size: int | None = None, tokenizer_path: str | None = None, *,
-                      chat_template: bool | str = "auto") -> list[SFTExample]:
+                      chat_template: bool | str = "auto", tools: list[dict] | None = None) -> list[SFTExample]:
     """SFT pairs: ``{"prompt_ids"/"prompt", "response_ids"/"response"}`` or ``{"messages": [..., {"role":
     "assistant", "content": ...}]}`` rows.
 
     A chat's prompt is the template of all its messages but the last, with the generation prompt; its
     response is the last (assistant) message's text, tokenized without special tokens, plus EOS (as a text
-    response). ``chat_template`` as in :func:`load_prompts`.
+    response). ``chat_template`` and ``tools`` as in :func:`load_prompts`.
     """
     _check_choices(chat_template)
-    tokenizer = LazyTokenizer(tokenizer_path)
+    tokenizer = LazyTokenizer(tokenizer_path, tools)
     pair_fields = ("prompt_ids", "prompt", "response_ids", "response")
 
     def parse(row: dict, where: str) -> SFTExample:

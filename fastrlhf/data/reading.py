@@ -46,8 +46,9 @@ CHAT_FIELD = "messages"
 class LazyTokenizer:
     """Loads the tokenizer of ``model_path`` only if a text field is met (token-id data needs none)."""
 
-    def __init__(self, model_path: str | None):
+    def __init__(self, model_path: str | None, tools: list[dict] | None = None):
         self.model_path = model_path
+        self.tools = tools or None  # JSON schemas a chat's template lists (rollout.tools)
         self._tokenizer = None
         self._failure: str | None = None  # why loading failed (tried once, not once per row)
 
@@ -82,7 +83,8 @@ class LazyTokenizer:
                 reason = f"the tokenizer of {self.model_path} has none"
             raise _BadLine(f"field {field_name!r} needs a tokenizer with a chat template{why} ({reason})")
         try:
-            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                **({"tools": self.tools} if self.tools else {}))
         except Exception as exc:  # noqa: BLE001 -- a template that raises (roles must alternate...) is a bad line
             detail = " ".join(str(exc).split())
             raise _BadLine(f"the chat template failed on field {field_name!r} "

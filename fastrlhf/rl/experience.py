@@ -163,11 +163,15 @@ def build_experience(
 
     Sequences are ordered prompt-major (all samples of prompt 0, then prompt 1...), so a GRPO
     group is a contiguous run of rows. A completion with no tokens keeps an all-zero mask row.
+    An episode (``Completion.mask``) is its whole token sequence after the prompt, with ``response_mask``
+    1 on the policy's tokens only; one with a prompt of its own (``Completion.prompt_ids``) stays in its
+    prompt's group but shares no prompt tokens with it.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"got {len(prompts)} prompts but completions for {len(completions)}")
     pairs = enumerate(zip(prompts, completions, strict=True))
-    rows = [(i, prompt, c) for i, (prompt, samples) in pairs for c in samples]
+    rows = [(i, prompt if c.prompt_ids is None else c.prompt_ids, c) for i, (prompt, samples) in pairs
+            for c in samples]
     if not rows:
         raise ValueError("build_experience: no completions to pad")
     P = max(len(p) for _, p, _ in rows)
@@ -185,7 +189,7 @@ def build_experience(
         if n:
             input_ids[b, P:P + n] = torch.tensor(c.token_ids, dtype=torch.long)
             engine_logprobs[b, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
-        response_mask[b, :n] = 1.0
+        response_mask[b, :n] = 1.0 if c.mask is None else torch.tensor(c.mask, dtype=torch.float32)
         group_ids[b] = group_offset + i
     # Left padding shifts every prompt; positions count real tokens only so that a padded
     # sequence sees exactly the positions it would see alone.
@@ -196,7 +200,7 @@ def build_experience(
         prompt_width=P,
         prompt_lens=[len(prompt) for _, prompt, _ in rows],
         completion_lens=[len(c.token_ids) for _, _, c in rows],
-        prompt_groups=[group_offset + i for i, _, _ in rows],
+        prompt_groups=[group_offset + i if c.prompt_ids is None else -1 - b for b, (i, _, c) in enumerate(rows)],
     )
 
 

@@ -266,6 +266,25 @@ def _batch_scores(reward: TextReward, prompts: list, completions: list, completi
     return _tensors(out)
 
 
+def _environment_scores(name: str, environments: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each episode's ``environment.get_reward()``, read as a per-sample reward is (None: not applicable)."""
+    values = []
+    for b, env in enumerate(environments):
+        if env is None:
+            values.append(None)
+            continue
+        where = f"for completion {b} of a batch of {len(environments)}"
+        try:
+            value = env.get_reward()
+        except Exception as exc:  # noqa: BLE001 -- reported like a reward function that raised
+            raise _raised(f"{name}.get_reward", exc, where) from exc
+        try:
+            values.append(_number(value))
+        except TypeError:
+            raise _wrong(f"{name}.get_reward", env.get_reward, _shown(value), where, NUMBER) from None
+    return _tensors(values)
+
+
 def agree_on_reward_failure(score: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``score()`` on every rank (a collective: call it on every rank). A :class:`RewardFunctionError` on
     any rank is raised on every rank, with the first failing rank's message and exit code, so that no rank
@@ -329,11 +348,13 @@ def required_columns(fn: Callable) -> list[str]:
 REWARD_FORMATS = ("trl", "text")
 
 
-def trl_texts(given: list, prompt_ids: list[list[int]], completion_text: list[str], tokenizer) -> tuple[list, list]:
+def trl_texts(given: list, prompt_ids: list[list[int]], completion_text: list[str], tokenizer,
+              conversations: list | None = None) -> tuple[list, list]:
     """``(prompts, completions)`` as TRL's GRPOTrainer passes them to a reward function, row by row (one
     per completion): a row given as messages -> its messages and ``[{"role": "assistant", "content":
-    completion}]``; given as text -> that text and the completion's text; given as token ids (``given``
-    None) -> the ids decoded, special tokens skipped, and the completion's text."""
+    completion}]`` (an episode: every message it added, assistant and tool turns, ``conversations[i]``);
+    given as text -> that text and the completion's text; given as token ids (``given`` None) -> the ids
+    decoded, special tokens skipped, and the completion's text."""
     missing = [i for i, g in enumerate(given) if g is None]
     decoded = tokenizer.batch_decode([prompt_ids[i] for i in missing], skip_special_tokens=True) if missing else []
     decoded_at = dict(zip(missing, decoded, strict=True))
@@ -343,7 +364,9 @@ def trl_texts(given: list, prompt_ids: list[list[int]], completion_text: list[st
             # Each completion its own copy, as in TRL: a function that edits one (TRL's own trainer pops
             # from them) must edit neither the same row's other completions nor the data set.
             prompts.append(copy.deepcopy(prompt))
-            completions.append([{"role": "assistant", "content": text}])
+            conversation = conversations[i] if conversations is not None else None
+            completions.append(copy.deepcopy(conversation) if conversation is not None
+                               else [{"role": "assistant", "content": text}])
         else:
             prompts.append(decoded_at[i] if prompt is None else prompt)
             completions.append(text)
@@ -352,9 +375,11 @@ def trl_texts(given: list, prompt_ids: list[list[int]], completion_text: list[st
 
 def completion_text(completion) -> str:
     """A completion's text in either form a batch text reward receives: the string itself, or the content
-    of TRL's conversational ``[{"role": "assistant", "content": text}]``."""
+    of the last assistant message of TRL's conversational form (``[{"role": "assistant", "content": text}]``;
+    an episode's list of assistant and tool messages: its final answer)."""
     if isinstance(completion, list):
-        return completion[0]["content"]
+        said = [m for m in completion if m.get("role") == "assistant"]
+        return (said[-1] if said else completion[-1]).get("content") or ""
     return completion
 
 
@@ -390,11 +415,14 @@ class RewardScorer:
     def __init__(self, function: str | RewardFn | None = None, reward_model: torch.nn.Module | None = None,
                  model_kind: str = "classifier", label_index: int = 0, micro_batch: int | None = None,
                  text_rewards: list[TextReward] = (), tokenizer=None, reward_tokenizer=None,
-                 max_tokens: int | None = None, packed: bool = False, reward_format: str = "trl"):
+                 max_tokens: int | None = None, packed: bool = False, reward_format: str = "trl",
+                 environment_reward: str | None = None):
         if reward_format not in REWARD_FORMATS:
             raise ValueError(f"reward_format must be one of {', '.join(REWARD_FORMATS)}, got {reward_format!r}")
-        if function is None and reward_model is None and not text_rewards:
+        if function is None and reward_model is None and not text_rewards and environment_reward is None:
             raise ValueError("no reward: set reward.function, reward.functions or reward.model_path")
+        # rollout.environment's class name when it has get_reward(): each episode's own score, logged under it
+        self.environment_reward = environment_reward
         if (text_rewards or reward_tokenizer is not None) and tokenizer is None:
             raise ValueError("reward.functions and a reward model with its own tokenizer read text: they need the "
                              "policy's tokenizer")
@@ -412,15 +440,25 @@ class RewardScorer:
         self.max_tokens, self.packed = max_tokens, packed
         self.metrics: dict[str, float] = {}
 
-    def __call__(self, exp, prompts: list[list[int]], completions: list[list[int]], metas: list[dict]) -> torch.Tensor:
+    def __call__(self, exp, prompts: list[list[int]], completions: list[list[int]], metas: list[dict],
+                 conversations: list[list[dict] | None] | None = None, environments: list | None = None
+                 ) -> torch.Tensor:
         """[B] fp32 scores of the sequences of ``exp``; ``prompts[b]``/``completions[b]``/``metas[b]`` per row.
-        ``exp`` may be None without a reward model (the scores are then on the host)."""
+        ``exp`` may be None without a reward model (the scores are then on the host). Episodes
+        (``fastrlhf.rollout.episodes``): ``conversations[b]``, the messages the episode added (what TRL's
+        text rewards receive as the completion), and ``environments[b]``, its environment instance."""
         scores = torch.zeros(len(completions), dtype=torch.float32)
         if self.function is not None:
             values, _ = _sample_scores(self.function_name, self.function, prompts, completions, metas)
             scores += values
+        if self.environment_reward is not None and environments is not None:
+            values, applicable = _environment_scores(self.environment_reward, environments)
+            scores += values
+            count = int(applicable.sum())
+            self.metrics[f"reward/{self.environment_reward}"] = float(values[applicable].sum()) / count if count \
+                else 0.0
         if self.text_rewards:
-            prompt_text, completion_text = self._texts(prompts, completions, metas)
+            prompt_text, completion_text = self._texts(prompts, completions, metas, conversations)
             completion_ids = [list(c) for c in completions]
             columns = {k: [m.get(k) for m in metas] for k in sorted(set().union(*map(set, metas)))}
             for reward in self.text_rewards:
@@ -443,9 +481,11 @@ class RewardScorer:
                                           self.micro_batch, groups=groups, packed=self.packed).cpu()
         return scores if exp is None else to_device(scores, exp.input_ids.device)
 
-    def _texts(self, prompts: list[list[int]], completions: list[list[int]], metas: list[dict]) -> tuple[list, list]:
+    def _texts(self, prompts: list[list[int]], completions: list[list[int]], metas: list[dict],
+               conversations=None) -> tuple[list, list]:
         """``(prompts, completions)`` for the text rewards, in ``reward_format``."""
         completion_text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         if self.reward_format == "text":
             return self.tokenizer.batch_decode(prompts, skip_special_tokens=False), completion_text
-        return trl_texts([getattr(m, "prompt", None) for m in metas], prompts, completion_text, self.tokenizer)
+        return trl_texts([getattr(m, "prompt", None) for m in metas], prompts, completion_text, self.tokenizer,
+                         conversations)

@@ -86,12 +86,14 @@ class RLStep:
     ``actor``/``critic``: DeepSpeed engines, or modules with ``actor_optimizer``/``critic_optimizer``;
     ``rollout``: a ``RolloutEngine`` (``rollout_shares_actor``: it generates with the actor's own
     module, so no sync); ``reference``: frozen model, or None for a LoRA actor (adapter disabled) or
-    without KL; ``scorer``: ``fastrlhf.rl.rewards.RewardScorer`` or a callable with its signature.
+    without KL; ``scorer``: ``fastrlhf.rl.rewards.RewardScorer`` or a callable with its signature;
+    ``episodes``: a :class:`fastrlhf.rollout.episodes.EpisodeRunner` on ``rollout`` for multi-turn tool use
+    (None: one assistant turn per sample).
     """
 
     def __init__(self, config, actor, rollout, scorer, reference=None, critic=None, actor_optimizer=None,
                  critic_optimizer=None, pad_token_id: int = 0, rollout_shares_actor: bool = False,
-                 device: str | torch.device = "cpu", guard: StepGuard | None = None):
+                 device: str | torch.device = "cpu", guard: StepGuard | None = None, episodes=None):
         t = config.trainer
         self.config, self.world = config, D.world_size()
         self.guard = guard if guard is not None else StepGuard(t.max_skipped_steps)
@@ -101,7 +103,7 @@ class RLStep:
             if critic is None:
                 raise ValueError("PPO needs a critic (critic.path, or the actor's path for a fresh value head)")
             self.critic = as_learner(critic, critic_optimizer, t.max_grad_norm, self.guard)
-        self.rollout, self.scorer, self.reference = rollout, scorer, reference
+        self.rollout, self.scorer, self.reference, self.episodes = rollout, scorer, reference, episodes
         self._reference_pages = None  # found at the first reference pass (fastrlhf.cpu.file_pages)
         self.pad_token_id, self.rollout_shares_actor = int(pad_token_id), rollout_shares_actor
         self.device = torch.device(device)
@@ -115,7 +117,9 @@ class RLStep:
         metas = metas if metas is not None else [{} for _ in prompts]
         clock = _Clock(self.device)
         with clock("generate"):
-            if completions is None:
+            if completions is None and self.episodes is not None:
+                completions = self.episodes.generate(prompts, self.sampling(step), metas)
+            elif completions is None:
                 completions = self.rollout.generate(prompts, self.sampling(step))
             if not self.rollout_shares_actor:  # its device memory is the update's until the sync
                 self.rollout.sleep()
@@ -127,6 +131,7 @@ class RLStep:
             truncated = [c.finish_reason == "length" for samples in completions for c in samples]
             rank_tokens = float(sum(p + c for p, c in exp.token_parts()))  # what this rank's passes cost
             prep = {**getattr(self.scorer, "metrics", {}), **self.logprobs_and_values(exp),
+                    **(self.episodes.metrics if self.episodes is not None else {}),
                     "truncated_fraction": sum(truncated) / max(len(truncated), 1),
                     "rank_tokens": rank_tokens, "rank_tokens_max": rank_tokens}
             name = self.config.trainer.adv_estimator
@@ -173,9 +178,14 @@ class RLStep:
         """
         from fastrlhf.rl.rewards import agree_on_reward_failure
 
-        rows = [(p, c.token_ids, m) for p, m, samples in zip(prompts, metas, completions, strict=True)
-                for c in samples]
-        scores = agree_on_reward_failure(lambda: self.scorer(exp, *map(list, zip(*rows, strict=True))).float())
+        rows = [(p if c.prompt_ids is None else c.prompt_ids, c.token_ids, m)
+                for p, m, samples in zip(prompts, metas, completions, strict=True) for c in samples]
+        flat = [c for samples in completions for c in samples]
+        # Episodes: rewards read the whole conversation, and an environment may score its own episode.
+        episodes = {"conversations": [c.extra.get("messages") for c in flat],
+                    "environments": [c.extra.get("environment") for c in flat]} if self.episodes is not None else {}
+        scores = agree_on_reward_failure(lambda: self.scorer(exp, *map(list, zip(*rows, strict=True)),
+                                                             **episodes).float())
         truncated_reward = self.config.reward.truncated_reward
         if truncated_reward is not None:
             cut = to_device(torch.tensor([c.finish_reason == "length" for samples in completions for c in samples]),

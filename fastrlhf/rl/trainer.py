@@ -120,12 +120,13 @@ def _gpu_memory_utilization(ro, plan=None) -> float:
     return share
 
 
-def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokenizer=None, plan=None):
+def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokenizer=None, plan=None, toolbox=None):
     """Load models, build engines; returns ``(rl_step, stateful objects for checkpoints)``.
 
-    ``tokenizer``: the policy's (for text rewards and stop strings); ``text_rewards``: resolved
+    ``tokenizer``: the policy's (for text rewards, stop strings and tool turns); ``text_rewards``: resolved
     ``reward.functions``; ``reward_tokenizer``: a reward model's own; ``plan``: the memory plan that
-    sizes vLLM's ``auto`` settings (see :func:`preflight`).
+    sizes vLLM's ``auto`` settings (see :func:`preflight`); ``toolbox``: the run's tools (multi-turn
+    episodes, :class:`fastrlhf.rollout.episodes.EpisodeRunner`), or None.
     """
     from fastrlhf import distributed as D
     from fastrlhf.config.precision import apply_matmul_precision, compute_dtype
@@ -182,12 +183,25 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     scorer = RewardScorer(config.reward.function, reward_model, config.reward.model_kind, config.reward.label_index,
                           micro_batch=micro, text_rewards=text_rewards, tokenizer=tokenizer,
                           reward_tokenizer=reward_tokenizer, max_tokens=t.max_tokens_per_microbatch, packed=t.packing,
-                          reward_format=config.reward.format)
+                          reward_format=config.reward.format,
+                          environment_reward=_environment_reward(toolbox))
 
     rollout, shares = _build_rollout(config, actor_engine.module, num_params, device, tokenizer, plan)
+    episodes = None
+    if toolbox is not None:
+        from fastrlhf.rollout.episodes import EpisodeRunner
+
+        episodes = EpisodeRunner(rollout, toolbox, tokenizer, config.rollout.max_turns,
+                                 say=(lambda line: print(line, flush=True)) if D.is_main() else None)
     step = RLStep(config, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,
-                  rollout_shares_actor=shares, device=device, guard=guard)
+                  rollout_shares_actor=shares, device=device, guard=guard, episodes=episodes)
     return step, stateful
+
+
+def _environment_reward(toolbox) -> str | None:
+    """The class name an environment's ``get_reward()`` is logged under (``reward/<name>``), or None."""
+    env = toolbox.environment if toolbox is not None else None
+    return env.__name__ if env is not None and callable(getattr(env, "get_reward", None)) else None
 
 
 def _reward_tokenizer(config, tokenizer):
@@ -232,6 +246,7 @@ class Prepared(NamedTuple):
     text_rewards: list  # resolved reward.functions
     tokenizer: Any  # the policy's, or None
     reward_tokenizer: Any  # a reward model's own, where its vocabulary differs, or None
+    toolbox: Any = None  # fastrlhf.rollout.tools.Toolbox of rollout.tools / rollout.environment, or None
 
 
 def preflight(config) -> Prepared:
@@ -258,14 +273,17 @@ def preflight(config) -> Prepared:
                 resolve_reward_function(spec)
             except ValueError as exc:
                 raise ConfigError(key, str(exc)) from None
-    needed_for = (["reward.functions"] if text_rewards else []) + (["rollout.stop"] if config.rollout.stop else [])
+    toolbox = _toolbox(config)
+    needed_for = (["reward.functions"] if text_rewards else []) + (["rollout.stop"] if config.rollout.stop else []) \
+        + (["rollout.tools"] if toolbox is not None else [])
     tokenizer = _load_tokenizer(config, needed_for)
 
     d, vocab = config.data, vocab_size(config.model.path)
 
     def load(path):
         return load_prompts(path, d.prompt_field, d.max_prompt_len, vocab_size=vocab, tokenizer_path=config.model.path,
-                            chat_template=d.chat_template, overlong=d.overlong)
+                            chat_template=d.chat_template, overlong=d.overlong,
+                            tools=toolbox.schemas if toolbox is not None else None)
 
     examples = load(d.prompts)
     eval_examples = load(config.eval.data) if config.eval.data is not None else None
@@ -279,7 +297,23 @@ def preflight(config) -> Prepared:
     # Last: a run that fails a check above says only why, not also this.
     for loaded in (examples, eval_examples or []):
         report_uneven_columns(loaded, strict=d.strict_columns)
-    return Prepared(plan, examples, eval_examples, text_rewards, tokenizer, _reward_tokenizer(config, tokenizer))
+    return Prepared(plan, examples, eval_examples, text_rewards, tokenizer, _reward_tokenizer(config, tokenizer),
+                    toolbox)
+
+
+def _toolbox(config):
+    """``rollout.tools`` / ``rollout.environment`` imported and their schemas read (a tool that does not
+    import stops the run here, before any model loads), or None for single-turn rollouts."""
+    from fastrlhf.config import ConfigError
+    from fastrlhf.rollout.tools import load_toolbox
+
+    ro = config.rollout
+    if not ro.tools and ro.environment is None:
+        return None
+    try:
+        return load_toolbox(ro.tools, ro.environment, ro.tool_parser, ro.tool_timeout_s)
+    except ValueError as exc:
+        raise ConfigError("", str(exc)) from None
 
 
 def _memory_plan(config, world: int):
@@ -333,7 +367,8 @@ def build_validator(config, eval_examples, rl_step, tokenizer):
                               top_k=ro.top_k if e.temperature else -1,
                               max_new_tokens=e.max_new_tokens or ro.max_new_tokens,
                               stop_token_ids=tuple(ro.stop_token_ids), stop=tuple(ro.stop), seed=config.seed)
-    return Validator([x.prompt_ids for x in eval_examples], [x.meta for x in eval_examples], score, rl_step.rollout,
+    return Validator([x.prompt_ids for x in eval_examples], [x.meta for x in eval_examples], score,
+                     rl_step.episodes or rl_step.rollout,
                      sampling, max_reward=_max_reward(config), group_by=e.group_by, rank=D.rank(),
                      world=D.world_size(), output_dir=config.output_dir, tokenizer=tokenizer)
 
@@ -390,7 +425,7 @@ def run(config, resume: bool = False) -> dict:
     seed_everything(config.seed)
     guard = StepGuard(t.max_skipped_steps)
     rl_step, stateful = build_rl_step(config, guard, tokenizer, prepared.text_rewards, prepared.reward_tokenizer,
-                                      prepared.plan)
+                                      prepared.plan, prepared.toolbox)
     config = _with_engine_used(config, rl_step.rollout.kind)
     sampler = EpochSampler(len(examples), seed=config.seed)
     stateful.update(sampler=sampler, guard=guard)

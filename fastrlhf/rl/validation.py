@@ -57,7 +57,10 @@ class Validator:
         sums = torch.zeros(5 + 2 * len(self.groups), dtype=torch.float64)
         records = []
         if self.prompts:
-            completions = self.rollout.generate(self.prompts, self.sampling)
+            from fastrlhf.rollout.episodes import EpisodeRunner
+
+            extra = {"metas": self.metas} if isinstance(self.rollout, EpisodeRunner) else {}
+            completions = self.rollout.generate(self.prompts, self.sampling, **extra)
             rewards = self.score(self.prompts, completions, self.metas).double().cpu().view(len(self.prompts), n)
             correct = rewards >= self.max_reward
             sums[:5] = torch.stack([rewards.sum(), correct.sum(), torch.tensor(float(rewards.numel())),
@@ -81,6 +84,8 @@ class Validator:
 
     def _record(self, index: int, prompt: list[int], meta: dict, completion, reward: float, correct: bool) -> dict:
         record = {"index": index, "reward": reward, "correct": correct, "finish_reason": completion.finish_reason}
+        if completion.mask is not None:  # an episode: its turns and tool calls
+            record.update(turns=completion.extra.get("turns"), tool_calls=completion.extra.get("tool_calls"))
         if self.tokenizer is not None:
             record["prompt"] = self.tokenizer.decode(prompt, skip_special_tokens=False)
             record["completion"] = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)

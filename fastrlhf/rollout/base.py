@@ -9,7 +9,8 @@ import torch
 
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 
-__all__ = ["RolloutEngine", "cut_at_stop_strings", "eos_token_ids_with", "stop_token_ids_for", "validate_prompts"]
+__all__ = ["RolloutEngine", "cut_at_stop_strings", "eos_token_ids_with", "new_token_limits", "stop_token_ids_for",
+           "validate_prompts"]
 
 
 def validate_prompts(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[list[int]]:
@@ -42,6 +43,17 @@ def validate_prompts(prompt_token_ids, vocab_size: int, max_model_len: int) -> l
             )
         prompts.append(prompt)
     return prompts
+
+
+def new_token_limits(prompts: list[list[int]], sampling: SamplingConfig, max_model_len: int,
+                     limits: Sequence[int] | None = None) -> list[int]:
+    """New tokens each prompt may take: ``sampling.max_new_tokens``, the context left, and ``limits[i]``."""
+    caps = [min(sampling.max_new_tokens, max_model_len - len(p)) for p in prompts]
+    if limits is None:
+        return caps
+    if len(limits) != len(prompts) or any(int(m) < 1 for m in limits):
+        raise ValueError(f"limits must hold one int >= 1 per prompt ({len(prompts)}), got {list(limits)}")
+    return [min(c, int(m)) for c, m in zip(caps, limits, strict=True)]
 
 
 def stop_token_ids_for(sampling: SamplingConfig, eos_token_ids: Sequence[int]) -> list[int]:
@@ -126,8 +138,11 @@ class RolloutEngine(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
-        """One list per prompt (in order) of ``sampling.n`` completions (in sample order)."""
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                 limits: Sequence[int] | None = None) -> list[list[Completion]]:
+        """One list per prompt (in order) of ``sampling.n`` completions (in sample order). ``limits[i]``: at
+        most this many new tokens for prompt i (below ``sampling.max_new_tokens``: an episode's remaining
+        budget); a seeded sampling seeds prompt i with ``seed + i``."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -15,6 +15,7 @@ from fastrlhf.rollout.base import (
     RolloutEngine,
     cut_at_stop_strings,
     eos_token_ids_with,
+    new_token_limits,
     stop_token_ids_for,
     validate_prompts,
 )
@@ -120,7 +121,7 @@ class HFEngine(RolloutEngine):
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, prompt_token_ids, sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(self, prompt_token_ids, sampling: SamplingConfig, limits=None) -> list[list[Completion]]:
         from transformers import GenerationConfig, LogitsProcessorList
 
         if not isinstance(sampling, SamplingConfig):
@@ -128,7 +129,7 @@ class HFEngine(RolloutEngine):
         prompts = validate_prompts(prompt_token_ids, self.vocab_size, self.max_model_len)
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: HFEngine(..., tokenizer=...)")
-        limits = [min(sampling.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
+        limits = new_token_limits(prompts, sampling, self.max_model_len, limits)
         stop_ids = stop_token_ids_for(sampling, self.eos_token_ids)
 
         device = self._device()

@@ -89,12 +89,19 @@ class Completion:
     sampled from: ``log_softmax(logits / temperature)`` (temperature 1 when greedy), renormalised over
     the kept tokens when top-k/top-p truncation is on. With truncation off it equals
     ``fastrlhf.algorithms.logprobs_from_logits(logits, token_ids, temperature)`` recomputed by the trainer.
+
+    A multi-turn episode (``fastrlhf.rollout.episodes``) is one completion: ``mask[i]`` is 1 where the
+    policy generated ``token_ids[i]`` and 0 on the tokens between its turns (tool results, template
+    markers; their logprob is 0), and ``prompt_ids`` is its own prompt where that differs from its
+    row's (an environment's ``reset`` text). ``mask`` None: every token is the policy's.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     extra: dict = field(default_factory=dict, repr=False)
+    mask: list[int] | None = None
+    prompt_ids: list[int] | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
@@ -102,5 +109,8 @@ class Completion:
                 f"Completion.logprobs must have one entry per token: {len(self.token_ids)} token_ids "
                 f"but {len(self.logprobs)} logprobs"
             )
+        if self.mask is not None and len(self.mask) != len(self.token_ids):
+            raise ValueError(f"Completion.mask must have one entry per token: {len(self.token_ids)} token_ids "
+                             f"but {len(self.mask)} mask entries")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Completion.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")

@@ -137,7 +137,7 @@ def wake_llm(llm, tags: Sequence[str]) -> None:
     llm.wake_up(tags=list(tags))
 
 
-def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int]):
+def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int], seed_offset: int = 0):
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -149,17 +149,22 @@ def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int
         stop_token_ids=list(stop_token_ids),
         # Without a tokenizer vLLM knows no eos: the engine passes it in stop_token_ids instead.
         ignore_eos=True,
-        seed=sampling.seed,
+        seed=None if sampling.seed is None else (sampling.seed + seed_offset) % (2**31),
         logprobs=0,  # just the sampled token's logprob
         detokenize=False,
     )
 
 
-def run_generate(llm, prompts: list[list[int]], params) -> list[list[tuple[list[int], list[float], str]]]:
-    """(token_ids, logprobs, finish_reason) per sample, per prompt, in input order."""
+def run_generate(llm, prompts: list[list[int]], params, cache_counts: list | None = None
+                 ) -> list[list[tuple[list[int], list[float], str]]]:
+    """(token_ids, logprobs, finish_reason) per sample, per prompt, in input order. ``cache_counts``: gets
+    ``[prompt tokens the prefix cache served, prompt tokens]`` of the call added in."""
     from vllm.inputs import TokensPrompt
 
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    if cache_counts is not None:
+        cache_counts[0] += sum(int(out.num_cached_tokens or 0) for out in outputs)
+        cache_counts[1] += sum(len(p) for p in prompts)
     results = []
     for out in outputs:
         samples = []

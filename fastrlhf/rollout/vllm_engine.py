@@ -15,6 +15,7 @@ from fastrlhf.rollout.base import (
     RolloutEngine,
     cut_at_stop_strings,
     eos_token_ids_with,
+    new_token_limits,
     stop_token_ids_for,
     validate_prompts,
 )
@@ -156,6 +157,8 @@ class VLLMEngine(RolloutEngine):
             gpu_memory_utilization=gpu_memory_utilization, sleep=sleep, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager)
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode"))
+        # [prompt tokens served from the prefix cache, prompt tokens] over every generate (an episode's history)
+        self.prefix_cache_counts = [0, 0]
         self._asleep: set[str] = set()
         self._released = False  # CPU: packed weights released by sleep() and not synced since
         t0 = time.perf_counter()
@@ -204,7 +207,7 @@ class VLLMEngine(RolloutEngine):
             vllm_adapter.wake_llm(self.llm, waking)
             self._asleep -= set(waking)
 
-    def generate(self, prompt_token_ids, sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(self, prompt_token_ids, sampling: SamplingConfig, limits=None) -> list[list[Completion]]:
         self._check_open()
         if self._released:
             raise RuntimeError("VLLMEngine.generate after sleep() released its weights on CPU: "
@@ -216,12 +219,15 @@ class VLLMEngine(RolloutEngine):
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: VLLMEngine(..., tokenizer=...)")
         stop_ids = stop_token_ids_for(sampling, self.eos_token_ids)
-        limits = [min(sampling.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
-        if len(set(limits)) == 1:
+        limits = new_token_limits(prompts, sampling, self.max_model_len, limits)
+        if len(set(limits)) == 1 and (sampling.seed is None or len(prompts) == 1):
             params = vllm_adapter.make_sampling_params(sampling, limits[0], stop_ids)
         else:
-            params = [vllm_adapter.make_sampling_params(sampling, m, stop_ids) for m in limits]
-        raw = vllm_adapter.run_generate(self.llm, prompts, params)
+            # A seed per prompt: vLLM seeds each request's generator with its own seed, so one seed for all
+            # would draw the same random numbers for every prompt.
+            params = [vllm_adapter.make_sampling_params(sampling, m, stop_ids, seed_offset=i)
+                      for i, m in enumerate(limits)]
+        raw = vllm_adapter.run_generate(self.llm, prompts, params, self.prefix_cache_counts)
         # The engine runs without a tokenizer (token ids in and out), so stop strings are found
         # here, after generation: a completion runs on to a stop token or the cap, then is cut.
         return cut_at_stop_strings([[Completion(t, lp, fr) for t, lp, fr in samples] for samples in raw],

@@ -130,10 +130,17 @@ def build_job(config: SFTConfig, model, examples: list[SFTExample]) -> Supervise
 
 
 def run(config: SFTConfig, resume: bool = False) -> dict:
+    from fastrlhf.config import ConfigError
+    from fastrlhf.rollout.tools import load_toolbox
+
     seed_everything(config.seed)
+    try:
+        tools = load_toolbox(config.data.tools).schemas if config.data.tools else None
+    except ValueError as exc:
+        raise ConfigError("", str(exc).replace("rollout.tools", "data.tools", 1)) from None
     examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
                                  vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path,
-                                 chat_template=config.data.chat_template)
+                                 chat_template=config.data.chat_template, tools=tools)
     # After the data checks: bad data fails without starting a process group.
     D.init_distributed(shared_dir=config.output_dir)
     model = load_causal_lm(config.model, zero3_config=engine_config(config))

@@ -1,0 +1,242 @@
+"""Multi-turn tool-use episodes on any rollout engine: the policy generates, calls tools, reads their
+results and goes on, and the trainer learns from exactly the tokens it generated.
+
+One loop (:class:`EpisodeRunner`) drives either engine (``rollout.engine: hf | vllm``) through its
+batched ``generate``. Each round, every episode still running advances by one assistant turn in one
+call; an episode whose turn has no tool call, that reached ``rollout.max_turns`` turns or that spent its
+budget (``rollout.max_new_tokens`` generated tokens over all its turns, or the model's context) leaves the
+batch. The first turn of a prompt's ``n`` episodes is one request with ``n`` samples (the prompt is
+shared); a continued episode is resubmitted as token ids, prompt + everything so far, so vLLM's prefix
+cache serves its history instead of recomputing it.
+
+Exact tokens: an episode's completion is the concatenation of the policy's own token ids (never
+re-tokenized text) and the tokenized turns between them (tool results through the chat template, and
+the template's turn markers the policy did not generate), with ``Completion.mask`` 1 on the policy's
+tokens only: the losses, KL, entropy and the logprob mismatch probe see nothing else, and GAE carries
+across the masked middle (``fastrlhf.algorithms.advantages.compute_gae``). Nothing earlier is ever
+re-rendered, so a chat template that rewrites history (not prefix-preserving: Qwen3's drops earlier
+thinking) cannot change a token the policy was scored on; :class:`TurnTemplate` says so at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fastrlhf.rollout.sampling import Completion, SamplingConfig
+from fastrlhf.rollout.tools import ERROR, TIMEOUT, Toolbox, run_tool_call
+
+__all__ = ["Episode", "EpisodeRunner", "TurnTemplate"]
+
+_MARK_USER, _MARK_ASSISTANT = "fastrlhf-user-mark", "fastrlhf-assistant-mark"
+
+
+class TurnTemplate:
+    """The text a chat template puts between two assistant turns, read from the template itself.
+
+    ``closing``: what follows an assistant message's content (``<|im_end|>\\n`` in ChatML); a turn that
+    ended with the eos token has generated its first part. ``between(tool_messages)``: the tool turn(s)
+    and the next assistant header, as the template renders them after an assistant message.
+    """
+
+    def __init__(self, tokenizer, tool_schemas: Sequence[dict] = (), say=print):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("tool use needs a tokenizer with a chat template (the model's path has none)")
+        self.tokenizer, self.tools = tokenizer, list(tool_schemas) or None
+        base = [{"role": "user", "content": _MARK_USER}, {"role": "assistant", "content": _MARK_ASSISTANT}]
+        self.base = self.render(base)
+        at = self.base.rfind(_MARK_ASSISTANT)
+        if at < 0:
+            raise ValueError("the chat template does not render an assistant message's content as given")
+        self.closing = self.base[at + len(_MARK_ASSISTANT):]
+        probe = self.render(base + [{"role": "tool", "name": "probe", "content": "probe-result"}], True)
+        if not probe.startswith(self.base):
+            raise ValueError("the chat template renders an assistant message differently once a tool message "
+                             "follows it: the tool turn's tokens cannot be read from it")
+        self.prefix_preserving = self._prefix_preserving()
+        if not self.prefix_preserving and say is not None:
+            say("rollout: the chat template is not prefix-preserving (re-rendering a conversation changes its "
+                "earlier turns): episodes are built by token concatenation, as generated")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _prefix_preserving(self) -> bool:
+        """Whether rendering a conversation with one more turn keeps the earlier text (TRL's check)."""
+        call = {"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}
+        first = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "tool_calls": [call]}]
+        second = first + [{"role": "tool", "name": "probe", "content": "c"}, {"role": "assistant", "content": "d"}]
+        try:
+            return self.render(second).startswith(self.render(first))
+        except Exception:  # noqa: BLE001 -- a template without tool_calls support: judged on plain turns
+            return True
+
+    def between(self, tool_messages: list[dict], ended_with: str = "") -> list[int]:
+        """Token ids from the end of a generated assistant turn to the start of the next one: the rest of
+        the turn's closing (``ended_with``: the text of the eos token the turn ended on, if any), the tool
+        messages, and the next assistant header."""
+        base = [{"role": "user", "content": _MARK_USER}, {"role": "assistant", "content": _MARK_ASSISTANT}]
+        full = self.render(base + tool_messages, True)
+        closing = self.closing[len(ended_with):] if ended_with and self.closing.startswith(ended_with) else \
+            self.closing
+        text = closing + full[len(self.base):]
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class Episode:
+    """One rollout of one prompt: its tokens so far and the conversation they are."""
+
+    group: int
+    prompt: list[int]
+    tools: dict
+    environment: object = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    turns: int = 0
+    generated: int = 0
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    finish_reason: str | None = None
+    stopped_by: str = ""
+
+    def add(self, token_ids: list[int], logprobs: list[float] | None, generated: bool) -> None:
+        self.token_ids += token_ids
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(token_ids)
+        self.mask += [1 if generated else 0] * len(token_ids)
+
+    def completion(self, row_prompt: list[int]) -> Completion:
+        return Completion(self.token_ids, self.logprobs, self.finish_reason or "stop", mask=self.mask,
+                          prompt_ids=self.prompt if self.prompt != row_prompt else None,
+                          extra={"messages": self.messages, "turns": self.turns, "tool_calls": self.calls,
+                                 "environment": self.environment, "stopped_by": self.stopped_by})
+
+
+class EpisodeRunner:
+    """``generate(prompts, sampling, metas)`` -> per prompt, ``sampling.n`` episode :class:`Completion` s.
+
+    ``engine``: any :class:`fastrlhf.rollout.base.RolloutEngine`; ``toolbox``: the run's tools
+    (:func:`fastrlhf.rollout.tools.load_toolbox`); ``tokenizer``: the policy's, with its chat template;
+    ``max_turns``: assistant turns per episode. After each call :attr:`metrics` holds ``tools/calls``,
+    ``tools/errors``, ``tools/timeouts`` (this call's totals), ``tools/turns`` (assistant turns per episode),
+    ``tools/calls_per_episode`` and, with vLLM, ``tools/prefix_cache_hit``: the share of the continued
+    episodes' resubmitted tokens that its prefix cache served (their history, not recomputed).
+    """
+
+    def __init__(self, engine, toolbox: Toolbox, tokenizer, max_turns: int = 4, say=print):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.engine, self.toolbox, self.tokenizer, self.max_turns = engine, toolbox, tokenizer, max_turns
+        self.template = TurnTemplate(tokenizer, toolbox.schemas, say=say)
+        self.eos_texts = {i: tokenizer.convert_ids_to_tokens(i) for i in getattr(engine, "eos_token_ids", [])}
+        self.metrics: dict[str, float] = {}
+
+    # Engines and the trainer ask the runner what they would ask the engine.
+    def __getattr__(self, name):
+        if name == "engine":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def start(self, prompts: list[list[int]], metas: Sequence[dict] | None, n: int) -> list[Episode]:
+        """``n`` episodes per prompt, each with its own environment instance (reset with its row)."""
+        episodes = []
+        for i, prompt in enumerate(prompts):
+            meta = metas[i] if metas is not None else {}
+            for _ in range(n):
+                environment = self.toolbox.new_environment()
+                episode_prompt = list(prompt)
+                if environment is not None:
+                    extra = environment.reset(**dict(meta or {}))
+                    if extra is not None:
+                        episode_prompt = self._prompt_with(meta, extra, prompt)
+                episodes.append(Episode(i, episode_prompt, self.toolbox.bound(environment), environment))
+        return episodes
+
+    def _prompt_with(self, meta, extra: str, prompt: list[int]) -> list[int]:
+        """The row's prompt with ``extra`` appended to its last user message (TRL's ``reset`` contract)."""
+        given = getattr(meta, "prompt", None)
+        if not isinstance(given, list):
+            raise ValueError("rollout.environment: reset() returned text to append to the last user message, but "
+                             "the prompt rows are not chats (give them as 'messages')")
+        messages = [dict(m) for m in given]
+        last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
+        messages[last]["content"] = f"{messages[last].get('content', '')}{extra}"
+        return list(self.tokenizer(self.template.render(messages, True), add_special_tokens=False)["input_ids"])
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, metas: Sequence[dict] | None = None
+                 ) -> list[list[Completion]]:
+        from dataclasses import replace
+
+        episodes = self.start(prompts, metas, sampling.n)
+        n, budget, context = sampling.n, sampling.max_new_tokens, self.engine.max_model_len
+        shared = all(e.prompt == prompts[e.group] for e in episodes)
+        active = list(episodes)
+        round_ = 0
+        counts = getattr(self.engine, "prefix_cache_counts", None)  # vLLM's: [cached, prompt] tokens
+        continued = [0, 0]
+        while active:
+            seed = None if sampling.seed is None else (sampling.seed + 7919 * round_) % (2**31)
+            if round_ == 0 and shared and n > 1:  # one request per prompt, n samples: the prompt is shared
+                outs = self.engine.generate(prompts, replace(sampling, seed=seed))
+                turns = [outs[e.group][k % n] for k, e in enumerate(active)]
+            else:
+                inputs = [e.prompt + e.token_ids for e in active]
+                limits = [min(budget - e.generated, context - len(x)) for e, x in zip(active, inputs, strict=True)]
+                before = list(counts) if counts is not None and round_ > 0 else None
+                outs = self.engine.generate(inputs, replace(sampling, n=1, seed=seed), limits=limits)
+                if before is not None:
+                    continued = [continued[0] + counts[0] - before[0], continued[1] + counts[1] - before[1]]
+                turns = [o[0] for o in outs]
+            active = [e for e, turn in zip(active, turns, strict=True) if self._advance(e, turn, budget, context)]
+            round_ += 1
+        self.metrics = self._metrics(episodes)
+        if continued[1]:  # the share of the continued episodes' history the prefix cache served
+            self.metrics["tools/prefix_cache_hit"] = continued[0] / continued[1]
+        return [[e.completion(prompts[i]) for e in episodes[i * n:(i + 1) * n]] for i in range(len(prompts))]
+
+    def _advance(self, e: Episode, turn: Completion, budget: int, context: int) -> bool:
+        """Append one generated turn and, where it calls tools and may go on, their results; returns whether
+        the episode continues."""
+        e.add(turn.token_ids, turn.logprobs, generated=True)
+        e.turns += 1
+        e.generated += len(turn.token_ids)
+        text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+        calls = self.toolbox.parse(text)
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [c.as_message_call() for c in calls if c.error is None]
+        e.messages.append(message)
+        e.finish_reason = turn.finish_reason
+        if not calls:
+            e.stopped_by = "answer" if turn.finish_reason == "stop" else "budget"
+            return False
+        if turn.finish_reason == "length" or e.turns >= self.max_turns:
+            e.finish_reason, e.stopped_by = "length", "budget" if turn.finish_reason == "length" else "max_turns"
+            return False
+        results = []
+        for call in calls:
+            content, outcome = run_tool_call(call, e.tools, self.toolbox.timeout_s)
+            e.calls += 1
+            e.errors += outcome == ERROR
+            e.timeouts += outcome == TIMEOUT
+            results.append({"role": "tool", "name": call.name or "unknown", "content": content})
+        ended_with = self.eos_texts.get(turn.token_ids[-1], "") if turn.token_ids else ""
+        between = self.template.between(results, ended_with)
+        e.messages += results
+        if e.generated >= budget or len(e.prompt) + len(e.token_ids) + len(between) >= context:
+            e.finish_reason, e.stopped_by = "length", "budget"
+            return False
+        e.add(between, None, generated=False)
+        return True
+
+    @staticmethod
+    def _metrics(episodes: list[Episode]) -> dict[str, float]:
+        count = max(len(episodes), 1)
+        calls = sum(e.calls for e in episodes)
+        return {"tools/calls": float(calls), "tools/errors": float(sum(e.errors for e in episodes)),
+                "tools/timeouts": float(sum(e.timeouts for e in episodes)),
+                "tools/turns": sum(e.turns for e in episodes) / count, "tools/calls_per_episode": calls / count}

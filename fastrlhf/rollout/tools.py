@@ -1,0 +1,261 @@
+"""Tools a policy may call during a rollout, as TRL's ``GRPOTrainer`` takes them, and their calls.
+
+* ``rollout.tools: [module:function, ...]``: plain Python functions with type hints and a Google-style
+  docstring; their JSON schemas (``transformers.utils.get_json_schema``) go to the chat template's
+  ``tools=``, so the prompt lists them as the model's own template lists tools.
+* ``rollout.environment: module:Class``: TRL's ``environment_factory`` contract. One instance per
+  episode; ``reset(**row)`` (the prompt row's columns) returns ``None`` or a string that is appended to
+  the last user message; every public method other than ``reset`` and ``get_reward`` is a tool (bound
+  to that episode's instance); the optional ``get_reward()`` scores the finished episode, logged as
+  ``reward/<ClassName>``.
+
+Calls are parsed from an assistant turn's text by a registered parser (:data:`TOOL_CALL_PARSERS`;
+``hermes``: Qwen2.5/Qwen3's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) and run by
+:func:`run_tool_call`, which never raises: a tool that raises, a malformed call (bad JSON, an unknown
+tool, wrong arguments), a tool that runs past ``rollout.tool_timeout_s`` and a result that is not a
+string each become the ``tool`` message's text, saying what went wrong, and an outcome the metrics count.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["TOOL_CALL_PARSERS", "Tool", "ToolCall", "Toolbox", "load_toolbox", "parse_hermes",
+           "register_tool_call_parser", "run_tool_call"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call parsed from an assistant turn: ``name`` and ``arguments`` as the model wrote them, or
+    ``error`` (the call could not be read: its text is in ``raw``)."""
+
+    name: str | None
+    arguments: dict | None
+    raw: str = ""
+    error: str | None = None
+
+    def as_message_call(self) -> dict:
+        """The call in a chat message's ``tool_calls`` (OpenAI / transformers form)."""
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments or {}}}
+
+
+ToolCallParser = Callable[[str], list[ToolCall]]
+TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {}
+
+
+def register_tool_call_parser(name: str):
+    """Decorator: make ``fn(text) -> list[ToolCall]`` available as ``rollout.tool_parser: <name>``."""
+
+    def decorator(fn: ToolCallParser) -> ToolCallParser:
+        if name in TOOL_CALL_PARSERS and TOOL_CALL_PARSERS[name] is not fn:
+            raise ValueError(f"a tool-call parser named {name!r} is already registered")
+        TOOL_CALL_PARSERS[name] = fn
+        return fn
+
+    return decorator
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+@register_tool_call_parser("hermes")
+def parse_hermes(text: str) -> list[ToolCall]:
+    """Every ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block of ``text`` (Qwen2.5/Qwen3's
+    format; an unclosed last block is read too: a turn cut by its token budget still asked for a tool)."""
+    calls = []
+    for match in _HERMES.finditer(text):
+        raw = match.group(1).strip()
+        try:
+            obj = json.loads(raw)
+        except ValueError as exc:
+            calls.append(ToolCall(None, None, raw, f"the tool call is not valid JSON ({exc.msg} at char {exc.pos})"))
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            calls.append(ToolCall(None, None, raw, 'the tool call must be a JSON object {"name": ..., "arguments": '
+                                                   '{...}}'))
+            continue
+        arguments = obj.get("arguments", {})
+        if isinstance(arguments, str):  # some templates write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        if not isinstance(arguments, dict):
+            calls.append(ToolCall(obj["name"], None, raw, f"the arguments of {obj['name']!r} must be a JSON object"))
+            continue
+        calls.append(ToolCall(obj["name"], arguments, raw))
+    return calls
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    fn: Callable
+    schema: dict
+
+
+def _import(spec: str, key: str):
+    """``package.module:attribute`` -> the attribute; a one-line ValueError naming ``key`` otherwise."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(f"{key}: expected 'module:name', got {spec!r}")
+    module_name, attr = spec.split(":")
+    # The current directory is importable under `python -m` and the launcher but not under the console
+    # script: make it so for both (last, so that it never shadows an installed module).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 -- an import that fails in any way is a config error
+        raise ValueError(f"{key}: cannot import module {module_name!r} for {spec!r} "
+                         f"({type(exc).__name__}: {exc})") from None
+    if not hasattr(module, attr):
+        raise ValueError(f"{key}: module {module_name!r} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def _tool(name: str, fn: Callable, key: str) -> Tool:
+    from transformers.utils import get_json_schema
+
+    try:
+        schema = get_json_schema(fn)
+    except Exception as exc:  # noqa: BLE001 -- transformers raises its own TypeErrors for each gap
+        raise ValueError(f"{key}: tool {name!r} needs type hints and a Google-style docstring "
+                         f"(Args: one line per argument) for its schema: {' '.join(str(exc).split())}") from None
+    return Tool(name, fn, schema)
+
+
+ENVIRONMENT_METHODS = ("reset", "get_reward")
+
+
+def environment_tool_names(cls: type) -> list[str]:
+    """The tools of a TRL environment class: its public methods other than ``reset`` and ``get_reward``."""
+    return [name for name, member in inspect.getmembers(cls, callable)
+            if not name.startswith("_") and name not in ENVIRONMENT_METHODS and not isinstance(member, type)]
+
+
+@dataclass
+class Toolbox:
+    """The run's tools: plain functions (``rollout.tools``) and/or an environment class
+    (``rollout.environment``), their schemas, and how calls are parsed and timed out."""
+
+    functions: list[Tool] = field(default_factory=list)
+    environment: type | None = None
+    parser: str = "hermes"
+    timeout_s: float = 5.0
+    environment_schemas: list[dict] = field(default_factory=list)
+
+    @property
+    def schemas(self) -> list[dict]:
+        """What the chat template's ``tools=`` receives."""
+        return [t.schema for t in self.functions] + self.environment_schemas
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.functions] + [s["function"]["name"] for s in self.environment_schemas]
+
+    def parse(self, text: str) -> list[ToolCall]:
+        return TOOL_CALL_PARSERS[self.parser](text)
+
+    def new_environment(self):
+        """One environment instance for one episode (None without an environment)."""
+        return self.environment() if self.environment is not None else None
+
+    def bound(self, environment) -> dict[str, Callable]:
+        """Name -> callable for one episode: the functions, and the methods of its environment instance."""
+        tools = {t.name: t.fn for t in self.functions}
+        if environment is not None:
+            tools.update({s["function"]["name"]: getattr(environment, s["function"]["name"])
+                          for s in self.environment_schemas})
+        return tools
+
+
+def load_toolbox(tools=(), environment: str | None = None, parser: str = "hermes", timeout_s: float = 5.0) -> Toolbox:
+    """Import ``rollout.tools`` and ``rollout.environment`` and read their schemas; a one-line ValueError
+    (``rollout.tools: ...``) for one that does not import or has no schema. Imports no model."""
+    if parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"rollout.tool_parser: unknown parser {parser!r}; registered: "
+                         f"{', '.join(sorted(TOOL_CALL_PARSERS))}")
+    functions = []
+    for spec in tools:
+        fn = _import(spec, "rollout.tools")
+        if not callable(fn) or isinstance(fn, type):
+            raise ValueError(f"rollout.tools: {spec!r} is not a function")
+        functions.append(_tool(spec.split(":")[1], fn, "rollout.tools"))
+    env_cls, env_schemas = None, []
+    if environment is not None:
+        env_cls = _import(environment, "rollout.environment")
+        if not isinstance(env_cls, type):
+            raise ValueError(f"rollout.environment: {environment!r} is not a class")
+        names = environment_tool_names(env_cls)
+        if not names:
+            raise ValueError(f"rollout.environment: {environment!r} has no public method to call as a tool")
+        env_schemas = [_tool(name, getattr(env_cls, name), "rollout.environment").schema for name in names]
+    toolbox = Toolbox(functions, env_cls, parser, float(timeout_s), env_schemas)
+    seen = set()
+    for name in toolbox.names:
+        if name in seen:
+            raise ValueError(f"rollout.tools: two tools are named {name!r}")
+        seen.add(name)
+    return toolbox
+
+
+# Outcomes of a call, as the metrics count them.
+OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+
+
+def _call_with_timeout(fn: Callable, arguments: dict, timeout_s: float):
+    """``(result, exception, timed_out)``. The call runs in a daemon thread: one that hangs is left behind
+    (Python cannot stop a thread) and never keeps the process from exiting."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn(**arguments)
+        except BaseException as exc:  # noqa: BLE001 -- whatever a tool raises becomes its message
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="fastrlhf-tool", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return None, None, True
+    return box.get("result"), box.get("error"), False
+
+
+def run_tool_call(call: ToolCall, tools: dict[str, Callable], timeout_s: float) -> tuple[str, str]:
+    """``(tool message text, outcome)`` of one call; never raises (see the module docstring)."""
+    if call.error is not None:
+        return f"Error: {call.error}", ERROR
+    fn = tools.get(call.name)
+    if fn is None:
+        known = ", ".join(sorted(tools)) or "none"
+        return f"Error: unknown tool {call.name!r} (tools: {known})", ERROR
+    try:
+        inspect.signature(fn).bind(**call.arguments)
+    except TypeError as exc:
+        return f"Error: wrong arguments for {call.name}: {exc}", ERROR
+    except ValueError:  # a callable whose signature cannot be read: let the call itself say
+        pass
+    result, exc, timed_out = _call_with_timeout(fn, call.arguments, timeout_s)
+    if timed_out:
+        return f"Error: {call.name} did not return within {timeout_s:g} s", TIMEOUT
+    if exc is not None:
+        detail = " ".join(str(exc).split())
+        return f"Error: {call.name} raised {type(exc).__name__}" + (f": {detail}" if detail else ""), ERROR
+    if not isinstance(result, str):
+        return (f"Error: {call.name} returned {type(result).__name__}, expected str: "
+                f"{_shown(result)}"), ERROR
+    return result, OK
+
+
+def _shown(value, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
