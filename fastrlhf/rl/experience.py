@@ -53,6 +53,9 @@ class Experience:
     # never the device); None: counted once from the masks by :meth:`with_lengths`.
     prompt_lens: list[int] | None = None
     completion_lens: list[int] | None = None
+    # Host-side count of each row's policy tokens (response_mask 1), where episodes mask tokens between turns;
+    # None: every completion token is the policy's (completion_lens)
+    policy_lens: list[int] | None = None
     # Host copy of group_ids (rows with the same value share their prompt's tokens); None: unknown,
     # every row its own (nothing is shared).
     prompt_groups: list[int] | None = None
@@ -102,6 +105,10 @@ class Experience:
         P = self.prompt_width
         counts = torch.stack([self.attention_mask[:, :P].sum(-1), self.attention_mask[:, P:].sum(-1)]).tolist()
         return replace(self, prompt_lens=counts[0], completion_lens=counts[1])
+
+    def policy_token_counts(self) -> list[int]:
+        """Per row, the tokens a loss sees (host-side): an episode's generated tokens, else its completion's."""
+        return self.policy_lens if self.policy_lens is not None else self.with_lengths().completion_lens
 
     def token_parts(self) -> list[tuple[int, int]]:
         """``(prompt, completion)`` real tokens of each row, as micro-batch grouping counts them."""
@@ -201,6 +208,8 @@ def build_experience(
         prompt_lens=[len(prompt) for _, prompt, _ in rows],
         completion_lens=[len(c.token_ids) for _, _, c in rows],
         prompt_groups=[group_offset + i if c.prompt_ids is None else -1 - b for b, (i, _, c) in enumerate(rows)],
+        policy_lens=[len(c.token_ids) if c.mask is None else sum(c.mask) for _, _, c in rows]
+        if any(c.mask is not None for _, _, c in rows) else None,
     )
 
 

@@ -180,7 +180,7 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
             # A bad loss on any rank: this minibatch's remaining micro-batches still run (the
             # accumulation boundary must be reached everywhere), its optimizer step is dropped.
             learner.guard.note_loss(loss)
-            mb_tokens = float(sum(mb.with_lengths().completion_lens))
+            mb_tokens = float(sum(mb.policy_token_counts()))
             for name, value in {"loss": loss.detach(), **metrics}.items():
                 term = value if _is_loss(name) else value * mb_tokens
                 device_sums[name] = device_sums[name] + term if name in device_sums else term

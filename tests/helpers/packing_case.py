@@ -20,8 +20,10 @@ PAD = 2
 VOCAB = 96
 
 
-def ragged_batch(seed=0, num_prompts=3, n=4, long=24, empty=True):
-    """Prompts of 1-5 tokens, completions of 1-6 tokens, one of ``long`` tokens and (optionally) one empty."""
+def ragged_batch(seed=0, num_prompts=3, n=4, long=24, empty=True, episodes=False):
+    """Prompts of 1-5 tokens, completions of 1-6 tokens, one of ``long`` tokens and (optionally) one empty.
+    ``episodes``: completions of 3 tokens or more are multi-turn episodes, a tool turn of 1-3 tokens masked
+    in their middle (logprob 0 there, as ``fastrlhf.rollout.episodes`` builds them)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, VOCAB, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
                for _ in range(num_prompts)]
@@ -32,7 +34,14 @@ def ragged_batch(seed=0, num_prompts=3, n=4, long=24, empty=True):
             length = long if (i, j) == (1, 2) else 0 if (empty and (i, j) == (2, 0)) else int(
                 torch.randint(1, 7, (1,), generator=g))
             tokens = torch.randint(3, VOCAB, (length,), generator=g).tolist()
-            samples.append(Completion(tokens, (-torch.rand(length, generator=g)).tolist(), "length"))
+            logprobs = (-torch.rand(length, generator=g)).tolist()
+            mask = None
+            if episodes and length >= 3:
+                start = int(torch.randint(1, length - 1, (1,), generator=g))
+                stop = min(length - 1, start + int(torch.randint(1, 4, (1,), generator=g)))
+                mask = [0 if start <= k < stop else 1 for k in range(length)]
+                logprobs = [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)]
+            samples.append(Completion(tokens, logprobs, "length", mask=mask))
         completions.append(samples)
     completions[0][1].token_ids[-1] = PAD  # the pad id as a real token
     return prompts, completions

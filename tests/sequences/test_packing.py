@@ -210,7 +210,7 @@ def lora(model):
                                             init_lora_weights=False))
 
 
-def run_step(config, with_lora, checkpointing=False):
+def run_step(config, with_lora, checkpointing=False, episodes=False, completions=None):
     from fastrlhf.modeling import CausalLMWithValueHead
 
     torch.manual_seed(0)
@@ -230,7 +230,8 @@ def run_step(config, with_lora, checkpointing=False):
     for model in (actor, reference, critic and critic.lm):  # as the trainer does: per-sequence attention on CPU
         if model is not None:
             use_attention(model, config.trainer.packing, config.trainer.share_prompts)
-    prompts, completions = ragged_batch(seed=4)
+    prompts, batch = ragged_batch(seed=4, episodes=episodes)
+    completions = completions if completions is not None else batch
     scores = torch.linspace(-1.0, 1.0, 12)[torch.randperm(12, generator=torch.Generator().manual_seed(1))]
     rl = RLStep(config, actor, rollout=None, scorer=lambda exp, *a: scores.clone(), reference=reference,
                 critic=critic, actor_optimizer=opt, critic_optimizer=copt, pad_token_id=PAD, rollout_shares_actor=True)
@@ -252,9 +253,9 @@ METRICS = ("policy_loss", "loss_kl", "clipfrac", "approx_kl", "entropy", "grad_n
            "logprob_mismatch_mean", "advantage_mean", "optimizer_steps")
 
 
-def check_same_update(config, reference_config, with_lora=False, checkpointing=False):
-    got, grads, critic_grads = run_step(config, with_lora, checkpointing)
-    want, want_grads, want_critic = run_step(reference_config, with_lora)
+def check_same_update(config, reference_config, with_lora=False, checkpointing=False, episodes=False):
+    got, grads, critic_grads = run_step(config, with_lora, checkpointing, episodes)
+    want, want_grads, want_critic = run_step(reference_config, with_lora, episodes=episodes)
     assert got["skipped"] == want["skipped"] == 0.0
     assert want["optimizer_steps"] == 4.0
     keys = METRICS + (("value_loss", "vf_clipfrac", "critic_grad_norm") if config.algorithm == "ppo" else ())
@@ -295,6 +296,36 @@ def test_other_groupings_and_loss_paths_equal_the_padded_update(case):
               "packed-checkpointing": dict(packing=True, max_tokens_per_microbatch=20, share_prompts=True)}[case]
     check_same_update(make_config("grpo", agg, **change, **extra), padded,
                       checkpointing=case == "packed-checkpointing")
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_on_multi_turn_episodes_the_packed_update_equals_the_padded_one(algorithm):
+    """Episodes (tool turns masked in the middle of completions): packed rows with shared prompts and a token
+    budget give the padded update, for GRPO and for PPO (GAE across the masked middle)."""
+    padded = make_config(algorithm, "seq-mean-token-mean", tis_cap=1.5 if algorithm == "grpo" else None)
+    packed = make_config(algorithm, "seq-mean-token-mean", packing=True, max_tokens_per_microbatch=14,
+                         share_prompts=True, tis_cap=1.5 if algorithm == "grpo" else None)
+    _, episodes = ragged_batch(seed=4, episodes=True)
+    assert sum(c.mask is not None and 0 in c.mask for samples in episodes for c in samples) >= 4
+    check_same_update(packed, padded, episodes=True)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_the_tokens_between_turns_reach_no_loss(algorithm):
+    """What the engine reports at masked positions (tool output: no logprob of the policy's) changes nothing:
+    the policy loss, KL, entropy, TIS weights, the mismatch probe and the critic see the policy's tokens only."""
+    config = make_config(algorithm, "token-mean", tis_cap=1.5 if algorithm == "grpo" else None)
+    _, episodes = ragged_batch(seed=4, episodes=True)
+    _, garbled = ragged_batch(seed=4, episodes=True)
+    for c in (c for samples in garbled for c in samples if c.mask is not None):
+        c.logprobs = [lp if m else -50.0 for lp, m in zip(c.logprobs, c.mask, strict=True)]
+    want, want_grads, want_critic = run_step(config, False, completions=episodes)
+    got, grads, critic_grads = run_step(config, False, completions=garbled)
+    for key in METRICS:
+        assert math.isclose(got[key], want[key], rel_tol=1e-6, abs_tol=1e-9), (key, got[key], want[key])
+    assert_same_grads(grads, want_grads)
+    if critic_grads is not None:
+        assert_same_grads(critic_grads, want_critic)
 
 
 def test_config_fields_and_their_checks(tmp_path):
