@@ -131,7 +131,8 @@ def _validate_train(c: TrainConfig, base: str):
     r = c.reward
     if r.function is not None and r.model_path is not None:
         raise ConfigError("reward", "set one of reward.function and reward.model_path, got both")
-    if r.function is None and r.model_path is None and not r.functions:
+    if r.function is None and r.model_path is None and not r.functions and c.rollout.environment is None:
+        # (an environment's get_reward() may be the only reward: checked once it is imported, in preflight)
         raise ConfigError("reward", "set reward.function, reward.functions or reward.model_path, got neither")
     _check_model_folder(r.model_path, "reward.model_path", base)
     _check_reward_spec(r.function, "reward.function")

@@ -274,6 +274,10 @@ def preflight(config) -> Prepared:
             except ValueError as exc:
                 raise ConfigError(key, str(exc)) from None
     toolbox = _toolbox(config)
+    r = config.reward
+    if r.function is None and r.model_path is None and not r.functions and _environment_reward(toolbox) is None:
+        raise ConfigError("reward", f"set reward.function, reward.functions or reward.model_path, got neither (and "
+                                    f"rollout.environment {config.rollout.environment} has no get_reward())")
     needed_for = (["reward.functions"] if text_rewards else []) + (["rollout.stop"] if config.rollout.stop else []) \
         + (["rollout.tools"] if toolbox is not None else [])
     tokenizer = _load_tokenizer(config, needed_for)

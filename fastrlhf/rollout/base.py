@@ -139,10 +139,12 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
-                 limits: Sequence[int] | None = None) -> list[list[Completion]]:
+                 limits: Sequence[int] | None = None, seeds: Sequence[int] | None = None) -> list[list[Completion]]:
         """One list per prompt (in order) of ``sampling.n`` completions (in sample order). ``limits[i]``: at
         most this many new tokens for prompt i (below ``sampling.max_new_tokens``: an episode's remaining
-        budget); a seeded sampling seeds prompt i with ``seed + i``."""
+        budget). ``seeds[i]``: prompt i's own seed instead of ``sampling.seed`` (an engine that seeds each
+        request, vLLM, would otherwise draw the same random numbers for every prompt; one that samples the
+        batch from one stream, HF, seeds it with ``seeds[0]``)."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

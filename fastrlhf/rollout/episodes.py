@@ -84,10 +84,11 @@ class TurnTemplate:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-@dataclass
+@dataclass(eq=False)
 class Episode:
     """One rollout of one prompt: its tokens so far and the conversation they are."""
 
+    index: int  # in the step's episodes (prompt-major): its seeds derive from it
     group: int
     prompt: list[int]
     tools: dict
@@ -153,7 +154,8 @@ class EpisodeRunner:
                     extra = environment.reset(**dict(meta or {}))
                     if extra is not None:
                         episode_prompt = self._prompt_with(meta, extra, prompt)
-                episodes.append(Episode(i, episode_prompt, self.toolbox.bound(environment), environment))
+                episodes.append(Episode(len(episodes), i, episode_prompt, self.toolbox.bound(environment),
+                                        environment))
         return episodes
 
     def _prompt_with(self, meta, extra: str, prompt: list[int]) -> list[int]:
@@ -179,15 +181,18 @@ class EpisodeRunner:
         counts = getattr(self.engine, "prefix_cache_counts", None)  # vLLM's: [cached, prompt] tokens
         continued = [0, 0]
         while active:
-            seed = None if sampling.seed is None else (sampling.seed + 7919 * round_) % (2**31)
             if round_ == 0 and shared and n > 1:  # one request per prompt, n samples: the prompt is shared
-                outs = self.engine.generate(prompts, replace(sampling, seed=seed))
+                outs = self.engine.generate(prompts, sampling)
                 turns = [outs[e.group][k % n] for k, e in enumerate(active)]
             else:
                 inputs = [e.prompt + e.token_ids for e in active]
                 limits = [min(budget - e.generated, context - len(x)) for e, x in zip(active, inputs, strict=True)]
                 before = list(counts) if counts is not None and round_ > 0 else None
-                outs = self.engine.generate(inputs, replace(sampling, n=1, seed=seed), limits=limits)
+                # Each episode's turn its own seed (vLLM seeds each request: one seed for all would draw the
+                # same random numbers for episodes that share a history), the same again after a resume.
+                seeds = None if sampling.seed is None else [
+                    (sampling.seed + 7919 * round_ + 104729 * e.index) % (2**31) for e in active]
+                outs = self.engine.generate(inputs, replace(sampling, n=1), limits=limits, seeds=seeds)
                 if before is not None:
                     continued = [continued[0] + counts[0] - before[0], continued[1] + counts[1] - before[1]]
                 turns = [o[0] for o in outs]

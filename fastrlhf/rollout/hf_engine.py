@@ -121,7 +121,7 @@ class HFEngine(RolloutEngine):
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, prompt_token_ids, sampling: SamplingConfig, limits=None) -> list[list[Completion]]:
+    def generate(self, prompt_token_ids, sampling: SamplingConfig, limits=None, seeds=None) -> list[list[Completion]]:
         from transformers import GenerationConfig, LogitsProcessorList
 
         if not isinstance(sampling, SamplingConfig):
@@ -164,8 +164,9 @@ class HFEngine(RolloutEngine):
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
-                if sampling.seed is not None:
-                    torch.manual_seed(sampling.seed)
+                seed = sampling.seed if not seeds else int(seeds[0])  # one stream draws for the whole batch
+                if seed is not None:
+                    torch.manual_seed(seed)
                 sequences = self.model.generate(
                     **to_device(dict(input_ids=input_ids, attention_mask=attention_mask), device),
                     generation_config=gen_config,

@@ -39,16 +39,16 @@ class TensorParallelGroup(RolloutEngine):
         return self.engine.weight_dtype
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 limits: Sequence[int] | None = None) -> list[list[Completion]]:
+                 limits: Sequence[int] | None = None, seeds: Sequence[int] | None = None) -> list[list[Completion]]:
+        if limits is not None or seeds is not None:  # config checks keep episodes off tensor-parallel groups
+            raise ValueError("a tensor-parallel group generates whole single-turn batches: no limits or seeds")
         mine = [[int(t) for t in p] for p in prompt_token_ids]
-        caps = [int(m) for m in limits] if limits is not None else [sampling.max_new_tokens] * len(mine)
         # Every rank takes part (collective); only the own group's prompts are kept.
-        every_rank = [json.loads(part) for part in comm.gather_bytes(json.dumps([mine, caps]).encode())]
+        every_rank = [json.loads(part) for part in comm.gather_bytes(json.dumps(mine).encode())]
         first = self.rank - self.rank % self.group_size
         group = every_rank[first:first + self.group_size]
-        results = self.engine.generate([p for prompts, _ in group for p in prompts], sampling,
-                                       limits=[m for _, caps in group for m in caps])
-        start = sum(len(prompts) for prompts, _ in group[:self.rank - first])
+        results = self.engine.generate([p for prompts in group for p in prompts], sampling)
+        start = sum(len(prompts) for prompts in group[:self.rank - first])
         return results[start:start + len(mine)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -137,7 +137,7 @@ def wake_llm(llm, tags: Sequence[str]) -> None:
     llm.wake_up(tags=list(tags))
 
 
-def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int], seed_offset: int = 0):
+def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None):
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -149,7 +149,7 @@ def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int
         stop_token_ids=list(stop_token_ids),
         # Without a tokenizer vLLM knows no eos: the engine passes it in stop_token_ids instead.
         ignore_eos=True,
-        seed=None if sampling.seed is None else (sampling.seed + seed_offset) % (2**31),
+        seed=sampling.seed if seed is None else seed,
         logprobs=0,  # just the sampled token's logprob
         detokenize=False,
     )

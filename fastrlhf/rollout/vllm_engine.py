@@ -207,7 +207,7 @@ class VLLMEngine(RolloutEngine):
             vllm_adapter.wake_llm(self.llm, waking)
             self._asleep -= set(waking)
 
-    def generate(self, prompt_token_ids, sampling: SamplingConfig, limits=None) -> list[list[Completion]]:
+    def generate(self, prompt_token_ids, sampling: SamplingConfig, limits=None, seeds=None) -> list[list[Completion]]:
         self._check_open()
         if self._released:
             raise RuntimeError("VLLMEngine.generate after sleep() released its weights on CPU: "
@@ -220,12 +220,12 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("stop strings need a tokenizer: VLLMEngine(..., tokenizer=...)")
         stop_ids = stop_token_ids_for(sampling, self.eos_token_ids)
         limits = new_token_limits(prompts, sampling, self.max_model_len, limits)
-        if len(set(limits)) == 1 and (sampling.seed is None or len(prompts) == 1):
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds must hold one int per prompt ({len(prompts)}), got {len(seeds)}")
+        if len(set(limits)) == 1 and seeds is None:
             params = vllm_adapter.make_sampling_params(sampling, limits[0], stop_ids)
         else:
-            # A seed per prompt: vLLM seeds each request's generator with its own seed, so one seed for all
-            # would draw the same random numbers for every prompt.
-            params = [vllm_adapter.make_sampling_params(sampling, m, stop_ids, seed_offset=i)
+            params = [vllm_adapter.make_sampling_params(sampling, m, stop_ids, None if seeds is None else int(seeds[i]))
                       for i, m in enumerate(limits)]
         raw = vllm_adapter.run_generate(self.llm, prompts, params, self.prefix_cache_counts)
         # The engine runs without a tokenizer (token ids in and out), so stop strings are found

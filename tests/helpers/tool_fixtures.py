@@ -94,8 +94,8 @@ class ScriptedEngine:
         ids = ids[:cap]
         return Completion(ids, [-0.25] * len(ids), reason)
 
-    def generate(self, prompts, sampling, limits=None):
-        self.calls.append({"batch": len(prompts), "n": sampling.n, "limits": limits, "seed": sampling.seed,
+    def generate(self, prompts, sampling, limits=None, seeds=None):
+        self.calls.append({"batch": len(prompts), "n": sampling.n, "limits": limits, "seeds": seeds,
                            "lengths": [len(p) for p in prompts]})
         caps = limits or [sampling.max_new_tokens] * len(prompts)
         return [[self._turn(p, min(c, sampling.max_new_tokens)) for _ in range(sampling.n)]

@@ -97,7 +97,9 @@ def test_finished_episodes_leave_the_batch_and_n_samples_share_the_first_request
     (a, b), runner, engine, _ = run(tokenizer, script, n=2)
     assert [x["batch"] for x in engine.calls] == [2, 2, 2]  # round 0: 2 prompts x n=2; then B's 2 episodes
     assert [x["n"] for x in engine.calls] == [2, 1, 1]
-    assert len({x["seed"] for x in engine.calls}) == 3  # each round samples with its own seed
+    # Round 0 is the run's seeded request; then each episode's turn has a seed of its own.
+    later = [s for x in engine.calls[1:] for s in x["seeds"]]
+    assert engine.calls[0]["seeds"] is None and len(later) == len(set(later)) == 4
     assert [c.extra["turns"] for c in a] == [1, 1] and [c.extra["turns"] for c in b] == [3, 3]
     assert runner.metrics["tools/turns"] == 2.0 and runner.metrics["tools/calls"] == 4.0
 

@@ -144,7 +144,7 @@ class EchoEngine:
     def __init__(self):
         self.batches = []
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, limits=None, seeds=None):
         from fastrlhf.rollout import Completion
 
         self.batches.append(prompts)
