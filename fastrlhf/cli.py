@@ -197,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.command, args.overrides, imports=args.imports)
         # The launcher has set the world size already: batch-vs-ranks errors need no process group.
         check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
+        if args.command == "train":  # rollout.tools import (or fail) here, --dry-run too: no model needed
+            from fastrlhf.rl.trainer import run_toolbox
+
+            run_toolbox(config)
         if not args.dry_run:
             _claim_output_dir(config.output_dir, args.resume, args.overwrite)
     except ConfigError as exc:

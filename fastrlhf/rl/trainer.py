@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
-__all__ = ["run", "build_rl_step", "build_validator", "preflight"]
+__all__ = ["run", "build_rl_step", "build_validator", "preflight", "run_toolbox"]
 
 
 def _pad_token_id(model) -> int:
@@ -273,7 +273,7 @@ def preflight(config) -> Prepared:
                 resolve_reward_function(spec)
             except ValueError as exc:
                 raise ConfigError(key, str(exc)) from None
-    toolbox = _toolbox(config)
+    toolbox = run_toolbox(config)
     r = config.reward
     if r.function is None and r.model_path is None and not r.functions and _environment_reward(toolbox) is None:
         raise ConfigError("reward", f"set reward.function, reward.functions or reward.model_path, got neither (and "
@@ -305,7 +305,7 @@ def preflight(config) -> Prepared:
                     toolbox)
 
 
-def _toolbox(config):
+def run_toolbox(config):
     """``rollout.tools`` / ``rollout.environment`` imported and their schemas read (a tool that does not
     import stops the run here, before any model loads), or None for single-turn rollouts."""
     from fastrlhf.config import ConfigError

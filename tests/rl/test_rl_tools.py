@@ -70,6 +70,16 @@ def test_a_tool_that_does_not_import_is_refused_in_one_line_before_any_model_loa
     assert not out.exists(), f"the refused run wrote {out} (in {took:.1f} s)"
 
 
+def test_an_environment_without_get_reward_is_no_reward_on_its_own(chat):
+    out = chat / "no_reward"
+    config = tool_config(chat, out, rollout={"environment": "tool_run:Silent"}, reward={})
+    result = subprocess.run([*TRAIN, config], cwd=chat, env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "config error: reward: set reward.function, reward.functions or reward.model_path, got neither (and "
+        "rollout.environment tool_run:Silent has no get_reward())"]
+
+
 @pytest.mark.timeout(600)
 def test_grpo_episodes_on_two_ranks_under_the_deepspeed_launcher(chat):
     out = chat / "two_ranks"

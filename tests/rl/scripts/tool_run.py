@@ -38,3 +38,9 @@ class Counter:
 
     def get_reward(self) -> float:
         return self.value / 10.0
+
+
+class Silent(Counter):
+    """An environment with no reward of its own."""
+
+    get_reward = None
