@@ -98,9 +98,16 @@ def test_trainer_logprobs_on_episode_tokens_match_the_engines(chat_model, vllm_e
     sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=30, stop_token_ids=tuple(range(4, 640, 2)),
                               seed=5)
     episodes = EpisodeRunner(vllm_engine, toolbox, tokenizer, 3, say=None).generate(prompts, sampling)
-    exp = build_experience(prompts, episodes, tokenizer.pad_token_id)
+    single = vllm_engine.generate(prompts, sampling)  # single-turn rows of the same prompts
+
+    def mismatch(completions):
+        exp = build_experience(prompts, completions, tokenizer.pad_token_id)
+        with torch.no_grad():
+            actor, _ = sequence_logprobs(model, exp, temperature=1.0, micro_batch=4)
+        return exp, float(masked_mean((actor - exp.engine_logprobs).abs(), exp.response_mask))
+
+    exp, on_episodes = mismatch(episodes)
     assert (exp.response_mask == 0).any() and (exp.response_mask == 1).any()
-    with torch.no_grad():
-        actor, _ = sequence_logprobs(model, exp, temperature=1.0, micro_batch=4)
-    mismatch = masked_mean((actor - exp.engine_logprobs).abs(), exp.response_mask)
-    assert float(mismatch) < 1e-3
+    _, on_single_turns = mismatch(single)
+    # fp32 on both sides: the same reduction-order noise (~1e-6), episodes no worse than single turns.
+    assert on_episodes < max(4 * on_single_turns, 1e-5), (on_episodes, on_single_turns)
