@@ -75,3 +75,20 @@ def final_weights(out_dir):
 def metrics_by_step(out_dir):
     with open(out_dir / "metrics.jsonl") as f:
         return {r["step"]: r for r in map(json.loads, f)}
+
+
+def assert_resumed_like_straight(straight, resumed, keys, steps=(3, 4)):
+    """The resumed run logged every step, its metrics ``keys`` of ``steps`` equal the uninterrupted run's, and
+    both ended with the same weights."""
+    import pytest
+    import torch
+
+    a, b = metrics_by_step(straight), metrics_by_step(resumed)
+    assert sorted(b) == sorted(a)
+    for step in steps:
+        for key in keys:
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
+    wa, wb = final_weights(straight), final_weights(resumed)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.allclose(wa[name], wb[name], atol=1e-6), name

@@ -54,8 +54,8 @@ def test_an_episode_is_the_policys_own_tokens_and_the_template_turns_between_the
     expected = ids(first) + [eos] + between + ids(last) + [eos]
     assert c.token_ids == expected
     assert c.mask == [1] * (len(ids(first)) + 1) + [0] * len(between) + [1] * (len(ids(last)) + 1)
-    assert [lp for lp, m in zip(c.logprobs, c.mask) if m] == [-0.25] * sum(c.mask)
-    assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.mask) if not m)
+    assert [lp for lp, m in zip(c.logprobs, c.mask, strict=True) if m] == [-0.25] * sum(c.mask)
+    assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.mask, strict=True) if not m)
     # ... and it is exactly the conversation as the chat template renders it.
     conversation = [{"role": "user", "content": q}, {"role": "assistant", "content": first},
                     {"role": "tool", "name": "add", "content": "6"}, {"role": "assistant", "content": last}]
@@ -133,7 +133,7 @@ def test_the_models_context_ends_an_episode_before_it_overflows(tokenizer):
     c = episodes[0]
     assert len(prompt) + len(c.token_ids) <= context and c.finish_reason == "length"
     later = engine.calls[1:]
-    assert later and all(n + cap <= context for x in later for n, cap in zip(x["lengths"], x["limits"]))
+    assert later and all(n + cap <= context for x in later for n, cap in zip(x["lengths"], x["limits"], strict=True))
 
 
 def test_a_trl_environment_class_is_used_unchanged(tokenizer):
@@ -205,8 +205,8 @@ def test_a_template_that_rewrites_history_is_named_at_start_up(tokenizer):
 
     t = copy.deepcopy(tokenizer)
     # An assistant turn followed by another renders without its tool calls (as Qwen3 drops old thinking).
-    t.chat_template = t.chat_template.replace(
-        "{%- for tool_call in message.tool_calls %}", "{%- for tool_call in (message.tool_calls if loop.last else []) %}")
+    t.chat_template = t.chat_template.replace("{%- for tool_call in message.tool_calls %}",
+                                              "{%- for tool_call in (message.tool_calls if loop.last else []) %}")
     said = []
     template = TurnTemplate(t, [], say=said.append)
     assert not template.prefix_preserving and len(said) == 1 and "not prefix-preserving" in said[0]
