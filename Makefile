@@ -16,7 +16,7 @@ GPU_TRITON := $(shell sed -n 's/.*"triton==\([0-9][0-9.]*\)".*/\1/p' setup.py)
 TRITON_GPU_DIR := $(VENV)/triton-gpu
 TRITON_GPU := $(TRITON_GPU_DIR)/triton-$(GPU_TRITON).dist-info
 
-.PHONY: install test test-multinode test-gpu bench bench-gpu demo demo-matrix arithmetic clean check-gpu-install
+.PHONY: install test test-multinode test-gpu bench bench-gpu demo demo-matrix arithmetic tools clean check-gpu-install
 
 install: $(STAMP) $(TRITON_GPU)
 
@@ -83,6 +83,12 @@ demo-matrix: $(STAMP)
 # about 12 minutes per seed on 2 cores; writes runs/arithmetic/report.md. Not part of `make test`.
 arithmetic: $(STAMP)
 	$(PY) -m examples.arithmetic.run --seed $(or $(SEEDS),0) --engine $(or $(ENGINE),hf) $(if $(FRESH),--fresh)
+
+# make tools [SEEDS="0 1"] [FRESH=1]: the tool-use example (examples/tools): the arithmetic example's Qwen2 shape learns
+# to call a calculator for products of two 4-digit numbers (pretraining, fastrlhf sft, GRPO on multi-turn episodes),
+# against the same model and budget without the tool; under 20 minutes on 2 cores; writes runs/tools/report.md.
+tools: $(STAMP)
+	$(PY) -m examples.tools.run --seed $(or $(SEEDS),0) $(if $(FRESH),--fresh)
 
 # Needs the package registry, not the venv: proves that `pip install '.[gpu]'` resolves on a CUDA
 # machine (a dry run against PyPI that reads wheel metadata only, about a minute, a progress line every

