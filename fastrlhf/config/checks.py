@@ -174,6 +174,7 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(ro.mismatch_probe, "rollout.mismatch_probe")
     _positive(ro.max_turns, "rollout.max_turns")
     _positive(ro.tool_timeout_s, "rollout.tool_timeout_s")
+    _positive(ro.max_tool_tokens, "rollout.max_tool_tokens")
     if (ro.tools or ro.environment) and ro.tensor_parallel_size > 1:
         raise ConfigError("rollout.tools", "multi-turn episodes advance each rank's engine on its own; they do not run "
                           "with rollout.tensor_parallel_size > 1 yet")

@@ -125,6 +125,9 @@ class RolloutConfig:
     max_turns: int = 4  # assistant turns per episode (a turn without a tool call ends it sooner)
     tool_timeout_s: float = 5.0  # a tool call running longer becomes an error message to the policy
     tool_parser: str = "hermes"  # how tool calls are read from a turn (fastrlhf.rollout.tools.TOOL_CALL_PARSERS)
+    # Tokens between an episode's turns (tool results, the template's markers), over all its turns: the engine's
+    # context and the memory plan hold max_prompt_len + max_new_tokens + this per episode
+    max_tool_tokens: int = 256
 
 
 @dataclass(frozen=True)

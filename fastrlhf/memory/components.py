@@ -33,8 +33,14 @@ def dtype_bytes(dtype: str) -> int:
     return _DTYPE_BYTES[dtype]
 
 
+def completion_len(config) -> int:
+    """The most tokens after a prompt: ``max_new_tokens``, and with tools the tokens between turns as well."""
+    ro = config.rollout
+    return ro.max_new_tokens + (ro.max_tool_tokens if ro.tools or ro.environment else 0)
+
+
 def seq_len(config) -> int:
-    return config.data.max_prompt_len + config.rollout.max_new_tokens
+    return config.data.max_prompt_len + completion_len(config)
 
 
 def engine_kind(config, shape: ModelShape, device: str) -> str:
@@ -147,7 +153,7 @@ def update_micro_batch(config, micro: int) -> tuple[int, int, int]:
     ``tokens x T`` (its rows x T^2).
     """
     t, length = config.trainer, seq_len(config)
-    completion = micro * config.rollout.max_new_tokens
+    completion = micro * completion_len(config)
     if t.max_tokens_per_microbatch is None:
         return micro * length, micro * length ** 2, completion
     tokens = min(max(t.max_tokens_per_microbatch, length), micro * length)

@@ -59,7 +59,9 @@ def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None
         if D.is_main():
             print(f"warning: rollout.engine auto: using the HF engine, {why}", flush=True)
         kind = "hf"
-    max_len = config.data.max_prompt_len + ro.max_new_tokens
+    from fastrlhf.memory.components import seq_len
+
+    max_len = seq_len(config)  # prompt + completion (an episode's: its tool turns too)
     if kind == "hf":
         if ds.zero_stage < 3:
             # Same module, same weights: generation sees every update at once, no sync needed.
