@@ -46,7 +46,8 @@ def _say(text: str) -> None:
 
 
 def _fastrlhf(command: str, config_path: str, sets: list[str]) -> list[str]:
-    return [sys.executable, "-m", "fastrlhf", command, "--config", config_path, *[a for s in sets for a in ("--set", s)]]
+    overrides = [a for s in sets for a in ("--set", s)]
+    return [sys.executable, "-m", "fastrlhf", command, "--config", config_path, *overrides]
 
 
 def _read_json(path: str):

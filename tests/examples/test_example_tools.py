@@ -1,5 +1,7 @@
-"""The tools example (examples/tools, `make tools`): the calculator, the data, the reward, the pretraining's token
-layout (the rollout's exactly), and every stage of the runner for a few steps."""
+"""The tools example (examples/tools, `make tools`): the calculator (what it evaluates, what it refuses), the data (a
+fixed held-out split disjoint from training; the tool arm's SFT rows, rendered by ``fastrlhf sft``'s own loader with
+the calculator's schema, hold the exact tool-call text), the reward on text and on an episode's messages, the
+pretraining's token layout (the rollout's exactly), and every stage of the runner for a few steps."""
 
 import json
 
@@ -9,76 +11,185 @@ from examples.tools import data as task_data
 from examples.tools.calculator import calculator
 from examples.tools.reward import correctness
 
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "4821 * 7395"}}\n</tool_call>'
 
-def test_calculator_evaluates_integer_arithmetic_and_refuses_anything_else():
-    assert calculator("4821 * 7395") == "35651295"
-    assert calculator("(3 + 4) * 2 - -1") == "15"
-    assert calculator("8 / 2") == "4" and calculator("7 / 2") == "3.5"
-    for bad in ("__import__('os')", "2 ** 64", "1.5 * 2", "x + 1", "", "1; 2"):
-        with pytest.raises(ValueError):
-            calculator(bad)
-    with pytest.raises(ZeroDivisionError):
-        calculator("1 / 0")
+
+# ------------------------------------------------------------------------------------------- calculator
+
+
+@pytest.mark.parametrize("expression,value", [("4821 * 7395", "35651295"), ("1234 + 8766", "10000"),
+                                              ("1000 - 4321", "-3321"), ("(2 + 3) * 4", "20"), (" 8 / 2 ", "4"),
+                                              ("7 / 2", "3.5"), ("-3 + 5", "2"), ("2 * (3 - (4 + 1))", "-4")])
+def test_calculator_evaluates_integer_arithmetic(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize("expression", ["__import__('os')", "__import__('os').system('true')", "x + 1", "abs(-3)",
+                                        "2 ** 10", "1.5 * 2", "'a' * 3", "[1] * 3", "1; 2", "", "True + 1",
+                                        "(lambda: 1)()"])
+def test_calculator_refuses_anything_but_integers_and_four_operators(expression):
+    with pytest.raises(ValueError):
+        calculator(expression)
+
+
+def test_calculator_division_by_zero_raises():
+    with pytest.raises((ZeroDivisionError, ValueError)):
+        calculator("1 / (2 - 2)")
+
+
+def test_calculator_schema_is_read_from_its_docstring():
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(calculator)["function"]
+    assert schema["name"] == "calculator"
+    assert schema["parameters"]["required"] == ["expression"]
+    assert schema["parameters"]["properties"]["expression"]["type"] == "string"
+    assert schema["parameters"]["properties"]["expression"]["description"]
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+
+def _numbers(question: str) -> tuple[int, int]:
+    a, b = (int(x) for x in question.replace("?", " ").replace(".", " ").split() if x.isdigit())
+    return a, b
+
+
+def test_held_out_split_is_fixed_products_and_disjoint_from_training_for_every_seed():
+    val = task_data.validation_problems()
+    assert len(val) == 200 and val == task_data.validation_problems()
+    questions = [task_data.question(*p) for p in val]
+    assert len(set(questions)) == 200
+    pairs = {_numbers(q) for q in questions}
+    for seed in (0, 1):
+        train = task_data.train_problems(3000, seed)
+        assert not {task_data.question(*p) for p in train} & set(questions)
+        assert not {(a, b) for a, _, b, _ in train} & pairs
+        assert all(1000 <= a <= 9999 and 1000 <= b <= 9999 for a, _, b, _ in train)
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tools_data")
-    return task_data.write_data(str(out), seed=0, pretrain_size=300, sft_size=40, rl_size=60)
+    from fastrlhf.modeling.tiny_chat import build_chat_tokenizer
+
+    out = tmp_path_factory.mktemp("tools_example")
+    paths = task_data.write_data(str(out / "data"), seed=0, pretrain_size=50, sft_size=40, rl_size=30)
+    tokenizer = build_chat_tokenizer([*task_data.corpus_text(0, 200)], vocab_size=512, tool_tokens=True)
+    tokenizer.save_pretrained(out / "tok")
+    rows = {name: [json.loads(line) for line in open(path)] for name, path in paths.items()}
+    return paths, rows, tokenizer, str(out / "tok")
 
 
-def _rows(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+def test_tool_call_text_is_the_episode_format():
+    assert task_data.tool_call_text(4821, "*", 7395) == CALL
+    assert task_data.answer_text(35651295) == "The answer is 35651295."
 
 
-def test_validation_questions_are_fixed_products_that_no_training_row_asks(written):
-    val = _rows(written["val"])
-    assert len(val) == task_data.VAL_SIZE and val == _rows(written["val"])
-    assert all(" * " in task_data.tool_call_text(*p[:3]) for p in task_data.validation_problems())
-    asked = {r["messages"][0]["content"] for name in ("pretrain-tool", "sft-tool", "rl") for r in _rows(written[name])}
-    assert not asked & {r["messages"][0]["content"] for r in val}
-    for row in val:
-        a, b = (int(x) for x in row["messages"][0]["content"].replace("?", " ").replace(".", " ").split()
-                if x.isdigit())
-        assert row["answer"] == str(a * b) and 1000 <= a <= 9999 and 1000 <= b <= 9999
+def _operator(question: str) -> str:
+    for op, words in (("*", (" * ", "times", "multipl")), ("+", (" + ", "plus")), ("-", (" - ", "minus"))):
+        if any(w in question for w in words):
+            return op
+    raise AssertionError(question)
 
 
-def test_sft_rows_are_the_call_and_the_answer_after_the_result(written):
-    rows = _rows(written["sft-tool"])
-    first = next(i for i, r in enumerate(rows) if r["messages"][-1]["content"].startswith("<tool_call>"))
-    call, answer = rows[first]["messages"], rows[first + 1]["messages"]
-    assert [m["role"] for m in call] == ["user", "assistant"]
-    assert [m["role"] for m in answer] == ["user", "assistant", "tool", "assistant"]
-    assert call[1]["content"].startswith('<tool_call>\n{"name": "calculator", "arguments": {"expression": "')
-    expression = json.loads(call[1]["content"].split("\n")[1])["arguments"]["expression"]
-    assert answer[2]["content"] == calculator(expression)
-    assert answer[3]["content"] == f"The answer is {answer[2]['content']}."
-    assert all(len(r["messages"]) == 2 and "tool" not in r for r in _rows(written["sft-direct"]))
-    # Some tool-arm demonstrations answer at once, for two of the four phrasings of a product only.
-    at_once = [r["messages"] for r in rows if len(r["messages"]) == 2 and r["messages"][1]["content"].startswith("The")]
-    assert 0 < len(at_once) < len(rows) / 2
-    phrasings = {task_data.PHRASINGS["*"][k].split("{")[0] for k in (2, 3)}
-    assert all(any(m[0]["content"].startswith(p) for p in phrasings) for m in at_once)
+def test_rl_and_validation_rows_carry_the_answer(written):
+    _, rows, _, _ = written
+    for name in ("rl", "val"):
+        for row in rows[name]:
+            assert [m["role"] for m in row["messages"]] == ["user"]
+            question = row["messages"][0]["content"]
+            a, b = _numbers(question)
+            assert row["answer"] == str({"*": a * b, "+": a + b, "-": a - b}[_operator(question)])
+    assert len(rows["val"]) == 200 and all(_operator(r["messages"][0]["content"]) == "*" for r in rows["val"])
 
 
-def test_correctness_reads_the_policys_last_turn_not_the_tools_result():
-    episode = [{"role": "assistant", "content": "<tool_call>...</tool_call>"},
-               {"role": "tool", "name": "calculator", "content": "The answer is 12."},
-               {"role": "assistant", "content": "The answer is 13."}]
-    assert correctness(None, [episode, episode[:2], "The answer is 12."], None, ["12", "12", "12"]) == [0.0, 0.0, 1.0]
+def test_tool_sft_rows_render_through_the_template_with_the_exact_call(written):
+    from transformers.utils import get_json_schema
+
+    from fastrlhf.data import load_sft_examples
+
+    paths, rows, tokenizer, tok_path = written
+    schemas = [get_json_schema(calculator)]
+    examples = load_sft_examples(paths["sft-tool"], 2048, tokenizer_path=tok_path, chat_template=True, tools=schemas)
+    assert len(examples) == len(rows["sft-tool"])
+    calls = answers = 0
+    for row, example in zip(rows["sft-tool"], examples, strict=True):
+        messages = row["messages"]
+        assert all("tool_calls" not in m for m in messages)  # plain content: the template renders what is generated
+        prompt = tokenizer.decode(example.prompt_ids)
+        response = tokenizer.decode(example.response_ids)
+        assert prompt.startswith("<|im_start|>system\n# Tools") and '"name": "calculator"' in prompt
+        assert prompt.endswith("<|im_start|>assistant\n") and response.endswith("<|im_end|>")
+        assert response[:-len("<|im_end|>")] == messages[-1]["content"]
+        if messages[-1]["content"].startswith("<tool_call>"):  # row A: the call
+            calls += 1
+            a, b = _numbers(messages[0]["content"])
+            op = json.loads(messages[-1]["content"].split("\n")[1])["arguments"]["expression"].split()[1]
+            assert messages[-1]["content"] == task_data.tool_call_text(a, op, b)
+        elif len(messages) == 4:  # row B: the answer after the result
+            answers += 1
+            result = calculator(json.loads(messages[1]["content"].split("\n")[1])["arguments"]["expression"])
+            assert messages[2] == {"role": "tool", "name": "calculator", "content": result}
+            assert prompt.endswith(f"{messages[1]['content']}<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}"
+                                   "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+            assert messages[-1]["content"] == f"The answer is {result}."
+    assert calls and calls == answers
+    # The whole episode through the template holds the call as one token each side.
+    episode = next(r["messages"] for r in rows["sft-tool"] if len(r["messages"]) == 4)
+    text = tokenizer.apply_chat_template(episode, tools=schemas, tokenize=False)
+    assert f"<|im_start|>assistant\n{episode[1]['content']}<|im_end|>\n" in text
+    assert tokenizer.tokenize("<tool_call>")[0] == "<tool_call>" and len(tokenizer.tokenize("</tool_call>")) == 1
+
+
+def test_no_tool_sft_rows_answer_at_once_without_tools(written):
+    paths, rows, tokenizer, tok_path = written
+    from fastrlhf.data import load_sft_examples
+
+    examples = load_sft_examples(paths["sft-direct"], 512, tokenizer_path=tok_path, chat_template=True)
+    for row, example in zip(rows["sft-direct"], examples, strict=True):
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
+        assert row["messages"][1]["content"].startswith("The answer is ")
+        assert tokenizer.decode(example.prompt_ids).startswith("<|im_start|>user\n")
+
+
+# ----------------------------------------------------------------------------------------------- reward
+
+
+def test_correctness_on_text_and_on_an_episodes_messages():
+    episode = [{"role": "assistant", "content": CALL}, {"role": "tool", "name": "calculator", "content": "35651295"},
+               {"role": "assistant", "content": "The answer is 35651295."}]
+    wrong = [*episode[:2], {"role": "assistant", "content": "The answer is 35651296."}]
+    unanswered = episode[:2]  # the tool's result is not the policy's answer
+    stated_by_tool = [episode[0], {"role": "tool", "name": "calculator", "content": "The answer is 35651295."}]
+    got = correctness(None, ["The answer is 35651295.", "The answer is 12.", "35651295", episode, wrong, unanswered,
+                             stated_by_tool, [{"role": "assistant", "content": "The answer is 35651295."}]],
+                      None, ["35651295"] * 8)
+    assert got == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
     assert correctness(None, [episode], None, [None]) == [None]
+
+
+def test_some_tool_arm_demonstrations_answer_at_once_for_two_phrasings(written):
+    """What GRPO has to fix: for "How much is a multiplied by b?" and "What do you get when you multiply a by b?"
+    some demonstrations answer without the calculator; for every other phrasing none does."""
+    _, rows, _, _ = written
+    sft = [r["messages"] for r in rows["sft-tool"]]
+    at_once = [m for m in sft if len(m) == 2 and m[1]["content"].startswith("The answer is")]
+    assert 0 < len(at_once) < len(sft) / 2
+    phrasings = tuple(task_data.PHRASINGS["*"][k].split("{")[0] for k in (2, 3))
+    assert all(m[0]["content"].startswith(phrasings) for m in at_once)
+    assert [task_data.uses_tool(p) for p in task_data.validation_problems()[:50]].count(False) > 0
 
 
 def test_pretraining_episodes_are_token_for_token_what_the_rollout_builds(tmp_path):
     """The stand-in trains on the episode layout the trainer later scores: same ids, loss on the same tokens."""
+    from transformers import AutoTokenizer
+
     from examples.tools.model import make_initial_model
     from examples.tools.pretrain import episode_tokens
     from fastrlhf.rollout import SamplingConfig
     from fastrlhf.rollout.episodes import EpisodeRunner
     from fastrlhf.rollout.tools import load_toolbox
     from tests.helpers.tool_fixtures import ScriptedEngine
-    from transformers import AutoTokenizer
 
     make_initial_model(str(tmp_path / "init"))
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "init")
