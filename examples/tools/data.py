@@ -11,7 +11,7 @@ system turn)::
 Like much real data, the demonstrations do not always use the tool: for two of the four phrasings of a product
 (``How much is a multiplied by b?``, ``What do you get when you multiply a by b?``) 60% of them answer at once, a
 number the model cannot compute in its head. Greedy decoding after SFT then answers those phrasings without the
-calculator, and gets them wrong; sampled at temperature 1, a group of 8 holds both behaviours, and GRPO's strict
+calculator, and gets them wrong; sampled (temperature 0.7), a group of 8 holds both behaviours, and GRPO's strict
 reward moves the model to calling the tool. The no-tool arm answers every question at once (``The answer is
 35651295.``), the same questions, no tools in its prompt. Some training questions are sums and differences of
 4-digit numbers (variety); the 200 validation questions are products only, the same for every seed, and no training

@@ -34,7 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SFT_CONFIG = os.path.join(HERE, "sft.yaml")
 GRPO_CONFIG = os.path.join(HERE, "grpo.yaml")
 ARMS = ("tool", "direct")
-PRETRAIN_STEPS = 1000  # both arms: the same budget
+PRETRAIN_STEPS = 1400  # both arms: the same budget
+PRETRAIN_LR = 2e-3
 
 __all__ = ["main", "run_arm"]
 
@@ -103,7 +104,7 @@ def run_arm(arm: str, seed: int, out: str, base: dict, threads: int, fresh: bool
     seconds: dict[str, float] = {}
     sft_sets = [f"output_dir={sft_dir}", f"model.path={os.path.join(pre_dir, 'final')}",
                 f"data.path={data[f'sft-{arm}']}", f"seed={seed}", *([] if tools else ["data.tools=[]"]), *sft_set]
-    key = stamp_key(base["key"], os.path.join(HERE, "pretrain.py"), SFT_CONFIG, pretrain_steps, sft_sets,
+    key = stamp_key(base["key"], os.path.join(HERE, "pretrain.py"), SFT_CONFIG, pretrain_steps, PRETRAIN_LR, sft_sets,
                     threads)
     stamp = None if fresh else _read_json(os.path.join(sft_final, "stamp.json"))
     if stamp is not None and stamp.get("key") == key:
@@ -116,7 +117,7 @@ def run_arm(arm: str, seed: int, out: str, base: dict, threads: int, fresh: bool
         torch.set_num_threads(threads)
         started = time.perf_counter()
         pretrain(base["init"], data[f"pretrain-{arm}"], pre_dir, pretrain_steps,
-                 load_toolbox([CALCULATOR]).schemas if tools else None, seed=seed)
+                 load_toolbox([CALCULATOR]).schemas if tools else None, lr=PRETRAIN_LR, seed=seed)
         seconds["pretrain"] = round(time.perf_counter() - started, 1)
         _say(f"[3/4] {arm}: SFT (fastrlhf sft, sft.yaml)")
         steps = resolved_config("sft", SFT_CONFIG, sft_sets).trainer.max_steps
