@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         # The launcher has set the world size already: batch-vs-ranks errors need no process group.
         check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
         if args.command == "train":  # rollout.tools import (or fail) here, --dry-run too: no model needed
-            from fastrlhf.rl.trainer import run_toolbox
+            from fastrlhf.rollout.tools import run_toolbox
 
             run_toolbox(config)
         if not args.dry_run:

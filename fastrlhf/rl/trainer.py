@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
-__all__ = ["run", "build_rl_step", "build_validator", "preflight", "run_toolbox"]
+__all__ = ["run", "build_rl_step", "build_validator", "preflight"]
 
 
 def _pad_token_id(model) -> int:
@@ -275,6 +275,8 @@ def preflight(config) -> Prepared:
                 resolve_reward_function(spec)
             except ValueError as exc:
                 raise ConfigError(key, str(exc)) from None
+    from fastrlhf.rollout.tools import run_toolbox
+
     toolbox = run_toolbox(config)
     r = config.reward
     if r.function is None and r.model_path is None and not r.functions and _environment_reward(toolbox) is None:
@@ -305,21 +307,6 @@ def preflight(config) -> Prepared:
         report_uneven_columns(loaded, strict=d.strict_columns)
     return Prepared(plan, examples, eval_examples, text_rewards, tokenizer, _reward_tokenizer(config, tokenizer),
                     toolbox)
-
-
-def run_toolbox(config):
-    """``rollout.tools`` / ``rollout.environment`` imported and their schemas read (a tool that does not
-    import stops the run here, before any model loads), or None for single-turn rollouts."""
-    from fastrlhf.config import ConfigError
-    from fastrlhf.rollout.tools import load_toolbox
-
-    ro = config.rollout
-    if not ro.tools and ro.environment is None:
-        return None
-    try:
-        return load_toolbox(ro.tools, ro.environment, ro.tool_parser, ro.tool_timeout_s)
-    except ValueError as exc:
-        raise ConfigError("", str(exc)) from None
 
 
 def _memory_plan(config, world: int):

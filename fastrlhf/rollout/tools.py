@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["TOOL_CALL_PARSERS", "Tool", "ToolCall", "Toolbox", "load_toolbox", "parse_hermes",
-           "register_tool_call_parser", "run_tool_call"]
+           "register_tool_call_parser", "run_tool_call", "run_toolbox"]
 
 
 @dataclass(frozen=True)
@@ -205,6 +205,21 @@ def load_toolbox(tools=(), environment: str | None = None, parser: str = "hermes
             raise ValueError(f"rollout.tools: two tools are named {name!r}")
         seen.add(name)
     return toolbox
+
+
+def run_toolbox(config) -> Toolbox | None:
+    """A run config's ``rollout.tools`` / ``rollout.environment`` imported and their schemas read, or None for
+    single-turn rollouts; a ConfigError (one line) for one that does not import. Loads no model: the CLI calls it
+    as it reads the config (``--dry-run`` too), before anything heavy."""
+    from fastrlhf.config import ConfigError
+
+    ro = config.rollout
+    if not ro.tools and ro.environment is None:
+        return None
+    try:
+        return load_toolbox(ro.tools, ro.environment, ro.tool_parser, ro.tool_timeout_s)
+    except ValueError as exc:
+        raise ConfigError("", str(exc)) from None
 
 
 # Outcomes of a call, as the metrics count them.
