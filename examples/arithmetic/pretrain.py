@@ -25,7 +25,7 @@ import os
 import random
 import time
 
-__all__ = ["full_vocab_log_softmax", "pretrain"]
+__all__ = ["full_vocab_log_softmax", "pretrain", "save_full_vocab_model"]
 
 
 def full_vocab_log_softmax(hidden, rows_weight, padded_row, padded_count: int):
@@ -36,6 +36,34 @@ def full_vocab_log_softmax(hidden, rows_weight, padded_row, padded_count: int):
 
     logits = torch.cat([hidden @ rows_weight.T, (hidden @ padded_row + math.log(padded_count))[:, None]], dim=-1)
     return logits.log_softmax(-1)
+
+
+def save_full_vocab_model(init_dir: str, model, padded_row, tokenizer, out_dir: str) -> None:
+    """``out_dir/final``: the ordinary full-vocabulary model of ``init_dir``'s shape, with ``model``'s trained
+    weights (its first rows of the tied embedding) and ``padded_row`` in every padded row (written beside, then
+    renamed into place)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = model.get_input_embeddings().weight.shape[0]
+    full = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+    with torch.no_grad():
+        weight = full.get_input_embeddings().weight
+        weight[:rows] = model.get_input_embeddings().weight
+        weight[rows:] = padded_row
+        trained = model.state_dict()
+        for name, param in full.state_dict().items():
+            if param.shape == trained[name].shape:
+                param.copy_(trained[name])
+    tmp = os.path.join(out_dir, "final.tmp")
+    full.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    final = os.path.join(out_dir, "final")
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def pretrain(init_dir: str, data_path: str, out_dir: str, steps: int = 2000, batch_size: int = 32, lr: float = 1e-3,
@@ -106,25 +134,7 @@ def pretrain(init_dir: str, data_path: str, out_dir: str, steps: int = 2000, bat
                 log.write(json.dumps(record) + "\n")
                 log.flush()
 
-    # The ordinary full-vocabulary model: the trained rows, then u in every padded row.
-    full = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
-    with torch.no_grad():
-        weight = full.get_input_embeddings().weight
-        weight[:rows] = emb.weight
-        weight[rows:] = u
-        trained = model.state_dict()
-        for name, param in full.state_dict().items():
-            if param.shape == trained[name].shape:
-                param.copy_(trained[name])
-    tmp = f"{out_dir.rstrip(os.sep)}/final.tmp"
-    full.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    final = os.path.join(out_dir, "final")
-    if os.path.exists(final):
-        import shutil
-
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    save_full_vocab_model(init_dir, model, u, tokenizer, out_dir)
     return {"steps": steps, "loss": loss.item(), "seconds": time.perf_counter() - started}
 
 

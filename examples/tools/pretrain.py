@@ -55,7 +55,7 @@ def pretrain(init_dir: str, data_path: str, out_dir: str, steps: int, tools: lis
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from examples.arithmetic.pretrain import full_vocab_log_softmax
+    from examples.arithmetic.pretrain import full_vocab_log_softmax, save_full_vocab_model
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
@@ -105,22 +105,5 @@ def pretrain(init_dir: str, data_path: str, out_dir: str, steps: int, tools: lis
                           + "\n")
                 log.flush()
 
-    full = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
-    with torch.no_grad():
-        weight = full.get_input_embeddings().weight
-        weight[:rows] = emb.weight
-        weight[rows:] = u
-        trained = model.state_dict()
-        for name, param in full.state_dict().items():
-            if param.shape == trained[name].shape:
-                param.copy_(trained[name])
-    tmp = os.path.join(out_dir, "final.tmp")
-    full.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    final = os.path.join(out_dir, "final")
-    if os.path.exists(final):
-        import shutil
-
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    save_full_vocab_model(init_dir, model, u, tokenizer, out_dir)
     return {"steps": steps, "loss": loss.item(), "seconds": round(time.perf_counter() - started, 1)}
