@@ -202,18 +202,25 @@ def _user_frame(exc: BaseException) -> str:
     return f" ({os.path.relpath(frame.filename)}:{frame.lineno})" if frame is not None else ""
 
 
+def cwd_importable() -> None:
+    """Make the current directory importable, as it is under ``python -m`` and the deepspeed launcher but not
+    under the ``fastrlhf`` console script: for ``imports``, ``module:function`` rewards and tools. Last on the
+    path, so that a user's file never shadows an installed module."""
+    import sys
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+
+
 def import_modules(names, key: str) -> None:
     """Import each module of ``names`` (``--import`` or the config's ``imports``), so that what it registers
     is known before the config is checked; the current directory is importable, as under ``python -m``.
     A module that fails to import is a one-line ConfigError naming it (``key[i]``)."""
     import importlib
-    import sys
 
     if not isinstance(names, list) or any(not isinstance(n, str) or not n.strip() for n in names):
         raise ConfigError(key, f"expected a list of module names, got {names!r}")
-    # Last on the path, so a user's file never shadows an installed module (as reward.function does).
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
+    cwd_importable()
     for i, name in enumerate(names):
         where = key if key.startswith("--") else f"{key}[{i}]"
         if name.endswith(".py") or os.sep in name:

@@ -34,7 +34,6 @@ import inspect
 import json
 import numbers
 import os
-import sys
 import sysconfig
 import traceback
 from collections.abc import Callable, Iterable, Mapping
@@ -97,11 +96,10 @@ def resolve_reward_function(spec: str) -> RewardFn:
             raise ValueError(f"unknown reward function {spec!r}; registered: {', '.join(sorted(REWARD_FUNCTIONS))} "
                              "(or give 'module:function')")
         return REWARD_FUNCTIONS[spec]
+    from fastrlhf.config.loading import cwd_importable
+
     module_name, _, attr = spec.partition(":")
-    # The current directory is importable under `python -m` and the deepspeed launcher but not under
-    # the `fastrlhf` console script: make it so for both (last, so it never shadows an installed module).
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
+    cwd_importable()
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -43,7 +43,8 @@ class TurnTemplate:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("tool use needs a tokenizer with a chat template (the model's path has none)")
         self.tokenizer, self.tools = tokenizer, list(tool_schemas) or None
-        base = [{"role": "user", "content": _MARK_USER}, {"role": "assistant", "content": _MARK_ASSISTANT}]
+        self.base_messages = base = [{"role": "user", "content": _MARK_USER},
+                                     {"role": "assistant", "content": _MARK_ASSISTANT}]
         self.base = self.render(base)
         at = self.base.rfind(_MARK_ASSISTANT)
         if at < 0:
@@ -76,8 +77,7 @@ class TurnTemplate:
         """Token ids from the end of a generated assistant turn to the start of the next one: the rest of
         the turn's closing (``ended_with``: the text of the eos token the turn ended on, if any), the tool
         messages, and the next assistant header."""
-        base = [{"role": "user", "content": _MARK_USER}, {"role": "assistant", "content": _MARK_ASSISTANT}]
-        full = self.render(base + tool_messages, True)
+        full = self.render(self.base_messages + tool_messages, True)
         closing = self.closing[len(ended_with):] if ended_with and self.closing.startswith(ended_with) else \
             self.closing
         text = closing + full[len(self.base):]
@@ -135,12 +135,6 @@ class EpisodeRunner:
         self.template = TurnTemplate(tokenizer, toolbox.schemas, say=say)
         self.eos_texts = {i: tokenizer.convert_ids_to_tokens(i) for i in getattr(engine, "eos_token_ids", [])}
         self.metrics: dict[str, float] = {}
-
-    # Engines and the trainer ask the runner what they would ask the engine.
-    def __getattr__(self, name):
-        if name == "engine":  # not set yet (copy, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.engine, name)
 
     def start(self, prompts: list[list[int]], metas: Sequence[dict] | None, n: int) -> list[Episode]:
         """``n`` episodes per prompt, each with its own environment instance (reset with its row)."""

@@ -21,9 +21,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import os
 import re
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,11 +104,10 @@ def _import(spec: str, key: str):
     """``package.module:attribute`` -> the attribute; a one-line ValueError naming ``key`` otherwise."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise ValueError(f"{key}: expected 'module:name', got {spec!r}")
+    from fastrlhf.config.loading import cwd_importable
+
     module_name, attr = spec.split(":")
-    # The current directory is importable under `python -m` and the launcher but not under the console
-    # script: make it so for both (last, so that it never shadows an installed module).
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
+    cwd_importable()
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 -- an import that fails in any way is a config error
@@ -177,18 +174,20 @@ class Toolbox:
         return tools
 
 
-def load_toolbox(tools=(), environment: str | None = None, parser: str = "hermes", timeout_s: float = 5.0) -> Toolbox:
+def load_toolbox(tools=(), environment: str | None = None, parser: str = "hermes", timeout_s: float = 5.0,
+                 key: str = "rollout.tools") -> Toolbox:
     """Import ``rollout.tools`` and ``rollout.environment`` and read their schemas; a one-line ValueError
-    (``rollout.tools: ...``) for one that does not import or has no schema. Imports no model."""
+    (``<key>: ...``; ``key`` names the functions' setting, ``data.tools`` for SFT) for one that does not import
+    or has no schema. Imports no model."""
     if parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"rollout.tool_parser: unknown parser {parser!r}; registered: "
                          f"{', '.join(sorted(TOOL_CALL_PARSERS))}")
     functions = []
     for spec in tools:
-        fn = _import(spec, "rollout.tools")
+        fn = _import(spec, key)
         if not callable(fn) or isinstance(fn, type):
-            raise ValueError(f"rollout.tools: {spec!r} is not a function")
-        functions.append(_tool(spec.split(":")[1], fn, "rollout.tools"))
+            raise ValueError(f"{key}: {spec!r} is not a function")
+        functions.append(_tool(spec.split(":")[1], fn, key))
     env_cls, env_schemas = None, []
     if environment is not None:
         env_cls = _import(environment, "rollout.environment")
@@ -202,7 +201,7 @@ def load_toolbox(tools=(), environment: str | None = None, parser: str = "hermes
     seen = set()
     for name in toolbox.names:
         if name in seen:
-            raise ValueError(f"rollout.tools: two tools are named {name!r}")
+            raise ValueError(f"{key}: two tools are named {name!r}")
         seen.add(name)
     return toolbox
 

@@ -135,9 +135,9 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
 
     seed_everything(config.seed)
     try:
-        tools = load_toolbox(config.data.tools).schemas if config.data.tools else None
+        tools = load_toolbox(config.data.tools, key="data.tools").schemas if config.data.tools else None
     except ValueError as exc:
-        raise ConfigError("", str(exc).replace("rollout.tools", "data.tools", 1)) from None
+        raise ConfigError("", str(exc)) from None
     examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
                                  vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path,
                                  chat_template=config.data.chat_template, tools=tools)
