@@ -13,9 +13,9 @@ Like much real data, the demonstrations do not always use the tool: for two of t
 number the model cannot compute in its head. Greedy decoding after SFT then answers those phrasings without the
 calculator, and gets them wrong; sampled (temperature 0.7), a group of 8 holds both behaviours, and GRPO's strict
 reward moves the model to calling the tool. The no-tool arm answers every question at once (``The answer is
-35651295.``), the same questions, no tools in its prompt. Some training questions are sums and differences of
-4-digit numbers (variety); the 200 validation questions are products only, the same for every seed, and no training
-question asks one of them.
+35651295.``), the same questions, no tools in its prompt. Half the training products have 7 digits
+(``SEVEN_DIGIT_SHARE``) and some training questions are sums and differences (variety); the 200 validation questions
+are products only, drawn uniformly, the same for every seed, and no training question asks one of them.
 
 Files (``write_data``), TRL's conversational format:
 
@@ -43,6 +43,9 @@ PHRASINGS = {
     "-": ["What is {a} - {b}?", "Compute {a} minus {b}."],
 }
 VAL_SEED, VAL_SIZE = 1234, 200
+# Share of the training products with 7 digits (the rest have 8). Drawn uniformly, 17% of them have 7, and the
+# model learned to copy 8-digit results only: copying is positional for a model this small.
+SEVEN_DIGIT_SHARE = 0.5
 # Share of the tool arm's demonstrations that answer without the tool, per (operator, phrasing).
 ANSWER_AT_ONCE = {("*", 2): 0.6, ("*", 3): 0.6}
 
@@ -82,7 +85,10 @@ def train_problems(count: int, seed: int, product_share: float = 0.8):
     out = []
     while len(out) < count:
         op = "*" if rng.random() < product_share else rng.choice("+-")
+        digits = (7 if rng.random() < SEVEN_DIGIT_SHARE else 8) if op == "*" else None
         p = _draw(rng, op)
+        while digits and len(str(result(*p[:3]))) != digits:
+            p = _draw(rng, op)
         if (p[0], p[2]) not in held:
             out.append(p)
     return out

@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SFT_CONFIG = os.path.join(HERE, "sft.yaml")
 GRPO_CONFIG = os.path.join(HERE, "grpo.yaml")
 ARMS = ("tool", "direct")
-PRETRAIN_STEPS = 1400  # both arms: the same budget
+PRETRAIN_STEPS = 2000  # both arms: the same budget
 PRETRAIN_LR = 2e-3
 
 __all__ = ["main", "run_arm"]

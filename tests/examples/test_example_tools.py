@@ -65,7 +65,8 @@ def test_held_out_split_is_fixed_products_and_disjoint_from_training_for_every_s
         train = task_data.train_problems(3000, seed)
         assert not {task_data.question(*p) for p in train} & set(questions)
         assert not {(a, b) for a, _, b, _ in train} & pairs
-        assert all(1000 <= a <= 9999 and 1000 <= b <= 9999 for a, _, b, _ in train)
+        assert {len(str(x)) for a, _, b, _ in train for x in (a, b)} == set(task_data.TRAIN_DIGITS)
+    assert all(1000 <= a <= 9999 and 1000 <= b <= 9999 for a, _, b, _ in val)
 
 
 @pytest.fixture(scope="module")
