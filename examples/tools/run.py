@@ -145,7 +145,10 @@ def _eval_at(rl_dir: str, step: int) -> dict:
     """The trainer's validation at ``step``: accuracy, tool calls per episode, the episodes."""
     with open(os.path.join(rl_dir, "eval", f"step-{step}.jsonl")) as f:
         records = [json.loads(line) for line in f]
+    called = [r for r in records if r.get("tool_calls")]
+    # The calculator is always right: accuracy where it was called measures copying its result.
     return {"accuracy": sum(r["correct"] for r in records) / len(records), "questions": len(records),
+            "called": len(called), "accuracy_when_called": sum(r["correct"] for r in called) / max(1, len(called)),
             "tool_calls_per_episode": sum(r.get("tool_calls") or 0 for r in records) / len(records),
             "turns_per_episode": sum(r.get("turns") or 1 for r in records) / len(records), "records": records}
 
@@ -172,12 +175,13 @@ def _write_report(out: str, entries: list[dict], meta: dict) -> None:
         json.dump({**meta, "runs": entries}, f, indent=1)
     lines = ["# make tools", "", f"{meta['date']}, {meta['machine']}, {meta['threads']} threads, "
              f"{meta['seconds']:.0f} s in all.", "",
-             "| seed | arm | accuracy before RL | after RL | gain | tool calls per episode (after) | pretrain s | "
-             "SFT s | GRPO s |", "|---|---|---|---|---|---|---|---|---|"]
+             "| seed | arm | accuracy before RL | after RL | gain | tool calls per episode (after) | right when "
+             "called (after) | pretrain s | SFT s | GRPO s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         s = e["seconds"]
         lines.append(f"| {e['seed']} | {e['arm']} | {e['before']['accuracy']:.1%} | {e['after']['accuracy']:.1%} | "
                      f"{e['gain_points']:+.1f} | {e['after']['tool_calls_per_episode']:.2f} | "
+                     f"{e['after']['accuracy_when_called']:.1%} of {e['after']['called']} | "
                      f"{s.get('pretrain', 0):.0f} | {s.get('sft', 0):.0f} | {s.get('grpo', 0):.0f} |")
     by_seed = {}
     for e in entries:

@@ -65,8 +65,9 @@ def test_held_out_split_is_fixed_products_and_disjoint_from_training_for_every_s
         train = task_data.train_problems(3000, seed)
         assert not {task_data.question(*p) for p in train} & set(questions)
         assert not {(a, b) for a, _, b, _ in train} & pairs
-        assert {len(str(x)) for a, _, b, _ in train for x in (a, b)} == set(task_data.TRAIN_DIGITS)
-    assert all(1000 <= a <= 9999 and 1000 <= b <= 9999 for a, _, b, _ in val)
+        assert all(1000 <= a <= 9999 and 1000 <= b <= 9999 for a, _, b, _ in train)
+        sevens = [len(str(a * b)) == 7 for a, op, b, _ in train if op == "*"]
+        assert abs(sum(sevens) / len(sevens) - task_data.SEVEN_DIGIT_SHARE) < 0.05  # uniform draws give 17%
 
 
 @pytest.fixture(scope="module")
@@ -230,5 +231,21 @@ def test_the_runner_goes_end_to_end_and_reports(tmp_path):
         assert entry["before"]["questions"] == entry["after"]["questions"] == 4
         assert len(entry["samples"]) == 3
     assert tool["train_calls_per_episode"] and not direct["train_calls_per_episode"]
+    assert direct["after"]["called"] == 0 and 0 <= tool["after"]["called"] <= 4
     text = (out / "report.md").read_text()
     assert "| 0 | tool |" in text and "| 0 | direct |" in text and "Sample episodes" in text
+
+
+def test_the_report_separates_calling_the_tool_from_copying_its_result(tmp_path):
+    """``accuracy_when_called``: of the validation episodes that called the calculator, the share answered right
+    (the calculator is never wrong, so what it measures is the copy)."""
+    from examples.tools.run import _eval_at
+
+    (tmp_path / "eval").mkdir()
+    records = [{"correct": 1.0, "tool_calls": 1}, {"correct": 0.0, "tool_calls": 1}, {"correct": 1.0, "tool_calls": 2},
+               {"correct": 0.0, "tool_calls": 0}, {"correct": 0.0}]
+    (tmp_path / "eval" / "step-3.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = _eval_at(str(tmp_path), 3)
+    assert summary["accuracy"] == pytest.approx(2 / 5)
+    assert summary["called"] == 3 and summary["accuracy_when_called"] == pytest.approx(2 / 3)
+    assert summary["tool_calls_per_episode"] == pytest.approx(4 / 5)
