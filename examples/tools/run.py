@@ -170,6 +170,10 @@ def _arm_entry(arm: str, seed: int, rl_dir: str, config, seconds: dict) -> dict:
                      "max_new_tokens": config.rollout.max_new_tokens}}
 
 
+def _when_called(summary: dict) -> str:
+    return f"{summary['accuracy_when_called']:.1%} of {summary['called']}" if summary["called"] else "-"
+
+
 def _write_report(out: str, entries: list[dict], meta: dict) -> None:
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump({**meta, "runs": entries}, f, indent=1)
@@ -181,7 +185,7 @@ def _write_report(out: str, entries: list[dict], meta: dict) -> None:
         s = e["seconds"]
         lines.append(f"| {e['seed']} | {e['arm']} | {e['before']['accuracy']:.1%} | {e['after']['accuracy']:.1%} | "
                      f"{e['gain_points']:+.1f} | {e['after']['tool_calls_per_episode']:.2f} | "
-                     f"{e['after']['accuracy_when_called']:.1%} of {e['after']['called']} | "
+                     f"{_when_called(e['after'])} | "
                      f"{s.get('pretrain', 0):.0f} | {s.get('sft', 0):.0f} | {s.get('grpo', 0):.0f} |")
     by_seed = {}
     for e in entries:

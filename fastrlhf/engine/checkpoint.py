@@ -88,7 +88,8 @@ def _fsync_tree(root: str) -> None:
         _fsync_path(dirpath, directory=True)
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_text_atomic(path: str, text: str) -> None:
+    """``text`` to ``path`` whole or not at all (a kill mid-write leaves the old file)."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         f.write(text)
@@ -137,7 +138,7 @@ def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], keep_la
             os.rename(final, stale)
             shutil.rmtree(stale, ignore_errors=True)
         os.rename(tmp, final)
-        _write_atomic(os.path.join(root, "latest"), f"step-{step}\n")
+        write_text_atomic(os.path.join(root, "latest"), f"step-{step}\n")
         _fsync_path(root, directory=True)
         if keep_last > 0:
             for _old_step, name in _step_dirs(root)[:-keep_last]:

@@ -47,6 +47,14 @@ def truncate_metrics(path: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def _run_id(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def progress_bar_wanted() -> bool:
     """A progress bar only on a terminal: not with ``FASTRLHF_NO_PROGRESS=1``, nor when stdout or stderr is
     a file or a pipe (a launcher's log), where each redraw would be a line of noise; there each logged step
@@ -80,7 +88,8 @@ class MetricsLogger:
     ``bar_keys``: the metrics the progress bar shows; ``line_keys``: ``(label, key)`` pairs of the text
     line printed per logged step where there is no bar (default: the bar's keys). ``wandb``: false, true or
     ``"offline"`` (a local run folder, ``wandb sync`` later), or ``"online"``; ``wandb_project`` (None:
-    "fastrlhf") and ``wandb_run_name`` (None: ``output_dir``'s folder name) name the run.
+    "fastrlhf") and ``wandb_run_name`` (None: ``output_dir``'s folder name) name the run; ``resume`` goes on in
+    the W&B run the output folder began (its id in ``wandb/fastrlhf-run-id``).
     """
 
     def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, bar_keys: Iterable[str] = ("loss",),
@@ -118,10 +127,18 @@ class MetricsLogger:
             try:
                 import wandb as wandb_module
 
+                from fastrlhf.engine.checkpoint import write_text_atomic
+
                 mode = "online" if wandb == "online" else "offline"
                 name = wandb_run_name or os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
+                # A resumed run goes on in the W&B run it began, not in a new one beside it.
+                id_path = os.path.join(output_dir, "wandb", "fastrlhf-run-id")
+                previous = _run_id(id_path) if resume else None
+                same_run = {"id": previous, "resume": "allow"} if previous else {}
                 self._wandb = wandb_module.init(mode=mode, project=wandb_project or "fastrlhf", name=name,
-                                                dir=output_dir, config=run_config or {})
+                                                dir=output_dir, config=run_config or {}, **same_run)
+                os.makedirs(os.path.dirname(id_path), exist_ok=True)
+                write_text_atomic(id_path, f"{self._wandb.id}\n")
             except ImportError:
                 print("warning: trainer.wandb is on but the wandb package is not installed; skipping it",
                       file=sys.stderr)

@@ -47,6 +47,8 @@ def fake_wandb(monkeypatch):
     calls = []
 
     class Run:
+        id = "run-1"
+
         def log(self, metrics, step):
             calls.append(("log", step, metrics))
 
@@ -74,6 +76,18 @@ def test_wandb_mode_project_and_run_name(tmp_path, fake_wandb, mode, expected):
     MetricsLogger(str(out), total_steps=1, enabled=True, wandb=mode, wandb_project="rlhf",
                   wandb_run_name="try-3").close()
     assert fake_wandb[0][1]["project"] == "rlhf" and fake_wandb[0][1]["name"] == "try-3"
+
+
+def test_a_resumed_run_goes_on_in_the_wandb_run_it_began(tmp_path, fake_wandb):
+    MetricsLogger(str(tmp_path), total_steps=4, enabled=True, wandb="offline").close()
+    assert "id" not in fake_wandb[0][1]
+    assert (tmp_path / "wandb" / "fastrlhf-run-id").read_text() == "run-1\n"
+    fake_wandb.clear()
+    MetricsLogger(str(tmp_path), total_steps=4, start_step=2, enabled=True, wandb="offline", resume=True).close()
+    assert fake_wandb[0][1]["id"] == "run-1" and fake_wandb[0][1]["resume"] == "allow"
+    fake_wandb.clear()  # a resume with no run id recorded (W&B was off before) opens a new run
+    MetricsLogger(str(tmp_path / "other"), total_steps=4, enabled=True, wandb="offline", resume=True).close()
+    assert "id" not in fake_wandb[0][1]
 
 
 def test_wandb_off_opens_no_run(tmp_path, fake_wandb):
