@@ -13,6 +13,7 @@ No run writes a checkpoint or an export (``trainer.save_final: false``): a 1.5B 
 optimizer states is 24 GB, more than the GPU machine's disk can spare.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -68,7 +69,8 @@ def proof(where, tmp_path_factory):
 def _config(root, name, where):
     cuda = where == "cuda"
     common = {"output_dir": str(root / name), "model": {"path": str(root / "model"), "dtype": "auto",
-                                                        "gradient_checkpointing": True}}
+                                                        "gradient_checkpointing": True,
+                                                        **({"lora_r": 8} if "lora" in name else {})}}
     loop = {"save_final": False, "log_every": 1}
     if name.startswith("sft"):
         return "sft", {**common, "data": {"path": str(root / "sft.jsonl"), "max_len": 128},
@@ -81,15 +83,20 @@ def _config(root, name, where):
                       "data": {"path": str(root / ("pairs.jsonl" if kind == "pairwise" else "cls.jsonl"))},
                       "trainer": {**loop, "max_steps": 4, "batch_size": 8, "lr": 1e-5 if cuda else 1e-3},
                       "deepspeed": {"zero_stage": 2}}
-    ppo, shared = name == "ppo", name == "grpo-shared"
+    ppo, shared, vllm = name.startswith("ppo"), name == "grpo-shared", "vllm" in name
+    # vLLM: in the trainer's process, asleep (CUDA) while the update runs; the stale-engine check stays on.
+    engine = ({"engine": "vllm", "sleep": cuda} if vllm else {"engine": "hf", "max_logprob_mismatch": None})
+    beside = name == "vllm-beside"  # tests/gpu/scripts/vllm_beside_actor.py: one large update, no reference
     return "train", {**common, "algorithm": "ppo" if ppo else "grpo",
                      **({"critic": {"path": None}} if ppo else {}),
                      "reward": {"function": "target_token"},
                      "data": {"prompts": str(root / "prompts.jsonl"), "max_prompt_len": 40},
-                     "rollout": {"engine": "hf", "n": 4, "max_new_tokens": 64 if cuda else 8,
-                                 "max_logprob_mismatch": None},
+                     # On the CPU a small bucket, so that the tiny model's sync takes several too.
+                     "rollout": {**engine, "n": 4, "max_new_tokens": 64 if cuda else 8,
+                                 **({} if cuda or not vllm else {"sync_bucket_bytes": 1 << 16})},
                      "trainer": {**loop, "max_steps": 3, "prompts_per_step": 8, "minibatch_size": 16,
-                                 "grad_accum": 2, "kl_coef": 0.01, "lr": 1e-6 if cuda else 1e-3,
+                                 "grad_accum": 1 if beside else 2, "kl_coef": 0.0 if beside else 0.01,
+                                 "lr": (1e-2 if cuda else 5e-2) if beside else 1e-6 if cuda else 1e-3,
                                  "packing": shared, "share_prompts": shared},
                      # ZeRO-3 steps its optimizer once per sub_group_size (1e9) parameters: two sub-groups at
                      # 1.5B, so the tiny CPU model is split into several as well.
@@ -106,11 +113,7 @@ def run(proof, name):
         command, raw = _config(root, name, where)
         path = root / f"{name}.yaml"
         path.write_text(yaml.safe_dump(raw))
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                                 "MASTER_PORT")}
-        env.update(FASTRLHF_DIST_TIMEOUT="120", FASTRLHF_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
-        if where == "cpu":
-            env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        env = _env(where)
         rc, log = run_group([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
                              str(free_port()), "--module", "fastrlhf", command, "--config", str(path)],
                             timeout=300, env=env)
@@ -118,6 +121,35 @@ def run(proof, name):
         with open(root / name / "metrics.jsonl") as f:
             done[name] = (str(path), [json.loads(line) for line in f], this_process_on_the_device())
     return done[name]
+
+
+def run_beside(proof) -> dict:
+    """tests/gpu/scripts/vllm_beside_actor.py through the launcher on the ``vllm-beside`` config; its report."""
+    root, where, done = proof
+    if "vllm-beside" not in done:
+        _, raw = _config(root, "vllm-beside", where)
+        path, report = root / "vllm-beside.yaml", root / "vllm-beside.json"
+        path.write_text(yaml.safe_dump(raw))
+        script = os.path.join(os.path.dirname(__file__), "scripts", "vllm_beside_actor.py")
+        rc, log = run_group([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+                             str(free_port()), script, str(path), str(report)], timeout=300, env=_env(where))
+        assert rc == 0, log[-4000:]
+        done["vllm-beside"] = json.loads(report.read_text())
+    return done["vllm-beside"]
+
+
+def _env(where) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                             "MASTER_ADDR", "MASTER_PORT")}
+    env.update(FASTRLHF_DIST_TIMEOUT="120", FASTRLHF_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
+    if where == "cpu":
+        env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+def needs_vllm(where) -> None:
+    if where == "cuda" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not on this GPU machine: the second call of scripts/gpu_session.sh unpacks it")
 
 
 def this_process_on_the_device() -> float:
@@ -165,11 +197,14 @@ def test_rl_trains(proof, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo", "ppo"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "grpo-vllm"])
 def test_plan_against_the_measured_peak(proof, name):
+    """With vLLM the plan counts the engine's weights and KV cache as well."""
     from fastrlhf.memory.plan import load_plan_config, plan_memory
 
     _, where, _ = proof
+    if "vllm" in name:
+        needs_vllm(where)
     path, records, here = run(proof, name)
     config = load_plan_config(path, device=where)
     if where == "cuda":
@@ -191,3 +226,55 @@ def test_plan_against_the_measured_peak(proof, name):
     ratio = plan.total / measured
     print(f"\n{name} on {where}:\n{plan.table()}\n{detail}\nplan / measured = {ratio:.3f}")
     assert low <= ratio <= high, f"plan {plan.total / GiB:.2f} GiB / measured {measured / GiB:.2f} GiB = {ratio:.3f}"
+
+
+# The engine's logprobs against the actor's (mean |diff| per token): what a correct engine stays under (bf16 kernels
+# on CUDA differ from the trainer's; fp32 on the CPU nearly not). A stale engine shows far more (mismatch_stale).
+MISMATCH_MAX = {"cuda": 0.05, "cpu": 1e-3}
+# The largest gap between the actor's top logprob and that of the engine's greedy token: a near-tie in bf16, none
+# in fp32.
+GREEDY_GAP_MAX = {"cuda": 0.1, "cpu": 1e-4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo-vllm", "ppo-vllm", "grpo-vllm-lora"])
+def test_rl_trains_with_vllm(proof, name):
+    """GRPO on ZeRO-2, PPO with a critic on ZeRO-3 (the sync gathers each bucket's parameters) and GRPO with a LoRA
+    actor (the sync merges the adapter), with ``rollout.engine: vllm`` in the trainer's process."""
+    _, where, _ = proof
+    needs_vllm(where)
+    _, records, _ = run(proof, name)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    keys = ("reward_mean", "policy_loss", "grad_norm", "logprob_mismatch_mean", "time/sync")
+    _finite(records, keys + (("value_loss",) if name.startswith("ppo") else ()))
+    assert all(r["skipped"] == 0 for r in records), records
+    assert all(r["sync_bytes"] > 0 and r["sync_buckets"] >= 2 for r in records), records
+    worst = max(r["logprob_mismatch_mean"] for r in records)
+    assert worst <= MISMATCH_MAX[where], f"engine vs actor logprobs: {worst:.4f} nats per token"
+
+
+@pytest.mark.slow
+def test_vllm_beside_the_actor(proof):
+    """vLLM in the trainer's process beside a ZeRO-2 actor (tests/gpu/scripts/vllm_beside_actor.py): logprobs
+    against the actor's, sleep's freed memory and wake's restored memory, the bucketed sync, then greedy output
+    against HF's on the updated weights."""
+    _, where, _ = proof
+    needs_vllm(where)
+    r = run_beside(proof)
+    print(f"\nvLLM beside the actor on {where}: " + json.dumps(r))
+    assert r["engine"] == "vllm" and r["generated_tokens"] == 8 * 4 * (64 if where == "cuda" else 8), r
+    assert r["mismatch_before"] <= MISMATCH_MAX[where] and r["mismatch_after"] <= MISMATCH_MAX[where], r
+    # The update moved the actor far enough that an engine left on the old weights would show (the checks have
+    # power): its earlier logprobs and greedy tokens against the new actor.
+    assert r["mismatch_stale"] > 5 * MISMATCH_MAX[where], r
+    assert r["greedy_changed_by_update"] > 0 and r["greedy_worst_gap_stale"] > GREEDY_GAP_MAX[where], r
+    assert r["greedy_worst_gap"] <= GREEDY_GAP_MAX[where], r
+    if where == "cpu":
+        assert r["greedy_equal_hf"] == 1.0, r
+    assert r["sync_buckets"] >= 2 and r["sync_bytes"] >= r["params"] * (2 if where == "cuda" else 4), r
+    if where == "cuda":
+        held = r["engine_weights_gib"] + r["kv_cache_gib"]
+        assert r["sleep_mode"] and r["sleep_freed_gib"] >= 0.9 * held, r
+        assert abs(r["wake_restored_gib"] - r["sleep_freed_gib"]) <= 0.05 * r["sleep_freed_gib"], r
+    else:  # the packed GEMM weights and the KV cache leave the resident set until the sync rewrites them
+        assert r["sleep_freed_gib"] > 0 and r["wake_restored_gib"] > 0, r
