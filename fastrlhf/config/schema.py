@@ -104,7 +104,7 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's and the tokenizer's eos
     stop: list[str] = field(default_factory=list)  # stop strings (the completing token is kept)
     sync_bucket_bytes: int = 268435456
-    kv_cache_bytes: int | Literal["auto"] = "auto"  # vLLM's KV cache on CPU; auto: the step's batch (fastrlhf plan)
+    kv_cache_bytes: int | Literal["auto"] = "auto"  # vLLM's KV cache (CPU and CUDA); auto: the step's batch (fastrlhf plan)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, else the actor's
     # vLLM on CUDA: the share of each GPU it may take (auto: from the memory the trainer's models leave, see
     # fastrlhf plan), sleep mode between generations, tensor parallelism, CUDA graphs (auto: on CUDA, not CPU)

@@ -71,8 +71,10 @@ def _build_rollout(config, actor_module, num_params: int, device, tokenizer=None
     on_cuda = getattr(device, "type", str(device)) == "cuda"
     tp = ro.tensor_parallel_size
     kv_cache_bytes = ro.kv_cache_bytes
-    if kv_cache_bytes == "auto":  # the step's whole batch at once, from the plan (1 GiB without one)
-        kv_cache_bytes = plan.kv_cache_bytes if plan is not None and plan.kv_cache_bytes else 1 << 30
+    if kv_cache_bytes == "auto":  # the step's whole batch at once, from the plan; without one: 1 GiB on a CPU,
+        # on CUDA what gpu_memory_utilization leaves
+        kv_cache_bytes = (plan.kv_cache_bytes if plan is not None and plan.kv_cache_bytes
+                          else None if on_cuda else 1 << 30)
     engine = VLLMEngine(config.model.path, dtype=ro.dtype, max_model_len=max_len, kv_cache_bytes=kv_cache_bytes,
                         seed=config.seed + D.rank() // tp, tokenizer=tokenizer,
                         gpu_memory_utilization=_gpu_memory_utilization(ro, plan) if on_cuda else None,

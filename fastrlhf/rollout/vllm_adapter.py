@@ -68,9 +68,11 @@ def llm_kwargs(
     branch is tested on machines without a GPU.
 
     CUDA: ``gpu_memory_utilization`` (required: vLLM's default 0.9 refuses to start beside a trainer
-    that already holds its models) sizes the KV cache; CUDA graphs unless ``enforce_eager``; sleep mode
-    and tensor parallelism on request. CPU: the KV cache is ``kv_cache_bytes`` (vLLM-CPU otherwise takes
-    a share of RAM), eager, no sleep mode (it needs CUDA's allocator), one rank per engine.
+    that already holds its models; vLLM checks that this share is free); the KV cache is ``kv_cache_bytes``
+    where given (what the memory plan counts: the step's batch), else whatever the share leaves, which
+    would take every free byte; CUDA graphs unless ``enforce_eager``; sleep mode and tensor parallelism on
+    request. CPU: the KV cache is ``kv_cache_bytes`` (vLLM-CPU otherwise takes a share of RAM), eager, no
+    sleep mode (it needs CUDA's allocator), one rank per engine.
     """
     kwargs = dict(
         model=model_path,
@@ -94,19 +96,25 @@ def llm_kwargs(
         # CUDA graphs capture the weight tensors' addresses; reloads copy in place, so they stay valid.
         kwargs.update(gpu_memory_utilization=float(gpu_memory_utilization), enforce_eager=bool(enforce_eager),
                       enable_sleep_mode=bool(sleep), tensor_parallel_size=tensor_parallel_size)
+        if kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = _kv_cache_bytes(kv_cache_bytes)
         return kwargs
     if sleep:
         raise ValueError("vLLM sleep mode needs CUDA; set rollout.sleep: false on CPU")
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs CUDA; on CPU each rank runs one engine")
-    if not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0:
-        raise ValueError(f"on CPU kv_cache_bytes must be a positive int (bytes), got {kv_cache_bytes!r}")
     # No CUDA graphs exist on CPU; eager also keeps start-up short. No chunked prefill: vLLM-CPU rewinds a
     # seeded request's generator after a partial prefill with a CUDA-only call ("CPU Generator does not use
     # offset"), so a seeded batch of more prompt tokens than one step's budget (long episodes) would crash.
-    kwargs.update(kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True, enable_chunked_prefill=False,
-                  max_num_batched_tokens=max(int(max_model_len), CPU_BATCHED_TOKENS))
+    kwargs.update(kv_cache_memory_bytes=_kv_cache_bytes(kv_cache_bytes), enforce_eager=True,
+                  enable_chunked_prefill=False, max_num_batched_tokens=max(int(max_model_len), CPU_BATCHED_TOKENS))
     return kwargs
+
+
+def _kv_cache_bytes(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"kv_cache_bytes must be a positive int (bytes), got {value!r}")
+    return value
 
 
 # Prompt tokens vLLM-CPU prefills per step (at least max_model_len: without chunked prefill a prompt is whole).

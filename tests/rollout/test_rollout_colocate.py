@@ -24,10 +24,14 @@ def test_cuda_kwargs_carry_utilization_sleep_tp_and_cuda_graphs():
                         kv_cache_bytes=1 << 30, **BASE)
     assert kwargs["gpu_memory_utilization"] == 0.35 and kwargs["enable_sleep_mode"] is True
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["enforce_eager"] is False  # CUDA graphs on
-    assert "kv_cache_memory_bytes" not in kwargs  # on CUDA the utilization sizes the KV cache
+    # The KV cache the memory plan counts (the step's batch), not every byte the utilization leaves free.
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 30
     assert kwargs["skip_tokenizer_init"] and kwargs["logprobs_mode"] == "processed_logprobs"
     assert kwargs["distributed_executor_backend"] == "external_launcher"
-    assert llm_kwargs("m", on_cuda=True, gpu_memory_utilization=0.5, enforce_eager=True, **BASE)["enforce_eager"]
+    eager = llm_kwargs("m", on_cuda=True, gpu_memory_utilization=0.5, enforce_eager=True, **BASE)
+    assert eager["enforce_eager"] and "kv_cache_memory_bytes" not in eager  # no size: the utilization's
+    with pytest.raises(ValueError, match="kv_cache_bytes must be a positive int"):
+        llm_kwargs("m", on_cuda=True, gpu_memory_utilization=0.5, kv_cache_bytes=0, **BASE)
     # Without a utilization vLLM would take its 0.9 default and refuse to start beside the trainer.
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         llm_kwargs("m", on_cuda=True, **BASE)
@@ -200,3 +204,32 @@ def test_a_run_that_cannot_fit_its_gpus_stops_at_launch_with_the_plans_line(tmp_
     monkeypatch.setattr(plan_module, "_host_budget", lambda ranks: 2**20)
     assert not trainer._memory_plan(config, 8).fits
     assert "warning: memory plan:" in capsys.readouterr().out
+
+
+def test_on_cuda_the_engine_gets_the_kv_cache_the_plan_counts(tmp_path, monkeypatch):
+    """``rollout.kv_cache_bytes: auto`` on CUDA: the step's batch, as the plan counts it. Sized by the utilization
+    alone, vLLM would take every byte left free, and the plan (and the device's peak) would be off by that much."""
+    import fastrlhf.config.precision as precision
+    import fastrlhf.memory.plan as plan_module
+    import fastrlhf.rollout as rollout_module
+    from fastrlhf.rl import trainer
+
+    made = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs)
+
+    config = gpu_grpo(model_folder(tmp_path / "qwen", QWEN25_1_5B), zero_stage=2, kv_cache_bytes="auto", sleep=True)
+    monkeypatch.setattr(precision, "gpu_available", lambda: True)
+    monkeypatch.setattr(plan_module, "_cuda_budget", lambda: 80 * 2**30)
+    plan = trainer._memory_plan(config, 8)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(rollout_module, "VLLMEngine", Recorder)
+    trainer._build_rollout(config, None, 1_500_000_000, torch.device("cuda", 0), plan=plan)
+    trainer._build_rollout(config, None, 1_500_000_000, torch.device("cuda", 0), plan=None)
+    assert made[0]["kv_cache_bytes"] == plan.kv_cache_bytes > 0 and made[0]["sleep"] is True
+    assert made[1]["kv_cache_bytes"] is None  # no plan: the utilization sizes it
+    assert llm_kwargs("m", on_cuda=True, gpu_memory_utilization=made[0]["gpu_memory_utilization"],
+                      kv_cache_bytes=made[0]["kv_cache_bytes"], **BASE)["kv_cache_memory_bytes"] == plan.kv_cache_bytes
