@@ -13,6 +13,8 @@ allocator's blocks) reaches the next one.
    ``GRPOTrainer``, each trainer in its own process on the same model folder, prompts and batch.
 4. :func:`layouts_race`: the reference pass and update in the padded, packed and shared-prompt layouts
    (``benchmarks/gpu/layouts.py``).
+5. :func:`grpo_engines`: whole GRPO steps of ``fastrlhf train`` with vLLM in the trainer's process against the
+   same steps with HF ``generate``, and against TRL's ``GRPOTrainer`` with its colocated vLLM.
 """
 
 from __future__ import annotations
@@ -442,38 +444,74 @@ def run_child(race: str, params: dict, timeout_s: float = 600.0, device: str = "
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 
-def run_fastrlhf(spec: dict, work: str, timeout_s: float) -> dict:
-    """``fastrlhf train`` through DeepSpeed's launcher on one device; the per-step figures of its metrics.jsonl."""
+def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf") -> dict:
+    """``fastrlhf train`` through DeepSpeed's launcher on one device (``engine``: ``hf``, or ``vllm`` in the
+    trainer's process, asleep during the update on CUDA); the per-step figures of its metrics.jsonl."""
     import yaml
 
     from fastrlhf.distributed import free_port
 
-    out_dir = os.path.join(work, "fastrlhf")
+    out_dir = os.path.join(work, "fastrlhf" if engine == "hf" else f"fastrlhf-{engine}")
+    vllm = {"engine": "vllm", "sleep": spec["device"] == "cuda", "max_logprob_mismatch": None}
     raw = {
         "algorithm": "grpo", "output_dir": out_dir, "seed": 0,
         "model": {"path": spec["model_dir"], "dtype": "auto", "gradient_checkpointing": True},
         "reward": {"function": "benchmarks.e2e_common:even_fraction_reward"},
         "data": {"prompts": spec["prompts_file"], "max_prompt_len": spec["prompt_len"]},
         "rollout": {"engine": "hf", "n": spec["n"], "temperature": 1.0, "max_new_tokens": spec["new_tokens"],
-                    "max_logprob_mismatch": None},
+                    "max_logprob_mismatch": None, **(vllm if engine == "vllm" else {})},
         "trainer": {"max_steps": spec["steps"], "prompts_per_step": spec["prompts"],
                     "minibatch_size": spec["prompts"] * spec["n"], "grad_accum": spec["grad_accum"], "lr": 1e-6,
                     "agg": AGG, **LOSS, "save_final": False, "log_every": 1},
         "deepspeed": {"zero_stage": 2},
     }
-    path = os.path.join(work, "fastrlhf.yaml")
+    path = out_dir + ".yaml"
     with open(path, "w") as f:
         yaml.safe_dump(raw, f)
-    _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(free_port()),
-          "--module", "fastrlhf", "train", "--config", path], _child_env(spec["device"]), timeout_s)
+    with DevicePeak(spec["device"]) as device_peak:
+        _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(free_port()),
+              "--module", "fastrlhf", "train", "--config", path], _child_env(spec["device"]), timeout_s)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if "step_time" in r]
     steps = [dict(step_s=r.get("wall_time", r["step_time"]), tokens=r["generated_tokens"],
+                  generate_s=r["time/generate"], train_s=r["time/train"], sync_s=r["time/sync"],
+                  sync_bytes=r.get("sync_bytes", 0.0), trained_tokens=r["rank_tokens"],
+                  mismatch=r.get("logprob_mismatch_mean"),
                   peak_gib=r.get("memory/peak_reserved_gib"), context_gib=r.get("memory/context_gib"),
                   peak_rss_gib=r.get("memory/peak_rss_gib")) for r in rows]
     peaks = [s["peak_gib"] for s in steps if s["peak_gib"] is not None]
     contexts = [s["context_gib"] for s in steps if s["context_gib"] is not None]
-    return dict(steps=steps, peak_gib=max(peaks) if peaks else None, context_gib=max(contexts) if contexts else None)
+    return dict(steps=steps, peak_gib=max(peaks) if peaks else None, context_gib=max(contexts) if contexts else None,
+                device_peak_gib=device_peak.gib)
+
+
+class DevicePeak:
+    """The most memory the GPU had in use while the block ran, above what it had at the start (every process:
+    the trainer, vLLM's pools, CUDA contexts), from ``nvidia-smi`` sampled every 50 ms: the one measure that
+    reads fastrlhf, TRL and vLLM's allocators alike. ``gib`` is None on a CPU or without nvidia-smi."""
+
+    def __init__(self, device: str):
+        self.on = device == "cuda" and shutil.which("nvidia-smi") is not None
+        self.gib = None
+
+    def _query(self, *loop: str):
+        import subprocess
+
+        cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0", *loop]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def __enter__(self):
+        if self.on:
+            self.base = float(self._query().communicate(timeout=30)[0].split()[0])
+            self.proc = self._query("-lms", "50")
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.proc.terminate()
+            samples = [float(x) for x in self.proc.communicate(timeout=30)[0].split() if x.strip().isdigit()]
+            self.gib = round((max(samples, default=self.base) - self.base) / 1024, 2)  # MiB -> GiB
+        return False
 
 
 def trl_grpo(spec: dict) -> dict:
@@ -515,6 +553,10 @@ def trl_grpo(spec: dict) -> dict:
         loss_type="dapo", max_steps=spec["steps"], logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    if spec.get("vllm"):
+        # TRL's colocated vLLM in the trainer's process, asleep during the update, at TRL's own
+        # vllm_gpu_memory_utilization (its default, as a user starts with).
+        wanted.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)
     if spec.get("liger"):
         # TRL <= 1.x had use_liger_loss (Liger's fused GRPO loss); 1.16 keeps only use_liger_kernel (Liger's
         # layer kernels; the loss is TRL's own fused LM head either way).
@@ -565,11 +607,7 @@ def grpo_vs_trl(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 
         model = dict(device=device, shape=shape, dtype=dtype, out_dir=spec["model_dir"])
         # On CUDA in a child, so that this process holds no CUDA context while the trainers measure the device.
         out.update(save_model(**model) if device == "cpu" else run_child("save_model", model, timeout_s, device))
-        vocab = model_shape(shape)["vocab_size"]
-        g = torch.Generator().manual_seed(0)
-        with open(spec["prompts_file"], "w") as f:  # ids below the tokenizer's padding and EOS
-            for ids in torch.randint(3, vocab - 2, (prompts, prompt_len), generator=g).tolist():
-                f.write(json.dumps({"prompt_ids": ids, "prompt": " ".join(f"t{i}" for i in ids)}) + "\n")
+        _write_prompts(spec, model_shape(shape)["vocab_size"])
         needs = {"fastrlhf": (), "trl": ("trl",), "trl_liger": ("trl", "liger_kernel")}
         results = {}
         for name in runs:
@@ -604,6 +642,98 @@ def grpo_vs_trl(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 
         shutil.rmtree(work, ignore_errors=True)
 
 
+# Issue #42's targets: vLLM's step against HF generate's, against TRL's colocated vLLM (time and device memory),
+# the weight sync of the 1.5B model, and the engine's logprobs against the trainer's (bf16).
+ENGINE_TARGETS = dict(vllm_over_hf_min=5.0, speedup_vs_trl_vllm_min=1.5, memory_vs_trl_vllm_max=0.8, sync_ms_max=100.0,
+                      mismatch_max=0.02)
+ENGINE_RUNS = ("fastrlhf_vllm", "fastrlhf_hf", "trl_vllm", "trl_vllm_liger")
+
+
+def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 8, n: int = 8, prompt_len: int = 128,
+                 new_tokens: int = 256, grad_accum: int = 4, steps: int = 3, warmup: int = 1, runs=ENGINE_RUNS,
+                 timeout_s: float = 300.0, budget_s: float = 540.0) -> dict:
+    """Whole GRPO steps (generate, reference, update, weight sync) of ``fastrlhf train`` with vLLM in the trainer's
+    process (asleep during the update) and with HF ``generate``, and TRL's ``GRPOTrainer`` with its colocated vLLM
+    (sleep mode on; with and without Liger), each in its own process on the same model folder, prompts, group
+    size, token limits and batch. Per run: s/step (median after ``warmup``), generated tokens/s (over the
+    generation), trained tokens/s (prompt and completion tokens over the update), the device's peak memory above
+    idle (:class:`DevicePeak`), and for fastrlhf with vLLM the sync's ms and GB/s and the logprob mismatch. A run
+    whose package is missing, or that would start after ``budget_s``, is skipped with the reason."""
+    import importlib.util
+
+    started, work = time.perf_counter(), tempfile.mkdtemp(prefix="bench-gpu-engines-")
+    try:
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        spec = dict(device=device, work=work, model_dir=os.path.join(work, "model"), prompts=prompts, n=n,
+                    prompt_len=prompt_len, new_tokens=new_tokens, grad_accum=grad_accum, steps=steps,
+                    prompts_file=os.path.join(work, "prompts.jsonl"))
+        out = dict(shape=shape, prompts=prompts, n=n, prompt_len=prompt_len, new_tokens=new_tokens, steps=steps,
+                   warmup_steps=warmup, **LOSS, **ENGINE_TARGETS)
+        model = dict(device=device, shape=shape, dtype=dtype, out_dir=spec["model_dir"])
+        out.update(save_model(**model) if device == "cpu" else run_child("save_model", model, timeout_s, device))
+        _write_prompts(spec, model_shape(shape)["vocab_size"])
+        needs = {"fastrlhf_vllm": ("vllm",), "fastrlhf_hf": (), "trl_vllm": ("trl", "vllm"),
+                 "trl_vllm_liger": ("trl", "vllm", "liger_kernel")}
+        for name in runs:
+            absent = [m for m in needs[name] if importlib.util.find_spec(m) is None]
+            if absent or time.perf_counter() - started > budget_s:
+                out[f"{name}_skipped"] = (f"{', '.join(absent)} not installed" if absent
+                                          else f"the race had used its {budget_s:.0f} s")
+                continue
+            if name.startswith("fastrlhf"):
+                r = run_fastrlhf(spec, work, timeout_s, engine=name.split("_")[1])
+            else:
+                with DevicePeak(device) as peak:
+                    r = run_child("trl_grpo", dict(spec=dict(spec, vllm=True, liger=name.endswith("liger"))),
+                                  timeout_s, device)
+                r["device_peak_gib"] = peak.gib
+            _engine_figures(out, name, r, warmup)
+        _ratio(out, "vllm_over_hf", "fastrlhf_hf_step_s", "fastrlhf_vllm_step_s")
+        for other in ("trl_vllm", "trl_vllm_liger"):
+            _ratio(out, f"speedup_vs_{other}", f"{other}_step_s", "fastrlhf_vllm_step_s")
+            _ratio(out, f"memory_vs_{other}", "fastrlhf_vllm_device_peak_gib", f"{other}_device_peak_gib")
+        t = ENGINE_TARGETS
+        out["targets_met"] = bool(out.get("vllm_over_hf", 0) >= t["vllm_over_hf_min"]
+                                  and out.get("speedup_vs_trl_vllm", 0) >= t["speedup_vs_trl_vllm_min"]
+                                  and out.get("memory_vs_trl_vllm", 1e9) <= t["memory_vs_trl_vllm_max"]
+                                  and out.get("fastrlhf_vllm_sync_ms", 1e9) <= t["sync_ms_max"]
+                                  and out.get("fastrlhf_vllm_mismatch", 1e9) <= t["mismatch_max"])
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _write_prompts(spec: dict, vocab: int) -> None:
+    """``prompts`` random prompts of ``prompt_len`` ids below the tokenizer's padding and EOS, with their text."""
+    g = torch.Generator().manual_seed(0)
+    with open(spec["prompts_file"], "w") as f:
+        for ids in torch.randint(3, vocab - 2, (spec["prompts"], spec["prompt_len"]), generator=g).tolist():
+            f.write(json.dumps({"prompt_ids": ids, "prompt": " ".join(f"t{i}" for i in ids)}) + "\n")
+
+
+def _engine_figures(out: dict, name: str, r: dict, warmup: int) -> None:
+    """One run's figures into ``out``: medians over the steps after ``warmup`` (all of them if there are no more)."""
+    steps = r["steps"][warmup:] or r["steps"]
+
+    def median(key):
+        values = [s[key] for s in steps if s.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    out[f"{name}_step_s"] = round(median("step_s"), 3)
+    out[f"{name}_steps_s"] = [round(s["step_s"], 3) for s in r["steps"]]
+    if "generate_s" in steps[0]:  # fastrlhf's metrics
+        out[f"{name}_generated_tokens_per_s"] = round(median("tokens") / median("generate_s"), 1)
+        out[f"{name}_trained_tokens_per_s"] = round(median("trained_tokens") / median("train_s"), 1)
+    if median("sync_bytes"):
+        out[f"{name}_sync_ms"] = round(median("sync_s") * 1e3, 2)
+        out[f"{name}_sync_gb_per_s"] = round(median("sync_bytes") / 1e9 / median("sync_s"), 2)
+    if median("mismatch") is not None:
+        out[f"{name}_mismatch"] = round(median("mismatch"), 5)
+    for key in ("device_peak_gib", "peak_gib", "trl_version", "liger_flag"):
+        if r.get(key) is not None:
+            out[f"{name}_{key}"] = r[key]
+
+
 def layouts_race(**kwargs) -> dict:
     """Race 4, padded / packed / shared prompts: :func:`benchmarks.gpu.layouts.race`."""
     from benchmarks.gpu.layouts import race
@@ -612,7 +742,7 @@ def layouts_race(**kwargs) -> dict:
 
 
 RACES = {"lm_head": lm_head_race, "rl_update": rl_update_race, "grpo_vs_trl": grpo_vs_trl, "save_model": save_model,
-         "trl_grpo": trl_grpo, "layouts": layouts_race}
+         "trl_grpo": trl_grpo, "layouts": layouts_race, "grpo_engines": grpo_engines}
 
 if __name__ == "__main__":
     result = RACES[sys.argv[1]](**json.loads(sys.argv[2]))

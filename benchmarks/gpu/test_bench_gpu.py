@@ -19,6 +19,13 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    on workload C's shape scaled to the 1.5B model (``layouts.py``). Targets: packed >= 1.5x padded, shared
    >= 2x padded.
 
+5. ``test_grpo_step_vllm_vs_hf`` and ``test_grpo_step_vllm_vs_trl`` (issue #42): whole GRPO steps with vLLM in
+   the trainer's process (asleep during the update), 8 prompts x 8 completions of 128 + 256 tokens, against the
+   same steps with HF ``generate`` (target: >= 5x), and against TRL's colocated vLLM with sleep mode, without and
+   with Liger (targets: >= 1.5x, <= 0.8x its device memory); the sync of the 1.5B model (<= 100 ms) and the
+   logprob mismatch (<= 0.02 per token). Each fits one device call (vLLM is unpacked by the second call of
+   scripts/gpu_session.sh; skipped where it is missing).
+
 Targets are reported (``targets_met``); a miss fails only with ``FASTRLHF_BENCH_STRICT=1``.
 """
 
@@ -60,3 +67,17 @@ def test_grpo_step_vs_trl(gpu_benchmark):
 
 def test_layouts_1_5b(gpu_benchmark):
     _race(gpu_benchmark, "layouts", dict(device="cuda", shape="qwen2-1.5b"), timeout_s=300)
+
+
+def test_grpo_step_vllm_vs_hf(gpu_benchmark):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (the gpu extra; on the lent machines the second call of gpu_session.sh)")
+    _race(gpu_benchmark, "grpo_engines", dict(device="cuda", runs=["fastrlhf_vllm", "fastrlhf_hf"]), timeout_s=570)
+
+
+def test_grpo_step_vllm_vs_trl(gpu_benchmark):
+    for module in ("vllm", "trl"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed (the gpu and gpu-bench extras)")
+    _race(gpu_benchmark, "grpo_engines", dict(device="cuda", runs=["fastrlhf_vllm", "trl_vllm", "trl_vllm_liger"]),
+          timeout_s=570)

@@ -57,3 +57,16 @@ def test_layouts_race():
     assert r["backend"] == r["shared_backend"] == "sdpa", r  # the CPU's choice
     assert all(r[f"{name}_s"] > 0 and r[f"{name}_skipped"] == 0 for name in ("padded", "packed", "shared")), r
     assert r["packed_vs_padded"] > 0 and r["shared_vs_padded"] > 0, r
+
+
+def test_grpo_engines():
+    # vLLM-CPU in the trainer's process against HF generate. TRL's runs use vLLM's sleep mode, which needs CUDA.
+    r = races.grpo_engines(device="cpu", shape="tiny", prompts=2, n=4, prompt_len=8, new_tokens=8, grad_accum=2,
+                           steps=2, runs=("fastrlhf_vllm", "fastrlhf_hf"), timeout_s=240)
+    for name in ("fastrlhf_vllm", "fastrlhf_hf"):
+        assert len(r[f"{name}_steps_s"]) == 2 and r[f"{name}_step_s"] > 0, r
+        assert r[f"{name}_generated_tokens_per_s"] > 0 and r[f"{name}_trained_tokens_per_s"] > 0, r
+    assert r["fastrlhf_vllm_sync_ms"] > 0 and r["fastrlhf_vllm_sync_gb_per_s"] > 0, r  # its own copy, synced
+    assert "fastrlhf_hf_sync_ms" not in r, r  # the HF engine generates with the actor's weights: no sync
+    assert 0 <= r["fastrlhf_vllm_mismatch"] < 1e-3 and r["vllm_over_hf"] > 0, r
+    assert "fastrlhf_vllm_device_peak_gib" not in r and r["targets_met"] is False, r  # no device memory on a CPU
