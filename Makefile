@@ -8,15 +8,16 @@ BENCH_STAMP := $(VENV)/.installed-bench
 # (torchvision::nms missing) and `from vllm import LLM` (libnvrtc missing). Nothing here needs them.
 CUDA_ONLY_WHEELS := torchvision torchaudio torchcodec
 PYTEST_ARGS ?=
-# The Triton that the `gpu` extra installs (the CUDA torch wheel's pin, read from setup.py), kept in
-# its own folder beside the venv's newer one (which xgrammar pulls in) without replacing it:
-# tests/kernels/test_kernels_aot.py AOT-compiles the kernels with both. Named after the version, so a new pin
-# reinstalls it and a re-run with the folder in place does nothing.
-GPU_TRITON := $(shell sed -n 's/.*"triton==\([0-9][0-9.]*\)".*/\1/p' setup.py)
-TRITON_GPU_DIR := $(VENV)/triton-gpu
-TRITON_GPU := $(TRITON_GPU_DIR)/triton-$(GPU_TRITON).dist-info
+# The Tritons that the `gpu` extra installs: both ends of its range (the CUDA torch wheels' pins, read from
+# setup.py's "triton>=LOW,<=HIGH"), each in its own folder beside the venv's newer one (which xgrammar pulls
+# in) without replacing it: tests/kernels/test_kernels_aot.py AOT-compiles the kernels with all three. The
+# folders are named after the versions, so a new end installs its folder (and removes folders of old ends),
+# and a re-run with them in place does nothing.
+GPU_TRITONS := $(shell sed -n 's/.*"triton>=\([0-9][0-9.]*\),<=\([0-9][0-9.]*\)".*/\1 \2/p' setup.py)
+TRITON_GPU_DIRS := $(GPU_TRITONS:%=$(VENV)/triton-gpu-%)
+TRITON_GPU := $(if $(filter 2,$(words $(GPU_TRITONS))),$(TRITON_GPU_DIRS:%=%/.installed),no-gpu-triton-range)
 
-.PHONY: install test test-multinode test-gpu bench bench-gpu demo demo-matrix arithmetic tools clean check-gpu-install
+.PHONY: install test test-multinode test-gpu bench bench-gpu demo demo-matrix arithmetic tools clean check-gpu-install no-gpu-triton-range
 
 install: $(STAMP) $(TRITON_GPU)
 
@@ -27,11 +28,14 @@ $(STAMP): setup.py pyproject.toml
 	$(PY) -c "import torch, transformers, vllm, deepspeed; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__)"
 	touch $(STAMP)
 
-$(TRITON_GPU): | $(STAMP)
-	test -n "$(GPU_TRITON)" || { echo 'no "triton==X" pin found in setup.py'; exit 1; }
-	rm -rf $(TRITON_GPU_DIR)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --target $(TRITON_GPU_DIR) triton==$(GPU_TRITON)
-	test -d $@
+$(VENV)/triton-gpu-%/.installed: | $(STAMP)
+	rm -rf $(filter-out $(TRITON_GPU_DIRS),$(wildcard $(VENV)/triton-gpu $(VENV)/triton-gpu-*)) $(@D)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --target $(@D) triton==$*
+	test -d $(@D)/triton-$*.dist-info
+	touch $@
+
+no-gpu-triton-range:
+	@echo 'no "triton>=X,<=Y" range found in setup.py'; exit 1
 
 # tests/ (pyproject's testpaths) and the GPU benchmarks' bodies at tiny shapes on the CPU, so that
 # `make bench-gpu` does not rot between runs on a GPU machine.
@@ -91,10 +95,12 @@ tools: $(STAMP)
 	$(PY) -m examples.tools.run --seed $(or $(SEEDS),0) $(if $(FRESH),--fresh)
 
 # Needs the package registry, not the venv: proves that `pip install '.[gpu]'` resolves on a CUDA
-# machine (a dry run against PyPI that reads wheel metadata only, about a minute, a progress line every
-# 10 s, nothing installed or left behind) and prints the torch/vllm/triton/nvidia-* it picks.
+# machine at both ends of setup.py's vllm range (dry runs against PyPI that read wheel metadata only,
+# about a minute each, a progress line every 10 s, nothing installed or left behind) and prints the
+# torch/vllm/triton/nvidia-* each picks.
 check-gpu-install:
 	scripts/check_gpu_install.sh
+	scripts/check_gpu_install.sh --lowest
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

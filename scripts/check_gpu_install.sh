@@ -3,9 +3,14 @@
 # resolver against PyPI (nothing is installed), for this machine's platform and Python, which must be
 # Linux x86_64 (deepspeed is a source archive, so pip cannot resolve for another platform). Prints the
 # torch, vllm, triton, transformers, deepspeed and nvidia-* it picks, and fails if resolution fails or
-# if torch, vllm or triton are not the versions setup.py pins (torch the CUDA wheel, not a +cpu one).
+# if torch, vllm or triton are outside the ranges setup.py declares (torch the CUDA wheel, not a +cpu
+# one) or not at the end of them that is checked:
 #
-#   scripts/check_gpu_install.sh        (or: make check-gpu-install)
+#   scripts/check_gpu_install.sh            the newest in range: vllm and triton at their upper ends
+#   scripts/check_gpu_install.sh --lowest   a constraint vllm==<its lower end>, which must pull torch and
+#                                           triton to their lower ends (the torch that vllm pins, and
+#                                           that torch's triton)
+#   make check-gpu-install                  both, one after the other
 #
 # Uses .venv/bin/python if present, else python3 (>= 3.10); PYTHON=... overrides. INDEX_URL=... points
 # it at a PyPI mirror. Needs only the package registry; about a minute, a progress line every 10 s
@@ -32,6 +37,11 @@ INDEX_URL=${INDEX_URL:-https://pypi.org/simple}
 CHECK_TIMEOUT_S=${CHECK_TIMEOUT_S:-300}
 PROGRESS_EVERY_S=${PROGRESS_EVERY_S:-10}
 MIN_PIP=25.3  # the first pip whose --dry-run stops at the metadata, without downloading the wheels
+case "${1:-}" in
+    "") end=upper ;;
+    --lowest) end=lower ;;
+    *) echo "usage: $0 [--lowest]" >&2; exit 2 ;;
+esac
 
 "$PYTHON" - <<'EOF'
 import platform
@@ -66,6 +76,41 @@ export TMPDIR="$work/tmp"  # pip's temporary folders (source builds, downloads) 
 report="$work/report.json"
 log="$work/pip.log"
 
+# setup.py's ranges for torch (install_requires), vllm and triton (the gpu extra), with their ends, for the
+# check after resolving; with --lowest, the constraint that pins vllm to its lower end.
+"$PYTHON" - "$work/ranges.json" "$end" "$work/constraints.txt" <<'EOF'
+import ast
+import json
+import sys
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a python3 without the package: pip's own copy
+    from pip._vendor.packaging.requirements import Requirement
+
+tree = ast.parse(open("setup.py").read())
+call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup")
+kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
+ranges = {}
+for name, reqs in (("torch", kw["install_requires"]), ("vllm", kw["extras_require"]["gpu"]),
+                   ("triton", kw["extras_require"]["gpu"])):
+    found = [(text, r) for text in reqs if (r := Requirement(text)).name.lower() == name]
+    lower = [s.version for _, r in found for s in r.specifier if s.operator == ">="]
+    upper = [s.version for _, r in found for s in r.specifier if s.operator == "<="]
+    if len(found) != 1 or len(lower) != 1:
+        sys.exit(f"check_gpu_install: setup.py should declare {name}>=X once, found {[t for t, _ in found]}")
+    spec = found[0][0].split(";")[0][len(name):].strip()  # as written, e.g. ">=0.26.0,<=0.32.0"
+    ranges[name] = {"spec": spec, "lower": lower[0], "upper": upper[0] if upper else None}
+json.dump(ranges, open(sys.argv[1], "w"))
+if sys.argv[2] == "lower":
+    open(sys.argv[3], "w").write(f"vllm=={ranges['vllm']['lower']}\n")
+EOF
+constraint=()
+if [[ "$end" == lower ]]; then
+    constraint=(--constraint "$work/constraints.txt")
+    echo "the lower end: constraint $(cat "$work/constraints.txt")"
+fi
+
 # A pip that reads metadata only: the environment's, if recent enough, else one fetched into $work.
 pip=("$PYTHON" -m pip)
 have=$("$PYTHON" -c 'from importlib.metadata import version; print(version("pip"))' 2>/dev/null || echo 0)
@@ -84,7 +129,8 @@ fi
 cmd=(env PIP_CONFIG_FILE=/dev/null "${pip[@]}" --isolated install --dry-run --ignore-installed
      --no-cache-dir --disable-pip-version-check --progress-bar off --use-feature=fast-deps --index-url "$INDEX_URL"
      --report "$report"
-     ${PIP_CERT:+--cert "$PIP_CERT"} ${PIP_DEFAULT_TIMEOUT:+--timeout "$PIP_DEFAULT_TIMEOUT"} '.[gpu]')
+     ${PIP_CERT:+--cert "$PIP_CERT"} ${PIP_DEFAULT_TIMEOUT:+--timeout "$PIP_DEFAULT_TIMEOUT"} ${constraint[@]+"${constraint[@]}"}
+     '.[gpu]')
 echo "\$ ${cmd[*]}"
 echo "pip $("${pip[@]}" --version | cut -d' ' -f2), Python $("$PYTHON" -c 'import platform; print(platform.python_version(), platform.system(), platform.machine())')"
 
@@ -131,30 +177,21 @@ fi
 reads=$(grep -cE '^ *(Downloading .*\.metadata |Obtaining dependency information from )' "$log" || true)
 echo "resolved in $((SECONDS - start)) s, from $reads wheels' metadata"
 
-"$PYTHON" - "$report" <<'EOF'
-import ast
+"$PYTHON" - "$report" "$work/ranges.json" "$end" <<'EOF'
 import collections
 import json
-import re
 import sys
 from urllib.parse import urlparse
 
-# The expected versions: the pins in setup.py (torch in install_requires, vllm and triton in the gpu extra).
-tree = ast.parse(open("setup.py").read())
-call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup")
-kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
+try:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+except ImportError:  # a python3 without the package: pip's own copy
+    from pip._vendor.packaging.specifiers import SpecifierSet
+    from pip._vendor.packaging.version import Version
 
-
-def pin(name, reqs):
-    found = [m.group(1) for r in reqs if (m := re.fullmatch(rf"{name}==([\w.]+)", r.split(";")[0].strip()))]
-    if len(found) != 1:
-        sys.exit(f"FAIL: setup.py should pin {name}==X exactly once, found {found}")
-    return found[0]
-
-
-expected = {"torch": pin("torch", kw["install_requires"]),
-            "vllm": pin("vllm", kw["extras_require"]["gpu"]),
-            "triton": pin("triton", kw["extras_require"]["gpu"])}
+# setup.py's ranges (torch in install_requires, vllm and triton in the gpu extra) and the end checked.
+ranges, end = json.load(open(sys.argv[2])), sys.argv[3]
 
 report = json.load(open(sys.argv[1]))
 env = report["environment"]
@@ -174,8 +211,13 @@ where = {n: urlparse(u).netloc or f"{urlparse(u).scheme}://" for n, u in url.ite
 origins = collections.Counter(where.values())
 print("  files on: " + ", ".join(f"{where} ({n})" for where, n in sorted(origins.items())))
 
-errors = [f"{name} resolved to {ver.get(name)}, expected {want}" for name, want in expected.items()
-          if ver.get(name) != want]
+errors = []
+for name, declared in ranges.items():
+    got, want = ver.get(name), declared[end]
+    if got is None or not SpecifierSet(declared["spec"]).contains(got):
+        errors.append(f"{name} resolved to {got}, outside setup.py's range {declared['spec']}")
+    elif want is not None and Version(got).public != Version(want).public:
+        errors.append(f"{name} resolved to {got}, not the {end} end of setup.py's range {declared['spec']} ({want})")
 local = sorted(n for n, u in url.items() if n != "fastrlhf" and not u.startswith("https://"))
 if local:
     shown = (["torch"] if "torch" in local else []) + [n for n in local if n != "torch"][:2]
@@ -186,5 +228,6 @@ if "flash-attn" in ver:
     errors.append("flash-attn is in the resolution: it is a source archive whose build imports torch")
 if errors:
     sys.exit("FAIL: " + "; ".join(errors))
-print("OK: '.[gpu]' resolves with torch {torch} (CUDA), vllm {vllm}, triton {triton}".format(**expected))
+print(f"OK: '.[gpu]' resolves with torch {ver['torch']} (CUDA), vllm {ver['vllm']}, triton {ver['triton']}: "
+      f"the {end} end of setup.py's ranges")
 EOF

