@@ -1,53 +1,112 @@
 #!/usr/bin/env bash
-# One lent GPU session's proof, in one device call: `make test-gpu`, then `make bench-gpu`, each capped so
-# that a slow or hung part leaves time for the rest, everything they print and write copied to $OUT.
-# Run from the project root on the GPU machine, with .gpu-carry carried (../shared/gpu/prepare_carry.sh, and
-# scripts/gpu_trl_carry.sh for the race against TRL):
-#   bash scripts/gpu_session.sh [TEST_CAP_S] [BENCH_CAP_S] [BENCH_K]
-# TEST_CAP_S 0 skips the tests. BENCH_K is a pytest -k expression for a part of the benchmarks (their tables
-# then go to benchmarks/results/gpu/partial/), empty for all of them. The default caps (430 + 150 s) fit one
-# device call (600 s): on an H100 the tests took about 7 minutes and the benchmarks without TRL 112 s. The
-# race against TRL needs a call of its own: `bash scripts/gpu_session.sh 0 580 trl`.
+# A lent GPU session's proof, as named device calls, each capped so that a slow or hung part leaves time for the
+# rest and for a rerun, everything printed and written copied to $OUT. Run from the project root on the GPU
+# machine. A call carries at most 64 MiB; what an earlier call left stays on a warm machine (given back after
+# 30 s idle), so the calls of one sequence are issued one right after the other:
+#
+#   1. bash scripts/gpu_session.sh tests [CAP_S]
+#        carry: .gpu-carry  .vllm-carry/part-aa  .vllm-carry/unpack.sh       (../shared/gpu/prepare_carry.sh,
+#        ../shared/gpu/vllm_carry.sh). tests/gpu without vLLM: kernels at V=151,936, the update's host reads,
+#        every command through the launcher, the plan against the measured peak.
+#   2. bash scripts/gpu_session.sh vllm [CAP_S]
+#        carry: .vllm-carry/part-aa  .vllm-carry/unpack.sh, or (after call 1) .vllm-carry/part-ab: once both parts
+#        are there, unpacks vLLM and runs tests/gpu's vLLM tests (in the trainer's process beside a ZeRO-2 actor;
+#        GRPO, PPO on ZeRO-3 and LoRA with rollout.engine vllm; the plan with the engine). With one part only
+#        it says so and stops. (`python3 .gpu-carry/vllm_smoke.py` is the quicker check when those fail.)
+#   3. bash scripts/gpu_session.sh vllm-bench [CAP_S]: the GRPO step with vLLM against the same step with HF
+#        generate (vLLM unpacked by call 2 on the same machine, or both parts carried again).
+#   4. bash scripts/gpu_session.sh trl [CAP_S]
+#        carry: .gpu-carry/trl-site.tar.xz (scripts/gpu_trl_carry.sh), vLLM unpacked: the GRPO step with vLLM
+#        against TRL's colocated vLLM, then (time left) the HF-engine race against TRL.
+#   bash scripts/gpu_session.sh bench [CAP_S] [K]: the benchmarks that need neither vLLM nor TRL (-k K: some).
+#
+# 15 minutes of device time hold the machine's start and about two of these calls: take them in the order of
+# the lowest-numbered open issue that needs them.
+# The default caps (seconds) fit one 600 s device call each.
 set -u
-TEST_CAP=${1:-430}
-BENCH_CAP=${2:-150}
-BENCH_K=${3:-}
+MODE=${1:-}
 OUT=${OUT:-/tmp/gpu-out}
+VSITE=${VSITE:-/tmp/vsite}
 mkdir -p "$OUT"
-exec > >(tee "$OUT/session.log") 2>&1
+exec > >(tee -a "$OUT/session-$MODE.log") 2>&1
+case "$MODE" in tests|vllm|vllm-bench|trl|bench) ;; *) echo "usage: $0 tests|vllm|vllm-bench|trl|bench [caps...]"; exit 2 ;; esac
 # shellcheck disable=SC1091
 source .gpu-carry/on_device.sh || { echo "on_device.sh failed"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 df -h /tmp . | tail -n +2
 
-if [ "$TEST_CAP" -gt 0 ]; then
-  echo "== make test-gpu (cap ${TEST_CAP}s) $(date -u +%T)"
+# run_capped CAP NAME CMD...: CMD with a time cap, its output in $OUT/NAME.log, its exit code and time said.
+run_capped() {
+  local cap=$1 name=$2 start rc
+  shift 2
+  echo "== $name (cap ${cap}s) $(date -u +%T)"
   start=$(date +%s)
-  # -s: the plan tests print their component-by-component comparison.
-  timeout -k 10 "$TEST_CAP" env TRITON_INTERPRET=0 python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -s \
-      --timeout=240 -o junit_family=xunit2 --junitxml="$OUT/test-gpu.xml" > "$OUT/test-gpu.log" 2>&1
-  echo "test-gpu exit $? after $(( $(date +%s) - start ))s"
-  grep -E "passed|failed|error" "$OUT/test-gpu.log" | tail -3
-fi
+  timeout -k 10 "$cap" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name exit $rc after $(( $(date +%s) - start ))s"
+  grep -E "passed|failed|error|skipped" "$OUT/$name.log" | tail -3
+  return $rc
+}
 
-# TRL and its imports (scripts/gpu_trl_carry.sh), for the benchmarks only. The folder's name must contain
-# "site-packages": dill, which `datasets` hashes with, pickles a module by value (and fails on pyarrow's)
-# unless its file is under sys.prefix or a site-packages folder.
-bench_path=$PYTHONPATH
-if [ -f .gpu-carry/trl-site.tar.xz ]; then
-  TRL_SITE=/tmp/trl/site-packages
-  [ -d "$TRL_SITE/trl" ] || { mkdir -p "$TRL_SITE" && tar -xJf .gpu-carry/trl-site.tar.xz -C "$TRL_SITE"; }
-  bench_path=$PYTHONPATH:$TRL_SITE
-  PYTHONPATH=$bench_path python3 -c "import trl, datasets, pyarrow; print('trl', trl.__version__, '| datasets', datasets.__version__, '| pyarrow', pyarrow.__version__)"
-fi
+# gpu_tests CAP NAME K: `make test-gpu` on the tests matching -k K (-s: the plan tests print their comparison).
+gpu_tests() {
+  run_capped "$1" "$2" env TRITON_INTERPRET=0 python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -s -k "$3" \
+    --timeout=300 -o junit_family=xunit2 --junitxml="$OUT/$2.xml"
+}
 
-echo "== make bench-gpu (cap ${BENCH_CAP}s${BENCH_K:+, -k $BENCH_K}) $(date -u +%T)"
-start=$(date +%s)
-json_dir=benchmarks/results/gpu${BENCH_K:+/partial}  # where conftest.py puts the table of a partial run
-mkdir -p "$json_dir"
-timeout -k 10 "$BENCH_CAP" env TRITON_INTERPRET=0 PYTHONPATH="$bench_path" python3 -m pytest benchmarks/gpu -p no:cacheprovider \
-    ${BENCH_K:+-k "$BENCH_K"} --benchmark-json="$json_dir/bench-gpu.json" > "$OUT/bench-gpu.log" 2>&1
-echo "bench-gpu exit $? after $(( $(date +%s) - start ))s"
-cp -r benchmarks/results/gpu "$OUT/results-gpu" 2>/dev/null
+# gpu_bench CAP NAME K: `make bench-gpu` on the benchmarks matching -k K; the tables of a partial run go to
+# benchmarks/results/gpu/partial/ (conftest.py), copied to $OUT.
+gpu_bench() {
+  mkdir -p benchmarks/results/gpu/partial
+  run_capped "$1" "$2" env TRITON_INTERPRET=0 python3 -m pytest benchmarks/gpu -p no:cacheprovider -k "$3" \
+    --benchmark-json="benchmarks/results/gpu/partial/$2.json"
+  cp -r benchmarks/results/gpu "$OUT/results-gpu" 2>/dev/null
+}
+
+# vLLM 0.26.0 and the packages the image lacks, once both parts are here (unpack.sh checks them); its env.sh
+# puts them first on PYTHONPATH.
+with_vllm() {
+  if [ ! -f "$VSITE/env.sh" ]; then
+    [ -f .vllm-carry/part-aa ] && [ -f .vllm-carry/part-ab ] \
+      || { echo "vLLM: .vllm-carry has $(ls .vllm-carry 2>/dev/null | tr '\n' ' '); carry the other part next"; return 1; }
+    VSITE=$VSITE bash .vllm-carry/unpack.sh || { echo "vLLM unpack failed"; return 1; }
+  fi
+  # shellcheck disable=SC1091
+  source "$VSITE/env.sh"
+  python3 -c "import vllm; print('vllm', vllm.__version__)"
+}
+
+# TRL and its imports (scripts/gpu_trl_carry.sh). The folder's name must contain "site-packages": dill, which
+# `datasets` hashes with, pickles a module by value (and fails on pyarrow's) unless its file is under sys.prefix
+# or a site-packages folder.
+with_trl() {
+  local site=/tmp/trl/site-packages
+  [ -f .gpu-carry/trl-site.tar.xz ] || { echo "no .gpu-carry/trl-site.tar.xz: TRL's races are skipped"; return 0; }
+  [ -d "$site/trl" ] || { mkdir -p "$site" && tar -xJf .gpu-carry/trl-site.tar.xz -C "$site"; }
+  export PYTHONPATH=$PYTHONPATH:$site
+  python3 -c "import trl, datasets, pyarrow; print('trl', trl.__version__, '| datasets', datasets.__version__)"
+}
+
+case "$MODE" in
+  tests)
+    gpu_tests "${2:-560}" test-gpu "not vllm"
+    ;;
+  vllm)
+    with_vllm || exit 1
+    gpu_tests "${2:-560}" test-gpu-vllm "vllm"
+    ;;
+  vllm-bench)
+    with_vllm || exit 1
+    gpu_bench "${2:-570}" bench-vllm-vs-hf "vllm_vs_hf"
+    ;;
+  trl)
+    with_vllm || exit 1
+    with_trl
+    gpu_bench "${2:-570}" bench-vllm-vs-trl "vllm_vs_trl or grpo_step_vs_trl"
+    ;;
+  bench)
+    gpu_bench "${2:-300}" bench-gpu "${3:-not vllm and not trl}"
+    ;;
+esac
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 echo "== done $(date -u +%T)"

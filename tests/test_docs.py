@@ -23,7 +23,7 @@ PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.pat
 OUTPUTS = {"config.yaml", "metrics.jsonl", "config.json", "generation_config.json", "report.json", "report.md",
            "e2e.json", "my_loss.py", "my_rewards.py", "run.yaml", "prompts.jsonl", "hostfile"}
 USER_FOLDERS = {"runs", "models", "data", "output_dir", "checkpoints", "final", "eval", "tensorboard", "wandb",
-                ".venv", ".gpu-carry"}
+                ".venv", ".gpu-carry", ".vllm-carry"}
 EXTENSIONS = (".py", ".md", ".yaml", ".yml", ".sh", ".c", ".json", ".jsonl", ".toml", ".txt", ".png", ".parquet")
 CPU_RUNNABLE = "<!-- cpu-runnable"
 

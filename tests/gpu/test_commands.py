@@ -2,9 +2,13 @@
 runs measured.
 
 - ``fastrlhf sft`` padded and packed (its loss falls), ``fastrlhf rm`` pairwise and classifier, GRPO on
-  ZeRO-2 (reference model, HF rollouts: vLLM does not travel to the GPU machine), padded and packed
-  with shared prompts, and PPO on ZeRO-3 (critic), each with finite metrics. On CUDA: the 1.5B Qwen2
-  shape from random init in bf16, NCCL; on the CPU: a tiny Qwen2, gloo.
+  ZeRO-2 (reference model, HF rollouts), padded and packed with shared prompts, and PPO on ZeRO-3 (critic),
+  each with finite metrics. On CUDA: the 1.5B Qwen2 shape from random init in bf16, NCCL; on the CPU: a
+  tiny Qwen2, gloo.
+- The same with ``rollout.engine: vllm`` in the trainer's process (asleep during the update on CUDA): GRPO
+  on ZeRO-2, PPO on ZeRO-3, a LoRA actor; and ``scripts/vllm_beside_actor.py``, the trainer's step driven
+  stage by stage. On CUDA these skip where vLLM is not installed (on the project's lent machines, the
+  ``vllm`` call of scripts/gpu_session.sh unpacks it).
 - ``fastrlhf plan``'s peak against the measured one: on CUDA the caching allocator's peak
   (``torch.cuda.max_memory_reserved``) plus what the device holds beyond it (CUDA context, NCCL), as
   the trainer logs them (``memory/*``, fastrlhf.rl.step); on the CPU the rank's peak RSS.

@@ -1,0 +1,91 @@
+"""scripts/gpu_session.sh, the device calls of a lent GPU session, run here with stand-ins: its own logic (which
+tests and benchmarks each call selects, vLLM unpacked only once both parts arrived, the caps) cannot wait for a GPU
+to be checked, and a mistake in it costs a session's whole device time."""
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers.paths import ROOT
+
+PYTHON_STUB = """#!/usr/bin/env bash
+# python3 on the "device": records its arguments; sleeps where asked (the cap's test); imports answer.
+echo "$*" >> "$OUT/calls.txt"
+case "$*" in
+  *"-c "*) echo "stub: $*" ;;
+  *) [ -n "${STUB_SLEEP:-}" ] && sleep "$STUB_SLEEP"; echo "1 passed" ;;
+esac
+"""
+UNPACK_STUB = """#!/usr/bin/env bash
+echo unpack >> "$OUT/calls.txt"
+mkdir -p "$VSITE" && echo 'export STUB_VLLM=1' > "$VSITE/env.sh"
+"""
+
+
+def _exe(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+@pytest.fixture
+def device(tmp_path):
+    """A checkout as the GPU machine sees it: the script, .gpu-carry (its on_device.sh puts stand-ins for python3
+    and nvidia-smi first on PATH) and .vllm-carry's unpack.sh; returns (root, run)."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "scripts", "gpu_session.sh"), root / "scripts")
+    stubs = tmp_path / "stubs"
+    _exe(stubs / "python3", PYTHON_STUB)
+    _exe(stubs / "nvidia-smi", "#!/usr/bin/env bash\necho 'NVIDIA H100 80GB HBM3, 81559 MiB, 580.0'\n")
+    (root / ".gpu-carry").mkdir()
+    (root / ".gpu-carry" / "on_device.sh").write_text(f"export PATH={stubs}:$PATH\n")
+    _exe(root / ".vllm-carry" / "unpack.sh", UNPACK_STUB)
+    out = tmp_path / "out"
+
+    def run(*args, **env):
+        result = subprocess.run(["bash", "scripts/gpu_session.sh", *args], cwd=root, capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "OUT": str(out), "VSITE": str(tmp_path / "vsite"),
+                                                 **env})
+        calls = (out / "calls.txt").read_text().splitlines() if (out / "calls.txt").exists() else []
+        return result.returncode, result.stdout + result.stderr, calls
+
+    return root, run
+
+
+def test_the_first_call_runs_the_proof_without_vllm(device):
+    _, run = device
+    rc, log, calls = run("tests")
+    assert rc == 0, log
+    (pytest_call,) = [c for c in calls if "pytest" in c]
+    assert "-m gpu tests/gpu" in pytest_call and "-k not vllm" in pytest_call, pytest_call
+    assert "unpack" not in calls and "test-gpu exit 0" in log
+
+
+def test_vllm_is_unpacked_only_once_both_parts_arrived_then_its_tests_run(device):
+    root, run = device
+    (root / ".vllm-carry" / "part-aa").write_bytes(b"a")
+    rc, log, calls = run("vllm")
+    assert rc == 1 and "carry the other part next" in log and not calls, log  # nothing else spent
+    (root / ".vllm-carry" / "part-ab").write_bytes(b"b")
+    rc, log, calls = run("vllm")
+    assert rc == 0, log
+    assert calls[0] == "unpack" and any("-m gpu tests/gpu" in c and "-k vllm" in c for c in calls), calls
+    rc, log, calls = run("vllm-bench")  # the same machine: vLLM is there, not unpacked again
+    assert rc == 0 and calls.count("unpack") == 1, (log, calls)
+    assert "benchmarks/gpu" in calls[-1] and "-k vllm_vs_hf" in calls[-1], calls
+
+
+def test_a_call_past_its_cap_is_stopped_and_said(device):
+    _, run = device
+    rc, log, _ = run("bench", "1", STUB_SLEEP="5")
+    assert "bench-gpu exit 124 after" in log, log
+
+
+def test_an_unknown_call_says_which_there_are(device):
+    _, run = device
+    rc, log, _ = run("all")
+    assert rc == 2 and "usage:" in log and "vllm-bench" in log, log
