@@ -19,10 +19,12 @@ Two ops, two gradient strategies:
   recomputes each chunk's logits (one extra GEMM, 4 in all), writes ``dlogits`` in place and
   accumulates the head's gradients.
 
-``grad_weight`` is accumulated over chunks in one fp32 ``[V, H]`` buffer (``addmm_`` straight into
-it for fp32; for bf16/fp16 each chunk's bf16 GEMM lands in a scratch of the weight's dtype that is
-then added into the fp32 buffer) and returned in the weight's dtype; ``grad_hidden`` rows are
-written per chunk in the hidden dtype.
+``grad_weight`` is accumulated over chunks in one fp32 ``[V, H]`` buffer and returned in the weight's
+dtype (``_HeadGrads``): ``addmm_`` straight into it for fp32; for bf16/fp16 on CUDA each chunk's GEMM
+writes (first chunk) or adds into it in fp32 itself (``out_dtype``); elsewhere each chunk's bf16 GEMM
+lands in a scratch of the weight's dtype that is then added into the fp32 buffer. The policy loss casts
+it once, in backward, scaled by ``grad_output`` in the same pass. ``grad_hidden`` rows are written per
+chunk in the hidden dtype.
 
 Chunk size: by default the number of tokens whose logits fill a byte budget in fp32
 (``budget // (4 * V)``), rounded down to a multiple of 8 (CPU) or 64 (accelerators) and clamped
@@ -57,7 +59,14 @@ import torch
 from fastrlhf.algorithms import _check_temperature, loss_weights
 
 from ._backend import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES, chunk_budget_bytes, on_cpu, resolve_backend
-from .fused_linear_chunks import _chunks, _chunks_with_kept_tokens, _HeadGrads, _logits_into, _SoftmaxBuffers
+from .fused_linear_chunks import (
+    _chunks,
+    _chunks_with_kept_tokens,
+    _HeadGrads,
+    _logits_into,
+    _SoftmaxBuffers,
+    scale_and_cast,
+)
 
 __all__ = [
     "CPU_CHUNK_BYTES",
@@ -321,7 +330,9 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
                                backend, out=logits, shift=shift, **softmax_bufs.grad_kwargs(logits, True))
                 grads.add_chunk(start, stop, h, dlogits)
         del buf, softmax_bufs
-        ctx.head_grads = grads.finish(hidden.dtype, weight.dtype) if grads.any else (None, None, None)
+        # Cast later, with grad_output: one pass over the fp32 accumulators instead of a cast now and a scale then.
+        ctx.head_grads = grads.finish(hidden.dtype, weight.dtype, cast=False) if grads.any else (None, None, None)
+        ctx.grad_dtypes = (hidden.dtype, weight.dtype, weight.dtype)
         metric_values = tuple(sums[k] for k in metric_keys)
         ctx.mark_non_differentiable(*metric_values)
         return (loss,) + metric_values
@@ -333,15 +344,13 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
                 "fused_linear_policy_loss: backward ran twice through the same graph; its gradients are "
                 "computed in forward and released by the first backward, so call the op again instead"
             )
-        grad_hidden, grad_weight, grad_bias = ctx.head_grads
-        ctx.head_grads = None
-        # The stored gradients are ours alone (released above), so scale them in place; the loss
-        # is usually backpropagated with grad_output == 1, which the CPU checks for free.
-        if not on_cpu(grad_output) or float(grad_output) != 1.0:
-            for g in (grad_hidden, grad_weight, grad_bias):
-                if g is not None:
-                    g.mul_(grad_output.to(g.dtype))
-        return (grad_hidden, grad_weight, grad_bias) + (None,) * 10
+        grads, ctx.head_grads = ctx.head_grads, None
+        # The stored gradients are ours alone (released above): grad_hidden is scaled in place, the fp32
+        # accumulators scaled and cast in one pass. The loss is usually backpropagated with grad_output == 1,
+        # which the CPU checks for free (elsewhere that read would wait for the device).
+        scale = None if on_cpu(grad_output) and float(grad_output) == 1.0 else grad_output
+        return tuple(scale_and_cast(g, scale, dtype) for g, dtype in zip(grads, ctx.grad_dtypes, strict=True)) + (
+            None,) * 10
 
 
 def fused_linear_policy_loss(
@@ -382,9 +391,9 @@ def fused_linear_policy_loss(
     a forward pass to recompute them.
 
     The gradients are computed chunk by chunk during this call and held until backward, which
-    only scales them by ``grad_output``; so backward can run once per call (not with
-    ``retain_graph`` twice), and a call made with grad enabled holds ``grad_weight`` (fp32 ``[V, H]``)
-    until then.
+    only scales them by ``grad_output`` (and casts the head's fp32 sums to the weight's dtype in the
+    same pass); so backward can run once per call (not with ``retain_graph`` twice), and a call made
+    with grad enabled holds ``grad_weight`` (fp32 ``[V, H]``) until then.
 
     Chunking as in :func:`fused_linear_logprob_entropy`: ``chunk_size`` tokens, else
     :func:`default_chunk_size` of ``chunk_bytes`` (default: the device's budget).

@@ -44,19 +44,67 @@ class _SoftmaxBuffers:
         return {name.removesuffix("_out"): t for name, t in self.stats_kwargs(logits).items()}
 
 
+_FP32_OUT_GEMM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def fp32_out_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm`` / ``torch.addmm`` take ``dtype`` inputs and write fp32 (``out_dtype=``) on this
+    kind of device: cuBLAS accumulates a bf16 GEMM in fp32 anyway, so ``grad_weight``'s fp32 sum over chunks
+    then needs no ``[V, H]`` scratch, no zeros pass and no separate add. Asked once per device kind and
+    dtype, on two tiny tensors (the CPU kernels have no such GEMM; meta has, so the meta-device tests run
+    this branch)."""
+    key = (torch.device(device).type, dtype)
+    if key not in _FP32_OUT_GEMM:
+        a = torch.zeros(2, 2, dtype=dtype, device=device)
+        try:
+            torch.addmm(torch.mm(a, a, out_dtype=torch.float32), a, a, out_dtype=torch.float32)
+            _FP32_OUT_GEMM[key] = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            _FP32_OUT_GEMM[key] = False
+    return _FP32_OUT_GEMM[key]
+
+
+def mm_fp32_out(a, b, out, accumulate: bool) -> None:
+    """``out = a @ b`` (or ``out += a @ b``) with ``a``, ``b`` in bf16/fp16 and ``out`` fp32, in one GEMM. Where
+    :func:`fp32_out_gemm` says no (the CPU), the same sums from fp32 copies: the stand-in the CPU tests run
+    this branch with (exact products of bf16 values, fp32 accumulation, as cuBLAS)."""
+    if fp32_out_gemm(out.device, a.dtype):
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif accumulate:
+        out.addmm_(a.float(), b.float())
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def accumulates_in_gemm(weight: torch.Tensor) -> bool:
+    """Whether ``grad_weight`` of this bf16/fp16 head sums in fp32 inside its GEMMs (:func:`mm_fp32_out`) rather
+    than through a scratch of the weight's dtype. The tests force it on the CPU, whose stand-in then runs."""
+    return fp32_out_gemm(weight.device, weight.dtype)
+
+
 class _HeadGrads:
-    """Per-chunk GEMMs of the head's backward, accumulated into preallocated buffers."""
+    """Per-chunk GEMMs of the head's backward, accumulated into preallocated buffers.
+
+    ``grad_weight`` sums in fp32 whatever the weight's dtype. fp32 weights: ``addmm_`` into a zeroed buffer.
+    bf16/fp16 where :func:`fp32_out_gemm` holds (CUDA): the first chunk's GEMM writes the fp32 buffer and the
+    later ones add into it (:func:`mm_fp32_out`). Elsewhere (the CPU) each chunk's GEMM lands in a scratch of
+    the weight's dtype that is added into the zeroed fp32 buffer.
+    """
 
     def __init__(self, hidden, weight, bias, need_hidden, need_weight, need_bias):
         self.weight = weight
         self.grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-        self.grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        )
-        # A bf16 GEMM cannot write into an fp32 buffer on every backend: land it in a scratch first.
+        low_precision = need_weight and weight.dtype != torch.float32
+        self._fp32_gemm = low_precision and accumulates_in_gemm(weight)
+        self._weight_written = False  # whether a chunk wrote grad_weight yet (fp32_gemm: the first one overwrites)
+        alloc = torch.empty if self._fp32_gemm else torch.zeros
+        self.grad_weight = alloc(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         self._weight_scratch = (
             torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-            if need_weight and weight.dtype != torch.float32
+            if low_precision and not self._fp32_gemm
             else None
         )
         self.grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
@@ -66,23 +114,38 @@ class _HeadGrads:
         if self.grad_hidden is not None:
             torch.mm(dlogits, self.weight, out=self.grad_hidden[start:stop])
         if self.grad_weight is not None:
-            if self._weight_scratch is None:
+            if self._fp32_gemm:
+                mm_fp32_out(dlogits.t(), hidden_chunk, self.grad_weight, accumulate=self._weight_written)
+            elif self._weight_scratch is None:
                 self.grad_weight.addmm_(dlogits.t(), hidden_chunk)
             else:
                 self.grad_weight.add_(torch.mm(dlogits.t(), hidden_chunk, out=self._weight_scratch))
+            self._weight_written = True
         if self.grad_bias is not None:
             self.grad_bias.add_(dlogits.sum(0, dtype=torch.float32))
 
-    def finish(self, hidden_dtype, weight_dtype):
-        """Drop scratch, cast the fp32 accumulators to the input dtypes; returns (hidden, weight, bias) grads."""
+    def finish(self, hidden_dtype, weight_dtype, cast=True):
+        """Drop scratch; returns the (hidden, weight, bias) grads, the fp32 accumulators cast to the weight's
+        dtype unless ``cast=False`` (then :func:`scale_and_cast` does it later, with ``grad_output``, in one pass)."""
         self._weight_scratch = None
-        grad_weight = self.grad_weight
-        if grad_weight is not None and grad_weight.dtype != weight_dtype:
-            grad_weight = grad_weight.to(weight_dtype)
-        grad_bias = self.grad_bias
-        if grad_bias is not None and grad_bias.dtype != weight_dtype:
-            grad_bias = grad_bias.to(weight_dtype)
+        if self._fp32_gemm and not self._weight_written:  # no chunk ran (all masked): nothing overwrote it
+            self.grad_weight.zero_()
+        grad_weight, grad_bias = self.grad_weight, self.grad_bias
+        if cast:
+            grad_weight, grad_bias = (None if g is None else g.to(weight_dtype) for g in (grad_weight, grad_bias))
         return self.grad_hidden, grad_weight, grad_bias
+
+
+def scale_and_cast(grad: torch.Tensor | None, grad_output: torch.Tensor | None, dtype: torch.dtype):
+    """``grad * grad_output`` in ``dtype``: one pass over an fp32 accumulator (read fp32, write ``dtype``), or in
+    place where ``grad`` already has the dtype. ``grad_output`` None: the cast alone."""
+    if grad is None:
+        return None
+    if grad_output is None:
+        return grad.to(dtype)
+    if grad.dtype == dtype:
+        return grad.mul_(grad_output.to(dtype))
+    return torch.mul(grad, grad_output, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
 
 
 def _logits_into(buf, hidden_chunk, weight, bias):

@@ -429,3 +429,91 @@ def test_logprob_entropy_without_tokens_stays_in_the_graph():
     assert torch.equal(weight.grad, torch.zeros_like(weight))
     with torch.no_grad():
         assert not fused_linear_logprob_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))[0].requires_grad
+
+
+# ----------------------------------------------------------------------------------------------
+# grad_weight summed in fp32 by the GEMM itself (CUDA's path), run here on the CPU stand-in
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fp32_gemm(monkeypatch):
+    """Every bf16/fp16 head takes the one-GEMM fp32 accumulation, on the CPU through its stand-in GEMMs."""
+    from fastrlhf.kernels import fused_linear_chunks as chunks
+
+    monkeypatch.setattr(chunks, "accumulates_in_gemm", lambda weight: True)
+    assert not chunks.fp32_out_gemm(torch.device("cpu"), torch.bfloat16)  # so mm_fp32_out takes the stand-in
+    original = chunks._HeadGrads.__init__
+
+    def poisoned(self, *args):
+        # The accumulator is allocated uninitialised (no zeros pass); NaN makes any read before a write show.
+        original(self, *args)
+        if self._fp32_gemm and self.grad_weight is not None:
+            self.grad_weight.fill_(float("nan"))
+
+    monkeypatch.setattr(chunks._HeadGrads, "__init__", poisoned)
+
+
+def test_fp32_out_gemm_probe_and_stand_in():
+    from fastrlhf.kernels.fused_linear_chunks import fp32_out_gemm, mm_fp32_out
+
+    assert not fp32_out_gemm(torch.device("cpu"), torch.bfloat16)  # no such CPU kernel in torch
+    assert fp32_out_gemm(torch.device("meta"), torch.bfloat16)  # the meta-device tests run CUDA's calls
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(*s, generator=g).bfloat16() for s in ((5, 7), (7, 3), (7, 3)))
+    out = torch.full((5, 3), float("nan"))
+    mm_fp32_out(a, b, out, accumulate=False)  # overwrites whatever was there
+    mm_fp32_out(a, c, out, accumulate=True)
+    want = a.double() @ b.double() + a.double() @ c.double()
+    assert out.dtype == torch.float32 and torch.allclose(out.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 11, 4])  # 1, 2 and 6 chunks of 21 tokens
+def test_policy_loss_bf16_with_fp32_gemm_accumulation(fp32_gemm, chunk_size):
+    check_policy_loss("torch", shape=(21,), dtype=torch.bfloat16, bias=False, chunk_size=chunk_size or 21,
+                      kl_coef=0.1, entropy_coef=0.01, h=32, v=4097, grad_scale=-1.5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_policy_loss_bf16_fp32_gemm_with_masked_rows_and_skipped_chunks(fp32_gemm, backend):
+    def edit(mask):  # rows 0 and 2 fully masked: the first chunk (the one that writes the buffer) is skipped
+        mask[0] = 0.0
+        mask[2] = 0.0
+
+    check_policy_loss(backend, shape=(4, 7), v=301, chunk_size=7, mask_edit=edit, dtype=torch.bfloat16,
+                      kl_coef=0.1, entropy_coef=0.01, temperature=0.9, agg="seq-mean-token-mean")
+
+
+def test_policy_loss_bf16_fp32_gemm_all_masked_is_zero(fp32_gemm):
+    # Every chunk skipped: no GEMM ever wrote the (uninitialised) accumulator, which must come back zero.
+    hidden, weight, b, labels, d = make_inputs((2, 5), 8, 40, dtype=torch.bfloat16)
+    loss, _ = fused_linear_policy_loss(hidden, weight, labels, d["old_logprobs"], d["advantages"], torch.zeros(2, 5),
+                                       bias=b, chunk_size=3, backend="torch")
+    loss.backward()
+    for t in (hidden, weight, b):
+        assert t.grad.dtype == torch.bfloat16 and not t.grad.any()
+
+
+@pytest.mark.parametrize("chunk_size", [3, 16])
+def test_logprob_entropy_bf16_with_fp32_gemm_accumulation(fp32_gemm, chunk_size):
+    check_logprob_entropy((2, 5), 32, 1000, "torch", dtype=torch.bfloat16, bias=True, temperature=0.8,
+                          chunk_size=chunk_size)
+
+
+def test_fp32_gemm_accumulation_is_at_least_as_close_as_the_scratch(monkeypatch):
+    """The one-GEMM path rounds only once, at the end; the scratch rounds each chunk's GEMM to bf16 first."""
+    from fastrlhf.kernels import fused_linear_chunks as chunks
+
+    def weight_grad_error(in_gemm: bool) -> float:
+        monkeypatch.setattr(chunks, "accumulates_in_gemm", lambda weight: in_gemm)
+        hidden, weight, b, labels, d = make_inputs((64,), 32, 500, dtype=torch.bfloat16, bias=False, seed=3)
+        loss, _ = fused_linear_policy_loss(hidden, weight, labels, d["old_logprobs"], d["advantages"], d["mask"],
+                                           chunk_size=8, backend="torch")
+        (got,) = grads_of(loss, [weight])
+        rh, rw = reference_copies(hidden, weight)
+        rd = dict(zip(d, reference_copies(*d.values()), strict=True))
+        lp, ent = ref_lp_ent(rh, rw, None, labels, 1.0)
+        (want,) = grads_of(ref_policy_loss(lp, ent, rd, **LOSS_DEFAULTS)[0], [rw])
+        return float((got.double() - want).abs().sum())
+
+    assert weight_grad_error(True) <= weight_grad_error(False)
