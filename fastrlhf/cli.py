@@ -213,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
 
         from fastrlhf.config import config_to_dict
 
+        config, decided = _decide_checkpointing(args.command, config)
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+        if decided:
+            print(f"# {decided}")
         _print_cpu_fast_paths(args.command, config)
         return 0
 
@@ -262,6 +265,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         discard_before_group()  # the command ended before its process group started: --overwrite deleted nothing
     return 0
+
+
+def _decide_checkpointing(command: str, config):
+    """``(config, note)``: ``model.gradient_checkpointing: auto`` decided as the run will decide it (the memory
+    plan of this launch: ``fastrlhf.memory.plan``), and the plan's reason; ``(config, None)`` otherwise."""
+    if command != "train" or config.model.gradient_checkpointing != "auto":
+        return config, None
+    from fastrlhf.config import ConfigError
+    from fastrlhf.memory.plan import plan_for_launch, resolve_gradient_checkpointing
+
+    try:
+        plan = plan_for_launch(config)
+    except ConfigError as exc:
+        return resolve_gradient_checkpointing(config, None), f"model.gradient_checkpointing auto: on: no plan ({exc})"
+    return resolve_gradient_checkpointing(config, plan), plan.notes[0]
 
 
 def _print_cpu_fast_paths(command: str, config) -> None:

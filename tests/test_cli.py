@@ -461,3 +461,36 @@ def test_a_run_without_a_terminal_logs_each_step_names_its_engine_and_stops_clea
                             timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(metrics_by_step(out)) == [1, 2, 3, 4]
+
+
+def test_dry_run_decides_auto_gradient_checkpointing_as_the_run_will(train_yaml, tmp_path, capsys):
+    """``model.gradient_checkpointing: auto`` comes out of --dry-run decided, with the plan's reason."""
+    tiny = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 1024}
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(tiny))
+    (tmp_path / "tiny" / "model.safetensors").write_bytes(b"")
+    args = ["train", "--config", train_yaml, "--dry-run", "--set", "model.gradient_checkpointing=auto",
+            "--set", "rollout.engine=hf"]
+    assert cli.main([*args, "--set", f"model.path={tmp_path / 'tiny'}"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["model"]["gradient_checkpointing"] is False  # a tiny model fits without it
+    assert "# model.gradient_checkpointing auto: off: the run fits without it" in out
+    assert cli.main(args) == 0  # a config.json the plan cannot count: on, and why
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["model"]["gradient_checkpointing"] is True
+    assert "# model.gradient_checkpointing auto: on: no plan (" in out
+
+
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_auto_gradient_checkpointing_is_for_train_only(tmp_path, capsys, command):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "data.jsonl").write_text("")
+    raw = {"output_dir": str(tmp_path / "out"), "data": {"path": str(tmp_path / "data.jsonl")},
+           "model": {"path": str(tmp_path / "model"), "gradient_checkpointing": "auto"}, "trainer": {"max_steps": 1}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    assert cli.main([command, "--config", str(tmp_path / "c.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == ("config error: model.gradient_checkpointing: auto is decided by the "
+                                               "memory plan of `fastrlhf train`; here set true or false")

@@ -249,8 +249,15 @@ def _validate_eval(c: TrainConfig, base: str):
     _check_reward_spec(e.reward, "eval.reward")
 
 
+def _no_auto_checkpointing(m: ModelConfig):
+    if m.gradient_checkpointing == "auto":
+        raise ConfigError("model.gradient_checkpointing", "auto is decided by the memory plan of `fastrlhf train`; "
+                                                          "here set true or false")
+
+
 def _validate_sft(c: SFTConfig, base: str):
     _check_model(c.model, base)
+    _no_auto_checkpointing(c.model)
     _check_path(c.data.path, "data.path", base)
     _positive(c.data.max_len, "data.max_len")
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
@@ -260,6 +267,7 @@ def _validate_sft(c: SFTConfig, base: str):
 
 def _validate_rm(c: RMConfig, base: str):
     _check_model(c.model, base)
+    _no_auto_checkpointing(c.model)
     _check_path(c.data.path, "data.path", base)
     _positive(c.data.max_len, "data.max_len")
     _validate_small_trainer(c.trainer)

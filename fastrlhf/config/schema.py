@@ -40,7 +40,8 @@ class ModelConfig:
     lora_alpha: int = 16
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    gradient_checkpointing: bool = False
+    # auto (fastrlhf train only): off where the memory plan fits without it, else on (fastrlhf.memory.plan)
+    gradient_checkpointing: bool | Literal["auto"] = False
     # The attention of packed rows (trainer.packing, trainer.share_prompts): auto, flex, flash_attention_2 or
     # sdpa; auto: flash_attention_2 on a GPU with flash_attn and bf16, else flex; sdpa on a CPU
     # (fastrlhf.sequences.attention)
@@ -104,7 +105,7 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's and the tokenizer's eos
     stop: list[str] = field(default_factory=list)  # stop strings (the completing token is kept)
     sync_bucket_bytes: int = 268435456
-    kv_cache_bytes: int | Literal["auto"] = "auto"  # vLLM's KV cache (CPU and CUDA); auto: the step's batch (fastrlhf plan)
+    kv_cache_bytes: int | Literal["auto"] = "auto"  # vLLM's KV cache; auto: the step's batch (fastrlhf plan)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, else the actor's
     # vLLM on CUDA: the share of each GPU it may take (auto: from the memory the trainer's models leave, see
     # fastrlhf plan), sleep mode between generations, tensor parallelism, CUDA graphs (auto: on CUDA, not CPU)

@@ -385,6 +385,18 @@ STEP_LINE_KEYS = (("reward", "reward_mean"), ("kl", "kl"), ("loss", "policy_loss
                   ("tokens/s", "tokens_per_second"), ("s/step", "wall_time"))
 
 
+def _with_checkpointing_decided(config, plan):
+    """``model.gradient_checkpointing: auto`` as the memory plan decided it (said once), before any model loads."""
+    from fastrlhf import distributed as D
+    from fastrlhf.memory.plan import resolve_gradient_checkpointing
+
+    decided = resolve_gradient_checkpointing(config, plan)
+    if decided is not config and D.is_main():
+        why = plan.notes[0] if plan is not None else "model.gradient_checkpointing auto: on (no memory plan)"
+        print(why, flush=True)
+    return decided
+
+
 def _with_engine_used(config, kind: str):
     """The config with ``rollout.engine`` the engine this run uses (``auto`` resolved), said once on rank 0:
     the saved ``config.yaml`` and the log say which one ran."""
@@ -416,6 +428,7 @@ def run(config, resume: bool = False) -> dict:
     # Before the process group: a bad config or data line stops every rank at once, none left waiting.
     prepared = preflight(config)
     examples, tokenizer = prepared.examples, prepared.tokenizer
+    config = _with_checkpointing_decided(config, prepared.plan)
     D.init_distributed(shared_dir=config.output_dir)
     seed_everything(config.seed)
     guard = StepGuard(t.max_skipped_steps)

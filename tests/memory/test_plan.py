@@ -575,3 +575,44 @@ def test_token_budget_sizes_the_update_micro_batch(tmp_path):
     small_budget = dataclasses.replace(by_count, trainer=dataclasses.replace(
         by_count.trainer, max_tokens_per_microbatch=100, packing=True))
     assert C.update_micro_batch(small_budget, 32)[0] == length
+
+
+def test_auto_gradient_checkpointing_is_off_where_the_run_fits_without_it(tmp_path):
+    from dataclasses import replace
+
+    from fastrlhf.memory.plan import resolve_gradient_checkpointing
+
+    config = gpu_grpo(model_folder(tmp_path / "m", QWEN25_1_5B), zero_stage=2)
+    config = replace(config, model=replace(config.model, gradient_checkpointing="auto"))
+
+    def plan_at(budget, on):
+        return plan_memory(replace(config, model=replace(config.model, gradient_checkpointing=on)), 8, budget)
+
+    without, with_it = plan_at(80 * GiB, False), plan_at(80 * GiB, True)
+    assert with_it.total < without.total  # what checkpointing saves: activations
+    roomy = plan_memory(config, 8, 80 * GiB)
+    assert roomy.fits and not roomy.gradient_checkpointing and roomy.total == without.total
+    assert roomy.notes[0].startswith("model.gradient_checkpointing auto: off: the run fits without it")
+    assert resolve_gradient_checkpointing(config, roomy).model.gradient_checkpointing is False
+    # A budget the run fits only with checkpointing (margin included): on.
+    budget = int((without.total + with_it.total) / 2 / (1 - without.margin / without.budget))
+    tight = plan_memory(config, 8, budget)
+    assert tight.gradient_checkpointing and tight.total == plan_at(budget, True).total and not plan_at(budget, False).fits
+    assert tight.notes[0].startswith("model.gradient_checkpointing auto: on: without it the run needs")
+    assert resolve_gradient_checkpointing(config, tight).model.gradient_checkpointing is True
+    assert resolve_gradient_checkpointing(config, None).model.gradient_checkpointing is True  # no plan: the safe side
+    fixed = replace(config, model=replace(config.model, gradient_checkpointing=False))
+    assert resolve_gradient_checkpointing(fixed, tight) is fixed  # true or false: as written
+
+
+def test_the_rl_trainer_loads_its_models_as_the_plan_decided(tmp_path, capsys):
+    from dataclasses import replace
+
+    from fastrlhf.rl import trainer
+
+    config = gpu_grpo(model_folder(tmp_path / "m", QWEN25_1_5B), zero_stage=2)
+    config = replace(config, model=replace(config.model, gradient_checkpointing="auto"))
+    plan = plan_memory(config, 8, 80 * GiB)
+    assert trainer._with_checkpointing_decided(config, plan).model.gradient_checkpointing is False
+    assert capsys.readouterr().out.strip() == plan.notes[0]  # said once, by the main rank
+    assert trainer._with_checkpointing_decided(config, None).model.gradient_checkpointing is True
