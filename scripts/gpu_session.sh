@@ -105,7 +105,7 @@ case "$MODE" in
     gpu_bench "${2:-570}" bench-vllm-vs-trl "vllm_vs_trl or grpo_step_vs_trl"
     ;;
   bench)
-    gpu_bench "${2:-300}" bench-gpu "${3:-not vllm and not trl}"
+    gpu_bench "${2:-570}" bench-gpu "${3:-not vllm and not trl}"
     ;;
 esac
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -106,6 +106,40 @@ def gemm_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = tor
     return 2 * size**3 / (stats["time_ms"] / 1e3) / 1e12
 
 
+GEMM_KERNEL_WORDS = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+                     "aten::matmul", "aten::linear")
+
+
+def profile_kernels(step, device: torch.device, top: int = 10) -> dict:
+    """One warm call of ``step`` under torch.profiler, its time summed by kernel name: on CUDA the device time of
+    each kernel (self), elsewhere the CPU time of each op (self). Returns the ``top`` names with their calls,
+    milliseconds and share of the whole, the whole, and the share of GEMM kernels (by name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    step()  # warm: compiled kernels, allocator blocks
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        sync(device)
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        else:
+            us = e.self_cpu_time_total
+        if us > 0 and not e.key.startswith("ProfilerStep"):
+            rows.append((e.key, int(e.count), us / 1e3))
+    rows.sort(key=lambda r: -r[2])
+    whole = sum(r[2] for r in rows) or 1.0
+    gemm = sum(r[2] for r in rows if any(w in r[0].lower() for w in GEMM_KERNEL_WORDS))
+    return dict(profile_ms=round(whole, 3), profile_gemm_share=round(gemm / whole, 4),
+                profile_top=[[name[:120], calls, round(ms, 3), round(ms / whole, 4)] for name, calls, ms in rows[:top]],
+                profile_of="CUDA kernels (device time)" if cuda else "CPU ops (self time)")
+
+
 def _accepted(fn, kwargs: dict) -> tuple[dict, list[str]]:
     """``kwargs`` that ``fn`` takes, and the names it does not (a newer or older signature)."""
     params = inspect.signature(fn).parameters
@@ -223,8 +257,9 @@ LM_HEAD_TARGETS = dict(fused_over_gemms_max=1.10, fused_over_naive_peak_max=0.2,
 
 def lm_head_race(device: str = "cuda", dtype: str = "bfloat16", batch: int = 16, seq_len: int = 1024,
                  hidden: int = 3584, vocab: int = 152_064, warmup: int = 1, repeats: int = 5,
-                 contenders=tuple(LM_HEAD_CONTENDERS), seed: int = 0) -> dict:
-    """Time (median ms) and peak memory above the inputs (MiB) of each contender's forward + backward."""
+                 contenders=tuple(LM_HEAD_CONTENDERS), seed: int = 0, profile: bool = True) -> dict:
+    """Time (median ms) and peak memory above the inputs (MiB) of each contender's forward + backward; with
+    ``profile``, the fused step's time by kernel (:func:`profile_kernels`, after the timed runs)."""
     device = torch.device(device)
     x = lm_head_inputs(device, getattr(torch, dtype), batch, seq_len, hidden, vocab, seed)
     out = dict(tokens=batch * seq_len, hidden=hidden, vocab=vocab, dtype=dtype, warmup=warmup, repeats=repeats,
@@ -252,6 +287,9 @@ def lm_head_race(device: str = "cuda", dtype: str = "bfloat16", batch: int = 16,
             out[f"{name}_peak_mib"] = round(stats["peak_mib"], 1)
         if name != "gemms":
             out[f"{name}_loss"] = float(loss)
+    if profile and "fused" in contenders:
+        out.update({f"fused_{k}": v for k, v in profile_kernels(_fused_step(x, device), device).items()})
+        _clear_grads(x)
     if "gemms_time_ms" in out:
         out["gemms_tflops"] = round(3 * 2 * batch * seq_len * hidden * vocab / out["gemms_time_ms"] / 1e9, 1)
     _ratio(out, "fused_over_gemms", "fused_time_ms", "gemms_time_ms")
@@ -274,16 +312,19 @@ def _ratio(out: dict, key: str, num: str, den: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ race 2
-def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batch: int, grad_accum: int):
+def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batch: int, grad_accum: int,
+                 gradient_checkpointing: bool = True):
     """``(engine, reference, guard)`` as ``fastrlhf train`` builds them for GRPO: the actor from random init in a
-    ZeRO-2 engine (bf16 with fp32 master weights on a GPU), gradient checkpointing, its frozen reference."""
+    ZeRO-2 engine (bf16 with fp32 master weights on a GPU), gradient checkpointing (unless told otherwise), its
+    frozen reference."""
     from fastrlhf.config import DeepSpeedConfig
     from fastrlhf.engine.deepspeed import build_train_engine
     from fastrlhf.engine.guards import StepGuard
     from fastrlhf.modeling.tiny import make_qwen2_on
 
     actor = make_qwen2_on(dev, torch_dtype, seed=seed, **model).train()
-    actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as modeling.py
+    if gradient_checkpointing:
+        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as modeling.py
     actor.config.use_cache = False
     reference = make_qwen2_on(dev, torch_dtype, seed=seed, **model).requires_grad_(False)
     guard = StepGuard()
@@ -294,7 +335,8 @@ def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batc
 
 def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16", prompts: int = 8,
                    n: int = 8, prompt_len: int = 128, new_tokens: int = 256, grad_accum: int = 2, updates: int = 4,
-                   gemm_size: int = 8192, seed: int = 0) -> dict:
+                   gemm_size: int = 8192, seed: int = 0, gradient_checkpointing: bool = True,
+                   profile: bool = True) -> dict:
     """One GRPO step's update (``RLStep.update``: every micro-batch's forward + backward and the optimizer
     step) as the trainer builds it (tests/gpu/test_update_syncs.py): ZeRO-2, bf16 with fp32 master weights,
     gradient checkpointing, a reference model (KL in the loss), the HF engine sharing the actor. One
@@ -304,7 +346,8 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     MFU = 6 x params x trained tokens / update time / the measured GEMM rate, trained tokens being every real
     token of the sequences (prompt and completion: all run forward and backward; the LM head only sees the
     completion positions, so 6 x params over-counts its share on prompt tokens). ``mfu_with_recompute``
-    counts the forward that gradient checkpointing repeats (8 x params x tokens)."""
+    counts the forward that gradient checkpointing repeats (8 x params x tokens; as MFU without it). With
+    ``profile``, one more update's time by kernel (:func:`profile_kernels`): what it spends outside the GEMMs."""
     from dataclasses import replace
 
     from benchmarks.e2e_common import even_fraction_reward
@@ -329,16 +372,20 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     trainer = TrainerConfig(max_steps=updates, prompts_per_step=prompts, minibatch_size=batch, grad_accum=grad_accum,
                             ppo_epochs=1, lr=1e-6, kl_coef=LOSS["kl_coef"], kl_kind=LOSS["kl_kind"],
                             clip_low=LOSS["clip_low"], clip_high=LOSS["clip_high"], agg=AGG)
-    config = TrainConfig(output_dir="unused", model=ModelConfig(path="unused", gradient_checkpointing=True),
+    config = TrainConfig(output_dir="unused",
+                         model=ModelConfig(path="unused", gradient_checkpointing=gradient_checkpointing),
                          data=DataConfig(prompts="unused"), trainer=trainer, algorithm="grpo", seed=seed,
                          rollout=RolloutConfig(n=n, max_new_tokens=new_tokens, max_logprob_mismatch=None),
                          reward=RewardConfig(function="target_token"))
-    engine, reference, guard = actor_engine(dev, torch_dtype, model, seed, 1e-6, batch // grad_accum, grad_accum)
+    engine, reference, guard = actor_engine(dev, torch_dtype, model, seed, 1e-6, batch // grad_accum, grad_accum,
+                                            gradient_checkpointing)
     actor, params = engine.module, count_parameters(engine.module)
     timed: list[dict] = []
+    step_exp: list = []  # the last update's experience, profiled again at the end
 
     class TimedStep(RLStep):
         def update(self, exp, step):
+            step_exp[:] = [exp]
             sync(self.device)
             t0 = time.perf_counter()
             metrics = super().update(exp, step)
@@ -368,12 +415,15 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                update_s=round(update_s, 4), update_s_all=[round(t["seconds"], 4) for t in timed],
                tokens_per_s=round(tokens / update_s, 1), gemm_tflops=round(gemm, 1),
                model_tflops=round(model_tflops, 2), mfu=round(model_tflops / gemm, 4),
-               mfu_with_recompute=round(model_tflops * 8 / 6 / gemm, 4), mfu_target=0.40,
+               mfu_with_recompute=round(model_tflops * (8 if gradient_checkpointing else 6) / 6 / gemm, 4),
+               mfu_target=0.45, gradient_checkpointing=gradient_checkpointing,
                generate_s=round(generate_s, 2), skipped_steps=sum(m.get("skipped", 0) for m in metrics))
     for key, name in (("memory/train_gib", "update_peak_allocated_gib"), ("memory/peak_reserved_gib",
                                                                          "step_peak_reserved_gib")):
         if key in metrics[-1]:  # CUDA only
             out[name] = round(metrics[-1][key], 2)
+    if profile:
+        out.update(profile_kernels(lambda: step.update(step_exp[0], updates + 1), engine.device))
     out["targets_met"] = out["mfu"] >= out["mfu_target"]
     return out
 
@@ -556,11 +606,14 @@ def trl_grpo(spec: dict) -> dict:
     if spec.get("vllm"):
         # TRL's colocated vLLM in the trainer's process, asleep during the update, at TRL's own
         # vllm_gpu_memory_utilization (its default, as a user starts with).
-        wanted.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)
+        wanted.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=cuda)  # sleep mode needs CUDA
     if spec.get("liger"):
         # TRL <= 1.x had use_liger_loss (Liger's fused GRPO loss); 1.16 keeps only use_liger_kernel (Liger's
         # layer kernels; the loss is TRL's own fused LM head either way).
         wanted["use_liger_loss" if "use_liger_loss" in fields else "use_liger_kernel"] = True
+    missing = [k for k in ("use_vllm", "vllm_mode", "vllm_enable_sleep_mode") if k in wanted and k not in fields]
+    if missing:  # dropped silently, the run would race HF generate under the name of TRL's vLLM
+        raise RuntimeError(f"TRL {trl.__version__}'s GRPOConfig has no {', '.join(missing)}")
     args = GRPOConfig(**{k: v for k, v in wanted.items() if k in fields})
     steps: list[dict] = []
     device = torch.device("cuda" if cuda else "cpu")

@@ -27,6 +27,7 @@ def test_lm_head_race_in_a_child():
         assert r[f"{name}_time_ms"] > 0 and len(r[f"{name}_times_ms"]) == 2, r
     assert r["tokens"] == 32 and 0 < r["masked_fraction"] < 0.5, r
     assert r["naive_loss_rel_diff"] < 1e-5 and r["fused_over_gemms"] > 0, r
+    _check_profile(r, "fused_")
     if importlib.util.find_spec("liger_kernel") is None:
         assert "not installed" in r["liger_skipped"], r
     else:
@@ -39,6 +40,20 @@ def test_rl_update_race():
     assert r["trained_tokens"] == 8 * (8 + 8) and r["completion_tokens"] == 8 * 8, r
     assert r["optimizer_steps"] == 1 and r["skipped_steps"] == 0 and len(r["update_s_all"]) == 2, r
     assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < r["mfu_with_recompute"], r
+    _check_profile(r, "")
+    # Without gradient checkpointing nothing is recomputed: both MFU figures are one.
+    r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
+                             grad_accum=2, updates=2, gemm_size=128, gradient_checkpointing=False, profile=False)
+    assert r["mfu"] == r["mfu_with_recompute"] > 0 and not r["gradient_checkpointing"] and "profile_top" not in r, r
+
+
+def _check_profile(r: dict, prefix: str) -> None:
+    """The time by kernel of one profiled call: rows by descending time, shares of a positive whole, GEMMs in it."""
+    top = r[f"{prefix}profile_top"]
+    assert r[f"{prefix}profile_ms"] > 0 and 0 < len(top) <= 10, r
+    assert [row[2] for row in top] == sorted((row[2] for row in top), reverse=True), top
+    assert 0 < sum(row[3] for row in top) <= 1.0 + 1e-6 and all(row[1] >= 1 for row in top), top
+    assert 0 < r[f"{prefix}profile_gemm_share"] < 1, r  # the matmuls are found, and are not all of it
 
 
 def test_grpo_vs_trl():
