@@ -90,6 +90,8 @@ def _config(root, name, where):
     ppo, shared, vllm = name.startswith("ppo"), name == "grpo-shared", "vllm" in name
     # vLLM: in the trainer's process, asleep (CUDA) while the update runs; the stale-engine check stays on.
     engine = ({"engine": "vllm", "sleep": cuda} if vllm else {"engine": "hf", "max_logprob_mismatch": None})
+    if vllm and name in ("ppo-vllm", "grpo-vllm-lora"):
+        engine["enforce_eager"] = True  # no CUDA graph capture: one device call holds all four vLLM starts
     beside = name == "vllm-beside"  # tests/gpu/scripts/vllm_beside_actor.py: one large update, no reference
     return "train", {**common, "algorithm": "ppo" if ppo else "grpo",
                      **({"critic": {"path": None}} if ppo else {}),
@@ -200,6 +202,58 @@ def test_rl_trains(proof, name):
     assert all(r["skipped"] == 0 for r in records), records
 
 
+# The engine's logprobs against the actor's (mean |diff| per token): what a correct engine stays under (bf16 kernels
+# on CUDA differ from the trainer's; fp32 on the CPU nearly not). A stale engine shows far more (mismatch_stale).
+MISMATCH_MAX = {"cuda": 0.05, "cpu": 1e-3}
+# The largest gap between the actor's top logprob and that of the engine's greedy token: a near-tie in bf16, none
+# in fp32.
+GREEDY_GAP_MAX = {"cuda": 0.1, "cpu": 1e-4}
+
+
+@pytest.mark.slow
+def test_vllm_beside_the_actor(proof):
+    """vLLM in the trainer's process beside a ZeRO-2 actor (tests/gpu/scripts/vllm_beside_actor.py): logprobs
+    against the actor's, sleep's freed memory and wake's restored memory, the bucketed sync, then greedy output
+    against HF's on the updated weights."""
+    _, where, _ = proof
+    needs_vllm(where)
+    r = run_beside(proof)
+    print(f"\nvLLM beside the actor on {where}: " + json.dumps(r))
+    assert r["engine"] == "vllm" and r["generated_tokens"] == 8 * 4 * (64 if where == "cuda" else 8), r
+    assert r["mismatch_before"] <= MISMATCH_MAX[where] and r["mismatch_after"] <= MISMATCH_MAX[where], r
+    # The update moved the actor far enough that an engine left on the old weights would show (the checks have
+    # power): its earlier logprobs and greedy tokens against the new actor.
+    assert r["mismatch_stale"] > 5 * MISMATCH_MAX[where], r
+    assert r["greedy_changed_by_update"] > 0 and r["greedy_worst_gap_stale"] > GREEDY_GAP_MAX[where], r
+    assert r["greedy_worst_gap"] <= GREEDY_GAP_MAX[where], r
+    if where == "cpu":
+        assert r["greedy_equal_hf"] == 1.0, r
+    assert r["sync_buckets"] >= 2 and r["sync_bytes"] >= r["params"] * (2 if where == "cuda" else 4), r
+    if where == "cuda":
+        held = r["engine_weights_gib"] + r["kv_cache_gib"]
+        assert r["sleep_mode"] and r["sleep_freed_gib"] >= 0.9 * held, r
+        assert abs(r["wake_restored_gib"] - r["sleep_freed_gib"]) <= 0.05 * r["sleep_freed_gib"], r
+    else:  # the packed GEMM weights and the KV cache leave the resident set until the sync rewrites them
+        assert r["sleep_freed_gib"] > 0 and r["wake_restored_gib"] > 0, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo-vllm", "ppo-vllm", "grpo-vllm-lora"])
+def test_rl_trains_with_vllm(proof, name):
+    """GRPO on ZeRO-2, PPO with a critic on ZeRO-3 (the sync gathers each bucket's parameters) and GRPO with a LoRA
+    actor (the sync merges the adapter), with ``rollout.engine: vllm`` in the trainer's process."""
+    _, where, _ = proof
+    needs_vllm(where)
+    _, records, _ = run(proof, name)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    keys = ("reward_mean", "policy_loss", "grad_norm", "logprob_mismatch_mean", "time/sync")
+    _finite(records, keys + (("value_loss",) if name.startswith("ppo") else ()))
+    assert all(r["skipped"] == 0 for r in records), records
+    assert all(r["sync_bytes"] > 0 and r["sync_buckets"] >= 2 for r in records), records
+    worst = max(r["logprob_mismatch_mean"] for r in records)
+    assert worst <= MISMATCH_MAX[where], f"engine vs actor logprobs: {worst:.4f} nats per token"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["grpo", "ppo", "grpo-vllm"])
 def test_plan_against_the_measured_peak(proof, name):
@@ -230,55 +284,3 @@ def test_plan_against_the_measured_peak(proof, name):
     ratio = plan.total / measured
     print(f"\n{name} on {where}:\n{plan.table()}\n{detail}\nplan / measured = {ratio:.3f}")
     assert low <= ratio <= high, f"plan {plan.total / GiB:.2f} GiB / measured {measured / GiB:.2f} GiB = {ratio:.3f}"
-
-
-# The engine's logprobs against the actor's (mean |diff| per token): what a correct engine stays under (bf16 kernels
-# on CUDA differ from the trainer's; fp32 on the CPU nearly not). A stale engine shows far more (mismatch_stale).
-MISMATCH_MAX = {"cuda": 0.05, "cpu": 1e-3}
-# The largest gap between the actor's top logprob and that of the engine's greedy token: a near-tie in bf16, none
-# in fp32.
-GREEDY_GAP_MAX = {"cuda": 0.1, "cpu": 1e-4}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo-vllm", "ppo-vllm", "grpo-vllm-lora"])
-def test_rl_trains_with_vllm(proof, name):
-    """GRPO on ZeRO-2, PPO with a critic on ZeRO-3 (the sync gathers each bucket's parameters) and GRPO with a LoRA
-    actor (the sync merges the adapter), with ``rollout.engine: vllm`` in the trainer's process."""
-    _, where, _ = proof
-    needs_vllm(where)
-    _, records, _ = run(proof, name)
-    assert [r["step"] for r in records] == [1, 2, 3]
-    keys = ("reward_mean", "policy_loss", "grad_norm", "logprob_mismatch_mean", "time/sync")
-    _finite(records, keys + (("value_loss",) if name.startswith("ppo") else ()))
-    assert all(r["skipped"] == 0 for r in records), records
-    assert all(r["sync_bytes"] > 0 and r["sync_buckets"] >= 2 for r in records), records
-    worst = max(r["logprob_mismatch_mean"] for r in records)
-    assert worst <= MISMATCH_MAX[where], f"engine vs actor logprobs: {worst:.4f} nats per token"
-
-
-@pytest.mark.slow
-def test_vllm_beside_the_actor(proof):
-    """vLLM in the trainer's process beside a ZeRO-2 actor (tests/gpu/scripts/vllm_beside_actor.py): logprobs
-    against the actor's, sleep's freed memory and wake's restored memory, the bucketed sync, then greedy output
-    against HF's on the updated weights."""
-    _, where, _ = proof
-    needs_vllm(where)
-    r = run_beside(proof)
-    print(f"\nvLLM beside the actor on {where}: " + json.dumps(r))
-    assert r["engine"] == "vllm" and r["generated_tokens"] == 8 * 4 * (64 if where == "cuda" else 8), r
-    assert r["mismatch_before"] <= MISMATCH_MAX[where] and r["mismatch_after"] <= MISMATCH_MAX[where], r
-    # The update moved the actor far enough that an engine left on the old weights would show (the checks have
-    # power): its earlier logprobs and greedy tokens against the new actor.
-    assert r["mismatch_stale"] > 5 * MISMATCH_MAX[where], r
-    assert r["greedy_changed_by_update"] > 0 and r["greedy_worst_gap_stale"] > GREEDY_GAP_MAX[where], r
-    assert r["greedy_worst_gap"] <= GREEDY_GAP_MAX[where], r
-    if where == "cpu":
-        assert r["greedy_equal_hf"] == 1.0, r
-    assert r["sync_buckets"] >= 2 and r["sync_bytes"] >= r["params"] * (2 if where == "cuda" else 4), r
-    if where == "cuda":
-        held = r["engine_weights_gib"] + r["kv_cache_gib"]
-        assert r["sleep_mode"] and r["sleep_freed_gib"] >= 0.9 * held, r
-        assert abs(r["wake_restored_gib"] - r["sleep_freed_gib"]) <= 0.05 * r["sleep_freed_gib"], r
-    else:  # the packed GEMM weights and the KV cache leave the resident set until the sync rewrites them
-        assert r["sleep_freed_gib"] > 0 and r["wake_restored_gib"] > 0, r
