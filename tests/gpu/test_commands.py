@@ -235,6 +235,7 @@ def test_vllm_beside_the_actor(proof):
         assert abs(r["wake_restored_gib"] - r["sleep_freed_gib"]) <= 0.05 * r["sleep_freed_gib"], r
     else:  # the packed GEMM weights and the KV cache leave the resident set until the sync rewrites them
         assert r["sleep_freed_gib"] > 0 and r["wake_restored_gib"] > 0, r
+    assert r["kv_cache_gib"] > 0, r  # vLLM says how many blocks it made (the CUDA bound above reads it)
 
 
 @pytest.mark.slow

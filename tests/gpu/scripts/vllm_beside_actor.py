@@ -127,10 +127,9 @@ def main(config_path: str, out_path: str) -> None:
     engine.sleep()
     asleep = used_bytes(device)
     report["sleep_freed_gib"] = (awake - asleep) / GIB
-    if device.type == "cuda":
-        dtype_bytes = torch.finfo(engine.weight_dtype).bits // 8
-        report["engine_weights_gib"] = report["params"] * dtype_bytes / GIB
-        report["kv_cache_gib"] = kv_cache_bytes(engine, dtype_bytes) / GIB
+    dtype_bytes = torch.finfo(engine.weight_dtype).bits // 8
+    report["engine_weights_gib"] = report["params"] * dtype_bytes / GIB
+    report["kv_cache_gib"] = kv_cache_bytes(engine, dtype_bytes) / GIB
 
     # 3. The update while the engine sleeps; the engine's earlier logprobs against the updated actor.
     report["update_loss"] = one_update(1.0)
