@@ -57,6 +57,7 @@ from __future__ import annotations
 import torch
 
 from fastrlhf.algorithms import _check_temperature, loss_weights
+from fastrlhf.memory.components import balanced_chunk_rows
 
 from ._backend import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES, chunk_budget_bytes, on_cpu, resolve_backend
 from .fused_linear_chunks import (
@@ -96,7 +97,10 @@ def default_chunk_size(
     budget_bytes: int | None = None,
     device: torch.device | str | None = None,
 ) -> int:
-    """Tokens per chunk so that a chunk's fp32 logits fit ``budget_bytes`` (at most N).
+    """Tokens per chunk so that a chunk's fp32 logits fit ``budget_bytes`` (at most N), balanced: as many
+    chunks as the budget needs, of (nearly) equal size, so that no small tail chunk runs its GEMMs at a
+    fraction of the others' efficiency (16,384 tokens at V=152k on a GPU: ten chunks of 1,664 tokens,
+    the last 1,408, rather than nine of 1,728 and one of 832).
 
     ``budget_bytes=None``: the budget of ``device`` (None: the CPU), ``_backend.chunk_budget_bytes``.
     CPU: a multiple of 8, at least :data:`MIN_CHUNK_TOKENS`; other devices: a multiple of 64, at
@@ -106,9 +110,8 @@ def default_chunk_size(
     if budget_bytes is None:
         budget_bytes = chunk_budget_bytes(device)
     floor, multiple = (MIN_CHUNK_TOKENS, 8) if on_cpu(device) else (MIN_CHUNK_TOKENS_GPU, 64)
-    rows = budget_bytes // (4 * max(1, vocab_size))
-    rows = max(floor, rows // multiple * multiple)
-    return max(1, min(rows, num_tokens))
+    return balanced_chunk_rows(num_tokens, budget_bytes // (4 * max(1, vocab_size)), floor, multiple)
+
 
 
 def _primitives():

@@ -172,6 +172,19 @@ def activations(config, shape: ModelShape, micro: int, a: int) -> int:
     return tokens * per_token + mask
 
 
+def balanced_chunk_rows(num_tokens: int, budget_rows: int, floor: int, multiple: int) -> int:
+    """Rows per chunk: at most ``budget_rows`` (rounded down to ``multiple``, at least ``floor``), the fewest
+    chunks that allows, split evenly (rounded up to ``multiple``, which never exceeds the first bound);
+    at most ``num_tokens``. Here, without torch, so that the memory plan counts chunks with this same
+    function (``fastrlhf.kernels.fused_linear.default_chunk_size`` calls it)."""
+    rows = max(floor, budget_rows // multiple * multiple)
+    if rows < num_tokens:
+        chunks = -(-num_tokens // rows)
+        even = -(-num_tokens // chunks)
+        rows = -(-even // multiple) * multiple
+    return max(1, min(rows, num_tokens))
+
+
 def chunk_tokens(config, tokens: int, vocab: int, device: str, free: int | None) -> int:
     """``fastrlhf.kernels.fused_linear.default_chunk_size`` (mirrored; a test keeps them equal)."""
     t = config.trainer
@@ -183,8 +196,7 @@ def chunk_tokens(config, tokens: int, vocab: int, device: str, free: int | None)
         if device == "cuda" and free is not None:
             budget = max(1, min(GPU_CHUNK_BYTES, int(free * GPU_FREE_MEMORY_FRACTION)))
     floor, multiple = (16, 8) if device == "cpu" else (512, 64)
-    rows = max(floor, budget // (4 * max(1, vocab)) // multiple * multiple)
-    return max(1, min(rows, tokens))
+    return balanced_chunk_rows(tokens, budget // (4 * max(1, vocab)), floor, multiple)
 
 
 def fused_loss(config, shape: ModelShape, micro: int, w: int, device: str, free: int | None) -> int:

@@ -55,7 +55,10 @@ def test_qwen2_5_1_5b_zero2_on_8x80(tmp_path):
     plan = plan_memory(gpu_grpo(model_folder(tmp_path / "m", QWEN25_1_5B), zero_stage=2), 8, budget, "cuda")
     tokens = 8 * 1536  # micro-batch 256 / 8 ranks / grad_accum 4 = 8 sequences of 512 + 1024
     layer_act = 12 * h + 10 * 12 * 128 + 8 * inter  # bf16 bytes per token and layer
-    chunk = (GiB // (4 * V)) // 64 * 64  # tokens of fp32 logits in 1 GiB, a multiple of 64: 1728
+    # 1 GiB of fp32 logits holds 1,728 tokens (a multiple of 64); the 8,192 completion tokens of a micro-batch
+    # then take 5 chunks, balanced: 1,664 tokens each (a multiple of 64), the last 1,536.
+    chunk = 1664
+    assert (GiB // (4 * V)) // 64 * 64 == 1728 and -(-8192 // 1728) == 5 and -(-8192 // 5) == 1639  # -> 1,664
     expected = {
         "actor weights": P * 2,                  # bf16, whole on every rank
         "actor gradients": P * 2 // 8,           # ZeRO-2 shards the bf16 gradients
@@ -71,7 +74,6 @@ def test_qwen2_5_1_5b_zero2_on_8x80(tmp_path):
         "optimizer step temporaries": P // 8 * (2 + 4),
         "CUDA context": GiB,
     }
-    assert chunk == 1728
     update = expected["activations"] + expected["fused loss"]
     assert update > expected["optimizer step temporaries"]  # the update is the peak phase
     rollout = sum(v for k, v in expected.items() if k.startswith("rollout"))
@@ -92,7 +94,7 @@ def test_qwen2_5_1_5b_zero2_on_8x80(tmp_path):
 def seven_b_expected(offload: bool):
     P, h, inter, V = qwen_7b_params(), 3584, 18944, 152064
     layer_act = 12 * h + 10 * 28 * 128 + 8 * inter
-    chunk = (GiB // (4 * V)) // 64 * 64
+    chunk = 1664  # 8,192 completion tokens in 5 balanced chunks (1,728 tokens fill 1 GiB of fp32 logits)
     device = {
         # the reduce bucket; stage3_max_live_parameters (1e9) + the prefetch bucket (5e7) gathered, by the
         # actor and by the reference
@@ -597,7 +599,8 @@ def test_auto_gradient_checkpointing_is_off_where_the_run_fits_without_it(tmp_pa
     # A budget the run fits only with checkpointing (margin included): on.
     budget = int((without.total + with_it.total) / 2 / (1 - without.margin / without.budget))
     tight = plan_memory(config, 8, budget)
-    assert tight.gradient_checkpointing and tight.total == plan_at(budget, True).total and not plan_at(budget, False).fits
+    assert tight.gradient_checkpointing and tight.total == plan_at(budget, True).total
+    assert not plan_at(budget, False).fits
     assert tight.notes[0].startswith("model.gradient_checkpointing auto: on: without it the run needs")
     assert resolve_gradient_checkpointing(config, tight).model.gradient_checkpointing is True
     assert resolve_gradient_checkpointing(config, None).model.gradient_checkpointing is True  # no plan: the safe side
