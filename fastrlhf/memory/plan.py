@@ -68,6 +68,7 @@ from dataclasses import dataclass, field, replace
 from fastrlhf.config.errors import ConfigError
 from fastrlhf.memory import components as C
 from fastrlhf.memory.architecture import ModelShape, read_shape
+from fastrlhf.memory.hints import hint_for
 
 __all__ = ["PLAN_HELP", "MemoryPlan", "PlanError", "plan_memory", "plan_for_launch", "kv_cache_bytes_for",
            "parse_bytes", "load_plan_config", "main", "CUDA_CONTEXT_BYTES", "CPU_RUNTIME_BYTES",
@@ -256,32 +257,6 @@ def plan_for_launch(config, world: int | None = None) -> MemoryPlan:
     return plan_memory(config, world, _host_budget(local), "cpu")
 
 
-HINTS = {
-    "optimizer states": "deepspeed.zero_stage 3 or deepspeed.offload_optimizer",
-    "gradients": "deepspeed.zero_stage 2 or 3, or deepspeed.offload_optimizer",
-    "weights": "deepspeed.zero_stage 3, deepspeed.offload_param, or LoRA (model.lora_r)",
-    "reference weights": "deepspeed.zero_stage 3 (shards the reference) or LoRA (no reference copy)",
-    "reward model weights": "a smaller reward model, or reward functions",
-    "ZeRO buffers": "a smaller deepspeed.extra.zero_optimization.reduce_bucket_size",
-    "rollout weights": "rollout.tensor_parallel_size or rollout.sleep",
-    "weight sync bucket": "a smaller rollout.sync_bucket_bytes",
-    "rollout KV cache": "a smaller rollout.kv_cache_bytes, trainer.prompts_per_step or rollout.n",
-    "rollout working memory": "a smaller trainer.prompts_per_step or rollout.n",
-    "activations": "model.gradient_checkpointing: true, or a larger trainer.grad_accum (smaller micro-batches)",
-    "fused loss": "a smaller trainer.loss_chunk_bytes",
-    "optimizer step temporaries": "deepspeed.zero_stage 3 with a smaller zero_optimization.sub_group_size",
-}
-
-
-def _hint(name: str, config) -> str | None:
-    if name.endswith("optimizer states") and config.deepspeed.zero_stage == 3:
-        return "deepspeed.offload_optimizer"
-    for key, hint in HINTS.items():
-        if name.endswith(key) and not (key == "weights" and name.startswith(("reference", "reward", "rollout"))):
-            return hint
-    return None
-
-
 def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: str = "cuda") -> MemoryPlan:
     """The :class:`MemoryPlan` of ``config`` (a ``TrainConfig``) over ``gpus`` ranks on ``device``.
 
@@ -427,7 +402,7 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     components = {name: every[name] for name in order if every[name] > 0}
     phases = {name: [k for k in parts if k in components] for name, parts in phase_parts.items()}
     largest = max(components, key=components.get)
-    hints = {name: h for name in components if (h := _hint(name, config))}
+    hints = {name: h for name in components if (h := hint_for(name, config))}
     return MemoryPlan(components=components, total=total, budget=budget, fits=total <= budget - margin,
                       largest=largest, gpu_memory_utilization=util, device=device, gpus=gpus, margin=margin,
                       engine=kind, phases=phases, peak_phase=peak_phase, host=host, kv_cache_bytes=need_kv,
@@ -435,9 +410,9 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
 
 
 def _plan_deciding_checkpointing(config, gpus: int, gpu_memory_bytes: int | None, device: str) -> MemoryPlan:
-    """``model.gradient_checkpointing: auto``: off where the run fits without it (no forward recomputed in the
-    update: about a quarter less update time), else on. The plan of the setting taken, with the decision in
-    ``.gradient_checkpointing`` and its reason in the notes."""
+    """``model.gradient_checkpointing: auto``: off where the run fits without it (no forward repeated in the
+    update's backward: about a quarter less update time), else on; the plan taken, its reason first in notes."""
+
     def plan_with(on: bool) -> MemoryPlan:
         return plan_memory(replace(config, model=replace(config.model, gradient_checkpointing=on)), gpus,
                            gpu_memory_bytes, device)
@@ -453,8 +428,7 @@ def _plan_deciding_checkpointing(config, gpus: int, gpu_memory_bytes: int | None
 
 
 def resolve_gradient_checkpointing(config, plan: MemoryPlan | None):
-    """``config`` with ``model.gradient_checkpointing: auto`` made what ``plan`` decided (on where there is no
-    plan: a model it cannot count); any other value as it is."""
+    """``config`` with ``model.gradient_checkpointing: auto`` as ``plan`` decided (on without a plan)."""
     if config.model.gradient_checkpointing != "auto":
         return config
     on = True if plan is None else plan.gradient_checkpointing
