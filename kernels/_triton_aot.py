@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-__all__ = ["TARGET_CAPABILITIES", "compile_for_target", "kernel_specs", "compile_all"]
+__all__ = ["TARGET_CAPABILITIES", "compile_for_target", "kernel_specs", "token_loss_specs", "compile_all"]
 
 TARGET_CAPABILITIES = (80, 90)
 
@@ -75,6 +75,27 @@ def kernel_specs(logits_dtype: str, block_v: int):
     return specs
 
 
+def token_loss_specs():
+    """(label, kernel, signature, constexprs, num_warps) of every variant of the per-token loss kernel
+    (``policy_loss_triton.py``), which reads fp32 token vectors whatever the logits' dtype."""
+    from fastrlhf.algorithms.logprobs import K3_CLAMP, LOG_RATIO_CLAMP
+
+    from .policy_loss_triton import BLOCK, KL_KIND_CODES, token_loss_kernels
+
+    kernel = token_loss_kernels().loss
+    sig = {name: "*fp32" for name in ("lp_ptr", "ent_ptr", "old_ptr", "adv_ptr", "w_ptr", "ref_ptr", "grad_lp_ptr",
+                                      "grad_ent_ptr", "sums_ptr")}
+    sig.update(n="i32", clip_low="fp32", clip_high="fp32", dual_clip="fp32", kl_coef="fp32", entropy_coef="fp32")
+    specs = []
+    for has_old, has_dual in ((True, False), (True, True), (False, False), (False, True)):
+        for has_ref, kind in [(False, 0)] + [(True, code) for code in KL_KIND_CODES.values()]:
+            constexprs = {"HAS_OLD": has_old, "HAS_REF": has_ref, "KL_KIND": kind, "HAS_DUAL": has_dual,
+                          "LOG_RATIO_MAX": LOG_RATIO_CLAMP, "K3_MAX": K3_CLAMP, "BLOCK": BLOCK}
+            label = f"token_loss[old={has_old}, ref={has_ref}, kl={kind}, dual={has_dual}]"
+            specs.append((label, kernel, sig, constexprs, 4))
+    return specs
+
+
 def compile_all(
     capabilities=TARGET_CAPABILITIES,
     logits_dtypes=("float32", "bfloat16", "float16"),
@@ -89,6 +110,9 @@ def compile_all(
 
     results = []
     for capability in capabilities:
+        for label, fn, sig, constexprs, warps in token_loss_specs():
+            results.append({"kernel": label, "sm": capability, "block_v": None, "triton": triton.__version__,
+                            **compile_for_target(fn, sig, constexprs, capability, warps)})
         for dtype in logits_dtypes:
             for block_v in block_sizes:
                 for label, fn, sig, constexprs, warps in kernel_specs(dtype, block_v):

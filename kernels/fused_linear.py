@@ -128,10 +128,10 @@ def _check_labels_in_range(labels, vocab_size):
     _check_labels_in_range(labels, vocab_size, "the vocabulary size, weight.shape[0]")
 
 
-def _loss_primitives():
-    from .policy_loss import METRIC_SUM_KEYS, finalize_metrics, policy_loss_from_token_stats
+def _loss_primitives(backend: str = "torch", policy_loss: str = "vanilla"):
+    from .policy_loss import METRIC_SUM_KEYS, finalize_metrics, token_loss_function
 
-    return policy_loss_from_token_stats, finalize_metrics, METRIC_SUM_KEYS
+    return token_loss_function(backend, policy_loss), finalize_metrics, METRIC_SUM_KEYS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, old_logprobs, advantages, weights, ref_logprobs, loss_kwargs,
                 temperature, chunk_size, backend, grad_enabled):
-        loss_fn, _, metric_keys = _loss_primitives()
+        loss_fn, _, metric_keys = _loss_primitives(backend, loss_kwargs["policy_loss"])
         n, vocab = hidden.shape[0], weight.shape[0]
         rows = min(chunk_size, n)
         need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])

@@ -2,8 +2,10 @@
 
 The loss is evaluated on per-token vectors by :func:`policy_loss_from_token_stats`, through
 ``fastrlhf.algorithms`` with autograd, which yields the loss together with its gradient in each
-token's logprob and entropy; the per-token math therefore has one home. Around it, no [N, V]
-tensor is created besides the gradient:
+token's logprob and entropy; the per-token math therefore has one home. On the Triton backend the
+vanilla loss runs the same math as one kernel (``policy_loss_triton.py``, tested against that
+reference; :func:`token_loss_function` picks). Around it, no [N, V] tensor is created besides the
+gradient:
 
 * Triton backend: forward runs the per-row statistics kernel of ``logprob_entropy_triton.py``; backward
   is one pass of its dlogits kernel, with the per-token gradients scaled by ``grad_output``.
@@ -40,6 +42,7 @@ __all__ = [
     "finalize_metrics",
     "fused_policy_loss",
     "policy_loss_from_token_stats",
+    "token_loss_function",
 ]
 
 # Keys of the per-chunk metric sums; "count" is the number of kept tokens.
@@ -122,6 +125,17 @@ def policy_loss_from_token_stats(
             "count": keep.sum().float(),
         }
     return loss.detach(), grad_lp, grad_ent, metric_sums
+
+
+def token_loss_function(backend: str, policy_loss: str):
+    """The per-token loss of a chunk for ``backend``: on Triton, for the ``vanilla`` policy loss, the one-launch
+    kernel of ``policy_loss_triton.py`` (about a hundred small torch kernels fewer per chunk); otherwise
+    :func:`policy_loss_from_token_stats`, its reference. Both take and return the same."""
+    if backend == "triton" and policy_loss == "vanilla":
+        from .policy_loss_triton import triton_policy_loss_from_token_stats
+
+        return triton_policy_loss_from_token_stats
+    return policy_loss_from_token_stats
 
 
 def finalize_metrics(metric_sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -220,7 +234,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
                 metric_sums = _add_sums(metric_sums, part_sums)
         else:
             logprobs, entropy, lse = blockwise_stats(blocks, temperature, backend, check_labels=False)
-            loss, grad_lp, grad_ent, metric_sums = policy_loss_from_token_stats(
+            loss, grad_lp, grad_ent, metric_sums = token_loss_function(backend, loss_kwargs["policy_loss"])(
                 logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs, **loss_kwargs
             )
             ctx.save_for_backward(logits, labels, lse, entropy, grad_lp, grad_ent)
