@@ -1,5 +1,6 @@
 """Input checks of the logprob / entropy primitives, shared by ``logprob_entropy.py``,
-``fused_linear.py`` and ``policy_loss.py``.
+``fused_linear.py`` and ``policy_loss.py``, and of a chunk's per-token loss inputs (``policy_loss.py``,
+``policy_loss_triton.py``).
 
 Off the CPU none of them reads a tensor value into Python (see ``_backend.py``).
 """
@@ -7,6 +8,8 @@ Off the CPU none of them reads a tensor value into Python (see ``_backend.py``).
 from __future__ import annotations
 
 import torch
+
+from fastrlhf.algorithms import check_same_shape
 
 from ._backend import on_cpu
 
@@ -79,3 +82,17 @@ def _check_chunk_buffers(names, first, second, logits, backend, first_alone=Fals
                 f"{name} must be a float32 tensor of logits' shape {tuple(logits.shape)}, contiguous along the "
                 f"vocabulary, got dtype {t.dtype} shape {tuple(t.shape)} strides {t.stride()}"
             )
+
+
+def check_token_inputs(logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs, kl_coef) -> None:
+    """The checks of a chunk's per-token inputs, shared by the reference and the Triton kernel's launcher."""
+    if logprobs.dim() != 1:
+        raise ValueError(f"logprobs must be 1-D [n] (a chunk of flattened tokens), got shape {tuple(logprobs.shape)}")
+    tensors = dict(logprobs=logprobs, entropy=entropy, advantages=advantages, weights=weights)
+    if old_logprobs is not None:
+        tensors["old_logprobs"] = old_logprobs
+    if ref_logprobs is not None:
+        tensors["ref_logprobs"] = ref_logprobs
+    check_same_shape(**tensors)
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")

@@ -24,6 +24,7 @@ import torch
 from fastrlhf.algorithms import actor_loss_per_token, check_same_shape, get_policy_loss, loss_weights, masked_sum
 
 from ._backend import on_cpu, resolve_backend
+from ._checks import check_token_inputs
 from .logprob_entropy import (
     _check_labels_in_range,
     _check_temperature,
@@ -79,16 +80,7 @@ def policy_loss_from_token_stats(
     ``metric_sums`` holds SUMS over kept tokens (keys :data:`METRIC_SUM_KEYS`), so chunked callers
     can add them up and call :func:`finalize_metrics` once. The "kl" sum is 0 when ``ref_logprobs`` is None.
     """
-    if logprobs.dim() != 1:
-        raise ValueError(f"logprobs must be 1-D [n] (a chunk of flattened tokens), got shape {tuple(logprobs.shape)}")
-    tensors = dict(logprobs=logprobs, entropy=entropy, advantages=advantages, weights=weights)
-    if old_logprobs is not None:
-        tensors["old_logprobs"] = old_logprobs
-    if ref_logprobs is not None:
-        tensors["ref_logprobs"] = ref_logprobs
-    check_same_shape(**tensors)
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")
+    check_token_inputs(logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs, kl_coef)
     if not get_policy_loss(policy_loss).token_level:
         raise ValueError(f"policy loss {policy_loss!r} needs whole sequences; the token-chunked kernel cannot fuse it")
 

@@ -19,8 +19,10 @@ import types
 
 import torch
 
-from fastrlhf.algorithms import KL_KINDS, check_same_shape
+from fastrlhf.algorithms import KL_KINDS
 from fastrlhf.algorithms.logprobs import _KL_ALIASES, K3_CLAMP, LOG_RATIO_CLAMP
+
+from ._checks import check_token_inputs
 
 __all__ = ["KL_KIND_CODES", "SUM_COLUMNS", "token_loss_kernels", "triton_policy_loss_from_token_stats"]
 
@@ -114,35 +116,14 @@ def token_loss_kernels():
     return types.SimpleNamespace(loss=_token_loss_kernel)
 
 
-def triton_policy_loss_from_token_stats(
-    logprobs: torch.Tensor,
-    entropy: torch.Tensor,
-    old_logprobs: torch.Tensor | None,
-    advantages: torch.Tensor,
-    weights: torch.Tensor,
-    ref_logprobs: torch.Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    kl_coef: float = 0.0,
-    kl_kind: str = "k3",
-    entropy_coef: float = 0.0,
-    policy_loss: str = "vanilla",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`fastrlhf.kernels.policy_loss.policy_loss_from_token_stats` (same arguments, same results) in one
-    kernel launch and one sum; the ``vanilla`` policy loss only."""
+def triton_policy_loss_from_token_stats(logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs=None, *,
+                                        clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_kind="k3",
+                                        entropy_coef=0.0, policy_loss="vanilla"):
+    """:func:`fastrlhf.kernels.policy_loss.policy_loss_from_token_stats` (same arguments, checks and results) in
+    one kernel launch and one sum; the ``vanilla`` policy loss only."""
     if policy_loss != "vanilla":
         raise ValueError(f"the Triton token loss fuses the vanilla policy loss only, got {policy_loss!r}")
-    if logprobs.dim() != 1:
-        raise ValueError(f"logprobs must be 1-D [n] (a chunk of flattened tokens), got shape {tuple(logprobs.shape)}")
-    tensors = dict(logprobs=logprobs, entropy=entropy, advantages=advantages, weights=weights)
-    if old_logprobs is not None:
-        tensors["old_logprobs"] = old_logprobs
-    if ref_logprobs is not None:
-        tensors["ref_logprobs"] = ref_logprobs
-    check_same_shape(**tensors)
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")
+    check_token_inputs(logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs, kl_coef)
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
     kind = _KL_ALIASES.get(kl_kind, kl_kind)

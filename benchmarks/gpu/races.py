@@ -647,27 +647,18 @@ def grpo_vs_trl(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 
     fastrlhf's speed-up over TRL and its memory over TRL's. A run whose package is missing is skipped with
     its reason, and so is one that would start after ``budget_s`` (``make bench-gpu`` must stay under 5
     minutes). The model folder (bf16 on CUDA: ~3 GB for 1.5B) and every output go in the end."""
-    import importlib.util
 
     started, work = time.perf_counter(), tempfile.mkdtemp(prefix="bench-gpu-grpo-")
     try:
-        dtype = "bfloat16" if device == "cuda" else "float32"
-        spec = dict(device=device, work=work, model_dir=os.path.join(work, "model"), prompts=prompts, n=n,
-                    prompt_len=prompt_len, new_tokens=new_tokens, grad_accum=grad_accum, steps=steps,
-                    prompts_file=os.path.join(work, "prompts.jsonl"))
+        spec, saved = _grpo_setup(work, device, shape, prompts, n, prompt_len, new_tokens, grad_accum, steps,
+                                  timeout_s)
         out = dict(shape=shape, prompts=prompts, n=n, prompt_len=prompt_len, new_tokens=new_tokens, steps=steps,
-                   warmup_steps=warmup, engine="hf", **LOSS, **GRPO_TARGETS)
-        model = dict(device=device, shape=shape, dtype=dtype, out_dir=spec["model_dir"])
-        # On CUDA in a child, so that this process holds no CUDA context while the trainers measure the device.
-        out.update(save_model(**model) if device == "cpu" else run_child("save_model", model, timeout_s, device))
-        _write_prompts(spec, model_shape(shape)["vocab_size"])
+                   warmup_steps=warmup, engine="hf", **LOSS, **GRPO_TARGETS, **saved)
         needs = {"fastrlhf": (), "trl": ("trl",), "trl_liger": ("trl", "liger_kernel")}
         results = {}
         for name in runs:
-            absent = [m for m in needs[name] if importlib.util.find_spec(m) is None]
-            if absent or time.perf_counter() - started > budget_s:
-                out[f"{name}_skipped"] = (f"{', '.join(absent)} not installed" if absent
-                                          else f"the race had used its {budget_s:.0f} s")
+            if skipped := _cannot_start(needs[name], started, budget_s):
+                out[f"{name}_skipped"] = skipped
                 continue
             if name == "fastrlhf":
                 results[name] = run_fastrlhf(spec, work, timeout_s)
@@ -712,26 +703,18 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
     generation), trained tokens/s (prompt and completion tokens over the update), the device's peak memory above
     idle (:class:`DevicePeak`), and for fastrlhf with vLLM the sync's ms and GB/s and the logprob mismatch. A run
     whose package is missing, or that would start after ``budget_s``, is skipped with the reason."""
-    import importlib.util
 
     started, work = time.perf_counter(), tempfile.mkdtemp(prefix="bench-gpu-engines-")
     try:
-        dtype = "bfloat16" if device == "cuda" else "float32"
-        spec = dict(device=device, work=work, model_dir=os.path.join(work, "model"), prompts=prompts, n=n,
-                    prompt_len=prompt_len, new_tokens=new_tokens, grad_accum=grad_accum, steps=steps,
-                    prompts_file=os.path.join(work, "prompts.jsonl"))
+        spec, saved = _grpo_setup(work, device, shape, prompts, n, prompt_len, new_tokens, grad_accum, steps,
+                                  timeout_s)
         out = dict(shape=shape, prompts=prompts, n=n, prompt_len=prompt_len, new_tokens=new_tokens, steps=steps,
-                   warmup_steps=warmup, **LOSS, **ENGINE_TARGETS)
-        model = dict(device=device, shape=shape, dtype=dtype, out_dir=spec["model_dir"])
-        out.update(save_model(**model) if device == "cpu" else run_child("save_model", model, timeout_s, device))
-        _write_prompts(spec, model_shape(shape)["vocab_size"])
+                   warmup_steps=warmup, **LOSS, **ENGINE_TARGETS, **saved)
         needs = {"fastrlhf_vllm": ("vllm",), "fastrlhf_hf": (), "trl_vllm": ("trl", "vllm"),
                  "trl_vllm_liger": ("trl", "vllm", "liger_kernel")}
         for name in runs:
-            absent = [m for m in needs[name] if importlib.util.find_spec(m) is None]
-            if absent or time.perf_counter() - started > budget_s:
-                out[f"{name}_skipped"] = (f"{', '.join(absent)} not installed" if absent
-                                          else f"the race had used its {budget_s:.0f} s")
+            if skipped := _cannot_start(needs[name], started, budget_s):
+                out[f"{name}_skipped"] = skipped
                 continue
             if name.startswith("fastrlhf"):
                 r = run_fastrlhf(spec, work, timeout_s, engine=name.split("_")[1])
@@ -754,6 +737,30 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _grpo_setup(work, device, shape, prompts, n, prompt_len, new_tokens, grad_accum, steps, timeout_s):
+    """The spec every GRPO race's runs share, with its model folder saved (bf16 on CUDA, in a child so that this
+    process holds no CUDA context while the trainers measure the device) and its prompts written; returns the
+    spec and what saving the model reported."""
+    spec = dict(device=device, work=work, model_dir=os.path.join(work, "model"), prompts=prompts, n=n,
+                prompt_len=prompt_len, new_tokens=new_tokens, grad_accum=grad_accum, steps=steps,
+                prompts_file=os.path.join(work, "prompts.jsonl"))
+    model = dict(device=device, shape=shape, dtype="bfloat16" if device == "cuda" else "float32",
+                 out_dir=spec["model_dir"])
+    saved = save_model(**model) if device == "cpu" else run_child("save_model", model, timeout_s, device)
+    _write_prompts(spec, model_shape(shape)["vocab_size"])
+    return spec, saved
+
+
+def _cannot_start(modules, started: float, budget_s: float) -> str | None:
+    """Why a run is skipped (a package missing, or the race's time budget spent), or None."""
+    import importlib.util
+
+    absent = [m for m in modules if importlib.util.find_spec(m) is None]
+    if absent:
+        return f"{', '.join(absent)} not installed"
+    return f"the race had used its {budget_s:.0f} s" if time.perf_counter() - started > budget_s else None
 
 
 def _write_prompts(spec: dict, vocab: int) -> None:
