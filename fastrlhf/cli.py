@@ -276,10 +276,10 @@ def _decide_checkpointing(command: str, config):
     from fastrlhf.memory.plan import plan_for_launch, resolve_gradient_checkpointing
 
     try:
-        plan = plan_for_launch(config)
+        return resolve_gradient_checkpointing(config, plan_for_launch(config))
     except ConfigError as exc:
-        return resolve_gradient_checkpointing(config, None), f"model.gradient_checkpointing auto: on: no plan ({exc})"
-    return resolve_gradient_checkpointing(config, plan), plan.notes[0]
+        config, why = resolve_gradient_checkpointing(config, None)
+        return config, f"{why} ({exc})"
 
 
 def _print_cpu_fast_paths(command: str, config) -> None:

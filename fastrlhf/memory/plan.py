@@ -412,7 +412,6 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
 def _plan_deciding_checkpointing(config, gpus: int, gpu_memory_bytes: int | None, device: str) -> MemoryPlan:
     """``model.gradient_checkpointing: auto``: off where the run fits without it (no forward repeated in the
     update's backward: about a quarter less update time), else on; the plan taken, its reason first in notes."""
-
     def plan_with(on: bool) -> MemoryPlan:
         return plan_memory(replace(config, model=replace(config.model, gradient_checkpointing=on)), gpus,
                            gpu_memory_bytes, device)
@@ -428,11 +427,12 @@ def _plan_deciding_checkpointing(config, gpus: int, gpu_memory_bytes: int | None
 
 
 def resolve_gradient_checkpointing(config, plan: MemoryPlan | None):
-    """``config`` with ``model.gradient_checkpointing: auto`` as ``plan`` decided (on without a plan)."""
+    """``(config, why)``: ``gradient_checkpointing: auto`` as ``plan`` decided (none: on), else ``(config, None)``."""
     if config.model.gradient_checkpointing != "auto":
-        return config
+        return config, None
     on = True if plan is None else plan.gradient_checkpointing
-    return replace(config, model=replace(config.model, gradient_checkpointing=on))
+    why = "model.gradient_checkpointing auto: on: no plan" if plan is None else plan.notes[0]
+    return replace(config, model=replace(config.model, gradient_checkpointing=on)), why
 
 
 # --------------------------------------------------------------------------------------------

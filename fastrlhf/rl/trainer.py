@@ -390,9 +390,8 @@ def _with_checkpointing_decided(config, plan):
     from fastrlhf import distributed as D
     from fastrlhf.memory.plan import resolve_gradient_checkpointing
 
-    decided = resolve_gradient_checkpointing(config, plan)
-    if decided is not config and D.is_main():
-        why = plan.notes[0] if plan is not None else "model.gradient_checkpointing auto: on (no memory plan)"
+    decided, why = resolve_gradient_checkpointing(config, plan)
+    if why and D.is_main():
         print(why, flush=True)
     return decided
 

@@ -595,17 +595,20 @@ def test_auto_gradient_checkpointing_is_off_where_the_run_fits_without_it(tmp_pa
     roomy = plan_memory(config, 8, 80 * GiB)
     assert roomy.fits and not roomy.gradient_checkpointing and roomy.total == without.total
     assert roomy.notes[0].startswith("model.gradient_checkpointing auto: off: the run fits without it")
-    assert resolve_gradient_checkpointing(config, roomy).model.gradient_checkpointing is False
+    assert resolve_gradient_checkpointing(config, roomy) == (replace(config, model=replace(
+        config.model, gradient_checkpointing=False)), roomy.notes[0])
     # A budget the run fits only with checkpointing (margin included): on.
     budget = int((without.total + with_it.total) / 2 / (1 - without.margin / without.budget))
     tight = plan_memory(config, 8, budget)
     assert tight.gradient_checkpointing and tight.total == plan_at(budget, True).total
     assert not plan_at(budget, False).fits
     assert tight.notes[0].startswith("model.gradient_checkpointing auto: on: without it the run needs")
-    assert resolve_gradient_checkpointing(config, tight).model.gradient_checkpointing is True
-    assert resolve_gradient_checkpointing(config, None).model.gradient_checkpointing is True  # no plan: the safe side
+    assert resolve_gradient_checkpointing(config, tight)[0].model.gradient_checkpointing is True
+    decided, why = resolve_gradient_checkpointing(config, None)  # no plan: the safe side, and said
+    assert decided.model.gradient_checkpointing is True and why == "model.gradient_checkpointing auto: on: no plan"
     fixed = replace(config, model=replace(config.model, gradient_checkpointing=False))
-    assert resolve_gradient_checkpointing(fixed, tight) is fixed  # true or false: as written
+    kept, why = resolve_gradient_checkpointing(fixed, tight)
+    assert kept is fixed and why is None  # true or false: as written
 
 
 def test_the_rl_trainer_loads_its_models_as_the_plan_decided(tmp_path, capsys):
