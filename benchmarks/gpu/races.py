@@ -666,16 +666,8 @@ def grpo_vs_trl(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 
                 results[name] = run_child("trl_grpo", dict(spec=dict(spec, liger=name == "trl_liger")), timeout_s,
                                           device)
         for name, r in results.items():
-            measured = [s["step_s"] for s in r["steps"][warmup:]] or [s["step_s"] for s in r["steps"]]
-            out[f"{name}_step_s"] = round(statistics.median(measured), 3)
-            out[f"{name}_steps_s"] = [round(s["step_s"], 3) for s in r["steps"]]
-            if r.get("peak_gib") is not None:
-                out[f"{name}_peak_gib"] = round(r["peak_gib"], 2)
-            for key in ("context_gib", "weights_dtype", "liger_flag", "ignored_args"):
-                if r.get(key) is not None:
-                    out[f"{name}_{key}"] = r[key]
-            if "trl_version" in r:
-                out["trl_version"] = r["trl_version"]
+            _run_figures(out, name, r, warmup, ("peak_gib", "context_gib", "weights_dtype", "liger_flag",
+                                                "ignored_args"))
         for other in ("trl", "trl_liger"):
             _ratio(out, f"speedup_vs_{other}", f"{other}_step_s", "fastrlhf_step_s")
             _ratio(out, f"memory_ratio_vs_{other}", "fastrlhf_peak_gib", f"{other}_peak_gib")
@@ -723,7 +715,7 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
                     r = run_child("trl_grpo", dict(spec=dict(spec, vllm=True, liger=name.endswith("liger"))),
                                   timeout_s, device)
                 r["device_peak_gib"] = peak.gib
-            _engine_figures(out, name, r, warmup)
+            _run_figures(out, name, r, warmup, ("device_peak_gib", "peak_gib", "liger_flag"))
         _ratio(out, "vllm_over_hf", "fastrlhf_hf_step_s", "fastrlhf_vllm_step_s")
         for other in ("trl_vllm", "trl_vllm_liger"):
             _ratio(out, f"speedup_vs_{other}", f"{other}_step_s", "fastrlhf_vllm_step_s")
@@ -771,8 +763,10 @@ def _write_prompts(spec: dict, vocab: int) -> None:
             f.write(json.dumps({"prompt_ids": ids, "prompt": " ".join(f"t{i}" for i in ids)}) + "\n")
 
 
-def _engine_figures(out: dict, name: str, r: dict, warmup: int) -> None:
-    """One run's figures into ``out``: medians over the steps after ``warmup`` (all of them if there are no more)."""
+def _run_figures(out: dict, name: str, r: dict, warmup: int, keys) -> None:
+    """One run's figures into ``out`` as ``<name>_<figure>``: medians over the steps after ``warmup`` (all of them
+    if there are no more), fastrlhf's rates, sync and mismatch where its metrics hold them, the run's ``keys``
+    (floats to 2 decimals), and TRL's version."""
     steps = r["steps"][warmup:] or r["steps"]
 
     def median(key):
@@ -789,9 +783,11 @@ def _engine_figures(out: dict, name: str, r: dict, warmup: int) -> None:
         out[f"{name}_sync_gb_per_s"] = round(median("sync_bytes") / 1e9 / median("sync_s"), 2)
     if median("mismatch") is not None:
         out[f"{name}_mismatch"] = round(median("mismatch"), 5)
-    for key in ("device_peak_gib", "peak_gib", "trl_version", "liger_flag"):
+    for key in keys:
         if r.get(key) is not None:
-            out[f"{name}_{key}"] = r[key]
+            out[f"{name}_{key}"] = round(r[key], 2) if isinstance(r[key], float) else r[key]
+    if "trl_version" in r:
+        out["trl_version"] = r["trl_version"]
 
 
 def layouts_race(**kwargs) -> dict:

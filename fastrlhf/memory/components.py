@@ -186,7 +186,8 @@ def balanced_chunk_rows(num_tokens: int, budget_rows: int, floor: int, multiple:
 
 
 def chunk_tokens(config, tokens: int, vocab: int, device: str, free: int | None) -> int:
-    """``fastrlhf.kernels.fused_linear.default_chunk_size`` (mirrored; a test keeps them equal)."""
+    """``fastrlhf.kernels.fused_linear.default_chunk_size``: its budget mirrored (a test keeps them equal), its
+    rows from the same :func:`balanced_chunk_rows`."""
     t = config.trainer
     if t.loss_chunk_size:
         return max(1, min(t.loss_chunk_size, tokens))
