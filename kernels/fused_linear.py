@@ -113,7 +113,6 @@ def default_chunk_size(
     return balanced_chunk_rows(num_tokens, budget_bytes // (4 * max(1, vocab_size)), floor, multiple)
 
 
-
 def _primitives():
     # Imported on use: the sibling modules pull in nothing heavy, but keeping the import here lets
     # this module load (and report a clear error) even while a sibling is being edited.
