@@ -10,11 +10,13 @@
 #        every command through the launcher, the plan against the measured peak.
 #   2. bash scripts/gpu_session.sh vllm [CAP_S]
 #        carry: .vllm-carry/part-aa  .vllm-carry/unpack.sh, or (after call 1) .vllm-carry/part-ab: once both parts
-#        are there, unpacks vLLM and runs tests/gpu's vLLM tests (in the trainer's process beside a ZeRO-2 actor;
-#        GRPO, PPO on ZeRO-3 and LoRA with rollout.engine vllm; the plan with the engine). With one part only
-#        it says so and stops. (`python3 .gpu-carry/vllm_smoke.py` is the quicker check when those fail.)
+#        are there, unpacks vLLM and, within CAP_S in all, runs tests/gpu's vLLM tests (in the trainer's process
+#        beside a ZeRO-2 actor; GRPO, PPO on ZeRO-3 and LoRA with rollout.engine vllm; the plan with the engine),
+#        .gpu-carry/vllm_smoke.py if they failed (the engine alone, on a tiny model), then the GRPO step with
+#        vLLM against HF generate in the time left. With one part only it reads the probes
+#        (scripts/gpu_probe.py: seconds) and stops: a first call that only delivers a part and sets up.
 #   3. bash scripts/gpu_session.sh vllm-bench [CAP_S]: the GRPO step with vLLM against the same step with HF
-#        generate (vLLM unpacked by call 2 on the same machine, or both parts carried again).
+#        generate alone (vLLM unpacked by call 2 on the same machine, or both parts carried again).
 #   4. bash scripts/gpu_session.sh trl [CAP_S]
 #        carry: .gpu-carry/trl-site.tar.xz (scripts/gpu_trl_carry.sh), vLLM unpacked: the GRPO step with vLLM
 #        against TRL's colocated vLLM, then (time left) the HF-engine race against TRL.
@@ -48,19 +50,28 @@ run_capped() {
   return $rc
 }
 
-# gpu_tests CAP NAME K: `make test-gpu` on the tests matching -k K (-s: the plan tests print their comparison).
+# gpu_tests CAP NAME K: `make test-gpu` on the tests matching -k K (-s: the plan tests print their comparison;
+# -rA: every test's outcome in the log's summary).
 gpu_tests() {
-  run_capped "$1" "$2" env TRITON_INTERPRET=0 python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -s -k "$3" \
-    --timeout=300 -o junit_family=xunit2 --junitxml="$OUT/$2.xml"
+  run_capped "$1" "$2" env TRITON_INTERPRET=0 python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -s -rA -k "$3" \
+    --timeout=300
 }
 
 # gpu_bench CAP NAME K: `make bench-gpu` on the benchmarks matching -k K; the tables of a partial run go to
-# benchmarks/results/gpu/partial/ (conftest.py), copied to $OUT.
+# benchmarks/results/gpu/partial/ (conftest.py), copied to $OUT (a call brings back 8 files at most).
 gpu_bench() {
   mkdir -p benchmarks/results/gpu/partial
   run_capped "$1" "$2" env TRITON_INTERPRET=0 python3 -m pytest benchmarks/gpu -p no:cacheprovider -k "$3" \
     --benchmark-json="benchmarks/results/gpu/partial/$2.json"
-  cp -r benchmarks/results/gpu "$OUT/results-gpu" 2>/dev/null
+  cp -r benchmarks/results/gpu/partial "$OUT/results-gpu" 2>/dev/null
+}
+
+# A call's deadline (DEADLINE, epoch seconds) shared by its parts: left prints the seconds before it, at most $1.
+left() {
+  local s=$(( DEADLINE - $(date +%s) ))
+  (( s > $1 )) && s=$1
+  (( s < 1 )) && s=1
+  echo "$s"
 }
 
 # vLLM 0.26.0 and the packages the image lacks, once both parts are here (unpack.sh checks them); its env.sh
@@ -92,8 +103,16 @@ case "$MODE" in
     gpu_tests "${2:-560}" test-gpu "not vllm"
     ;;
   vllm)
-    with_vllm || exit 1
-    gpu_tests "${2:-560}" test-gpu-vllm "vllm"
+    if ! with_vllm; then
+      timeout 60 python3 scripts/gpu_probe.py
+      exit 1
+    fi
+    DEADLINE=$(( $(date +%s) + ${2:-560} ))
+    if ! gpu_tests "$(left 330)" test-gpu-vllm "vllm"; then
+      run_capped "$(left 100)" vllm-smoke python3 .gpu-carry/vllm_smoke.py --eager
+    fi
+    # The race skips a run that would start late and gives each the time left (benchmarks/gpu/races.py).
+    FASTRLHF_RACE_BUDGET_S=$(left 600) gpu_bench "$(left 600)" bench-vllm-vs-hf "vllm_vs_hf"
     ;;
   vllm-bench)
     with_vllm || exit 1

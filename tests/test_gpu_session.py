@@ -12,10 +12,12 @@ import pytest
 from helpers.paths import ROOT
 
 PYTHON_STUB = """#!/usr/bin/env bash
-# python3 on the "device": records its arguments; sleeps where asked (the cap's test); imports answer.
-echo "$*" >> "$OUT/calls.txt"
+# python3 on the "device": records its arguments (and the race's budget); sleeps where asked (the cap's test);
+# fails where its arguments hold STUB_FAIL; imports answer.
+echo "$*${FASTRLHF_RACE_BUDGET_S:+ budget=$FASTRLHF_RACE_BUDGET_S}" >> "$OUT/calls.txt"
 case "$*" in
   *"-c "*) echo "stub: $*" ;;
+  *"${STUB_FAIL:-no such call}"*) echo "1 failed"; exit 1 ;;
   *) [ -n "${STUB_SLEEP:-}" ] && sleep "$STUB_SLEEP"; echo "1 passed" ;;
 esac
 """
@@ -46,11 +48,13 @@ def device(tmp_path):
     _exe(root / ".vllm-carry" / "unpack.sh", UNPACK_STUB)
     out = tmp_path / "out"
 
-    def run(*args, **env):
+    def run(*args, **env):  # the calls of this run, less the import checks (`python3 -c`)
+        (out / "calls.txt").unlink(missing_ok=True)
         result = subprocess.run(["bash", "scripts/gpu_session.sh", *args], cwd=root, capture_output=True, text=True,
                                 timeout=60, env={**os.environ, "OUT": str(out), "VSITE": str(tmp_path / "vsite"),
                                                  **env})
         calls = (out / "calls.txt").read_text().splitlines() if (out / "calls.txt").exists() else []
+        calls = [c for c in calls if not c.startswith("-c ")]
         return result.returncode, result.stdout + result.stderr, calls
 
     return root, run
@@ -69,14 +73,27 @@ def test_vllm_is_unpacked_only_once_both_parts_arrived_then_its_tests_run(device
     root, run = device
     (root / ".vllm-carry" / "part-aa").write_bytes(b"a")
     rc, log, calls = run("vllm")
-    assert rc == 1 and "carry the other part next" in log and not calls, log  # nothing else spent
+    # The call that delivers one part reads the probes (seconds) and spends nothing else.
+    assert rc == 1 and "carry the other part next" in log and calls == ["scripts/gpu_probe.py"], (log, calls)
     (root / ".vllm-carry" / "part-ab").write_bytes(b"b")
-    rc, log, calls = run("vllm")
+    rc, log, calls = run("vllm", "200")
     assert rc == 0, log
-    assert calls[0] == "unpack" and any("-m gpu tests/gpu" in c and "-k vllm" in c for c in calls), calls
-    rc, log, calls = run("vllm-bench")  # the same machine: vLLM is there, not unpacked again
-    assert rc == 0 and calls.count("unpack") == 1, (log, calls)
+    assert calls[0] == "unpack" and "-m gpu tests/gpu" in calls[1] and "-k vllm" in calls[1], calls
+    # Then the race vLLM against HF, in the time the call's cap leaves (no smoke: the tests passed).
     assert "benchmarks/gpu" in calls[-1] and "-k vllm_vs_hf" in calls[-1], calls
+    assert 150 < int(calls[-1].rsplit("budget=", 1)[1]) <= 200 and len(calls) == 3, calls
+    rc, log, calls = run("vllm-bench")  # the same machine: vLLM is there, not unpacked again
+    assert rc == 0 and "unpack" not in calls, (log, calls)
+    assert "benchmarks/gpu" in calls[-1] and "-k vllm_vs_hf" in calls[-1], calls
+
+
+def test_failed_vllm_tests_are_followed_by_the_engine_alone_then_the_race(device):
+    root, run = device
+    for part in ("part-aa", "part-ab"):
+        (root / ".vllm-carry" / part).write_bytes(b"x")
+    rc, log, calls = run("vllm", STUB_FAIL="tests/gpu")
+    assert [c.split()[0] for c in calls] == ["unpack", "-m", ".gpu-carry/vllm_smoke.py", "-m"], calls
+    assert "test-gpu-vllm exit 1" in log and "-k vllm_vs_hf" in calls[-1], log
 
 
 def test_a_call_past_its_cap_is_stopped_and_said(device):

@@ -77,12 +77,20 @@ def test_layouts_1_5b(gpu_benchmark):
 def test_grpo_step_vllm_vs_hf(gpu_benchmark):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (the gpu extra; on the lent machines the second call of gpu_session.sh)")
-    _race(gpu_benchmark, "grpo_engines", dict(device="cuda", runs=["fastrlhf_vllm", "fastrlhf_hf"]), timeout_s=570)
+    _race(gpu_benchmark, "grpo_engines", dict(device="cuda", runs=["fastrlhf_vllm", "fastrlhf_hf"], **_budget()),
+          timeout_s=570)
 
 
 def test_grpo_step_vllm_vs_trl(gpu_benchmark):
     for module in ("vllm", "trl"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed (the gpu and gpu-bench extras)")
-    _race(gpu_benchmark, "grpo_engines", dict(device="cuda", runs=["fastrlhf_vllm", "trl_vllm", "trl_vllm_liger"]),
-          timeout_s=570)
+    _race(gpu_benchmark, "grpo_engines", dict(device="cuda", runs=["fastrlhf_vllm", "trl_vllm", "trl_vllm_liger"],
+                                               **_budget()), timeout_s=570)
+
+
+def _budget() -> dict:
+    """The engine race's time budget where the device call gives one (scripts/gpu_session.sh: the seconds its
+    cap leaves, ``FASTRLHF_RACE_BUDGET_S``), less the race child's own start and the model's save."""
+    left = os.environ.get("FASTRLHF_RACE_BUDGET_S")
+    return {} if left is None else dict(budget_s=max(float(left) - 30.0, 1.0))
