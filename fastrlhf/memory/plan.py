@@ -342,11 +342,10 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
         generation["rollout working memory"] = working
     if shares_actor:
         notes.append("the HF engine generates with the actor's own weights (ZeRO 0-2): no rollout copy")
-    # rollout.sleep (vLLM on CUDA): weights to host memory and KV cache dropped between generations,
-    # so the engine's memory becomes the generation phase.
+    # rollout.sleep (vLLM on CUDA): weights and KV cache dropped between generations (the sync rewrites
+    # the weights, none wait in host memory), so the engine's memory becomes the generation phase.
     sleeps = kind == "vllm" and ro.sleep and device == "cuda"
     if sleeps:
-        host["rollout weights (asleep)"] = engine["rollout weights"]
         generation, engine = {**engine, **generation}, {}
         notes.append("rollout.sleep: vLLM holds its memory only while it generates")
     # vLLM on a CPU releases its packed weights and KV cache for the update (VLLMEngine.sleep, Llama and

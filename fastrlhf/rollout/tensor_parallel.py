@@ -38,6 +38,14 @@ class TensorParallelGroup(RolloutEngine):
     def weight_dtype(self) -> torch.dtype | None:
         return self.engine.weight_dtype
 
+    @property
+    def needs_sync(self) -> bool:  # the engine's sleep dropped its weights: the step syncs even a skipped update
+        return self.engine.needs_sync
+
+    @property
+    def sync_at_start(self) -> bool:
+        return self.engine.sync_at_start
+
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
                  limits: Sequence[int] | None = None, seeds: Sequence[int] | None = None) -> list[list[Completion]]:
         if limits is not None or seeds is not None:  # config checks keep episodes off tensor-parallel groups

@@ -107,10 +107,11 @@ class VLLMEngine(RolloutEngine):
       packed weights, see ``vllm_inplace_sync``; else the worker's ``reload_weights``; see
       ``vllm_adapter.reload_weights``) and resets the prefix cache, so the next ``generate`` sees
       only the new weights.
-    - ``sleep()`` on CUDA is vLLM's sleep mode (``sleep=True``). On CPU, once a sync has put the
-      GEMMs on in-place packed weights, it always releases their pages and the KV cache's
-      (``vllm_inplace_sync.release_for_update``): the trainer's update runs without them, and the
-      next sync (which the step runs before generating again: :attr:`needs_sync`) rewrites them.
+    - ``sleep()`` on CUDA is vLLM's sleep mode (``sleep=True``) at level 2: the weights and the KV cache
+      are dropped, not copied to host memory. On CPU, once a sync has put the GEMMs on in-place packed
+      weights, it always releases their pages and the KV cache's (``vllm_inplace_sync.release_for_update``).
+      Either way the trainer's update runs without them, and the next sync (which the step runs before
+      generating again, even after a skipped update: :attr:`needs_sync`) rewrites every weight.
     """
 
     kind = "vllm"
@@ -174,7 +175,7 @@ class VLLMEngine(RolloutEngine):
         # [prompt tokens served from the prefix cache, prompt tokens] over every generate (an episode's history)
         self.prefix_cache_counts = [0, 0]
         self._asleep: set[str] = set()
-        self._released = False  # CPU: packed weights released by sleep() and not synced since
+        self._released = False  # weights dropped by sleep() and not synced since
         t0 = time.perf_counter()
         rendezvous = {name: os.environ.get(name) for name in _RENDEZVOUS_ENV}
         try:
@@ -199,7 +200,7 @@ class VLLMEngine(RolloutEngine):
 
     @property
     def needs_sync(self) -> bool:
-        """True while the weights released by a CPU ``sleep()`` wait for ``update_weights``."""
+        """True while the weights dropped by ``sleep()`` wait for ``update_weights``."""
         return self._released
 
     @property
@@ -212,7 +213,7 @@ class VLLMEngine(RolloutEngine):
         if self.sleep_mode and not self._asleep:
             self._check_open()
             vllm_adapter.sleep_llm(self.llm)
-            self._asleep = {"weights", "kv_cache"}
+            self._asleep, self._released = {"weights", "kv_cache"}, True
         elif not self.on_cuda and not self._released:
             self._check_open()
             # The KV cache reads as zeros from here, but no generation comes before update_weights,
@@ -228,7 +229,7 @@ class VLLMEngine(RolloutEngine):
     def generate(self, prompt_token_ids, sampling: SamplingConfig, limits=None, seeds=None) -> list[list[Completion]]:
         self._check_open()
         if self._released:
-            raise RuntimeError("VLLMEngine.generate after sleep() released its weights on CPU: "
+            raise RuntimeError("VLLMEngine.generate after sleep() dropped its weights: "
                                "update_weights (a weight sync) must come first")
         self.wake_up()
         if not isinstance(sampling, SamplingConfig):
@@ -263,8 +264,8 @@ class VLLMEngine(RolloutEngine):
         vllm_adapter.reload_weights(self.llm, named_tensors)
         vllm_adapter.reset_prefix_cache(self.llm)
         if self._released:
-            # A sync carries the whole model; one that left a released layer unwritten would
-            # generate from zeros.
+            # A sync carries the whole model (weight_sync, lora_sync); one that left a dropped layer
+            # unwritten would generate from garbage. The CPU engine can tell (its released pages).
             if vllm_adapter.weights_released(self.llm):
                 raise RuntimeError("update_weights did not rewrite every weight that sleep() released "
                                    "(a partial update): sync the whole model")

@@ -286,7 +286,7 @@ def test_sleep_holds_generation_and_update_one_at_a_time(tmp_path):
     assert abs(slack - update * 0.09) <= 1
     assert asleep.total == awake.total - engine - update - slack + engine
     assert asleep.phases["generation"] == ["rollout weights", "rollout KV cache", "rollout working memory"]
-    assert asleep.host["rollout weights (asleep)"] == c["rollout weights"]
+    assert not any(k.startswith("rollout") for k in asleep.host)  # dropped at sleep, rewritten by the sync
     assert asleep.gpu_memory_utilization > awake.gpu_memory_utilization
 
 

@@ -233,3 +233,75 @@ def test_on_cuda_the_engine_gets_the_kv_cache_the_plan_counts(tmp_path, monkeypa
     assert made[1]["kv_cache_bytes"] is None  # no plan: the utilization sizes it
     assert llm_kwargs("m", on_cuda=True, gpu_memory_utilization=made[0]["gpu_memory_utilization"],
                       kv_cache_bytes=made[0]["kv_cache_bytes"], **BASE)["kv_cache_memory_bytes"] == plan.kv_cache_bytes
+
+
+class SleepModeLLM:
+    """What VLLMEngine calls on a CUDA ``vllm.LLM`` with sleep mode, recorded; weights read as garbage after a
+    level-2 sleep until a reload writes them."""
+
+    def __init__(self):
+        self.calls, self.weights = [], "loaded"
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+        self.weights = "kept on host" if level == 1 else "dropped"
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def collective_rpc(self, fn, args=()):
+        self.calls.append(("reload", [name for name, _ in args[0]]))
+        self.weights = "synced"
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+def _cuda_sleep_engine(llm):
+    """A VLLMEngine as __init__ leaves it on CUDA with ``rollout.sleep`` (vLLM itself replaced by ``llm``)."""
+    from types import SimpleNamespace
+
+    from fastrlhf.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.llm, engine.on_cuda, engine.sleep_mode = llm, True, True
+    engine._asleep, engine._released, engine._finalizer = set(), False, SimpleNamespace(alive=True)
+    return engine
+
+
+def test_on_cuda_sleep_drops_the_weights_and_the_engine_must_be_synced_before_it_generates(monkeypatch):
+    """Level 2: the sync after every update rewrites each weight, so copying them to host memory at sleep and
+    back at wake (level 1: 250 ms of a 1.5B sync on an H200) buys nothing. The engine then says it needs a
+    sync (the step syncs even a skipped update) and refuses to generate from the dropped weights."""
+    import fastrlhf.rollout.vllm_adapter as adapter
+    from fastrlhf.rollout import SamplingConfig
+
+    monkeypatch.setattr(adapter, "_cpu_sync", lambda: None)  # the CUDA side of the switch
+    llm = SleepModeLLM()
+    engine = _cuda_sleep_engine(llm)
+    assert not engine.needs_sync
+    engine.sleep()
+    assert llm.calls == [("sleep", 2)] and llm.weights == "dropped" and engine.needs_sync
+    with pytest.raises(RuntimeError, match="weight sync"):
+        engine.generate([[1, 2]], SamplingConfig())
+    engine.update_weights(iter([("model.embed_tokens.weight", torch.zeros(2, 2))]))
+    assert llm.calls[1:] == [("wake_up", ("weights",)), ("reload", ["model.embed_tokens.weight"]),
+                             ("reset_prefix_cache",)]
+    assert llm.weights == "synced" and not engine.needs_sync
+    engine.wake_up(("kv_cache",))  # as the step's sync ends; then the next generation, and sleep again
+    engine.sleep()
+    assert llm.calls[-2:] == [("wake_up", ("kv_cache",)), ("sleep", 2)] and engine.needs_sync
+
+
+def test_a_tensor_parallel_group_says_when_its_engine_needs_a_sync():
+    """The step reads ``needs_sync`` on the engine it holds: a group that hid its engine's would skip the sync
+    after a skipped update and generate from dropped weights."""
+    from fastrlhf.rollout.tensor_parallel import TensorParallelGroup
+
+    engine = _cuda_sleep_engine(SleepModeLLM())
+    engine.tokenizer, engine._vocab_size, engine._max_model_len = None, 100, 64
+    group = TensorParallelGroup(engine, group_size=2, rank=0)
+    assert not group.needs_sync and not group.sync_at_start
+    group.sleep()
+    assert group.needs_sync

@@ -9,9 +9,10 @@ The RL step that ``fastrlhf train`` builds (``build_rl_step``: a ZeRO-2 actor, v
    what the engine's weights and KV cache hold, which it should free;
 3. an update while the engine sleeps (one optimizer step, large enough that the greedy outputs change), then the
    engine's earlier logprobs against the updated actor (``mismatch_stale``: what a failed sync would show);
-4. the bucketed weight sync (ms, bytes, buckets), the wake-up (free memory back to where it was), then greedy
-   outputs against HF's ``generate`` on the actor's new weights, and each engine token against the actor's own
-   top logit (``greedy_worst_gap``: 0 where the engine chose the actor's argmax), and the mismatch again.
+4. the bucketed weight sync (ms, of which the wake of the weights; bytes, buckets), the wake-up (free memory
+   back to where it was), then greedy outputs against HF's ``generate`` on the actor's new weights, and each
+   engine token against the actor's own top logit (``greedy_worst_gap``: 0 where the engine chose the actor's
+   argmax), and the mismatch again.
 
 Writes a JSON report to argv[2]; argv[1] is the run's config (YAML, ``fastrlhf train``'s schema).
 """
@@ -137,6 +138,10 @@ def main(config_path: str, out_path: str) -> None:
 
     # 4. Sync (bucketed), wake, then greedy against HF on the new weights and the mismatch again.
     t0 = time.perf_counter()
+    engine.wake_up(("weights",))  # what step.sync() does first, timed apart: the rest is the load itself
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    report["wake_weights_ms"] = (time.perf_counter() - t0) * 1e3
     sync = step.sync()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
