@@ -147,9 +147,10 @@ def make_llm(**kwargs):
 
 def sleep_llm(llm) -> None:
     # Level 2: weights and KV cache dropped, not copied to host memory and back (level 1): the sync that
-    # follows every update rewrites every weight anyway. On one H200 the level-1 round trip made a 1.5B
-    # sync 250 ms (12 GB/s, the host link's rate). The engine then needs that sync before it generates
-    # again, even after a skipped update (VLLMEngine.needs_sync); vLLM saves and restores the buffers.
+    # follows every update rewrites every weight anyway. On one H200 a 1.5B sync after a level-1 sleep took
+    # 250 ms, 12 GB/s: about a host link's rate, the 2.9 GB copy back from host memory included. The engine
+    # then needs that sync before it generates again, even after a skipped update (VLLMEngine.needs_sync);
+    # vLLM saves and restores the model's buffers itself.
     llm.sleep(level=2)
 
 

@@ -272,8 +272,9 @@ def _cuda_sleep_engine(llm):
 
 def test_on_cuda_sleep_drops_the_weights_and_the_engine_must_be_synced_before_it_generates(monkeypatch):
     """Level 2: the sync after every update rewrites each weight, so copying them to host memory at sleep and
-    back at wake (level 1: 250 ms of a 1.5B sync on an H200) buys nothing. The engine then says it needs a
-    sync (the step syncs even a skipped update) and refuses to generate from the dropped weights."""
+    back at wake (level 1; a 1.5B sync that includes it took 250 ms on an H200) buys nothing. The engine then
+    says it needs a sync (the step syncs even a skipped update) and refuses to generate from the dropped
+    weights."""
     import fastrlhf.rollout.vllm_adapter as adapter
     from fastrlhf.rollout import SamplingConfig
 
