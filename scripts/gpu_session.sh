@@ -1,34 +1,37 @@
 #!/usr/bin/env bash
 # A lent GPU session's proof, as named device calls, each capped so that a slow or hung part leaves time for the
 # rest and for a rerun, everything printed and written copied to $OUT. Run from the project root on the GPU
-# machine. A call carries at most 64 MiB; what an earlier call left stays on a warm machine (given back after
-# 30 s idle), so the calls of one sequence are issued one right after the other:
+# machine. A call carries at most 64 MiB, and its checkout holds only the ignored paths that call carried
+# (seen on an H200, 2026-11-27: part-aa was gone in the next call): every call carries .gpu-carry, and this
+# script keeps each vLLM part outside the checkout ($VPARTS) until both have come. What lies outside it
+# (/tmp/site, /tmp/vsite, the parts) stays while the machine is warm (given back after 30 s idle), so the
+# calls of one sequence are issued one right after the other:
 #
-#   1. bash scripts/gpu_session.sh tests [CAP_S]
+#   1. bash scripts/gpu_session.sh vllm
 #        carry: .gpu-carry  .vllm-carry/part-aa  .vllm-carry/unpack.sh       (../shared/gpu/prepare_carry.sh,
-#        ../shared/gpu/vllm_carry.sh). tests/gpu without vLLM: kernels at V=151,936, the update's host reads,
-#        every command through the launcher, the plan against the measured peak.
+#        ../shared/gpu/vllm_carry.sh): sets up, keeps the part, reads scripts/gpu_probe.py (seconds), stops.
 #   2. bash scripts/gpu_session.sh vllm [CAP_S]
-#        carry: .vllm-carry/part-aa  .vllm-carry/unpack.sh, or (after call 1) .vllm-carry/part-ab: once both parts
-#        are there, unpacks vLLM and, within CAP_S in all, runs tests/gpu's vLLM tests (in the trainer's process
-#        beside a ZeRO-2 actor; GRPO, PPO on ZeRO-3 and LoRA with rollout.engine vllm; the plan with the engine),
-#        .gpu-carry/vllm_smoke.py if they failed (the engine alone, on a tiny model), then the GRPO step with
-#        vLLM against HF generate in the time left. With one part only it reads the probes
-#        (scripts/gpu_probe.py: seconds) and stops: a first call that only delivers a part and sets up.
-#   3. bash scripts/gpu_session.sh vllm-bench [CAP_S]: the GRPO step with vLLM against the same step with HF
-#        generate alone (vLLM unpacked by call 2 on the same machine, or both parts carried again).
+#        carry: .gpu-carry  .vllm-carry/part-ab: unpacks vLLM and, within CAP_S in all, runs tests/gpu's vLLM
+#        tests (in the trainer's process beside a ZeRO-2 actor; GRPO, PPO on ZeRO-3 and LoRA with
+#        rollout.engine vllm; the plan with the engine), .gpu-carry/vllm_smoke.py if they failed (the engine
+#        alone, on a tiny model), then the GRPO step with vLLM against HF generate in the time left.
+#   3. bash scripts/gpu_session.sh vllm-bench [CAP_S]      carry: .gpu-carry. The GRPO step with vLLM against
+#        the same step with HF generate alone (vLLM unpacked by call 2 on the same machine).
 #   4. bash scripts/gpu_session.sh trl [CAP_S]
-#        carry: .gpu-carry/trl-site.tar.xz (scripts/gpu_trl_carry.sh), vLLM unpacked: the GRPO step with vLLM
-#        against TRL's colocated vLLM, then (time left) the HF-engine race against TRL.
+#        carry: .gpu-carry  .trl-carry (scripts/gpu_trl_carry.sh), vLLM unpacked: the GRPO step
+#        with vLLM against TRL's colocated vLLM, then (time left) the HF-engine race against TRL.
+#   bash scripts/gpu_session.sh tests [CAP_S]      carry: .gpu-carry. tests/gpu without vLLM: kernels at
+#        V=151,936, the update's host reads, every command through the launcher, the plan against the peak.
 #   bash scripts/gpu_session.sh bench [CAP_S] [K]: the benchmarks that need neither vLLM nor TRL (-k K: some).
 #
-# 15 minutes of device time hold the machine's start and about two of these calls: take them in the order of
-# the lowest-numbered open issue that needs them.
+# 15 minutes of device time hold the machine's start (about 30 s on an H200) and about two of these calls:
+# take them in the order of the lowest-numbered open issue that needs them.
 # The default caps (seconds) fit one 600 s device call each.
 set -u
 MODE=${1:-}
 OUT=${OUT:-/tmp/gpu-out}
 VSITE=${VSITE:-/tmp/vsite}
+VPARTS=${VPARTS:-/tmp/vparts}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session-$MODE.log") 2>&1
 case "$MODE" in tests|vllm|vllm-bench|trl|bench) ;; *) echo "usage: $0 tests|vllm|vllm-bench|trl|bench [caps...]"; exit 2 ;; esac
@@ -78,9 +81,11 @@ left() {
 # puts them first on PYTHONPATH.
 with_vllm() {
   if [ ! -f "$VSITE/env.sh" ]; then
-    [ -f .vllm-carry/part-aa ] && [ -f .vllm-carry/part-ab ] \
-      || { echo "vLLM: .vllm-carry has $(ls .vllm-carry 2>/dev/null | tr '\n' ' '); carry the other part next"; return 1; }
-    VSITE=$VSITE bash .vllm-carry/unpack.sh || { echo "vLLM unpack failed"; return 1; }
+    mkdir -p "$VPARTS"
+    cp .vllm-carry/part-* .vllm-carry/unpack.sh "$VPARTS"/ 2>/dev/null
+    [ -f "$VPARTS/part-aa" ] && [ -f "$VPARTS/part-ab" ] && [ -f "$VPARTS/unpack.sh" ] \
+      || { echo "vLLM: $VPARTS has $(ls "$VPARTS" | tr '\n' ' '); carry the other part next"; return 1; }
+    VSITE=$VSITE bash "$VPARTS/unpack.sh" || { echo "vLLM unpack failed"; return 1; }
   fi
   # shellcheck disable=SC1091
   source "$VSITE/env.sh"
@@ -91,9 +96,10 @@ with_vllm() {
 # `datasets` hashes with, pickles a module by value (and fails on pyarrow's) unless its file is under sys.prefix
 # or a site-packages folder.
 with_trl() {
-  local site=/tmp/trl/site-packages
-  [ -f .gpu-carry/trl-site.tar.xz ] || { echo "no .gpu-carry/trl-site.tar.xz: TRL's races are skipped"; return 0; }
-  [ -d "$site/trl" ] || { mkdir -p "$site" && tar -xJf .gpu-carry/trl-site.tar.xz -C "$site"; }
+  local site=${TRL_SITE:-/tmp/trl/site-packages}
+  [ -d "$site/trl" ] || [ -f .trl-carry/trl-site.tar.xz ] \
+    || { echo "no .trl-carry/trl-site.tar.xz: TRL's races are skipped"; return 0; }
+  [ -d "$site/trl" ] || { mkdir -p "$site" && tar -xJf .trl-carry/trl-site.tar.xz -C "$site"; }
   export PYTHONPATH=$PYTHONPATH:$site
   python3 -c "import trl, datasets, pyarrow; print('trl', trl.__version__, '| datasets', datasets.__version__)"
 }

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Adds TRL 1.16 and what it imports to .gpu-carry/, so that `make bench-gpu`'s GRPO step against TRL can run on
+# Builds .trl-carry/trl-site.tar.xz: TRL 1.16 and what it imports, so that `make bench-gpu`'s GRPO step against TRL can run on
 # the GPU machine (no network there). As wheels they do not fit the 64 MiB a device call carries: pyarrow's
 # alone is 55 MB. So they are unpacked here, pyarrow's parts that nothing on that path loads are left out
 # (Flight, S3, headers, its tests: 55 of its 166 MB), and the tree travels as one xz archive (~31 MB; about
-# 47 MB with .gpu-carry's own 16). scripts/gpu_session.sh unpacks it on the device.
+# 47 MB with .gpu-carry's own 16, which every call carries: so it lives beside .gpu-carry, not in it, and the
+# calls that carry a vLLM part stay under 64 MiB). scripts/gpu_session.sh unpacks it on the device.
 # Run from the project root after ../shared/gpu/prepare_carry.sh (a minute, most of it xz):
 #   bash scripts/gpu_trl_carry.sh
 set -eu
-C=.gpu-carry
-[ -d "$C/wheels" ] || { echo "no $C/wheels: run ../shared/gpu/prepare_carry.sh first"; exit 1; }
+C=.trl-carry
+[ -d .gpu-carry/wheels ] || { echo "no .gpu-carry/wheels: run ../shared/gpu/prepare_carry.sh first"; exit 1; }
+mkdir -p "$C"
+grep -qx "/$C/" .git/info/exclude 2>/dev/null || echo "/$C/" >> .git/info/exclude
 # The versions .venv's `bench` extra resolves to (TRL's pin is setup.py's); cp312 for the device's Python 3.12.
 SPECS="trl==1.16.0 datasets==5.2.0 pyarrow==26.0.1 pandas==3.1.1 python-dateutil==4.0.0 dill==0.4.1
  multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0"
@@ -29,4 +32,4 @@ for w in "$tmp"/wheels/*.whl; do python3 -m zipfile -e "$w" "$tmp/site"; done
 rm -rf "$tmp/site/pandas/tests"
 find "$tmp/site" -name __pycache__ -prune -exec rm -rf {} +
 tar -cJf "$C/trl-site.tar.xz" -C "$tmp/site" .
-du -sh "$C/trl-site.tar.xz" "$C"
+du -sh "$C/trl-site.tar.xz" .gpu-carry

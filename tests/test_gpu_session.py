@@ -52,7 +52,8 @@ def device(tmp_path):
         (out / "calls.txt").unlink(missing_ok=True)
         result = subprocess.run(["bash", "scripts/gpu_session.sh", *args], cwd=root, capture_output=True, text=True,
                                 timeout=60, env={**os.environ, "OUT": str(out), "VSITE": str(tmp_path / "vsite"),
-                                                 **env})
+                                                 "VPARTS": str(tmp_path / "vparts"),
+                                                 "TRL_SITE": str(tmp_path / "trl" / "site-packages"), **env})
         calls = (out / "calls.txt").read_text().splitlines() if (out / "calls.txt").exists() else []
         calls = [c for c in calls if not c.startswith("-c ")]
         return result.returncode, result.stdout + result.stderr, calls
@@ -75,6 +76,8 @@ def test_vllm_is_unpacked_only_once_both_parts_arrived_then_its_tests_run(device
     rc, log, calls = run("vllm")
     # The call that delivers one part reads the probes (seconds) and spends nothing else.
     assert rc == 1 and "carry the other part next" in log and calls == ["scripts/gpu_probe.py"], (log, calls)
+    # The next call's checkout holds only what it carried (the device tool removes the rest): part-ab.
+    (root / ".vllm-carry" / "part-aa").unlink()
     (root / ".vllm-carry" / "part-ab").write_bytes(b"b")
     rc, log, calls = run("vllm", "200")
     assert rc == 0, log
@@ -106,3 +109,22 @@ def test_an_unknown_call_says_which_there_are(device):
     _, run = device
     rc, log, _ = run("all")
     assert rc == 2 and "usage:" in log and "vllm-bench" in log, log
+
+
+def test_the_trl_call_unpacks_trl_from_beside_gpu_carry(device, tmp_path):
+    """TRL's archive lives in .trl-carry, not in .gpu-carry (which every call carries, beside a 38 MiB vLLM
+    part); without it the call says TRL's races are skipped and still runs the vLLM-vs-TRL selection."""
+    import tarfile
+
+    root, run = device
+    for part in ("part-aa", "part-ab"):
+        (root / ".vllm-carry" / part).write_bytes(b"x")
+    rc, log, calls = run("trl")
+    assert "TRL's races are skipped" in log and "-k vllm_vs_trl or grpo_step_vs_trl" in calls[-1], (log, calls)
+    (tmp_path / "src" / "trl").mkdir(parents=True)
+    (tmp_path / "src" / "trl" / "marker.py").write_text("")
+    (root / ".trl-carry").mkdir()
+    with tarfile.open(root / ".trl-carry" / "trl-site.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "src" / "trl", arcname="trl")
+    rc, log, calls = run("trl")
+    assert (tmp_path / "trl" / "site-packages" / "trl" / "marker.py").exists() and "skipped" not in log, log
