@@ -14,9 +14,10 @@
 #        carry: .gpu-carry  .vllm-carry/part-ab: unpacks vLLM and, within CAP_S in all, runs tests/gpu's vLLM
 #        tests (in the trainer's process beside a ZeRO-2 actor; GRPO, PPO on ZeRO-3 and LoRA with
 #        rollout.engine vllm; the plan with the engine), .gpu-carry/vllm_smoke.py if they failed (the engine
-#        alone, on a tiny model), then the GRPO step with vLLM against HF generate in the time left.
+#        alone, on a tiny model), then, where RACE_MIN_S are left, the GRPO step with vLLM against HF generate.
 #   3. bash scripts/gpu_session.sh vllm-bench [CAP_S]      carry: .gpu-carry. The GRPO step with vLLM against
-#        the same step with HF generate alone (vLLM unpacked by call 2 on the same machine).
+#        the same step with HF generate alone (vLLM unpacked by call 2 on the same machine), in CAP_S: the
+#        device time left (about 240 s after calls 1 and 2 of a 15-minute session).
 #   4. bash scripts/gpu_session.sh trl [CAP_S]
 #        carry: .gpu-carry  .trl-carry (scripts/gpu_trl_carry.sh), vLLM unpacked: the GRPO step
 #        with vLLM against TRL's colocated vLLM, then (time left) the HF-engine race against TRL.
@@ -69,6 +70,13 @@ gpu_bench() {
   cp -r benchmarks/results/gpu/partial "$OUT/results-gpu" 2>/dev/null
 }
 
+# race CAP: the GRPO step with vLLM against HF generate; the race skips a run that would start late and gives
+# each the time left (benchmarks/gpu/races.py), so that a cut run still leaves the other's figures.
+RACE_MIN_S=240
+race() {
+  FASTRLHF_RACE_BUDGET_S=$1 gpu_bench "$1" bench-vllm-vs-hf "vllm_vs_hf"
+}
+
 # A call's deadline (DEADLINE, epoch seconds) shared by its parts: left prints the seconds before it, at most $1.
 left() {
   local s=$(( DEADLINE - $(date +%s) ))
@@ -114,15 +122,21 @@ case "$MODE" in
       exit 1
     fi
     DEADLINE=$(( $(date +%s) + ${2:-560} ))
-    if ! gpu_tests "$(left 330)" test-gpu-vllm "vllm"; then
+    # Four runs through the launcher, about 100 s each on an H200 (2026-11-27).
+    if ! gpu_tests "$(left 450)" test-gpu-vllm "vllm"; then
       run_capped "$(left 100)" vllm-smoke python3 .gpu-carry/vllm_smoke.py --eager
     fi
-    # The race skips a run that would start late and gives each the time left (benchmarks/gpu/races.py).
-    FASTRLHF_RACE_BUDGET_S=$(left 600) gpu_bench "$(left 600)" bench-vllm-vs-hf "vllm_vs_hf"
+    # The race (its vLLM and HF runs, about 100 s each, and the model's save) only where it fits; else the
+    # next call, vllm-bench, runs it.
+    if (( $(left 600) >= RACE_MIN_S )); then
+      race "$(left 600)"
+    else
+      echo "the vLLM-vs-HF race needs ${RACE_MIN_S}s, $(left 600)s left: next call, vllm-bench"
+    fi
     ;;
   vllm-bench)
     with_vllm || exit 1
-    gpu_bench "${2:-570}" bench-vllm-vs-hf "vllm_vs_hf"
+    race "${2:-570}"
     ;;
   trl)
     with_vllm || exit 1
