@@ -39,7 +39,9 @@ cost of a chunk does (``_backend.py`` explains the rules):
   :data:`MIN_CHUNK_TOKENS_GPU`. Each chunk re-reads the whole ``[V, H]`` head and launches a
   dozen kernels, so small chunks leave the GEMMs bandwidth-bound and the GPU waiting on launches.
 
-``chunk_bytes=`` sets the budget for one call and ``chunk_size=`` (tokens) overrides both. Extra
+Where the head's gradient sums in fp32 inside its GEMMs (CUDA, bf16/fp16), the default budget grows by the
+``[V, H]`` scratch that path does without (:func:`call_chunk_size`). ``chunk_bytes=`` sets the budget for one
+call and ``chunk_size=`` (tokens) overrides both. Extra
 memory is then two chunk buffers (the logits and, on the torch path, their fp32 probabilities; a
 third fp32 one for bf16 inputs or T != 1) plus the fp32 ``grad_weight`` accumulator (and its
 scratch for bf16), instead of several ``[N, V]`` tensors.
@@ -57,7 +59,7 @@ from __future__ import annotations
 import torch
 
 from fastrlhf.algorithms import _check_temperature, loss_weights
-from fastrlhf.memory.components import balanced_chunk_rows
+from fastrlhf.memory.components import balanced_chunk_rows, chunk_budget_without_head_scratch
 
 from ._backend import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES, chunk_budget_bytes, on_cpu, resolve_backend
 from .fused_linear_chunks import (
@@ -66,6 +68,7 @@ from .fused_linear_chunks import (
     _HeadGrads,
     _logits_into,
     _SoftmaxBuffers,
+    accumulates_in_gemm,
     scale_and_cast,
 )
 
@@ -75,6 +78,7 @@ __all__ = [
     "GPU_CHUNK_BYTES",
     "MIN_CHUNK_TOKENS",
     "MIN_CHUNK_TOKENS_GPU",
+    "call_chunk_size",
     "default_chunk_size",
     "fused_linear_logprob_entropy",
     "fused_linear_policy_loss",
@@ -178,8 +182,26 @@ def _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size, chunk
     # Once per call: the chunks then skip the check (off the CPU each one is a few launches).
     _check_labels_in_range(flat_labels, weight.shape[0])
     if chunk_size is None:
-        chunk_size = default_chunk_size(n, weight.shape[0], chunk_bytes, hidden.device)
+        chunk_size = call_chunk_size(n, weight, chunk_bytes)
     return flat_hidden, flat_labels, max(1, min(chunk_size, n))
+
+
+def call_chunk_size(num_tokens: int, weight: torch.Tensor, chunk_bytes: int | None = None) -> int:
+    """The chunk rows of a call on ``num_tokens`` tokens and this head: :func:`default_chunk_size` of
+    ``chunk_bytes``, or of the device's budget grown by the ``[V, H]`` scratch that a bf16/fp16 head's
+    gradient does without where its GEMMs sum in fp32 (:func:`accumulates_in_gemm`; only when that gradient
+    is made, i.e. grad enabled and the weight requiring it): the same peak in fewer chunks
+    (``fastrlhf.memory.components.chunk_budget_without_head_scratch``, which the memory plan counts too)."""
+    vocab, device = weight.shape[0], weight.device
+    if chunk_bytes is None and not on_cpu(device) and _head_scratch_spared(weight):
+        chunk_bytes = chunk_budget_without_head_scratch(chunk_budget_bytes(device), vocab, weight.shape[1],
+                                                        weight.element_size())
+    return default_chunk_size(num_tokens, vocab, chunk_bytes, device)
+
+
+def _head_scratch_spared(weight: torch.Tensor) -> bool:
+    return (torch.is_grad_enabled() and weight.requires_grad and weight.dtype != torch.float32
+            and accumulates_in_gemm(weight))
 
 
 def _flat_token_tensor(name: str, t: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:

@@ -185,9 +185,19 @@ def balanced_chunk_rows(num_tokens: int, budget_rows: int, floor: int, multiple:
     return max(1, min(rows, num_tokens))
 
 
-def chunk_tokens(config, tokens: int, vocab: int, device: str, free: int | None) -> int:
-    """``fastrlhf.kernels.fused_linear.default_chunk_size``: its budget mirrored (a test keeps them equal), its
-    rows from the same :func:`balanced_chunk_rows`."""
+def chunk_budget_without_head_scratch(budget: int, vocab: int, hidden: int, weight_bytes: int) -> int:
+    """A chunk budget (bytes of fp32 logits) grown by the ``[V, H]`` scratch of the weight's dtype that the
+    head's gradient does without where its GEMMs sum in fp32 themselves (CUDA, a bf16/fp16 head trained):
+    the peak the scratch path had, spent on fewer, longer chunks, each of which re-reads the head and the
+    fp32 accumulator (7B head, 16,384 tokens, bf16: five chunks of 3,328 instead of ten of 1,664). One formula
+    for the kernels (``fastrlhf.kernels.fused_linear.call_chunk_size``) and the plan."""
+    return budget + vocab * hidden * weight_bytes
+
+
+def chunk_tokens(config, tokens: int, vocab: int, device: str, free: int | None, head_scratch: int = 0) -> int:
+    """``fastrlhf.kernels.fused_linear.call_chunk_size``: its budget mirrored (a test keeps them equal), its
+    rows from the same :func:`balanced_chunk_rows`; ``head_scratch``: the bytes the default budget grows by
+    (:func:`chunk_budget_without_head_scratch`), 0 where the head keeps its scratch or is not trained."""
     t = config.trainer
     if t.loss_chunk_size:
         return max(1, min(t.loss_chunk_size, tokens))
@@ -196,6 +206,7 @@ def chunk_tokens(config, tokens: int, vocab: int, device: str, free: int | None)
         budget = CPU_CHUNK_BYTES if device == "cpu" else GPU_CHUNK_BYTES
         if device == "cuda" and free is not None:
             budget = max(1, min(GPU_CHUNK_BYTES, int(free * GPU_FREE_MEMORY_FRACTION)))
+        budget += head_scratch
     floor, multiple = (16, 8) if device == "cpu" else (512, 64)
     return balanced_chunk_rows(tokens, budget // (4 * max(1, vocab)), floor, multiple)
 
@@ -205,14 +216,18 @@ def fused_loss(config, shape: ModelShape, micro: int, w: int, device: str, free:
     tokens, vocab, h = update_micro_batch(config, micro)[2], shape.vocab, shape.hidden
     if not config.trainer.fused_loss:  # materialised logits, their fp32 log-softmax and softmax
         return tokens * vocab * (w + 8)
-    chunk = chunk_tokens(config, tokens, vocab, device, free)
+    head_trained = config.model.lora_r == 0 or "lm_head" in config.model.lora_targets
+    # The head's gradient: an fp32 [V, H] sum, plus a scratch of the weight's dtype for each chunk's GEMM
+    # unless the GEMM sums in fp32 itself (CUDA: torch >= 2.11's out_dtype), whose budget then grows by it.
+    scratch = vocab * h * w if head_trained and w != 4 else 0
+    in_gemm = device == "cuda"
+    chunk = chunk_tokens(config, tokens, vocab, device, free, scratch if in_gemm else 0)
     if device == "cpu":  # the torch path: logits, fp32 probabilities, and p * z for bf16 or T != 1
         extra = 4 if (w != 4 or config.rollout.temperature != 1.0) else 0
         buffers = chunk * vocab * (w + 4 + extra)
     else:  # Triton: the logits chunk alone, dlogits written in place
         buffers = chunk * vocab * w
-    head_trained = config.model.lora_r == 0 or "lm_head" in config.model.lora_targets
-    head_grad = vocab * h * (4 + (w if w != 4 else 0)) if head_trained else 0
+    head_grad = vocab * h * 4 + (0 if in_gemm else scratch) if head_trained else 0
     return buffers + head_grad + tokens * h * w
 
 

@@ -21,6 +21,7 @@ from fastrlhf.kernels.fused_linear import (
     GPU_CHUNK_BYTES,
     MIN_CHUNK_TOKENS,
     MIN_CHUNK_TOKENS_GPU,
+    call_chunk_size,
     default_chunk_size,
 )
 
@@ -338,6 +339,27 @@ def test_chunk_bytes_and_chunk_size_override_the_budget(monkeypatch):
     torch.testing.assert_close(lp, fused_linear_logprob_entropy(x, w, y, backend="torch", chunk_size=100)[0])
     with pytest.raises(ValueError, match="chunk_bytes must be a positive int"):
         fused_linear_logprob_entropy(x, w, y, chunk_bytes=0)
+
+
+def test_a_head_whose_gemms_sum_its_gradient_in_fp32_takes_longer_chunks(monkeypatch):
+    """Where the head's fp32 gradient sums inside its GEMMs (meta stands for CUDA here), the [V, H] bf16 scratch
+    is not allocated, and the chunk budget grows by it: the 7B head's 16,384 tokens take five chunks of 3,328
+    instead of ten of 1,664, at no more memory. Not where that scratch never existed (no gradient, an fp32
+    head, the CPU) nor where the caller set the budget."""
+    v, h, n = 152_064, 3_584, 16_384
+    hidden, weight, b, labels = meta_head((n,), h, v, torch.bfloat16)
+    plain = default_chunk_size(n, v, device=META)
+    assert plain == 1664 and call_chunk_size(n, weight) == 3328
+    with torch.no_grad():
+        assert call_chunk_size(n, weight) == plain  # no gradient: no scratch to spare
+    assert call_chunk_size(n, weight.detach()) == plain
+    assert call_chunk_size(n, weight.detach().float().requires_grad_()) == plain  # fp32: addmm_, no scratch
+    assert call_chunk_size(n, weight, chunk_bytes=GPU_CHUNK_BYTES) == plain  # the caller's budget stands
+    cpu_weight = torch.empty(v, h, dtype=torch.bfloat16, requires_grad=True)
+    assert call_chunk_size(n, cpu_weight) == default_chunk_size(n, v)  # the CPU keeps its scratch
+    gemms = count_calls(monkeypatch, fl_module, "_logits_into")
+    loss, _ = run_policy_loss(hidden, weight, b, labels)
+    assert len(gemms) == 5
 
 
 @pytest.mark.parametrize("op", ["policy_loss", "logprob_entropy"])

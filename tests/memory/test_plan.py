@@ -55,10 +55,11 @@ def test_qwen2_5_1_5b_zero2_on_8x80(tmp_path):
     plan = plan_memory(gpu_grpo(model_folder(tmp_path / "m", QWEN25_1_5B), zero_stage=2), 8, budget, "cuda")
     tokens = 8 * 1536  # micro-batch 256 / 8 ranks / grad_accum 4 = 8 sequences of 512 + 1024
     layer_act = 12 * h + 10 * 12 * 128 + 8 * inter  # bf16 bytes per token and layer
-    # 1 GiB of fp32 logits holds 1,728 tokens (a multiple of 64); the 8,192 completion tokens of a micro-batch
-    # then take 5 chunks, balanced: 1,664 tokens each (a multiple of 64), the last 1,536.
-    chunk = 1664
-    assert (GiB // (4 * V)) // 64 * 64 == 1728 and -(-8192 // 1728) == 5 and -(-8192 // 5) == 1639  # -> 1,664
+    # 1 GiB of fp32 logits, grown by the bf16 [V, h] scratch the head's gradient does without on CUDA (its GEMMs
+    # sum in fp32), holds 2,496 tokens (a multiple of 64); the 8,192 completion tokens of a micro-batch then
+    # take 4 chunks of 2,048 (without the growth: 5 of 1,664).
+    chunk = 2048
+    assert ((GiB + V * h * 2) // (4 * V)) // 64 * 64 == 2496 and -(-8192 // 2496) == 4 and 8192 // 4 == chunk
     expected = {
         "actor weights": P * 2,                  # bf16, whole on every rank
         "actor gradients": P * 2 // 8,           # ZeRO-2 shards the bf16 gradients
@@ -69,7 +70,7 @@ def test_qwen2_5_1_5b_zero2_on_8x80(tmp_path):
         "rollout KV cache": 8 * GiB,             # rollout.kv_cache_bytes
         "rollout working memory": 16384 * (3 * inter + 4 * h) * 2 + 3 * 1024 * V * 4,
         "activations": tokens * (28 * 2 * h + 2 * layer_act + 12 * h) + 8 * 1536 * 1536,
-        "fused loss": chunk * V * 2 + V * h * (4 + 2) + 8 * 1024 * h * 2,
+        "fused loss": chunk * V * 2 + V * h * 4 + 8 * 1024 * h * 2,  # fp32 grad_W, no bf16 scratch
         # the rank's bf16 gradient partition flattened, then that copy cast to fp32 (fused AdamW: no more)
         "optimizer step temporaries": P // 8 * (2 + 4),
         "CUDA context": GiB,
@@ -84,7 +85,7 @@ def test_qwen2_5_1_5b_zero2_on_8x80(tmp_path):
     held = sum(expected.values()) - update - expected["optimizer step temporaries"]
     assert plan.total == held + update and plan.peak_phase == "update"
     assert plan.fits and plan.largest == "rollout KV cache"
-    assert plan.gpu_memory_utilization == util(budget, plan.total - rollout) == 0.73
+    assert plan.gpu_memory_utilization == util(budget, plan.total - rollout) == 0.74
     # 16 prompts x 8 completions per rank, 1536 tokens (a multiple of 16), K and V of 28 layers x 2 kv heads x 128
     assert plan.kv_cache_bytes == kv_cache_bytes_for(gpu_grpo(str(tmp_path / "m"), 2), 8, "cuda") == \
         128 * 1536 * 28 * 2 * 2 * 128 * 2
@@ -94,7 +95,10 @@ def test_qwen2_5_1_5b_zero2_on_8x80(tmp_path):
 def seven_b_expected(offload: bool):
     P, h, inter, V = qwen_7b_params(), 3584, 18944, 152064
     layer_act = 12 * h + 10 * 28 * 128 + 8 * inter
-    chunk = 1664  # 8,192 completion tokens in 5 balanced chunks (1,728 tokens fill 1 GiB of fp32 logits)
+    # 8,192 completion tokens in 3 balanced chunks: 3,520 tokens fill 1 GiB of fp32 logits grown by the bf16
+    # [V, h] scratch the head's gradient does without on CUDA (without it: 5 chunks of 1,664)
+    chunk = 2752
+    assert ((GiB + V * h * 2) // (4 * V)) // 64 * 64 == 3520 and -(-8192 // 3520) == 3
     device = {
         # the reduce bucket; stage3_max_live_parameters (1e9) + the prefetch bucket (5e7) gathered, by the
         # actor and by the reference
@@ -104,7 +108,7 @@ def seven_b_expected(offload: bool):
         "rollout KV cache": 8 * GiB,
         "rollout working memory": 16384 * (3 * inter + 4 * h) * 2 + 3 * 1024 * V * 4,
         "activations": 8 * 1536 * (28 * 2 * h + 2 * layer_act + 12 * h) + 8 * 1536 * 1536,
-        "fused loss": chunk * V * 2 + V * h * 6 + 8 * 1024 * h * 2,
+        "fused loss": chunk * V * 2 + V * h * 4 + 8 * 1024 * h * 2,
         "CUDA context": GiB,
     }
     sharded = {"actor weights": P * 2 // 8, "actor gradients": P * 2 // 8, "actor optimizer states": P * 12 // 8,
@@ -133,9 +137,9 @@ def test_qwen2_5_7b_zero3_on_8x80(tmp_path, offload):
     assert plan.total == held + phases["update"] and plan.peak_phase == "update" and plan.fits
     rollout = sum(v for k, v in expected.items() if k.startswith("rollout"))
     assert plan.gpu_memory_utilization == util(budget, plan.total - rollout)
-    # The trainer holds 21.80 GiB plus the update's 11.67 and 9% of the two as allocator slack (offloaded:
-    # 5.84 + 11.67 + 9%): (80 - 36.48 - 4) / 80 = 0.494 and (80 - 19.09 - 4) / 80 = 0.711.
-    assert plan.gpu_memory_utilization == (0.71 if offload else 0.49)
+    # The trainer holds 21.80 GiB plus the update's 10.96 and 9% of the two as allocator slack (offloaded:
+    # 5.84 + 10.96 + 9%): (80 - 35.71 - 4) / 80 = 0.504 and (80 - 18.31 - 4) / 80 = 0.721.
+    assert plan.gpu_memory_utilization == (0.72 if offload else 0.50)
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,8 +362,9 @@ def test_parse_bytes():
 def test_mirrored_constants_and_rules_match_their_sources(small):
     import dataclasses
 
+    import torch
     from fastrlhf.kernels import _backend
-    from fastrlhf.kernels.fused_linear import default_chunk_size
+    from fastrlhf.kernels.fused_linear import call_chunk_size, default_chunk_size
 
     from fastrlhf.memory import components as plan
     from fastrlhf.rl.step import micro_batch_size
@@ -378,6 +383,12 @@ def test_mirrored_constants_and_rules_match_their_sources(small):
                     assert plan.chunk_tokens(c, tokens, vocab, device, None) == \
                         default_chunk_size(tokens, vocab, budget or (_backend.CPU_CHUNK_BYTES if device == "cpu"
                                                                      else _backend.GPU_CHUNK_BYTES), device)
+    # A bf16 head trained on CUDA: the budget grows by the scratch its GEMMs spare (meta stands for CUDA).
+    for vocab, hidden in ((32000, 4096), (151936, 1536), (152064, 3584)):
+        weight = torch.empty(vocab, hidden, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        for tokens in (100, 5000, 16384, 100_000):
+            assert plan.chunk_tokens(config, tokens, vocab, "cuda", None, vocab * hidden * 2) == \
+                call_chunk_size(tokens, weight)
     for world in (1, 2, 8):
         assert plan.micro_batch(config, world) == micro_batch_size(config, world)
 
@@ -412,7 +423,7 @@ def test_plan_command_prints_the_table_and_the_utilization(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "actor optimizer states" in out and "rollout KV cache" in out and "fits" in out
-    assert "rollout.gpu_memory_utilization: 0.73" in out
+    assert "rollout.gpu_memory_utilization: 0.74" in out
     assert "heavy: []" in out  # no torch, deepspeed, vllm or transformers imported
     assert elapsed < 5
 
@@ -432,7 +443,7 @@ def test_plan_command_reads_a_bare_gpu_memory_as_gib(tmp_path):
                for size in ("80", "80GiB", "80.0")]
     assert [r.returncode for r in results] == [0, 0, 0], results[0].stderr
     assert results[0].stdout == results[1].stdout == results[2].stdout
-    assert "rollout.gpu_memory_utilization: 0.73" in results[0].stdout
+    assert "rollout.gpu_memory_utilization: 0.74" in results[0].stdout
     assert parse_bytes("80", unit=GiB) == 80 * GiB and parse_bytes("80B", unit=GiB) == 80
 
 
