@@ -43,8 +43,8 @@ Where the head's gradient sums in fp32 inside its GEMMs (CUDA, bf16/fp16), the d
 ``[V, H]`` scratch that path does without (:func:`call_chunk_size`). ``chunk_bytes=`` sets the budget for one
 call and ``chunk_size=`` (tokens) overrides both. Extra
 memory is then two chunk buffers (the logits and, on the torch path, their fp32 probabilities; a
-third fp32 one for bf16 inputs or T != 1) plus the fp32 ``grad_weight`` accumulator (and its
-scratch for bf16), instead of several ``[N, V]`` tensors.
+third fp32 one for bf16 inputs or T != 1) plus the fp32 ``grad_weight`` accumulator (and, where the GEMM
+cannot sum in fp32, its scratch for bf16), instead of several ``[N, V]`` tensors.
 
 No host syncs off the CPU: the chunk loops read no tensor value into Python there (labels are
 checked once by a device-side assert; ``grad_output`` is applied unconditionally), so the host

@@ -188,9 +188,10 @@ def balanced_chunk_rows(num_tokens: int, budget_rows: int, floor: int, multiple:
 def chunk_budget_without_head_scratch(budget: int, vocab: int, hidden: int, weight_bytes: int) -> int:
     """A chunk budget (bytes of fp32 logits) grown by the ``[V, H]`` scratch of the weight's dtype that the
     head's gradient does without where its GEMMs sum in fp32 themselves (CUDA, a bf16/fp16 head trained):
-    the peak the scratch path had, spent on fewer, longer chunks, each of which re-reads the head and the
-    fp32 accumulator (7B head, 16,384 tokens, bf16: five chunks of 3,328 instead of ten of 1,664). One formula
-    for the kernels (``fastrlhf.kernels.fused_linear.call_chunk_size``) and the plan."""
+    fewer, longer chunks, each of which re-reads the head and the fp32 accumulator (7B head, 16,384 tokens,
+    bf16: five chunks of 3,328 instead of ten of 1,664), at no more memory than the scratch path (the budget
+    counts fp32 logits; Triton's bf16 chunk takes half of it). One formula for the kernels
+    (``fastrlhf.kernels.fused_linear.call_chunk_size``) and the plan."""
     return budget + vocab * hidden * weight_bytes
 
 
