@@ -79,6 +79,7 @@ def main(config_path: str, out_path: str) -> None:
     from fastrlhf import distributed as D
     from fastrlhf.config import load_config
     from fastrlhf.engine.guards import StepGuard
+    from fastrlhf.rl.step import empty_device_cache
     from fastrlhf.rl.trainer import build_rl_step, preflight
     from fastrlhf.rollout import HFEngine, SamplingConfig
     from fastrlhf.supervised import seed_everything
@@ -138,7 +139,8 @@ def main(config_path: str, out_path: str) -> None:
 
     # 4. Sync (bucketed), wake, then greedy against HF on the new weights and the mismatch again.
     t0 = time.perf_counter()
-    engine.wake_up(("weights",))  # what step.sync() does first, timed apart: the rest is the load itself
+    empty_device_cache(device)  # what step.sync() does first, timed apart: the rest is the load itself
+    engine.wake_up(("weights",))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report["wake_weights_ms"] = (time.perf_counter() - t0) * 1e3
