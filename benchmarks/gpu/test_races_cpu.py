@@ -85,3 +85,29 @@ def test_grpo_engines():
     assert "fastrlhf_hf_sync_ms" not in r, r  # the HF engine generates with the actor's weights: no sync
     assert 0 <= r["fastrlhf_vllm_mismatch"] < 1e-3 and r["vllm_over_hf"] > 0, r
     assert "fastrlhf_vllm_device_peak_gib" not in r and r["targets_met"] is False, r  # no device memory on a CPU
+
+
+def test_the_engine_race_gives_each_run_the_time_left_and_keeps_the_others_figures(monkeypatch, tmp_path):
+    """Stand-in runs (no trainer starts): a run gets the race's time left, not its whole timeout, so a device
+    call's cap is not overrun; one that fails is recorded and the next still runs; one that could not begin
+    with MIN_RUN_S left is skipped with the reason. The H200's first race lost its HF figures to the cap."""
+    clock = [0.0]
+    monkeypatch.setattr(races.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(races, "_grpo_setup", lambda work, *a: ({"device": "cpu"}, {}))
+    given = {}
+
+    def fake_run(spec, work, timeout_s, engine="hf"):
+        given[engine] = timeout_s
+        clock[0] += 100.0  # each run takes 100 s
+        if engine == "hf":
+            raise RuntimeError("exit 1: the HF run broke")
+        return {"steps": [{"step_s": 2.0, "tokens": 10, "generate_s": 1.0, "trained_tokens": 20, "train_s": 1.0,
+                           "sync_s": 0.1, "sync_bytes": 1e9, "mismatch": 0.01}] * 2}
+
+    monkeypatch.setattr(races, "run_fastrlhf", fake_run)
+    r = races.grpo_engines(device="cpu", runs=("fastrlhf_vllm", "fastrlhf_hf", "fastrlhf_vllm"), timeout_s=300,
+                           budget_s=230)
+    assert given == {"vllm": 230, "hf": 130}  # the whole timeout would have outrun the budget
+    assert r["fastrlhf_vllm_step_s"] == 2.0 and "exit 1: the HF run broke" in r["fastrlhf_hf_error"], r
+    assert "30 s of the race's 230 s left" in r["fastrlhf_vllm_skipped"], r  # below MIN_RUN_S: not begun
+    assert "vllm_over_hf" not in r and r["targets_met"] is False, r
