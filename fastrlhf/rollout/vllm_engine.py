@@ -81,6 +81,25 @@ def check_cpu_head_size(config: dict, ask_vllm: bool = True) -> None:
         )
 
 
+def _counted(named_tensors: Iterable[tuple[str, torch.Tensor]], count: list[int]):
+    """``named_tensors`` as they are, adding each tensor's element count to ``count[0]`` as it passes."""
+    for name, tensor in named_tensors:
+        count[0] += tensor.numel()
+        yield name, tensor
+
+
+def _checkpoint_numel(model_path: str) -> int | None:
+    """The causal LM's parameter count from its config.json (a tied head once, as a sync streams it), or None
+    for an architecture the memory plan cannot count."""
+    from fastrlhf.config import ConfigError
+    from fastrlhf.memory.architecture import read_shape
+
+    try:
+        return read_shape(model_path).causal_lm_params()
+    except ConfigError:
+        return None
+
+
 def _eos_ids(model_path: str, config: dict) -> list[int]:
     eos = None
     gen_path = os.path.join(str(model_path), "generation_config.json")
@@ -261,14 +280,20 @@ class VLLMEngine(RolloutEngine):
         """
         self._check_open()
         self.wake_up(("weights",))  # the KV cache stays asleep until the next generate
+        # A sync carries the whole model (weight_sync, lora_sync); one that left a dropped weight unwritten
+        # would generate from garbage. The CPU engine tells by its released pages; on CUDA the elements
+        # streamed are counted against the checkpoint's.
+        streamed = [0]
+        if self._released and self.on_cuda:
+            named_tensors = _counted(named_tensors, streamed)
         vllm_adapter.reload_weights(self.llm, named_tensors)
         vllm_adapter.reset_prefix_cache(self.llm)
         if self._released:
-            # A sync carries the whole model (weight_sync, lora_sync); one that left a dropped layer
-            # unwritten would generate from garbage. The CPU engine can tell (its released pages).
-            if vllm_adapter.weights_released(self.llm):
-                raise RuntimeError("update_weights did not rewrite every weight that sleep() released "
-                                   "(a partial update): sync the whole model")
+            expected = _checkpoint_numel(self.model_path) if self.on_cuda else None
+            if vllm_adapter.weights_released(self.llm) or (expected is not None and streamed[0] != expected):
+                raise RuntimeError(f"update_weights did not rewrite every weight that sleep() dropped (a partial "
+                                   f"update{f': {streamed[0]:,} of {expected:,} elements' if expected else ''}): "
+                                   "sync the whole model")
             self._released = False
 
     def share_input_embedding(self, weight: torch.Tensor) -> int:

@@ -258,19 +258,19 @@ class SleepModeLLM:
         return True
 
 
-def _cuda_sleep_engine(llm):
+def _cuda_sleep_engine(llm, model_path=None):
     """A VLLMEngine as __init__ leaves it on CUDA with ``rollout.sleep`` (vLLM itself replaced by ``llm``)."""
     from types import SimpleNamespace
 
     from fastrlhf.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.llm, engine.on_cuda, engine.sleep_mode = llm, True, True
+    engine.llm, engine.on_cuda, engine.sleep_mode, engine.model_path = llm, True, True, model_path
     engine._asleep, engine._released, engine._finalizer = set(), False, SimpleNamespace(alive=True)
     return engine
 
 
-def test_on_cuda_sleep_drops_the_weights_and_the_engine_must_be_synced_before_it_generates(monkeypatch):
+def test_on_cuda_sleep_drops_the_weights_and_the_engine_must_be_synced_before_it_generates(tmp_path, monkeypatch):
     """Level 2: the sync after every update rewrites each weight, so copying them to host memory at sleep and
     back at wake (level 1; a 1.5B sync that includes it took 250 ms on an H200) buys nothing. The engine then
     says it needs a sync (the step syncs even a skipped update) and refuses to generate from the dropped
@@ -280,13 +280,13 @@ def test_on_cuda_sleep_drops_the_weights_and_the_engine_must_be_synced_before_it
 
     monkeypatch.setattr(adapter, "_cpu_sync", lambda: None)  # the CUDA side of the switch
     llm = SleepModeLLM()
-    engine = _cuda_sleep_engine(llm)
+    engine = _cuda_sleep_engine(llm, model_folder(tmp_path / "qwen", QWEN25_1_5B))
     assert not engine.needs_sync
     engine.sleep()
     assert llm.calls == [("sleep", 2)] and llm.weights == "dropped" and engine.needs_sync
     with pytest.raises(RuntimeError, match="weight sync"):
         engine.generate([[1, 2]], SamplingConfig())
-    engine.update_weights(iter([("model.embed_tokens.weight", torch.zeros(2, 2))]))
+    engine.update_weights(iter([("model.embed_tokens.weight", torch.empty(1_543_714_304, device="meta"))]))
     assert llm.calls[1:] == [("wake_up", ("weights",)), ("reload", ["model.embed_tokens.weight"]),
                              ("reset_prefix_cache",)]
     assert llm.weights == "synced" and not engine.needs_sync
@@ -306,3 +306,26 @@ def test_a_tensor_parallel_group_says_when_its_engine_needs_a_sync():
     assert not group.needs_sync and not group.sync_at_start
     group.sleep()
     assert group.needs_sync
+
+
+def test_on_cuda_a_sync_after_sleep_that_leaves_weights_unwritten_is_refused(tmp_path, monkeypatch):
+    """Level 2 drops every weight, so a sync must rewrite them all: the elements streamed are counted against
+    the checkpoint's (a 1.5B Qwen2 with its head tied: 1,543,714,304), and a partial update raises with both
+    counts instead of leaving the engine to generate from garbage. Meta tensors stand for the weights."""
+    import fastrlhf.rollout.vllm_adapter as adapter
+
+    monkeypatch.setattr(adapter, "_cpu_sync", lambda: None)
+    engine = _cuda_sleep_engine(SleepModeLLM(), model_folder(tmp_path / "qwen", QWEN25_1_5B))
+    whole = 1_543_714_304
+
+    def weights(numel):
+        return iter([("model.embed_tokens.weight", torch.empty(numel - 1, device="meta")),
+                     ("model.norm.weight", torch.empty(1, device="meta"))])
+
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="1,543,714,303 of 1,543,714,304 elements"):
+        engine.update_weights(weights(whole - 1))
+    assert engine.needs_sync  # still: the next sync must be whole
+    engine.update_weights(weights(whole))
+    assert not engine.needs_sync
+    engine.update_weights(weights(10))  # awake, a partial update changes only what it carries: allowed
