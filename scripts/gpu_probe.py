@@ -14,19 +14,11 @@ import os
 import torch
 from fastrlhf.kernels.fused_linear_chunks import fp32_out_gemm
 
+from benchmarks.gpu.races import measure
+
 
 def _ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
+    return measure(fn, torch.device("cuda"), warmup=1, repeats=reps)[0]["time_ms"]
 
 
 def main() -> dict:
