@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -88,9 +89,10 @@ def _counted(named_tensors: Iterable[tuple[str, torch.Tensor]], count: list[int]
         yield name, tensor
 
 
+@functools.cache
 def _checkpoint_numel(model_path: str) -> int | None:
     """The causal LM's parameter count from its config.json (a tied head once, as a sync streams it), or None
-    for an architecture the memory plan cannot count."""
+    for an architecture the memory plan cannot count. Read once per folder, not at every sync."""
     from fastrlhf.config import ConfigError
     from fastrlhf.memory.architecture import read_shape
 
