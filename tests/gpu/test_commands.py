@@ -120,14 +120,7 @@ def run(proof, name):
         command, raw = _config(root, name, where)
         path = root / f"{name}.yaml"
         path.write_text(yaml.safe_dump(raw))
-        env = _env(where)
-        started = time.perf_counter()
-        rc, log = run_group([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-                             str(free_port()), "--module", "fastrlhf", command, "--config", str(path)],
-                            timeout=300, env=env)
-        # What a device call's cap must hold (-s shows it): the launcher, loads, engine start and steps.
-        print(f"\n{name} on {where}: {time.perf_counter() - started:.0f} s through the launcher")
-        assert rc == 0, log[-4000:]
+        _launch(name, where, "--module", "fastrlhf", command, "--config", str(path))
         with open(root / name / "metrics.jsonl") as f:
             done[name] = (str(path), [json.loads(line) for line in f], this_process_on_the_device())
     return done[name]
@@ -141,13 +134,19 @@ def run_beside(proof) -> dict:
         path, report = root / "vllm-beside.yaml", root / "vllm-beside.json"
         path.write_text(yaml.safe_dump(raw))
         script = os.path.join(os.path.dirname(__file__), "scripts", "vllm_beside_actor.py")
-        started = time.perf_counter()
-        rc, log = run_group([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-                             str(free_port()), script, str(path), str(report)], timeout=300, env=_env(where))
-        print(f"\nvllm-beside on {where}: {time.perf_counter() - started:.0f} s through the launcher")
-        assert rc == 0, log[-4000:]
+        _launch("vllm-beside", where, script, str(path), str(report))
         done["vllm-beside"] = json.loads(report.read_text())
     return done["vllm-beside"]
+
+
+def _launch(name, where, *args) -> None:
+    """``args`` under the DeepSpeed launcher on one device, which must exit 0 within 300 s."""
+    started = time.perf_counter()
+    rc, log = run_group([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+                         str(free_port()), *args], timeout=300, env=_env(where))
+    # What a device call's cap must hold (-s shows it): the launcher, loads, engine start and steps.
+    print(f"\n{name} on {where}: {time.perf_counter() - started:.0f} s through the launcher")
+    assert rc == 0, log[-4000:]
 
 
 def _env(where) -> dict:
