@@ -17,7 +17,8 @@ import argparse
 import json
 import sys
 
-__all__ = ["TARGET_CAPABILITIES", "compile_for_target", "kernel_specs", "token_loss_specs", "compile_all"]
+__all__ = ["TARGET_CAPABILITIES", "compile_for_target", "kernel_specs", "row_loss_specs", "token_loss_specs",
+           "compile_all"]
 
 TARGET_CAPABILITIES = (80, 90)
 
@@ -96,6 +97,38 @@ def token_loss_specs():
     return specs
 
 
+def row_loss_specs(logits_dtype: str, block_v: int, every_option: bool = False):
+    """(label, kernel, signature, constexprs, num_warps) of the row kernel (``policy_loss_triton.py``: a chunk's
+    statistics, loss and in-place gradient in one launch) for these logits: with and without its gradient pass,
+    at the options a GRPO/PPO update takes (old and reference logprobs, k3, no dual clip); ``every_option``
+    adds on-policy without a reference, dual clip, and each other KL kind (the loss math they switch is the
+    token kernel's, compiled in every variant there)."""
+    from fastrlhf.algorithms.logprobs import K3_CLAMP, LOG_RATIO_CLAMP
+
+    from .logprob_entropy_triton import _num_warps
+    from .policy_loss_triton import KL_KIND_CODES, token_loss_kernels
+
+    ptr = _POINTER[logits_dtype]
+    sig = {"logits_ptr": ptr, "stride_row": "i64", "labels_ptr": "*i64", "old_ptr": "*fp32", "adv_ptr": "*fp32",
+           "w_ptr": "*fp32", "ref_ptr": "*fp32", "out_ptr": ptr, "stride_out_row": "i64", "sums_ptr": "*fp32",
+           "V": "i32", "inv_temperature": "fp32", "clip_low": "fp32", "clip_high": "fp32", "dual_clip": "fp32",
+           "kl_coef": "fp32", "entropy_coef": "fp32"}
+    k3 = KL_KIND_CODES["k3"]
+    options = [(True, True, k3, False, True), (True, True, k3, False, False)]
+    if every_option:
+        options += [(False, False, 0, True, True)] + [
+            (True, True, code, False, True) for kind, code in KL_KIND_CODES.items() if kind != "k3"]
+    specs = []
+    for has_old, has_ref, kind, has_dual, need_grad in options:
+        constexprs = {"HAS_OLD": has_old, "HAS_REF": has_ref, "KL_KIND": kind, "HAS_DUAL": has_dual,
+                      "NEED_GRAD": need_grad, "LOG_RATIO_MAX": LOG_RATIO_CLAMP, "K3_MAX": K3_CLAMP,
+                      "BLOCK_V": block_v}
+        label = (f"rows[{logits_dtype}, old={has_old}, ref={has_ref}, kl={kind}, dual={has_dual}, "
+                 f"grad={need_grad}]")
+        specs.append((label, token_loss_kernels().rows, sig, constexprs, _num_warps(block_v)))
+    return specs
+
+
 def compile_all(
     capabilities=TARGET_CAPABILITIES,
     logits_dtypes=("float32", "bfloat16", "float16"),
@@ -109,13 +142,17 @@ def compile_all(
     import triton
 
     results = []
+    # The row kernel's every option once: in bf16 (what GPU runs take) at the first block size.
+    every_option_at = ("bfloat16" if "bfloat16" in logits_dtypes else logits_dtypes[0], block_sizes[0])
     for capability in capabilities:
         for label, fn, sig, constexprs, warps in token_loss_specs():
             results.append({"kernel": label, "sm": capability, "block_v": None, "triton": triton.__version__,
                             **compile_for_target(fn, sig, constexprs, capability, warps)})
         for dtype in logits_dtypes:
             for block_v in block_sizes:
-                for label, fn, sig, constexprs, warps in kernel_specs(dtype, block_v):
+                every_option = (dtype, block_v) == every_option_at
+                for label, fn, sig, constexprs, warps in (kernel_specs(dtype, block_v)
+                                                          + row_loss_specs(dtype, block_v, every_option)):
                     info = compile_for_target(fn, sig, constexprs, capability, warps)
                     results.append({"kernel": label, "sm": capability, "block_v": block_v,
                                     "triton": triton.__version__, **info})

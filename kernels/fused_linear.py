@@ -3,8 +3,10 @@
 ``logits = hidden @ weight.T (+ bias)`` is only ever built ``chunk_size`` tokens at a time, into one
 reused ``[chunk_size, V]`` buffer of the input dtype. Per chunk the softmax statistics and the
 ``dlogits`` come from the shared primitives of ``logprob_entropy.py`` (Triton kernels or the
-in-place torch path), ``dlogits`` overwrites the chunk's logits in place, and the three GEMMs of the
-head run in the input dtype (bf16 inputs: bf16 GEMMs, fp32 softmax math, like the peers).
+in-place torch path; for the vanilla policy loss on Triton, one kernel does a chunk's statistics, loss
+and ``dlogits``: ``policy_loss_triton.triton_row_loss_and_grad``), ``dlogits`` overwrites the chunk's
+logits in place, and the three GEMMs of the head run in the input dtype (bf16 inputs: bf16 GEMMs, fp32
+softmax math, like the peers).
 
 Two ops, two gradient strategies:
 
@@ -63,6 +65,7 @@ from fastrlhf.memory.components import balanced_chunk_rows, chunk_budget_without
 
 from ._backend import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES, chunk_budget_bytes, on_cpu, resolve_backend
 from .fused_linear_chunks import (
+    PATHS,
     _chunks,
     _chunks_with_kept_tokens,
     _HeadGrads,
@@ -135,6 +138,16 @@ def _loss_primitives(backend: str = "torch", policy_loss: str = "vanilla"):
     from .policy_loss import METRIC_SUM_KEYS, finalize_metrics, token_loss_function
 
     return token_loss_function(backend, policy_loss), finalize_metrics, METRIC_SUM_KEYS
+
+
+def _row_loss_function(backend: str, policy_loss: str):
+    """The one-launch chunk step (``policy_loss_triton.triton_row_loss_and_grad``) where it applies (Triton, the
+    vanilla loss, :data:`~fastrlhf.kernels.fused_linear_chunks.PATHS` leaving it on), else None."""
+    if backend != "triton" or policy_loss != "vanilla" or not PATHS.one_pass_rows:
+        return None
+    from .policy_loss_triton import triton_row_loss_and_grad
+
+    return triton_row_loss_and_grad
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,6 +329,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, old_logprobs, advantages, weights, ref_logprobs, loss_kwargs,
                 temperature, chunk_size, backend, grad_enabled):
         loss_fn, _, metric_keys = _loss_primitives(backend, loss_kwargs["policy_loss"])
+        rows_fn = _row_loss_function(backend, loss_kwargs["policy_loss"])
         n, vocab = hidden.shape[0], weight.shape[0]
         rows = min(chunk_size, n)
         need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
@@ -338,20 +352,25 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
                 continue
             h, lab = hidden[start:stop], labels[start:stop]
             logits = _logits_into(buf[: stop - start], h, weight, bias)
-            shift = shift_buf[: stop - start]
-            lp, ent, lse = stats(logits, lab, temperature, backend, shift_out=shift, check_labels=False,
-                                 **softmax_bufs.stats_kwargs(logits))
-            chunk_loss, grad_lp, grad_ent, chunk_sums = loss_fn(
-                lp, ent, None if old_logprobs is None else old_logprobs[start:stop], advantages[start:stop],
-                weights[start:stop],
-                None if ref_logprobs is None else ref_logprobs[start:stop], **loss_kwargs,
-            )
+            old, ref = (None if t is None else t[start:stop] for t in (old_logprobs, ref_logprobs))
+            if rows_fn is not None:  # statistics, loss and dlogits (in place) in one launch
+                chunk_loss, chunk_sums = rows_fn(logits, lab, old, advantages[start:stop], weights[start:stop], ref,
+                                                 temperature, out=logits if grads.any else None, **loss_kwargs)
+                dlogits = logits
+            else:
+                shift = shift_buf[: stop - start]
+                lp, ent, lse = stats(logits, lab, temperature, backend, shift_out=shift, check_labels=False,
+                                     **softmax_bufs.stats_kwargs(logits))
+                chunk_loss, grad_lp, grad_ent, chunk_sums = loss_fn(lp, ent, old, advantages[start:stop],
+                                                                    weights[start:stop], ref, **loss_kwargs)
+                if grads.any:
+                    dlogits = grad(logits, lab, lse, ent, grad_lp, grad_ent if with_entropy_grad else None,
+                                   temperature, backend, out=logits, shift=shift,
+                                   **softmax_bufs.grad_kwargs(logits, True))
             loss += chunk_loss
             for k in metric_keys:
                 sums[k] += chunk_sums[k]
             if grads.any:
-                dlogits = grad(logits, lab, lse, ent, grad_lp, grad_ent if with_entropy_grad else None, temperature,
-                               backend, out=logits, shift=shift, **softmax_bufs.grad_kwargs(logits, True))
                 grads.add_chunk(start, stop, h, dlogits)
         del buf, softmax_bufs
         # Cast later, with grad_output: one pass over the fp32 accumulators instead of a cast now and a scale then.

@@ -5,9 +5,45 @@ with no kept token). No autograd here: ``fused_linear.py`` builds its functions 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 
 from ._backend import on_cpu
+
+
+@dataclasses.dataclass
+class FusedLinearPaths:
+    """The fused-linear ops' faster paths, each on by default where it applies. ``benchmarks/gpu`` turns them off
+    (:func:`fused_linear_paths`) to time each one before and after in the same device call.
+
+    ``gemm_fp32_sum``: ``grad_weight`` summed in fp32 by the GEMM itself, with the longer chunks that spares
+    (CUDA, bf16/fp16 heads; :func:`accumulates_in_gemm`). ``one_pass_rows``: each chunk's statistics, loss and
+    ``dlogits`` in one Triton launch (the vanilla policy loss; ``policy_loss_triton.triton_row_loss_and_grad``)
+    instead of the stats, token-loss and gradient launches."""
+
+    gemm_fp32_sum: bool = True
+    one_pass_rows: bool = True
+
+
+PATHS = FusedLinearPaths()
+
+
+@contextlib.contextmanager
+def fused_linear_paths(**paths: bool):
+    """Within the block, :data:`PATHS` with these fields changed (``one_pass_rows=False``: the three launches)."""
+    saved = dataclasses.replace(PATHS)
+    for name, on in paths.items():
+        if not hasattr(PATHS, name):
+            raise ValueError(f"no fused-linear path {name!r}; expected one of "
+                             f"{', '.join(f.name for f in dataclasses.fields(PATHS))}")
+        setattr(PATHS, name, bool(on))
+    try:
+        yield PATHS
+    finally:
+        for field in dataclasses.fields(PATHS):
+            setattr(PATHS, field.name, getattr(saved, field.name))
 
 
 class _SoftmaxBuffers:
@@ -81,8 +117,9 @@ def mm_fp32_out(a, b, out, accumulate: bool) -> None:
 
 def accumulates_in_gemm(weight: torch.Tensor) -> bool:
     """Whether ``grad_weight`` of this bf16/fp16 head sums in fp32 inside its GEMMs (:func:`mm_fp32_out`) rather
-    than through a scratch of the weight's dtype. The tests force it on the CPU, whose stand-in then runs."""
-    return fp32_out_gemm(weight.device, weight.dtype)
+    than through a scratch of the weight's dtype (unless :data:`PATHS` turns it off). The tests force it on the
+    CPU, whose stand-in then runs."""
+    return PATHS.gemm_fp32_sum and fp32_out_gemm(weight.device, weight.dtype)
 
 
 class _HeadGrads:

@@ -20,6 +20,7 @@ allocator's blocks) reaches the next one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
 import json
@@ -171,17 +172,28 @@ def _clear_grads(x: dict) -> None:
     x["hidden"].grad = x["weight"].grad = None
 
 
-def _fused_step(x: dict, device):
+def _fused_step(x: dict, device, **paths: bool):
+    """fastrlhf's fused step; ``paths`` turns its faster paths off (``fused_linear_chunks.fused_linear_paths``)."""
     from fastrlhf.kernels import fused_linear_policy_loss
+    from fastrlhf.kernels.fused_linear_chunks import fused_linear_paths
 
     def step():
-        loss, _ = fused_linear_policy_loss(x["hidden"], x["weight"], x["labels"], x["old"], x["adv_tok"], x["mask"],
-                                           ref_logprobs=x["ref"], agg=AGG, **LOSS)
+        with fused_linear_paths(**paths):
+            loss, _ = fused_linear_policy_loss(x["hidden"], x["weight"], x["labels"], x["old"], x["adv_tok"],
+                                               x["mask"], ref_logprobs=x["ref"], agg=AGG, **LOSS)
         loss.backward()
         _clear_grads(x)
         return loss.detach()
 
     return step
+
+
+# Issue #43's steps, each timed before and after in the same call: "fused_no_rows" runs a chunk's softmax
+# passes as three launches (stats, token loss, gradient) instead of the one-pass row kernel; "fused_before"
+# also sums grad_weight through a bf16 scratch (with the shorter chunks that memory allows) instead of in the
+# GEMM: the kernel as it was before both.
+BEFORE_PATHS = {"fused_no_rows": dict(one_pass_rows=False),
+                "fused_before": dict(one_pass_rows=False, gemm_fp32_sum=False)}
 
 
 def naive_loss(x: dict):
@@ -251,7 +263,8 @@ def _gemms_step(x: dict, device):
     return step
 
 
-LM_HEAD_CONTENDERS = {"fused": _fused_step, "naive": _naive_step, "liger": _liger_step, "gemms": _gemms_step}
+LM_HEAD_CONTENDERS = {"fused": _fused_step, "naive": _naive_step, "liger": _liger_step, "gemms": _gemms_step,
+                      **{name: functools.partial(_fused_step, **paths) for name, paths in BEFORE_PATHS.items()}}
 LM_HEAD_TARGETS = dict(fused_over_gemms_max=1.10, fused_over_naive_peak_max=0.2, liger_over_fused_min=5.0)
 
 
@@ -287,16 +300,21 @@ def lm_head_race(device: str = "cuda", dtype: str = "bfloat16", batch: int = 16,
             out[f"{name}_peak_mib"] = round(stats["peak_mib"], 1)
         if name != "gemms":
             out[f"{name}_loss"] = float(loss)
-    if profile and "fused" in contenders:
-        out.update({f"fused_{k}": v for k, v in profile_kernels(_fused_step(x, device), device).items()})
-        _clear_grads(x)
+    for name in ("fused", "fused_before"):  # the profile's top kernels after and before issue #43's steps
+        if profile and name in contenders:
+            out.update({f"{name}_{k}": v for k, v in profile_kernels(LM_HEAD_CONTENDERS[name](x, device),
+                                                                     device).items()})
+            _clear_grads(x)
     if "gemms_time_ms" in out:
         out["gemms_tflops"] = round(3 * 2 * batch * seq_len * hidden * vocab / out["gemms_time_ms"] / 1e9, 1)
     _ratio(out, "fused_over_gemms", "fused_time_ms", "gemms_time_ms")
     _ratio(out, "fused_over_naive_peak", "fused_peak_mib", "naive_peak_mib")
     _ratio(out, "liger_over_fused", "liger_time_ms", "fused_time_ms")
+    _ratio(out, "before_over_fused", "fused_before_time_ms", "fused_time_ms")
+    _ratio(out, "no_rows_over_fused", "fused_no_rows_time_ms", "fused_time_ms")  # the row kernel's gain
+    _ratio(out, "before_over_no_rows", "fused_before_time_ms", "fused_no_rows_time_ms")  # the GEMM's fp32 sum's
     fused = out.get("fused_loss")
-    for name in ("naive", "liger"):  # the same loss, not three
+    for name in ("naive", "liger", *BEFORE_PATHS):  # the same loss, not five
         if fused is not None and f"{name}_loss" in out:
             out[f"{name}_loss_rel_diff"] = abs(out[f"{name}_loss"] - fused) / max(abs(fused), 1e-12)
     out.update(LM_HEAD_TARGETS)

@@ -25,6 +25,10 @@ ROOT = Path(CHECKOUT)
 KERNEL_VARIANTS_PER_DTYPE_AND_BLOCK = 1 + 3 * 2  # stats + grad x (lp/ent switches) x (out dtype)
 # The per-token loss: (old logprobs or on-policy) x (dual clip or not) x (no reference, or each of 4 KL kinds).
 TOKEN_LOSS_VARIANTS = 2 * 2 * 5
+# The row kernel: with and without its gradient pass at every dtype and block, and once (bf16, the first
+# block) on-policy without a reference with dual clip, and each KL kind other than k3.
+ROW_LOSS_VARIANTS_PER_DTYPE_AND_BLOCK = 2
+ROW_LOSS_EXTRA_VARIANTS = 1 + 3
 
 
 def gpu_extra_tritons() -> list[str]:
@@ -53,11 +57,12 @@ def test_every_kernel_compiles_for_sm80_and_sm90(triton_source):
     rows = json.loads(proc.stdout)
     assert {r["triton"] for r in rows} == {expected_triton}
     # fp32 logits have a single out dtype, so 4 variants there instead of 7.
-    expected_per_sm = 2 * (4 + KERNEL_VARIANTS_PER_DTYPE_AND_BLOCK * 2) + TOKEN_LOSS_VARIANTS
+    expected_per_sm = (2 * (4 + KERNEL_VARIANTS_PER_DTYPE_AND_BLOCK * 2) + TOKEN_LOSS_VARIANTS
+                       + 3 * 2 * ROW_LOSS_VARIANTS_PER_DTYPE_AND_BLOCK + ROW_LOSS_EXTRA_VARIANTS)
     for sm in (80, 90):
         built = [r for r in rows if r["sm"] == sm]
         assert len(built) == expected_per_sm, [r["kernel"] for r in built]
-        assert {r["kernel"].split("[")[0] for r in built} == {"stats", "grad", "token_loss"}
+        assert {r["kernel"].split("[")[0] for r in built} == {"stats", "grad", "token_loss", "rows"}
         assert {r["block_v"] for r in built} == {4096, 256, None}
         for r in built:
             assert r["ptx_chars"] > 1000 and r["cubin_bytes"] > 1000, r

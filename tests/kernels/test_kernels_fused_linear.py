@@ -10,12 +10,14 @@ accumulation, the softmax math in fp32, in any summation order).
 
 import pytest
 import torch
+from fastrlhf.kernels import policy_loss_triton
 from fastrlhf.kernels.fused_linear import (
     DEFAULT_CHUNK_BYTES,
     default_chunk_size,
     fused_linear_logprob_entropy,
     fused_linear_policy_loss,
 )
+from fastrlhf.kernels.fused_linear_chunks import PATHS, fused_linear_paths
 from fastrlhf.kernels.logprob_entropy import default_block_v
 from helpers.fp32_bounds import (
     assert_within,
@@ -517,3 +519,52 @@ def test_fp32_gemm_accumulation_is_at_least_as_close_as_the_scratch(monkeypatch)
         return float((got.double() - want).abs().sum())
 
     assert weight_grad_error(True) <= weight_grad_error(False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Triton row kernel (one launch per chunk) and the three launches it replaces, against the reference
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def counted_rows(monkeypatch):
+    """The row kernel's launches, counted (so that a test of either path knows which one ran)."""
+    calls = []
+    original = policy_loss_triton.triton_row_loss_and_grad
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("out") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(policy_loss_triton, "triton_row_loss_and_grad", counted)
+    return calls
+
+
+@pytest.mark.parametrize("one_pass_rows", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_policy_loss_both_paths_against_the_reference(counted_rows, one_pass_rows, dtype):
+    def edit(mask):  # row 1 fully masked (a whole chunk), and single masked tokens elsewhere
+        mask[1] = 0.0
+
+    with fused_linear_paths(one_pass_rows=one_pass_rows):
+        check_policy_loss("triton", shape=(3, 5), v=257, chunk_size=5, mask_edit=edit, dtype=dtype, dual_clip=2.5,
+                          kl_coef=0.1, entropy_coef=0.02, temperature=1.2, agg="seq-mean-token-mean")
+    assert PATHS.one_pass_rows  # the switch restored
+    # Off the CPU every chunk would run; here the fully masked chunk is skipped: 2 of 3 chunks.
+    assert counted_rows == ([True, True] if one_pass_rows else [])
+
+
+def test_fused_linear_policy_loss_row_kernel_without_grad(counted_rows):
+    # No gradient to compare: the loss and metrics alone, against the three launches.
+    with torch.no_grad():
+        hidden, weight, b, labels, d = make_inputs((2, 6), 16, 300)
+        kw = dict(ref_logprobs=d["ref_logprobs"], bias=b, chunk_size=4, backend="triton", kl_coef=0.1)
+        loss, metrics = fused_linear_policy_loss(hidden, weight, labels, d["old_logprobs"], d["advantages"],
+                                                 d["mask"], **kw)
+        with fused_linear_paths(one_pass_rows=False):
+            want, want_metrics = fused_linear_policy_loss(hidden, weight, labels, d["old_logprobs"], d["advantages"],
+                                                          d["mask"], **kw)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    for k in metrics:
+        torch.testing.assert_close(metrics[k], want_metrics[k], rtol=1e-6, atol=1e-6)
+    assert counted_rows and not any(counted_rows)  # the row kernel ran, without its gradient pass

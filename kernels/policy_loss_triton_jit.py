@@ -1,0 +1,172 @@
+"""The ``@triton.jit`` functions of ``policy_loss_triton.py`` (read its docstring): the per-token loss math
+(``_token_loss_math``) and the two kernels built on it. Defined at module level because a kernel calls the
+helper by its global name (the interpreter resolves no closures); importing this module imports triton and
+fixes, from TRITON_INTERPRET at that moment, whether the kernels are interpreted, so only
+``policy_loss_triton.token_loss_kernels`` imports it, on first use.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip, kl_coef, entropy_coef,
+                     HAS_REF: tl.constexpr, KL_KIND: tl.constexpr, HAS_DUAL: tl.constexpr,
+                     LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr):
+    """Per token (a block or a scalar): (loss, d loss / d lp, whether clipped, kl); d loss / d ent is
+    -entropy_coef. Inputs already sanitised: masked tokens hold 0."""
+    # ratio = exp(clamp(lp - old)), d ratio / d lp = ratio inside the clamp, 0 outside
+    x = lp - old
+    ratio = tl.exp(tl.minimum(tl.maximum(x, -LOG_RATIO_MAX), LOG_RATIO_MAX))
+    d_ratio = tl.where((x >= -LOG_RATIO_MAX) & (x <= LOG_RATIO_MAX), ratio, 0.0)
+    lo = 1.0 - clip_low
+    hi = 1.0 + clip_high
+    unclipped = -adv * ratio
+    clipped = -adv * tl.minimum(tl.maximum(ratio, lo), hi)
+    g_un = -adv
+    g_cl = tl.where((ratio >= lo) & (ratio <= hi), -adv, 0.0)
+    loss = tl.maximum(unclipped, clipped)
+    g = tl.where(unclipped > clipped, g_un, tl.where(clipped > unclipped, g_cl, 0.5 * (g_un + g_cl)))
+    is_clipped = clipped > unclipped
+    if HAS_DUAL:  # advantages < 0: min(loss, -A * c)
+        cap = -adv * dual_clip
+        g_cap = tl.where(loss < cap, g, tl.where(loss > cap, 0.0, 0.5 * g))
+        negative = adv < 0
+        loss = tl.where(negative, tl.minimum(loss, cap), loss)
+        g = tl.where(negative, g_cap, g)
+    g_lp = g * d_ratio
+    kl = tl.zeros_like(lp)
+    if HAS_REF:
+        diff = lp - ref
+        if KL_KIND == 0:  # k1
+            kl = diff
+            d_kl = tl.zeros_like(diff) + 1.0
+        elif KL_KIND == 1:  # |k1|
+            kl = tl.abs(diff)
+            d_kl = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+        elif KL_KIND == 2:  # k2
+            kl = 0.5 * diff * diff
+            d_kl = diff
+        else:  # k3 = exp(-diff) + diff - 1, both clamps as the reference
+            nd = -diff
+            ndc = tl.minimum(tl.maximum(nd, -LOG_RATIO_MAX), LOG_RATIO_MAX)
+            e = tl.exp(ndc)
+            v = e - ndc - 1.0
+            kl = tl.minimum(tl.maximum(v, -K3_MAX), K3_MAX)
+            inner = (nd >= -LOG_RATIO_MAX) & (nd <= LOG_RATIO_MAX) & (v >= -K3_MAX) & (v <= K3_MAX)
+            d_kl = tl.where(inner, 1.0 - e, 0.0)
+        loss = loss + kl_coef * kl
+        g_lp = g_lp + kl_coef * d_kl
+    loss = loss - entropy_coef * ent
+    return loss, g_lp, is_clipped, kl
+
+@triton.jit
+def _token_loss_kernel(
+    lp_ptr, ent_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, grad_lp_ptr, grad_ent_ptr, sums_ptr,
+    n, clip_low, clip_high, dual_clip, kl_coef, entropy_coef,
+    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_KIND: tl.constexpr, HAS_DUAL: tl.constexpr,
+    LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    w = tl.load(w_ptr + offs, mask=inside, other=0.0)
+    keep = w > 0
+    # Masked entries become 0 before any math: a -inf or NaN there must not reach a gradient.
+    lp = tl.where(keep, tl.load(lp_ptr + offs, mask=inside, other=0.0), 0.0)
+    ent = tl.where(keep, tl.load(ent_ptr + offs, mask=inside, other=0.0), 0.0)
+    adv = tl.where(keep, tl.load(adv_ptr + offs, mask=inside, other=0.0), 0.0)
+    if HAS_OLD:
+        old = tl.where(keep, tl.load(old_ptr + offs, mask=inside, other=0.0), 0.0)
+    else:  # on-policy: old = the logprobs, detached (ratio 1, gradient 1)
+        old = lp
+    if HAS_REF:
+        ref = tl.where(keep, tl.load(ref_ptr + offs, mask=inside, other=0.0), 0.0)
+    else:
+        ref = lp
+    loss, g_lp, is_clipped, kl = _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip,
+                                                  kl_coef, entropy_coef, HAS_REF, KL_KIND, HAS_DUAL,
+                                                  LOG_RATIO_MAX, K3_MAX)
+    tl.store(grad_lp_ptr + offs, tl.where(keep, w * g_lp, 0.0), mask=inside)
+    tl.store(grad_ent_ptr + offs, tl.where(keep, -entropy_coef * w, 0.0), mask=inside)
+    row = sums_ptr + pid * 6
+    tl.store(row + 0, tl.sum(tl.where(keep, loss * w, 0.0), axis=0))
+    tl.store(row + 1, tl.sum(tl.where(keep & is_clipped, 1.0, 0.0), axis=0))
+    tl.store(row + 2, tl.sum(tl.where(keep, old - lp, 0.0), axis=0))
+    tl.store(row + 3, tl.sum(tl.where(keep, ent, 0.0), axis=0))
+    tl.store(row + 4, tl.sum(tl.where(keep, kl, 0.0), axis=0))
+    tl.store(row + 5, tl.sum(tl.where(keep, 1.0, 0.0), axis=0))
+
+@triton.jit
+def _row_loss_kernel(
+    logits_ptr, stride_row, labels_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, out_ptr, stride_out_row, sums_ptr,
+    V, inv_temperature, clip_low, clip_high, dual_clip, kl_coef, entropy_coef,
+    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_KIND: tl.constexpr, HAS_DUAL: tl.constexpr,
+    NEED_GRAD: tl.constexpr, LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    out_row_ptr = out_ptr + row * stride_out_row
+    sums_row = sums_ptr + row * 6
+    cols = tl.arange(0, BLOCK_V)
+    w = tl.load(w_ptr + row)
+    if w > 0:
+        # The row's softmax statistics, as logprob_entropy_triton's stats kernel (its comments explain).
+        m = tl.full((), -3.0e38, tl.float32)
+        s = tl.zeros((), tl.float32)
+        a = tl.zeros((), tl.float32)
+        for start in range(0, V, BLOCK_V):
+            idx = start + cols
+            z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_temperature
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            shift = m - m_new
+            scale = tl.exp(shift)
+            d = tl.maximum(z - m_new, -1000.0)  # _LOGP_FLOOR
+            e = tl.exp(d)
+            a = scale * (a + s * shift) + tl.sum(e * d, axis=0)
+            s = s * scale + tl.sum(e, axis=0)
+            m = m_new
+        log_s = tl.log(s)
+        lse = m + log_s
+        label = tl.load(labels_ptr + row)
+        lp = tl.load(row_ptr + label).to(tl.float32) * inv_temperature - lse
+        ent = log_s - a / s
+        adv = tl.load(adv_ptr + row)
+        if HAS_OLD:
+            old = tl.load(old_ptr + row)
+        else:
+            old = lp
+        if HAS_REF:
+            ref = tl.load(ref_ptr + row)
+        else:
+            ref = lp
+        loss, g_lp, is_clipped, kl = _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip,
+                                                      kl_coef, entropy_coef, HAS_REF, KL_KIND, HAS_DUAL,
+                                                      LOG_RATIO_MAX, K3_MAX)
+        tl.store(sums_row + 0, loss * w)
+        tl.store(sums_row + 1, tl.where(is_clipped, 1.0, 0.0))
+        tl.store(sums_row + 2, old - lp)
+        tl.store(sums_row + 3, ent)
+        tl.store(sums_row + 4, kl)
+        tl.store(sums_row + 5, 1.0)
+        if NEED_GRAD:
+            # dlogits_j = (1/T) * [g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + H)], as the grad kernel
+            g_lp = w * g_lp
+            g_ent = -entropy_coef * w
+            for start in range(0, V, BLOCK_V):
+                idx = start + cols
+                valid = idx < V
+                z = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_temperature
+                logp = tl.maximum(z - lse, -1000.0)  # _LOGP_FLOOR
+                p = tl.exp(logp)
+                d = (tl.where(idx == label, g_lp, 0.0) - p * (g_lp + g_ent * (logp + ent))) * inv_temperature
+                tl.store(out_row_ptr + idx, d.to(out_ptr.dtype.element_ty), mask=valid)
+    else:
+        # A masked row: no loss, no metric, a zero gradient; its logits are never read.
+        for k in range(0, 6):
+            tl.store(sums_row + k, 0.0)
+        if NEED_GRAD:
+            zeros = tl.zeros([BLOCK_V], tl.float32).to(out_ptr.dtype.element_ty)
+            for start in range(0, V, BLOCK_V):
+                idx = start + cols
+                tl.store(out_row_ptr + idx, zeros, mask=idx < V)
