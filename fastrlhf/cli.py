@@ -213,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
 
         from fastrlhf.config import config_to_dict
 
-        config, decided = _decide_checkpointing(args.command, config)
+        config, decided = _decide_auto(args.command, config)
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
-        if decided:
-            print(f"# {decided}")
+        for note in decided:
+            print(f"# {note}")
         _print_cpu_fast_paths(args.command, config)
         return 0
 
@@ -267,19 +267,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _decide_checkpointing(command: str, config):
-    """``(config, note)``: ``model.gradient_checkpointing: auto`` decided as the run will decide it (the memory
-    plan of this launch: ``fastrlhf.memory.plan``), and the plan's reason; ``(config, None)`` otherwise."""
-    if command != "train" or config.model.gradient_checkpointing != "auto":
-        return config, None
+def _decide_auto(command: str, config):
+    """``(config, notes)``: the ``auto`` settings the memory plan decides (``fastrlhf.memory.auto``) decided as the
+    run will decide them (the plan of this launch), with the reasons; ``(config, [])`` where none is ``auto``."""
+    if command != "train":
+        return config, []
+    from fastrlhf.memory.auto import decides, resolve_auto_settings
+
+    if not decides(config):
+        return config, []
     from fastrlhf.config import ConfigError
-    from fastrlhf.memory.plan import plan_for_launch, resolve_gradient_checkpointing
+    from fastrlhf.memory.plan import plan_for_launch
 
     try:
-        return resolve_gradient_checkpointing(config, plan_for_launch(config))
+        return resolve_auto_settings(config, plan_for_launch(config))
     except ConfigError as exc:
-        config, why = resolve_gradient_checkpointing(config, None)
-        return config, f"{why} ({exc})"
+        config, notes = resolve_auto_settings(config, None)
+        return config, [f"{note} ({exc})" for note in notes]
 
 
 def _print_cpu_fast_paths(command: str, config) -> None:

@@ -463,23 +463,29 @@ def test_a_run_without_a_terminal_logs_each_step_names_its_engine_and_stops_clea
     assert sorted(metrics_by_step(out)) == [1, 2, 3, 4]
 
 
-def test_dry_run_decides_auto_gradient_checkpointing_as_the_run_will(train_yaml, tmp_path, capsys):
-    """``model.gradient_checkpointing: auto`` comes out of --dry-run decided, with the plan's reason."""
+def test_dry_run_decides_the_auto_settings_as_the_run_will(train_yaml, tmp_path, capsys):
+    """``model.gradient_checkpointing`` and ``trainer.max_tokens_per_microbatch`` ``auto`` come out of --dry-run
+    decided, with the plan's reasons."""
     tiny = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 1, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 1024}
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(tiny))
     (tmp_path / "tiny" / "model.safetensors").write_bytes(b"")
     args = ["train", "--config", train_yaml, "--dry-run", "--set", "model.gradient_checkpointing=auto",
-            "--set", "rollout.engine=hf"]
+            "--set", "rollout.engine=hf", "--set", "trainer.max_tokens_per_microbatch=auto",
+            "--set", "trainer.grad_accum=1"]
     assert cli.main([*args, "--set", f"model.path={tmp_path / 'tiny'}"]) == 0
     out = capsys.readouterr().out
-    assert yaml.safe_load(out)["model"]["gradient_checkpointing"] is False  # a tiny model fits without it
+    decided = yaml.safe_load(out)
+    assert decided["model"]["gradient_checkpointing"] is False  # a tiny model fits without it
     assert "# model.gradient_checkpointing auto: off: the run fits without it" in out
-    assert cli.main(args) == 0  # a config.json the plan cannot count: on, and why
+    tokens = decided["trainer"]["max_tokens_per_microbatch"]  # the whole share fits: a multiple of one sequence
+    assert isinstance(tokens, int) and f"# trainer.max_tokens_per_microbatch auto: {tokens:,}: the whole" in out
+    assert cli.main(args) == 0  # a config.json the plan cannot count: on, one sequence, and why
     out = capsys.readouterr().out
     assert yaml.safe_load(out)["model"]["gradient_checkpointing"] is True
     assert "# model.gradient_checkpointing auto: on: no plan (" in out
+    assert "(one sequence): no plan (" in out
 
 
 @pytest.mark.parametrize("command", ["sft", "rm"])

@@ -106,7 +106,8 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
     _positive(t.max_grad_norm, f"{prefix}.max_grad_norm")
     _positive(t.loss_chunk_size, f"{prefix}.loss_chunk_size")
     _positive(t.loss_chunk_bytes, f"{prefix}.loss_chunk_bytes")
-    _positive(t.max_tokens_per_microbatch, f"{prefix}.max_tokens_per_microbatch")
+    if t.max_tokens_per_microbatch != "auto":
+        _positive(t.max_tokens_per_microbatch, f"{prefix}.max_tokens_per_microbatch")
     if t.max_tokens_per_microbatch is not None and t.grad_accum != 1:
         raise ConfigError(f"{prefix}.grad_accum", f"must be 1 with {prefix}.max_tokens_per_microbatch (the token "
                                                   f"budget decides the micro-batches), got {t.grad_accum}")
@@ -255,9 +256,16 @@ def _no_auto_checkpointing(m: ModelConfig):
                                                           "here set true or false")
 
 
+def _no_auto_micro_tokens(t: LoopConfig):
+    if t.max_tokens_per_microbatch == "auto":
+        raise ConfigError("trainer.max_tokens_per_microbatch", "auto is decided by the memory plan of `fastrlhf "
+                                                               "train`; here set a number of tokens or null")
+
+
 def _validate_sft(c: SFTConfig, base: str):
     _check_model(c.model, base)
     _no_auto_checkpointing(c.model)
+    _no_auto_micro_tokens(c.trainer)
     _check_path(c.data.path, "data.path", base)
     _positive(c.data.max_len, "data.max_len")
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
@@ -268,6 +276,7 @@ def _validate_sft(c: SFTConfig, base: str):
 def _validate_rm(c: RMConfig, base: str):
     _check_model(c.model, base)
     _no_auto_checkpointing(c.model)
+    _no_auto_micro_tokens(c.trainer)
     _check_path(c.data.path, "data.path", base)
     _positive(c.data.max_len, "data.max_len")
     _validate_small_trainer(c.trainer)

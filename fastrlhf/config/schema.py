@@ -165,8 +165,9 @@ class LoopConfig:
     loss_chunk_bytes: int | None = None  # fp32 logits per chunk; null: 64 MiB on CPU, 1 GiB on GPU (free-memory cap)
     fused_loss: bool = True  # false: the same loss on materialised logits (for debugging)
     # Micro-batches of at most this many tokens per rank (real tokens packed, rows x padded width otherwise),
-    # in every forward/backward, instead of a fixed count of sequences; the loss is the same. null: by count
-    max_tokens_per_microbatch: int | None = None
+    # in every forward/backward, instead of a fixed count of sequences; the loss is the same. null: by count;
+    # auto (`fastrlhf train`): as many whole longest sequences as the memory plan says fit (fastrlhf.memory.auto)
+    max_tokens_per_microbatch: int | Literal["auto"] | None = None
     packing: bool = False  # true: a micro-batch's sequences end to end in one row, no padding (same loss)
     # Deal each step's batch to the ranks by length (prompt tokens in RL, sequence tokens in SFT/RM), as many
     # items on every rank, so that no rank waits at each collective for one that drew all the long ones;

@@ -50,6 +50,9 @@ train`` run holds at its peak, by component, without loading a weight or importi
   CPU the measured resident size of a trainer process before its models load
   (:data:`CPU_RUNTIME_BYTES`, plus :data:`CPU_VLLM_RUNTIME_BYTES` with an in-process vLLM).
 
+``model.gradient_checkpointing: auto`` and ``trainer.max_tokens_per_microbatch: auto`` are decided by planning
+candidates on one budget (:mod:`fastrlhf.memory.auto`); the plan returned is the chosen one's.
+
 The **budget** is ``--gpu-memory`` (on CUDA by default the device's total memory, on a CPU host
 ``MemAvailable`` over the ranks); the run fits when the total stays under it less a
 :data:`MARGIN_FRACTION` margin. ``gpu_memory_utilization`` for vLLM is what the trainer's own
@@ -63,9 +66,10 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastrlhf.config.errors import ConfigError
+from fastrlhf.memory import auto
 from fastrlhf.memory import components as C
 from fastrlhf.memory.architecture import ModelShape, read_shape
 from fastrlhf.memory.hints import hint_for
@@ -128,6 +132,7 @@ class MemoryPlan:
     host: dict[str, int] = field(default_factory=dict)  # offloaded to host memory (CUDA), per rank
     kv_cache_bytes: int = 0  # what the step's batch needs, :func:`kv_cache_bytes_for`
     gradient_checkpointing: bool = False  # what the plan counted (model.gradient_checkpointing; auto decided)
+    max_tokens_per_microbatch: int | None = None  # what it counted (trainer.max_tokens_per_microbatch; auto decided)
     notes: list[str] = field(default_factory=list)
     hints: dict[str, str] = field(default_factory=dict)  # component -> what would shrink it
 
@@ -273,10 +278,10 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     if not isinstance(config, TrainConfig):
         raise TypeError(f"plan_memory plans `fastrlhf train` runs (a TrainConfig), got {type(config).__name__}")
     check_world_size(config, gpus)
-    if config.model.gradient_checkpointing == "auto":
-        return _plan_deciding_checkpointing(config, gpus, gpu_memory_bytes, device)
-    config = _resolved(config, device)
     budget = gpu_memory_bytes or (_cuda_budget() if device == "cuda" else _host_budget(gpus))
+    if auto.decides(config):  # each candidate planned on the same budget
+        return auto.plan_deciding(config, gpus, lambda c: plan_memory(c, gpus, budget, device))
+    config = _resolved(config, device)
     m, t, ds, ro = config.model, config.trainer, config.deepspeed, config.rollout
     w = C.dtype_bytes(compute_dtype(config))
     actor = read_shape(m.path, "model.path")
@@ -405,33 +410,8 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     return MemoryPlan(components=components, total=total, budget=budget, fits=total <= budget - margin,
                       largest=largest, gpu_memory_utilization=util, device=device, gpus=gpus, margin=margin,
                       engine=kind, phases=phases, peak_phase=peak_phase, host=host, kv_cache_bytes=need_kv,
-                      notes=notes, hints=hints, gradient_checkpointing=bool(m.gradient_checkpointing))
-
-
-def _plan_deciding_checkpointing(config, gpus: int, gpu_memory_bytes: int | None, device: str) -> MemoryPlan:
-    """``model.gradient_checkpointing: auto``: off where the run fits without it (no forward repeated in the
-    update's backward: about a quarter less update time), else on; the plan taken, its reason first in notes."""
-    def plan_with(on: bool) -> MemoryPlan:
-        return plan_memory(replace(config, model=replace(config.model, gradient_checkpointing=on)), gpus,
-                           gpu_memory_bytes, device)
-
-    without = plan_with(False)
-    if without.fits:
-        plan, why = without, f"off: the run fits without it ({_gib(without.total)} of {_gib(without.budget)} GiB)"
-    else:
-        plan = plan_with(True)
-        why = f"on: without it the run needs {_gib(without.total)} of {_gib(without.budget)} GiB"
-    plan.notes.insert(0, f"model.gradient_checkpointing auto: {why}")
-    return plan
-
-
-def resolve_gradient_checkpointing(config, plan: MemoryPlan | None):
-    """``(config, why)``: ``gradient_checkpointing: auto`` as ``plan`` decided (none: on), else ``(config, None)``."""
-    if config.model.gradient_checkpointing != "auto":
-        return config, None
-    on = True if plan is None else plan.gradient_checkpointing
-    why = "model.gradient_checkpointing auto: on: no plan" if plan is None else plan.notes[0]
-    return replace(config, model=replace(config.model, gradient_checkpointing=on)), why
+                      notes=notes, hints=hints, gradient_checkpointing=bool(m.gradient_checkpointing),
+                      max_tokens_per_microbatch=t.max_tokens_per_microbatch)
 
 
 # --------------------------------------------------------------------------------------------

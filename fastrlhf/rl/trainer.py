@@ -385,14 +385,15 @@ STEP_LINE_KEYS = (("reward", "reward_mean"), ("kl", "kl"), ("loss", "policy_loss
                   ("tokens/s", "tokens_per_second"), ("s/step", "wall_time"))
 
 
-def _with_checkpointing_decided(config, plan):
-    """``model.gradient_checkpointing: auto`` as the memory plan decided it (said once), before any model loads."""
+def _with_auto_decided(config, plan):
+    """``model.gradient_checkpointing`` and ``trainer.max_tokens_per_microbatch`` ``auto`` as the memory plan
+    decided them (``fastrlhf.memory.auto``; said once), before any model loads."""
     from fastrlhf import distributed as D
-    from fastrlhf.memory.plan import resolve_gradient_checkpointing
+    from fastrlhf.memory.auto import resolve_auto_settings
 
-    decided, why = resolve_gradient_checkpointing(config, plan)
-    if why and D.is_main():
-        print(why, flush=True)
+    decided, notes = resolve_auto_settings(config, plan)
+    if notes and D.is_main():
+        print("\n".join(notes), flush=True)
     return decided
 
 
@@ -427,7 +428,8 @@ def run(config, resume: bool = False) -> dict:
     # Before the process group: a bad config or data line stops every rank at once, none left waiting.
     prepared = preflight(config)
     examples, tokenizer = prepared.examples, prepared.tokenizer
-    config = _with_checkpointing_decided(config, prepared.plan)
+    config = _with_auto_decided(config, prepared.plan)
+    t = config.trainer
     D.init_distributed(shared_dir=config.output_dir)
     seed_everything(config.seed)
     guard = StepGuard(t.max_skipped_steps)

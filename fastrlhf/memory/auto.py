@@ -1,0 +1,118 @@
+"""The ``auto`` settings of ``fastrlhf train`` that the memory plan decides, before any model loads:
+
+- ``model.gradient_checkpointing: auto``: off where the run fits without it (no forward repeated in the update's
+  backward: about a quarter less update time), else on.
+- ``trainer.max_tokens_per_microbatch: auto``: the update's micro-batches as large as fit, in whole longest
+  sequences (``max_prompt_len + max_new_tokens``) up to the rank's whole minibatch share: fewer, larger GEMMs.
+
+With both ``auto``, checkpointing is off only where a micro-batch of at least :data:`EFFICIENT_MICRO_TOKENS` (or
+the whole share, if smaller) fits without it: a run that would fit only in tiny micro-batches loses to slow GEMMs
+more than checkpointing's recompute costs. Each decision's reason goes first in the plan's notes, and
+:func:`resolve_auto_settings` writes the decided values into the config (its saved ``config.yaml`` says what ran).
+
+Nothing here reads a model or imports torch: ``plan_of`` (one config -> its :class:`~fastrlhf.memory.plan.MemoryPlan`)
+is ``plan_memory`` itself, passed in by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fastrlhf.memory import components as C
+
+__all__ = ["EFFICIENT_MICRO_TOKENS", "decides", "plan_deciding", "resolve_auto_settings"]
+
+# A bf16 GEMM of this many rows runs near a GPU's peak at the hidden sizes RL trains (1.5B: H=1,536). An
+# estimate from the GEMM arithmetic (rows x H x H per weight read), not yet a measurement of this trainer.
+EFFICIENT_MICRO_TOKENS = 4096
+CHECKPOINTING, MICRO_TOKENS = "model.gradient_checkpointing", "trainer.max_tokens_per_microbatch"
+
+
+def decides(config) -> bool:
+    """Whether ``config`` holds a setting this module decides."""
+    return config.model.gradient_checkpointing == "auto" or config.trainer.max_tokens_per_microbatch == "auto"
+
+
+def _with(config, checkpointing=None, tokens=None):
+    if checkpointing is not None:
+        config = replace(config, model=replace(config.model, gradient_checkpointing=checkpointing))
+    if tokens is not None:
+        config = replace(config, trainer=replace(config.trainer, max_tokens_per_microbatch=tokens))
+    return config
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f}"
+
+
+def plan_deciding(config, gpus: int, plan_of):
+    """The plan with every ``auto`` setting decided (see the module docstring); its ``notes`` start with the
+    reasons, and ``gradient_checkpointing`` / ``max_tokens_per_microbatch`` hold what it counted."""
+    length = C.seq_len(config)
+    share = max(1, config.trainer.minibatch_size // gpus)  # sequences a micro-batch may hold (grad_accum is 1)
+    tokens_auto = config.trainer.max_tokens_per_microbatch == "auto"
+    reasons = []
+    if config.model.gradient_checkpointing == "auto":
+        # Without tokens auto: at the configured micro-batch; with it: at the smallest efficient one.
+        sequences = min(share, -(-EFFICIENT_MICRO_TOKENS // length))
+        probe = _with(config, False, sequences * length if tokens_auto else None)
+        without = plan_of(probe)
+        on = not without.fits
+        at = f" in micro-batches of {sequences * length:,} tokens" if tokens_auto else ""
+        reasons.append(f"{CHECKPOINTING} auto: " + (
+            f"on: without it the run needs {_gib(without.total)} of {_gib(without.budget)} GiB{at}" if on else
+            f"off: the run fits without it ({_gib(without.total)} of {_gib(without.budget)} GiB{at})"))
+        config = _with(config, checkpointing=on)
+        if not tokens_auto:
+            plan = without if not on else plan_of(config)
+    if tokens_auto:
+        plan, reason = _largest_micro_batch(config, length, share, plan_of)
+        reasons.append(reason)
+    plan.notes[:0] = reasons
+    return plan
+
+
+def _largest_micro_batch(config, length: int, share: int, plan_of):
+    """The plan with the most whole sequences per micro-batch that fit (binary search: memory grows with them),
+    one sequence where none fits, and the reason."""
+    def plan_at(sequences: int):
+        return plan_of(_with(config, tokens=sequences * length))
+
+    low, best = 1, plan_at(1)
+    if best.fits and share > 1:
+        top, high = plan_at(share), share
+        if top.fits:
+            low, best = share, top
+        while high - low > 1 and best is not top:
+            mid = (low + high) // 2
+            candidate = plan_at(mid)
+            if candidate.fits:
+                low, best = mid, candidate
+            else:
+                high = mid
+    if not best.fits:
+        why = f"{length:,} (one sequence; even that needs {_gib(best.total)} of {_gib(best.budget)} GiB)"
+    elif low == share:
+        why = f"{low * length:,}: the whole minibatch share ({share} sequences of {length:,} tokens) fits"
+    else:
+        why = (f"{low * length:,}: {low} of the share's {share} sequences of {length:,} tokens fit "
+               f"({_gib(best.total)} of {_gib(best.budget)} GiB); {low + 1} would not")
+    return best, f"{MICRO_TOKENS} auto: {why}"
+
+
+def resolve_auto_settings(config, plan):
+    """``(config, notes)``: the config with its ``auto`` settings as ``plan`` decided them, and each decision's
+    reason (none: nothing was ``auto``). Without a plan (an architecture it cannot count): checkpointing on and one
+    longest sequence per micro-batch, the safe side, said so."""
+    notes = []
+    if config.model.gradient_checkpointing == "auto":
+        on = True if plan is None else plan.gradient_checkpointing
+        notes.append(f"{CHECKPOINTING} auto: on: no plan" if plan is None else
+                     next(n for n in plan.notes if n.startswith(CHECKPOINTING)))
+        config = _with(config, checkpointing=on)
+    if config.trainer.max_tokens_per_microbatch == "auto":
+        tokens = C.seq_len(config) if plan is None else plan.max_tokens_per_microbatch
+        notes.append(f"{MICRO_TOKENS} auto: {tokens:,} (one sequence): no plan" if plan is None else
+                     next(n for n in plan.notes if n.startswith(MICRO_TOKENS)))
+        config = _with(config, tokens=tokens)
+    return config, notes

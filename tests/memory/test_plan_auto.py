@@ -1,0 +1,161 @@
+"""The ``auto`` settings the memory plan decides (fastrlhf.memory.auto): gradient checkpointing off where the run
+fits without it, the update's micro-batch tokens as large as fit, both together; the reasons in the plan's notes,
+the decided values in the config the trainer runs (said once), and the safe side without a plan."""
+
+from dataclasses import replace
+
+import pytest
+from helpers.plan_cases import QWEN25_1_5B, GiB, gpu_grpo, model_folder
+
+from fastrlhf.config import ConfigError
+from fastrlhf.memory import components as C
+from fastrlhf.memory.auto import EFFICIENT_MICRO_TOKENS, resolve_auto_settings
+from fastrlhf.memory.plan import plan_memory
+
+LENGTH = 512 + 1024  # gpu_grpo's longest sequence
+SHARE = 256 // 8  # its minibatch share per rank on 8 GPUs
+
+
+@pytest.fixture
+def config(tmp_path):
+    return gpu_grpo(model_folder(tmp_path / "m", QWEN25_1_5B), zero_stage=2)
+
+
+def with_(config, checkpointing=None, tokens=None, grad_accum=None):
+    if checkpointing is not None:
+        config = replace(config, model=replace(config.model, gradient_checkpointing=checkpointing))
+    t = config.trainer
+    return replace(config, trainer=replace(t, max_tokens_per_microbatch=t.max_tokens_per_microbatch if tokens is None
+                                           else tokens, grad_accum=grad_accum or t.grad_accum))
+
+
+def budget_below(plan_of_budget) -> int:
+    """The largest budget (to 1 MiB) that ``plan_of_budget(budget)`` does not fit: the plan depends on the budget
+    (the loss chunks and vLLM's share take what is free), so the budget is searched, not worked out."""
+    low, high = 1 * GiB, 400 * GiB  # low does not fit, high does
+    assert not plan_of_budget(low).fits and plan_of_budget(high).fits
+    while high - low > (1 << 20):
+        mid = (low + high) // 2
+        low, high = (low, mid) if plan_of_budget(mid).fits else (mid, high)
+    return low
+
+
+def test_auto_gradient_checkpointing_is_off_where_the_run_fits_without_it(config):
+    config = with_(config, checkpointing="auto")
+
+    def plan_at(budget, on):
+        return plan_memory(with_(config, checkpointing=on), 8, budget)
+
+    without, with_it = plan_at(80 * GiB, False), plan_at(80 * GiB, True)
+    assert with_it.total < without.total  # what checkpointing saves: activations
+    roomy = plan_memory(config, 8, 80 * GiB)
+    assert roomy.fits and not roomy.gradient_checkpointing and roomy.total == without.total
+    assert roomy.notes[0].startswith("model.gradient_checkpointing auto: off: the run fits without it")
+    assert resolve_auto_settings(config, roomy) == (with_(config, checkpointing=False), [roomy.notes[0]])
+    # A budget the run fits only with checkpointing (margin included): on.
+    budget = budget_below(lambda b: plan_at(b, False))
+    assert plan_at(budget, True).fits
+    tight = plan_memory(config, 8, budget)
+    assert tight.gradient_checkpointing and tight.total == plan_at(budget, True).total
+    assert not plan_at(budget, False).fits
+    assert tight.notes[0].startswith("model.gradient_checkpointing auto: on: without it the run needs")
+    assert resolve_auto_settings(config, tight)[0].model.gradient_checkpointing is True
+    decided, why = resolve_auto_settings(config, None)  # no plan: the safe side, and said
+    assert decided.model.gradient_checkpointing is True and why == ["model.gradient_checkpointing auto: on: no plan"]
+    fixed = with_(config, checkpointing=False)
+    kept, why = resolve_auto_settings(fixed, tight)
+    assert kept is fixed and why == []  # true or false: as written
+
+
+def test_auto_micro_batch_tokens_are_the_most_whole_sequences_that_fit(config):
+    config = with_(config, tokens="auto", grad_accum=1)
+
+    def plan_at(sequences, budget=80 * GiB):
+        return plan_memory(with_(config, tokens=sequences * LENGTH), 8, budget)
+
+    # Plenty of memory: the whole share in one micro-batch.
+    roomy = plan_memory(config, 8, 200 * GiB)
+    assert roomy.fits and roomy.max_tokens_per_microbatch == SHARE * LENGTH
+    assert roomy.total == plan_at(SHARE, 200 * GiB).total
+    assert roomy.notes[0] == (f"trainer.max_tokens_per_microbatch auto: {SHARE * LENGTH:,}: the whole minibatch "
+                              f"share ({SHARE} sequences of {LENGTH:,} tokens) fits")
+    # A budget between 11 and 12 sequences: 11, and the plan is the one of 11.
+    budget = budget_below(lambda b: plan_at(12, b))
+    assert plan_at(11, budget).fits and not plan_at(12, budget).fits
+    tight = plan_memory(config, 8, budget)
+    assert tight.max_tokens_per_microbatch == 11 * LENGTH and tight.total == plan_at(11, budget).total
+    assert tight.notes[0].startswith(f"trainer.max_tokens_per_microbatch auto: {11 * LENGTH:,}: 11 of the share's "
+                                     f"{SHARE} sequences")
+    assert tight.notes[0].endswith("12 would not")
+    decided, notes = resolve_auto_settings(config, tight)
+    assert decided == with_(config, tokens=11 * LENGTH) and notes == [tight.notes[0]]
+    # Nothing fits: one sequence, said so (and the plan does not fit: a CUDA launch stops on it).
+    hopeless = plan_memory(config, 8, 8 * GiB)
+    assert not hopeless.fits and hopeless.max_tokens_per_microbatch == LENGTH
+    assert "one sequence; even that needs" in hopeless.notes[0]
+    # No plan: one sequence per micro-batch.
+    decided, notes = resolve_auto_settings(config, None)
+    assert decided.trainer.max_tokens_per_microbatch == LENGTH and notes == [
+        f"trainer.max_tokens_per_microbatch auto: {LENGTH:,} (one sequence): no plan"]
+
+
+def test_both_auto_keep_checkpointing_on_where_only_small_micro_batches_fit_without_it(config):
+    config = with_(config, checkpointing="auto", tokens="auto", grad_accum=1)
+    efficient = -(-EFFICIENT_MICRO_TOKENS // LENGTH)  # 3 sequences of 1,536 tokens
+
+    def plan_at(checkpointing, sequences, budget=80 * GiB):
+        return plan_memory(with_(config, checkpointing, sequences * LENGTH), 8, budget)
+
+    # Without checkpointing the efficient micro-batch fits: off, then as many sequences as fit without it.
+    plan = plan_memory(config, 8, 80 * GiB)
+    assert not plan.gradient_checkpointing and plan_at(False, efficient).fits
+    assert plan.notes[0].startswith("model.gradient_checkpointing auto: off: the run fits without it")
+    assert f"in micro-batches of {efficient * LENGTH:,} tokens" in plan.notes[0]
+    assert plan.notes[1].startswith("trainer.max_tokens_per_microbatch auto:")
+    most = plan.max_tokens_per_microbatch // LENGTH
+    assert efficient <= most < SHARE and not plan_at(False, most + 1).fits
+    decided, notes = resolve_auto_settings(config, plan)
+    assert decided == with_(config, False, most * LENGTH) and notes == plan.notes[:2]
+    # A budget where only fewer sequences than that fit without it: on, and larger micro-batches with it.
+    budget = budget_below(lambda b: plan_at(False, efficient, b))
+    assert plan_at(False, efficient - 1, budget).fits
+    plan = plan_memory(config, 8, budget)
+    assert plan.gradient_checkpointing and plan.notes[0].startswith("model.gradient_checkpointing auto: on")
+    assert plan.max_tokens_per_microbatch > efficient * LENGTH and plan.fits
+
+
+def test_auto_micro_batch_tokens_need_grad_accum_1_and_the_train_command(tmp_path):
+    from fastrlhf.config import load_config
+    from fastrlhf.memory.plan import _config_json_only, load_plan_config
+
+    path = tmp_path / "run.yaml"
+    model = model_folder(tmp_path / "m", QWEN25_1_5B)
+    path.write_text(f"algorithm: grpo\noutput_dir: out\nmodel: {{path: {model}}}\ndata: {{prompts: p.jsonl}}\n"
+                    "trainer: {max_steps: 1, grad_accum: 2, max_tokens_per_microbatch: auto}\n"
+                    "reward: {function: match_answer}\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1"}\n')
+    with pytest.raises(ConfigError, match="trainer.grad_accum"):
+        load_plan_config(str(path), device="cpu")
+    path.write_text(path.read_text().replace("grad_accum: 2", "grad_accum: 1"))
+    assert load_plan_config(str(path), device="cpu").trainer.max_tokens_per_microbatch == "auto"
+    sft = tmp_path / "sft.yaml"
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    sft.write_text(f"output_dir: out\nmodel: {{path: {model}}}\ndata: {{path: d.jsonl}}\n"
+                   "trainer: {max_steps: 1, max_tokens_per_microbatch: auto}\n")
+    with pytest.raises(ConfigError, match="trainer.max_tokens_per_microbatch.*memory plan of `fastrlhf train`"), \
+            _config_json_only():  # no weights in the model folder: the config's own checks only
+        load_config(str(sft), "sft")
+
+
+def test_the_rl_trainer_loads_its_models_as_the_plan_decided(config, capsys):
+    from fastrlhf.rl import trainer
+
+    config = with_(config, checkpointing="auto", tokens="auto", grad_accum=1)
+    plan = plan_memory(config, 8, 80 * GiB)
+    decided = trainer._with_auto_decided(config, plan)
+    assert decided.model.gradient_checkpointing is False
+    assert decided.trainer.max_tokens_per_microbatch == plan.max_tokens_per_microbatch
+    assert C.update_micro_batch(decided, SHARE)[0] == plan.max_tokens_per_microbatch
+    assert capsys.readouterr().out.strip().splitlines() == plan.notes[:2]  # said once, by the main rank
+    safe = trainer._with_auto_decided(config, None)
+    assert safe.model.gradient_checkpointing is True and safe.trainer.max_tokens_per_microbatch == LENGTH
