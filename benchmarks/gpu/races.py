@@ -331,20 +331,24 @@ def _ratio(out: dict, key: str, num: str, den: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ race 2
 def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batch: int, grad_accum: int,
-                 gradient_checkpointing: bool = True):
+                 gradient_checkpointing: bool = True, liger_kernels: bool = False):
     """``(engine, reference, guard)`` as ``fastrlhf train`` builds them for GRPO: the actor from random init in a
     ZeRO-2 engine (bf16 with fp32 master weights on a GPU), gradient checkpointing (unless told otherwise), its
-    frozen reference."""
+    frozen reference; with ``liger_kernels``, both with Liger-Kernel's layers (``model.liger_kernels``)."""
     from fastrlhf.config import DeepSpeedConfig
     from fastrlhf.engine.deepspeed import build_train_engine
     from fastrlhf.engine.guards import StepGuard
+    from fastrlhf.modeling.loading import apply_liger_layers
     from fastrlhf.modeling.tiny import make_qwen2_on
 
     actor = make_qwen2_on(dev, torch_dtype, seed=seed, **model).train()
+    reference = make_qwen2_on(dev, torch_dtype, seed=seed, **model).requires_grad_(False)
+    if liger_kernels:
+        apply_liger_layers(actor)
+        apply_liger_layers(reference)
     if gradient_checkpointing:
         actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as modeling.py
     actor.config.use_cache = False
-    reference = make_qwen2_on(dev, torch_dtype, seed=seed, **model).requires_grad_(False)
     guard = StepGuard()
     engine = build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=torch_dtype == torch.bfloat16), lr=lr,
                                 micro_batch_size=micro_batch, grad_accum=grad_accum, max_grad_norm=1.0, guard=guard)
@@ -354,7 +358,7 @@ def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batc
 def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16", prompts: int = 8,
                    n: int = 8, prompt_len: int = 128, new_tokens: int = 256, grad_accum: int = 2, updates: int = 4,
                    gemm_size: int = 8192, seed: int = 0, gradient_checkpointing: bool = True,
-                   profile: bool = True) -> dict:
+                   liger_kernels: bool = False, profile: bool = True) -> dict:
     """One GRPO step's update (``RLStep.update``: every micro-batch's forward + backward and the optimizer
     step) as the trainer builds it (tests/gpu/test_update_syncs.py): ZeRO-2, bf16 with fp32 master weights,
     gradient checkpointing, a reference model (KL in the loss), the HF engine sharing the actor. One
@@ -365,7 +369,8 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     token of the sequences (prompt and completion: all run forward and backward; the LM head only sees the
     completion positions, so 6 x params over-counts its share on prompt tokens). ``mfu_with_recompute``
     counts the forward that gradient checkpointing repeats (8 x params x tokens; as MFU without it). With
-    ``profile``, one more update's time by kernel (:func:`profile_kernels`): what it spends outside the GEMMs."""
+    ``profile``, one more update's time by kernel (:func:`profile_kernels`): what it spends outside the GEMMs.
+    ``liger_kernels``: the actor and reference with Liger-Kernel's RMSNorm, SwiGLU and rotary kernels."""
     from dataclasses import replace
 
     from benchmarks.e2e_common import even_fraction_reward
@@ -396,7 +401,7 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                          rollout=RolloutConfig(n=n, max_new_tokens=new_tokens, max_logprob_mismatch=None),
                          reward=RewardConfig(function="target_token"))
     engine, reference, guard = actor_engine(dev, torch_dtype, model, seed, 1e-6, batch // grad_accum, grad_accum,
-                                            gradient_checkpointing)
+                                            gradient_checkpointing, liger_kernels)
     actor, params = engine.module, count_parameters(engine.module)
     timed: list[dict] = []
     step_exp: list = []  # the last update's experience, profiled again at the end
@@ -434,7 +439,7 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                tokens_per_s=round(tokens / update_s, 1), gemm_tflops=round(gemm, 1),
                model_tflops=round(model_tflops, 2), mfu=round(model_tflops / gemm, 4),
                mfu_with_recompute=round(model_tflops * (8 if gradient_checkpointing else 6) / 6 / gemm, 4),
-               mfu_target=0.45, gradient_checkpointing=gradient_checkpointing,
+               mfu_target=0.45, gradient_checkpointing=gradient_checkpointing, liger_kernels=liger_kernels,
                generate_s=round(generate_s, 2), skipped_steps=sum(m.get("skipped", 0) for m in metrics))
     for key, name in (("memory/train_gib", "update_peak_allocated_gib"), ("memory/peak_reserved_gib",
                                                                          "step_peak_reserved_gib")):

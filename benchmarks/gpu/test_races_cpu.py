@@ -51,6 +51,27 @@ def test_rl_update_race():
     assert r["mfu"] == r["mfu_with_recompute"] > 0 and not r["gradient_checkpointing"] and "profile_top" not in r, r
 
 
+def test_rl_update_race_hands_actor_and_reference_to_liger(monkeypatch):
+    """``liger_kernels=True``: the actor and its reference go to Liger-Kernel's qwen2 patch (a stand-in here: its
+    kernels are GPU Triton, which the interpreter cannot run), layers only, and the figures say so."""
+    import sys
+    import types
+
+    handed = []
+    stand_in = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    stand_in.MODEL_TYPE_TO_APPLY_LIGER_FN = {
+        "qwen2": lambda rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy, model: handed.append(
+            (model.training, rope and rms_norm and swiglu, cross_entropy or fused_linear_cross_entropy))}
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, stand_in.__name__, stand_in)
+    r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
+                             grad_accum=2, updates=2, gemm_size=128, gradient_checkpointing=False,
+                             liger_kernels=True, profile=False)
+    assert r["liger_kernels"] and r["mfu"] > 0, r
+    assert handed == [(True, True, False), (False, True, False)]  # the actor (training), then the reference: layers, no loss
+
+
 def _check_profile(r: dict, prefix: str) -> None:
     """The time by kernel of one profiled call: rows by descending time, shares of a positive whole, GEMMs in it."""
     top = r[f"{prefix}profile_top"]

@@ -263,7 +263,22 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu:
     from fastrlhf.sequences.attention import resolve_attention
 
     on_gpu = gpu_available() if on_gpu is None else on_gpu
+    _check_liger_kernels(config.model, on_gpu)
     return resolve_attention(resolve_precision(config, on_gpu), on_gpu)
+
+
+def _check_liger_kernels(model, on_gpu: bool) -> None:
+    """``model.liger_kernels`` only where its Triton kernels can run and its package is installed."""
+    if not model.liger_kernels:
+        return
+    import importlib.util
+
+    if not on_gpu:
+        raise ConfigError("model.liger_kernels", "needs a CUDA device (Liger-Kernel's layers are GPU Triton "
+                                                 "kernels); set false on a CPU")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("model.liger_kernels", "needs the liger-kernel package: pip install liger-kernel "
+                                                 "(or set false)")
 
 
 def load_config(path: str, command: str = "train", overrides: list[str] | None = None, on_gpu: bool | None = None,

@@ -46,6 +46,10 @@ class ModelConfig:
     # sdpa; auto: flash_attention_2 on a GPU with flash_attn and bf16, else flex; sdpa on a CPU
     # (fastrlhf.sequences.attention)
     attention: Literal["auto", "flex", "flash_attention_2", "sdpa"] = "auto"
+    # true (CUDA, liger-kernel installed): Liger-Kernel's RMSNorm, SwiGLU and rotary kernels in the models' layers
+    # (not its loss: the LM head is fastrlhf's fused kernel). Off by default until measured here
+    # (fastrlhf.modeling.loading.apply_liger_layers)
+    liger_kernels: bool = False
 
 
 @dataclass(frozen=True)

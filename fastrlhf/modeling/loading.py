@@ -22,6 +22,7 @@ __all__ = [
     "CausalLMWithValueHead",
     "load_value_model",
     "apply_lora",
+    "apply_liger_layers",
     "unwrap",
     "base_model",
     "vocab_size",
@@ -101,6 +102,33 @@ def use_attention(model, packing: bool, share_prompts: bool = False, backend: st
     return backend
 
 
+# Liger-Kernel's layer kernels that model.liger_kernels turns on; never its losses (cross_entropy,
+# fused_linear_cross_entropy): the LM head and loss are fastrlhf's fused kernels, which take the hidden states.
+LIGER_LAYERS = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+def apply_liger_layers(model) -> None:
+    """Liger-Kernel's RMSNorm, SwiGLU MLP and rotary embedding in ``model``'s layers (``model.liger_kernels``),
+    through its ``apply_liger_kernel_to_<model_type>(model=...)``, before LoRA wraps the model. Liger patches the
+    module's classes and functions for the whole process, as TRL's ``use_liger_kernel`` does. Raises
+    :class:`ConfigError` naming ``model.liger_kernels`` where the package or the model type is missing."""
+    import inspect
+
+    from fastrlhf.config import ConfigError
+
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as exc:
+        raise ConfigError("model.liger_kernels", f"needs the liger-kernel package ({exc})") from None
+    model_type = getattr(model.config, "model_type", None)
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:
+        raise ConfigError("model.liger_kernels", f"Liger-Kernel has no kernels for model_type {model_type!r}; "
+                                                 f"it has {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}")
+    takes = inspect.signature(apply).parameters
+    apply(model=model, **{k: v for k, v in LIGER_LAYERS.items() if k in takes})
+
+
 def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True, zero3_config: dict | None = None,
                    dtype: str | None = None):
     """``AutoModelForCausalLM`` from ``path`` (default ``model_cfg.path``); LoRA applied only if trainable.
@@ -113,6 +141,8 @@ def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True, z
     with zero3_loading(zero3_config):
         model = AutoModelForCausalLM.from_pretrained(path or model_cfg.path,
                                                      dtype=torch_dtype(dtype or model_cfg.dtype))
+    if model_cfg.liger_kernels:
+        apply_liger_layers(model)
     if not trainable:
         return model.eval().requires_grad_(False)
     return _finish(model.train(), model_cfg, "CAUSAL_LM")
@@ -129,6 +159,8 @@ def load_sequence_classifier(model_cfg, num_labels: int, path: str | None = None
     if model.config.pad_token_id is None:
         # The classifier pools the last non-pad token; without a pad id it refuses batches larger than 1.
         model.config.pad_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else 0
+    if model_cfg.liger_kernels:
+        apply_liger_layers(model)
     if not trainable:
         return model.eval().requires_grad_(False)
     return _finish(model.train(), model_cfg, "SEQ_CLS")

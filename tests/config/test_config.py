@@ -391,3 +391,13 @@ def test_wandb_mode_project_and_run_name(paths, command):
     err = str(error_of(raw(wandb_projekt="p"), command))
     assert err.startswith("trainer.wandb_projekt: unknown key (known keys here: ")
     assert "wandb, wandb_project, wandb_run_name" in err
+
+
+def test_liger_kernels_are_refused_where_they_cannot_run(paths, monkeypatch):
+    raw = grpo(paths, model={"path": paths["model"], "liger_kernels": True})
+    with pytest.raises(ConfigError, match="model.liger_kernels: needs a CUDA device"):
+        parse_config(raw, "train", on_gpu=False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="model.liger_kernels: needs the liger-kernel package"):
+        parse_config(raw, "train", on_gpu=True)
+    assert parse_config(grpo(paths), "train", on_gpu=False).model.liger_kernels is False
