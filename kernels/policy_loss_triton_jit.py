@@ -2,11 +2,14 @@
 (``_token_loss_math``) and the two kernels built on it. Defined at module level because a kernel calls the
 helper by its global name (the interpreter resolves no closures); importing this module imports triton and
 fixes, from TRITON_INTERPRET at that moment, whether the kernels are interpreted, so only
-``policy_loss_triton.token_loss_kernels`` imports it, on first use.
+``policy_loss_triton.token_loss_kernels`` imports it, on first use. The row kernel's softmax passes are
+``logprob_entropy_triton_jit.py``'s helpers.
 """
 
 import triton
 import triton.language as tl
+
+from .logprob_entropy_triton_jit import row_softmax_grad, row_softmax_stats
 
 
 @triton.jit
@@ -97,6 +100,7 @@ def _token_loss_kernel(
     tl.store(row + 4, tl.sum(tl.where(keep, kl, 0.0), axis=0))
     tl.store(row + 5, tl.sum(tl.where(keep, 1.0, 0.0), axis=0))
 
+
 @triton.jit
 def _row_loss_kernel(
     logits_ptr, stride_row, labels_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, out_ptr, stride_out_row, sums_ptr,
@@ -111,26 +115,9 @@ def _row_loss_kernel(
     cols = tl.arange(0, BLOCK_V)
     w = tl.load(w_ptr + row)
     if w > 0:
-        # The row's softmax statistics, as logprob_entropy_triton's stats kernel (its comments explain).
-        m = tl.full((), -3.0e38, tl.float32)
-        s = tl.zeros((), tl.float32)
-        a = tl.zeros((), tl.float32)
-        for start in range(0, V, BLOCK_V):
-            idx = start + cols
-            z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_temperature
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            shift = m - m_new
-            scale = tl.exp(shift)
-            d = tl.maximum(z - m_new, -1000.0)  # _LOGP_FLOOR
-            e = tl.exp(d)
-            a = scale * (a + s * shift) + tl.sum(e * d, axis=0)
-            s = s * scale + tl.sum(e, axis=0)
-            m = m_new
-        log_s = tl.log(s)
-        lse = m + log_s
+        lse, ent = row_softmax_stats(row_ptr, V, inv_temperature, BLOCK_V)
         label = tl.load(labels_ptr + row)
         lp = tl.load(row_ptr + label).to(tl.float32) * inv_temperature - lse
-        ent = log_s - a / s
         adv = tl.load(adv_ptr + row)
         if HAS_OLD:
             old = tl.load(old_ptr + row)
@@ -149,18 +136,9 @@ def _row_loss_kernel(
         tl.store(sums_row + 3, ent)
         tl.store(sums_row + 4, kl)
         tl.store(sums_row + 5, 1.0)
-        if NEED_GRAD:
-            # dlogits_j = (1/T) * [g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + H)], as the grad kernel
-            g_lp = w * g_lp
-            g_ent = -entropy_coef * w
-            for start in range(0, V, BLOCK_V):
-                idx = start + cols
-                valid = idx < V
-                z = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_temperature
-                logp = tl.maximum(z - lse, -1000.0)  # _LOGP_FLOOR
-                p = tl.exp(logp)
-                d = (tl.where(idx == label, g_lp, 0.0) - p * (g_lp + g_ent * (logp + ent))) * inv_temperature
-                tl.store(out_row_ptr + idx, d.to(out_ptr.dtype.element_ty), mask=valid)
+        if NEED_GRAD:  # the row's second read follows its first: from L2 on a GPU, where the row fits
+            row_softmax_grad(row_ptr, out_row_ptr, V, label, lse, ent, w * g_lp, -entropy_coef * w,
+                             inv_temperature, BLOCK_V)
     else:
         # A masked row: no loss, no metric, a zero gradient; its logits are never read.
         for k in range(0, 6):
