@@ -540,18 +540,21 @@ def counted_rows(monkeypatch):
     return calls
 
 
+# 15 tokens in 1, 2 and 3 chunks: tokens 5..9 (row 1) are fully masked, a whole chunk at chunk_size 5.
+@pytest.mark.parametrize("chunk_size,launches", [(15, 1), (8, 2), (5, 2)], ids=["1-chunk", "2-chunks", "3-chunks"])
 @pytest.mark.parametrize("one_pass_rows", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_linear_policy_loss_both_paths_against_the_reference(counted_rows, one_pass_rows, dtype):
-    def edit(mask):  # row 1 fully masked (a whole chunk), and single masked tokens elsewhere
+def test_fused_linear_policy_loss_both_paths_against_the_reference(counted_rows, one_pass_rows, dtype, chunk_size,
+                                                                   launches):
+    def edit(mask):  # row 1 fully masked, and single masked tokens elsewhere
         mask[1] = 0.0
 
     with fused_linear_paths(one_pass_rows=one_pass_rows):
-        check_policy_loss("triton", shape=(3, 5), v=257, chunk_size=5, mask_edit=edit, dtype=dtype, dual_clip=2.5,
-                          kl_coef=0.1, entropy_coef=0.02, temperature=1.2, agg="seq-mean-token-mean")
+        check_policy_loss("triton", shape=(3, 5), v=257, chunk_size=chunk_size, mask_edit=edit, dtype=dtype,
+                          dual_clip=2.5, kl_coef=0.1, entropy_coef=0.02, temperature=1.2, agg="seq-mean-token-mean")
     assert PATHS.one_pass_rows  # the switch restored
-    # Off the CPU every chunk would run; here the fully masked chunk is skipped: 2 of 3 chunks.
-    assert counted_rows == ([True, True] if one_pass_rows else [])
+    # Off the CPU every chunk would run; here a fully masked chunk is skipped (at 3 chunks: 2 run).
+    assert counted_rows == ([True] * launches if one_pass_rows else [])
 
 
 def test_fused_linear_policy_loss_row_kernel_without_grad(counted_rows):
