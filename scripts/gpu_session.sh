@@ -24,6 +24,9 @@
 #   bash scripts/gpu_session.sh tests [CAP_S]      carry: .gpu-carry. tests/gpu without vLLM: kernels at
 #        V=151,936, the update's host reads, every command through the launcher, the plan against the peak.
 #   bash scripts/gpu_session.sh bench [CAP_S] [K]: the benchmarks that need neither vLLM nor TRL (-k K: some).
+#        Issue #43's before and after in one call: K="lm_head or rl_update" (the fused loss with and without
+#        the row kernel and the GEMM's fp32 sum, each profiled; the 1.5B update with and without checkpointing
+#        and with Liger's layer kernels).
 #
 # 15 minutes of device time hold the machine's start (about 30 s on an H200) and about two of these calls:
 # take them in the order of the lowest-numbered open issue that needs them.
