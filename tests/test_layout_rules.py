@@ -1,6 +1,7 @@
 """The shape of the package: no import circles in fastrlhf/ or kernels/ (imports inside functions
 included), no module above 500 lines, at most 14 entries at fastrlhf's top level; and no file under
-tests/ or benchmarks/ imports a test module or a conftest (what tests share lives in tests/helpers/)."""
+tests/ or benchmarks/ imports a test module or a conftest (what tests share lives in tests/helpers/), nor
+shares a test module's file name with another."""
 
 import ast
 import os
@@ -169,6 +170,19 @@ def test_no_test_module_imports_another_test_module():
                     bad += [f"{os.path.relpath(path, ROOT)}: {line}"
                             for line in imports_of_test_modules(open(path).read())]
     assert bad == []
+
+
+def test_no_two_test_modules_share_a_file_name():
+    """tests/ has no __init__.py files: pytest imports each test module by its file name alone, so a second
+    test_x.py in another folder stops the whole collection ("import file mismatch"), and `make test` with it."""
+    seen: dict[str, list[str]] = {}
+    for folder in ("tests", "benchmarks"):
+        for dirpath, dirs, files in os.walk(os.path.join(ROOT, folder)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for name in files:
+                if name.startswith("test_") and name.endswith(".py"):
+                    seen.setdefault(name, []).append(os.path.relpath(os.path.join(dirpath, name), ROOT))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
 
 
 def test_the_test_import_finder_finds_them():

@@ -2,7 +2,7 @@
 its losses. On the CPU the package stands in (its kernels are GPU Triton): every loader that builds a model the run
 computes with hands it over once, before LoRA wraps it, with the layer flags on and the loss flags off; a model
 type Liger lacks and a missing package are one-line config errors; and the config refuses it on a CPU.
-tests/gpu/test_liger_layers.py runs the real kernels on CUDA against the plain layers."""
+tests/gpu/test_liger_layers_on_cuda.py runs the real kernels on CUDA against the plain layers."""
 
 import sys
 import types
