@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from fastrlhf.config import ModelConfig
 from fastrlhf.cpu.file_pages import FilePages, file_page_ranges
 from fastrlhf.modeling import load_causal_lm
 from fastrlhf.modeling.tiny import make_tiny_qwen2, save_tiny_qwen2
@@ -22,12 +23,11 @@ KW = dict(vocab_size=4096, hidden_size=128, num_heads=4, num_kv_heads=2, initial
 IDS = torch.tensor([[5, 17, 300, 4000, 9, 9, 2]])
 
 
-class _ModelConfig:
-    dtype = "float32"
+FROZEN_FP32 = ModelConfig(path="unused", dtype="float32")  # the settings of a frozen fp32 copy (path given apart)
 
 
 def _frozen(path):
-    model = load_causal_lm(_ModelConfig(), str(path), trainable=False)
+    model = load_causal_lm(FROZEN_FP32, str(path), trainable=False)
     with torch.no_grad():
         logits = model(IDS).logits
     return model, logits
@@ -107,7 +107,7 @@ def test_the_rl_step_releases_the_reference_after_its_pass(tmp_path, monkeypatch
     monkeypatch.setattr(file_pages.FilePages, "release", lambda self: released.append(real(self)) or released[-1])
     actor = tiny_actor()
     tiny_actor().save_pretrained(tmp_path / "ref")
-    reference = load_causal_lm(_ModelConfig(), str(tmp_path / "ref"), trainable=False)
+    reference = load_causal_lm(FROZEN_FP32, str(tmp_path / "ref"), trainable=False)
     hp = make_config(GRPO)
     rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=reference,
                 actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3), pad_token_id=PAD,
