@@ -114,7 +114,8 @@ def triton_row_loss_and_grad(logits, labels, old_logprobs, advantages, weights, 
     n, v = logits.shape
     if ref_logprobs is None and kl_coef != 0.0:
         raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")
-    sums = torch.zeros(max(n, 1), len(SUM_COLUMNS), dtype=torch.float32, device=logits.device)
+    # Every row writes its six sums (a masked row zeros), so no zeros pass; with no row, one row of zeros.
+    sums = (torch.empty if n else torch.zeros)(max(n, 1), len(SUM_COLUMNS), dtype=torch.float32, device=logits.device)
     if n:
         block = block_v or default_block_v(v, on_gpu=logits.is_cuda)
         w = _f32(weights)

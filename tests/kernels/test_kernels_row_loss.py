@@ -110,6 +110,9 @@ def test_every_row_masked_is_zero_everywhere():
     loss, sums = triton_row_loss_and_grad(**x, temperature=1.0, out=out, kl_coef=0.1)
     assert float(loss) == 0.0 and all(float(t) == 0.0 for t in sums.values())
     assert not out.any()
+    empty = {k: (v[:0] if isinstance(v, torch.Tensor) else v) for k, v in x.items()}  # no row: no launch, zeros
+    loss, sums = triton_row_loss_and_grad(**empty, temperature=1.0, out=empty["logits"], kl_coef=0.1)
+    assert float(loss) == 0.0 and all(float(t) == 0.0 for t in sums.values())
 
 
 def test_row_kernel_argument_errors():
