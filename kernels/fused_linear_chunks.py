@@ -33,13 +33,14 @@ PATHS = FusedLinearPaths()
 @contextlib.contextmanager
 def fused_linear_paths(**paths: bool):
     """Within the block, :data:`PATHS` with these fields changed (``one_pass_rows=False``: the three launches)."""
+    names = [f.name for f in dataclasses.fields(PATHS)]
+    unknown = sorted(set(paths) - set(names))
+    if unknown:
+        raise ValueError(f"no fused-linear path {', '.join(map(repr, unknown))}; expected one of {', '.join(names)}")
     saved = dataclasses.replace(PATHS)
-    for name, on in paths.items():
-        if not hasattr(PATHS, name):
-            raise ValueError(f"no fused-linear path {name!r}; expected one of "
-                             f"{', '.join(f.name for f in dataclasses.fields(PATHS))}")
-        setattr(PATHS, name, bool(on))
     try:
+        for name, on in paths.items():
+            setattr(PATHS, name, bool(on))
         yield PATHS
     finally:
         for field in dataclasses.fields(PATHS):

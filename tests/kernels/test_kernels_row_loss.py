@@ -129,8 +129,9 @@ def test_row_kernel_argument_errors():
 
 def test_the_paths_switch_rejects_an_unknown_path_and_restores_on_error():
     with pytest.raises(ValueError, match="one_pass_rows"):
-        with fused_linear_paths(one_pass=False):
+        with fused_linear_paths(gemm_fp32_sum=False, one_pass=False):  # nothing changed, not even the known one
             pass
+    assert PATHS.gemm_fp32_sum
     with pytest.raises(RuntimeError), fused_linear_paths(one_pass_rows=False, gemm_fp32_sum=False):
         assert not PATHS.one_pass_rows and not chunks.accumulates_in_gemm(torch.empty(2, 2, device="meta",
                                                                                        dtype=torch.bfloat16))
