@@ -1,6 +1,6 @@
 """The per-token policy loss in Triton: PPO's clipped surrogate (clip-higher, dual clip), the KL penalty (k1, abs,
 k2, k3) and the entropy bonus, with each token's gradient in its logprob and entropy and the loss and metric sums.
-Two kernels share that math (``math``, one ``@triton.jit`` helper):
+Two kernels share that math (``policy_loss_triton_jit._token_loss_math``, one ``@triton.jit`` helper):
 
 * ``loss``: a block of tokens' logprobs and entropies in, their gradients and the block's sums out; one launch
   instead of about a hundred small torch kernels per chunk, which on a GPU cost more in launches than in
@@ -47,10 +47,10 @@ BLOCK = 1024
 @functools.cache
 def token_loss_kernels():
     """The kernels, built on first use (importing ``policy_loss_triton_jit`` reads TRITON_INTERPRET then); a
-    namespace with ``math``, ``loss`` and ``rows``."""
+    namespace with ``loss`` and ``rows``."""
     from . import policy_loss_triton_jit as jit
 
-    return types.SimpleNamespace(math=jit._token_loss_math, loss=jit._token_loss_kernel, rows=jit._row_loss_kernel)
+    return types.SimpleNamespace(loss=jit._token_loss_kernel, rows=jit._row_loss_kernel)
 
 
 def _check_loss_options(policy_loss, dual_clip, kl_kind, what) -> int:

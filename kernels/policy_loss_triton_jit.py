@@ -112,7 +112,6 @@ def _row_loss_kernel(
     row_ptr = logits_ptr + row * stride_row
     out_row_ptr = out_ptr + row * stride_out_row
     sums_row = sums_ptr + row * 6
-    cols = tl.arange(0, BLOCK_V)
     w = tl.load(w_ptr + row)
     if w > 0:
         lse, ent = row_softmax_stats(row_ptr, V, inv_temperature, BLOCK_V)
@@ -146,5 +145,5 @@ def _row_loss_kernel(
         if NEED_GRAD:
             zeros = tl.zeros([BLOCK_V], tl.float32).to(out_ptr.dtype.element_ty)
             for start in range(0, V, BLOCK_V):
-                idx = start + cols
+                idx = start + tl.arange(0, BLOCK_V)
                 tl.store(out_row_ptr + idx, zeros, mask=idx < V)
