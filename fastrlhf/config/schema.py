@@ -266,6 +266,9 @@ class SFTDataConfig:
     max_len: int = 512  # prompt + response tokens; longer examples are reported as bad lines
     max_prompt_len: int | None = None
     chat_template: bool | Literal["auto"] = "auto"  # as data.chat_template of `fastrlhf train`
+    # Which assistant turns of a `messages` chat the loss trains: the last (every earlier turn is prompt), or all
+    # (each in the context of the turns before it; the user and tool turns between them are read, not trained)
+    assistant_turns: Literal["last", "all"] = "last"
     # Tools ('module:function', as rollout.tools) whose schemas the chat template lists in each chat's prompt:
     # SFT on tool-using demonstrations sees the prompt the RL run's episodes start from
     tools: list[str] = field(default_factory=list)

@@ -24,8 +24,8 @@ from fastrlhf.data.reading import (
 )
 
 __all__ = [
-    "CHAT_TEMPLATE_CHOICES", "OVERLONG_CHOICES", "Columns", "PromptExample", "SFTExample", "PairExample",
-    "ClassificationExample", "load_prompts", "load_sft_examples", "load_pairwise_examples",
+    "ASSISTANT_TURNS_CHOICES", "CHAT_TEMPLATE_CHOICES", "OVERLONG_CHOICES", "Columns", "PromptExample", "SFTExample",
+    "PairExample", "ClassificationExample", "load_prompts", "load_sft_examples", "load_pairwise_examples",
     "load_classification_examples", "check_columns", "uneven_columns", "report_uneven_columns"
 ]
 
@@ -34,6 +34,9 @@ CHAT_TEMPLATE_CHOICES = (True, False, "auto")
 
 
 OVERLONG_CHOICES = ("error", "truncate", "skip")
+
+
+ASSISTANT_TURNS_CHOICES = ("last", "all")
 
 
 class Columns(dict):
@@ -58,6 +61,13 @@ class PromptExample:
 class SFTExample:
     prompt_ids: list[int]
     response_ids: list[int]
+    # 1 on the response tokens the loss trains, 0 on those it only reads (the user and tool turns between a
+    # chat's assistant turns, data.assistant_turns: all); None: all of them
+    response_mask: list[int] | None = None
+
+    @property
+    def trained_tokens(self) -> int:
+        return len(self.response_ids) if self.response_mask is None else sum(self.response_mask)
 
 
 @dataclass
@@ -183,17 +193,53 @@ def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: in
     return _collect(path, parse, skipped_as=f"longer than max_prompt_len ({max_prompt_len} tokens)")
 
 
+def _assistant_turns(messages: list[dict], tokenizer: LazyTokenizer, vocab_size: int | None,
+                     turns: str) -> SFTExample:
+    """A chat's SFT example: each trained assistant turn is its content's tokens plus EOS after the template
+    of the turns before it, with the generation prompt (``last``: only the final turn, every earlier one is
+    prompt). With ``all``, the template of each later context must start with the tokens built so far, so
+    that every turn is trained in the context the template gives it; a template that rewrites earlier turns
+    (one that drops past reasoning) is a bad line rather than a silent mismatch."""
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        raise _BadLine(f"field {CHAT_FIELD!r} must end with an assistant message (the response) after at "
+                       f"least one other message, got roles {[m['role'] for m in messages]}")
+    trained = [len(messages) - 1] if turns == "last" else \
+        [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+    ids: list[int] = []
+    mask: list[int] = []
+    for i in trained:
+        context = tokenizer.chat_ids(messages[:i], CHAT_FIELD)
+        _check_vocab(context, vocab_size, "prompt")
+        if context[:len(ids)] != ids:
+            raise _BadLine(f"the chat template renders the turns before message {i} differently from how it "
+                           "rendered them as the earlier turns' context, so they cannot be trained in one sequence; "
+                           "set data.assistant_turns to last")
+        reply = _tokens({"response": messages[i]["content"]}, ("response",),
+                        "response" if i == len(messages) - 1 else f"assistant message {i}", tokenizer,
+                        vocab_size, special=False, append_eos=True)
+        mask += [0] * (len(context) - len(ids)) + [1] * len(reply)
+        ids = context + reply
+    start = mask.index(1)
+    return SFTExample(ids[:start], ids[start:], None if all(mask[start:]) else mask[start:])
+
+
 def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None,
                       vocab_size: int | None = None, tokenizer_path: str | None = None, *,
-                      chat_template: bool | str = "auto", tools: list[dict] | None = None) -> list[SFTExample]:
+                      chat_template: bool | str = "auto", tools: list[dict] | None = None,
+                      assistant_turns: str = "last") -> list[SFTExample]:
     """SFT pairs: ``{"prompt_ids"/"prompt", "response_ids"/"response"}`` or ``{"messages": [..., {"role":
     "assistant", "content": ...}]}`` rows.
 
     A chat's prompt is the template of all its messages but the last, with the generation prompt; its
     response is the last (assistant) message's text, tokenized without special tokens, plus EOS (as a text
-    response). ``chat_template`` and ``tools`` as in :func:`load_prompts`.
+    response). ``assistant_turns: all`` (``data.assistant_turns``) trains every assistant turn after the
+    first message the same way, each in the context of the turns before it; the turns between them are read,
+    not trained (the example's ``response_mask``). ``chat_template`` and ``tools`` as in :func:`load_prompts`.
     """
     _check_choices(chat_template)
+    if assistant_turns not in ASSISTANT_TURNS_CHOICES:
+        raise ValueError(f"assistant_turns must be one of {', '.join(ASSISTANT_TURNS_CHOICES)}, "
+                         f"got {assistant_turns!r}")
     tokenizer = LazyTokenizer(tokenizer_path, tools)
     pair_fields = ("prompt_ids", "prompt", "response_ids", "response")
 
@@ -203,20 +249,15 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
             if chat_template is False:
                 raise _BadLine(f"field {CHAT_FIELD!r} is a chat but data.chat_template is false; "
                                "set data.chat_template to true or auto")
-            if len(messages) < 2 or messages[-1]["role"] != "assistant":
-                raise _BadLine(f"field {CHAT_FIELD!r} must end with an assistant message (the response) after at "
-                               f"least one other message, got roles {[m['role'] for m in messages]}")
-            prompt = tokenizer.chat_ids(messages[:-1], CHAT_FIELD)
-            _check_vocab(prompt, vocab_size, "prompt")
-            response = _tokens({"response": messages[-1]["content"]}, ("response",), "response", tokenizer,
-                               vocab_size, special=False, append_eos=True)
+            example = _assistant_turns(messages, tokenizer, vocab_size, assistant_turns)
         else:
             prompt, _ = _prompt(row, ("prompt_ids", "prompt"), tokenizer, vocab_size, chat_template)
             response = _tokens(row, ("response_ids", "response"), "response", tokenizer, vocab_size, special=False,
                                append_eos=True)
-        _check_len(prompt, max_prompt_len, "prompt")
-        _check_len(prompt + response, max_len, "prompt + response")
-        return SFTExample(prompt, response)
+            example = SFTExample(prompt, response)
+        _check_len(example.prompt_ids, max_prompt_len, "prompt")
+        _check_len(example.prompt_ids + example.response_ids, max_len, "prompt + response")
+        return example
 
     return _collect(path, parse)
 

@@ -1,4 +1,5 @@
-"""``fastrlhf sft``: supervised fine-tuning, next-token loss on response tokens only."""
+"""``fastrlhf sft``: supervised fine-tuning, next-token loss on the trained response tokens only (a
+response's own tokens, or a chat's assistant turns)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ __all__ = ["build_job", "collate_sft", "packed_response_logprobs", "sft_loss", "
 
 
 def collate_sft(examples: list[SFTExample], pad_id: int) -> dict:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (1 on response tokens), on the
-    host (:func:`fastrlhf.engine.device.to_device` takes them to the model)."""
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (1 on trained response tokens), on
+    the host (:func:`fastrlhf.engine.device.to_device` takes them to the model)."""
     length = max(len(e.prompt_ids) + len(e.response_ids) for e in examples)
     input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
@@ -26,7 +27,7 @@ def collate_sft(examples: list[SFTExample], pad_id: int) -> dict:
         p, r = len(e.prompt_ids), len(e.response_ids)
         input_ids[row, :p + r] = torch.tensor(e.prompt_ids + e.response_ids)
         attention_mask[row, :p + r] = 1
-        loss_mask[row, p:p + r] = 1.0
+        loss_mask[row, p:p + r] = 1.0 if e.response_mask is None else torch.tensor(e.response_mask)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
@@ -76,6 +77,12 @@ def _predicted(e: SFTExample) -> tuple[list[int], list[int]]:
     return e.response_ids[:1], e.response_ids[1:]
 
 
+def _trained(e: SFTExample) -> list[int]:
+    """1 per predicted token of :func:`_predicted` that the loss trains."""
+    mask = [1] * len(e.response_ids) if e.response_mask is None else e.response_mask
+    return mask if e.prompt_ids else mask[1:]
+
+
 def packed_response_logprobs(engine, examples: list[SFTExample], use_fused: bool = True, chunk_size=None,
                              chunk_bytes=None) -> torch.Tensor:
     """``[M]`` fp32 log-probabilities of the examples' response tokens, all examples packed in one row
@@ -116,16 +123,20 @@ def build_job(config: SFTConfig, model, examples: list[SFTExample]) -> Supervise
     use_fused = t.fused_loss and (t.packing or config.deepspeed.zero_stage != 3)
 
     def loss_fn(engine, micro_batch, scale):
-        tokens = float(sum(len(_predicted(e)[1]) for e in micro_batch))
+        tokens = float(sum(sum(_trained(e)) for e in micro_batch))
         if t.packing:
             logprobs = packed_response_logprobs(engine, micro_batch, use_fused, t.loss_chunk_size, t.loss_chunk_bytes)
-            return -logprobs.sum() * scale, {"response_tokens": tokens}
+            if all(e.response_mask is None for e in micro_batch):
+                return -logprobs.sum() * scale, {"response_tokens": tokens}
+            mask = to_device(torch.tensor([m for e in micro_batch for m in _trained(e)], dtype=logprobs.dtype),
+                             logprobs.device)
+            return -masked_sum(logprobs, mask) * scale, {"response_tokens": tokens}
         batch = to_device(collate_sft(micro_batch, pad_id), model_device(engine))
         loss = sft_loss(engine, batch, use_fused, t.loss_chunk_size, t.loss_chunk_bytes, scale=scale)
         return loss, {"response_tokens": tokens}
 
     # The loss is the mean over the rank's step batch of its response tokens' negative log-likelihood.
-    return SupervisedJob(examples, model, loss_fn, bar_keys=("loss",), weight_of=lambda e: len(_predicted(e)[1]),
+    return SupervisedJob(examples, model, loss_fn, bar_keys=("loss",), weight_of=lambda e: sum(_trained(e)),
                          token_parts=sft_token_parts)
 
 
@@ -140,7 +151,8 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
         raise ConfigError("", str(exc)) from None
     examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
                                  vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path,
-                                 chat_template=config.data.chat_template, tools=tools)
+                                 chat_template=config.data.chat_template, tools=tools,
+                                 assistant_turns=config.data.assistant_turns)
     # After the data checks: bad data fails without starting a process group.
     D.init_distributed(shared_dir=config.output_dir)
     model = load_causal_lm(config.model, zero3_config=engine_config(config))

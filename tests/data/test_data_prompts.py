@@ -281,6 +281,55 @@ def test_sft_chat_rows(tok, plain_tok, tmp_path):
         load_sft_examples(path, max_len=128, tokenizer_path=plain_tok)
 
 
+# A tool episode: the call, the tool's result, the answer after it.
+EPISODE = CHAT + [{"role": "assistant", "content": "hello world"}, {"role": "tool", "content": "four"},
+                  {"role": "assistant", "content": "the answer is four"}]
+
+
+def test_sft_chat_trains_every_assistant_turn_in_its_context(tok, tmp_path):
+    folder, tokenizer = tok
+    path = write_lines(tmp_path / "s.jsonl", [{"messages": EPISODE}])
+    (last,) = load_sft_examples(path, max_len=256, tokenizer_path=folder)
+    (every,) = load_sft_examples(path, max_len=256, tokenizer_path=folder, assistant_turns="all")
+
+    def reply(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    # last: every earlier turn is prompt, as before.
+    assert last.prompt_ids == template_ids(tokenizer, EPISODE[:4]) and last.response_ids == reply(EPISODE[4]["content"])
+    assert last.response_mask is None and last.trained_tokens == len(last.response_ids)
+    # all: the first reply follows the first context; the whole sequence ends as the last turn's does.
+    assert every.prompt_ids == template_ids(tokenizer, CHAT)
+    assert every.prompt_ids + every.response_ids == last.prompt_ids + last.response_ids
+    trained = [t for t, m in zip(every.response_ids, every.response_mask, strict=True) if m]
+    read = [t for t, m in zip(every.response_ids, every.response_mask, strict=True) if not m]
+    assert trained == reply("hello world") + reply("the answer is four")
+    assert every.trained_tokens == len(trained)
+    assert tokenizer.decode(read) == "\n<|im_start|>tool\nfour<|im_end|>\n<|im_start|>assistant\n"
+    assert every.response_mask[:len(reply("hello world"))] == [1] * len(reply("hello world"))
+    # One assistant turn: the same example either way.
+    single = write_lines(tmp_path / "one.jsonl", [{"messages": EPISODE[:3]}])
+    assert load_sft_examples(single, max_len=256, tokenizer_path=folder, assistant_turns="all") == \
+        load_sft_examples(single, max_len=256, tokenizer_path=folder)
+
+
+def test_sft_chat_turns_refuse_a_template_that_rewrites_earlier_turns(tmp_path):
+    # Like templates that drop past reasoning: an earlier assistant turn renders differently as context.
+    rewriting = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] if m['role'] != 'assistant' or loop.last "
+                                                       "else '...' }}")
+    folder = tmp_path / "tok"
+    _tokenizer(rewriting).save_pretrained(folder)
+    path = write_lines(tmp_path / "s.jsonl", [{"messages": EPISODE}, {"messages": EPISODE[:3]}])
+    with pytest.raises(DataError) as info:
+        load_sft_examples(path, max_len=256, tokenizer_path=str(folder), assistant_turns="all")
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith("s.jsonl:1: the chat template renders "
+                                                                               "the turns before message 4 differently")
+    assert "set data.assistant_turns to last" in info.value.problems[0]
+    assert len(load_sft_examples(path, max_len=256, tokenizer_path=str(folder))) == 2
+    with pytest.raises(ValueError, match="assistant_turns must be one of last, all, got 'every'"):
+        load_sft_examples(path, max_len=256, tokenizer_path=str(folder), assistant_turns="every")
+
+
 def test_required_columns():
     def plain(prompts, completions, completion_ids, answer, **kwargs):
         pass

@@ -85,7 +85,9 @@ def supervised_examples(command, kind):
         return torch.randint(lo, hi, (n,), generator=g).tolist()
 
     if command == "sft":
-        return [SFTExample(ids(2 + i % 3), ids(1 + i % 4)) for i in range(6)]
+        # Odd rows: a chat's two assistant turns with a user turn between them (data.assistant_turns: all).
+        return [SFTExample(ids(2 + i % 3), ids(4), [1, 0, 0, 1]) if i % 2
+                else SFTExample(ids(2 + i % 3), ids(1 + i % 4)) for i in range(6)]
     if kind == "pairwise":
         return [PairExample(ids(3), ids(2 + i % 2, 3, 20), ids(3 - i % 2, 44)) for i in range(6)]
     return [ClassificationExample(ids(3 + i % 3), i % 2) for i in range(6)]
