@@ -69,7 +69,8 @@ def test_rl_update_race_hands_actor_and_reference_to_liger(monkeypatch):
                              grad_accum=2, updates=2, gemm_size=128, gradient_checkpointing=False,
                              liger_kernels=True, profile=False)
     assert r["liger_kernels"] and r["mfu"] > 0, r
-    assert handed == [(True, True, False), (False, True, False)]  # the actor (training), then the reference: layers, no loss
+    # The actor (training), then the reference: Liger's layers, never its loss.
+    assert handed == [(True, True, False), (False, True, False)]
 
 
 def _check_profile(r: dict, prefix: str) -> None:
