@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from fastrlhf.memory import components as C
 
-__all__ = ["EFFICIENT_MICRO_TOKENS", "decides", "plan_deciding", "resolve_auto_settings"]
+__all__ = ["EFFICIENT_MICRO_TOKENS", "agree_over_ranks", "decides", "plan_deciding", "resolve_auto_settings"]
 
 # A bf16 GEMM of this many rows runs near a GPU's peak at the hidden sizes RL trains (1.5B: H=1,536). An
 # estimate from the GEMM arithmetic (rows x H x H per weight read), not yet a measurement of this trainer.
@@ -116,3 +116,23 @@ def resolve_auto_settings(config, plan):
                      next(n for n in plan.notes if n.startswith(MICRO_TOKENS)))
         config = _with(config, tokens=tokens)
     return config, notes
+
+
+def agree_over_ranks(config, decided, max_over_ranks):
+    """``(decided, note)``: the ``auto`` settings of ``config`` as every rank runs them. Each rank's plan reads its
+    own budget (on a CPU, the host's free memory when it looked), so ranks may decide differently, and under ZeRO-3 a
+    rank that recomputes its forward gathers parameters the others do not: a hang. Every rank takes the most cautious
+    decision of any: checkpointing on where one rank needs it, the fewest micro-batch tokens. ``max_over_ranks``:
+    a list of floats -> their element-wise maximum over the ranks (one collective); the note says what changed
+    where this rank's own decision did."""
+    checkpointing, tokens = decided.model.gradient_checkpointing, decided.trainer.max_tokens_per_microbatch
+    on, fewest = max_over_ranks([float(checkpointing is True), -float(tokens or 0)])
+    agreed = _with(decided, checkpointing=bool(on) if config.model.gradient_checkpointing == "auto" else None,
+                   tokens=int(-fewest) if config.trainer.max_tokens_per_microbatch == "auto" else None)
+    if agreed == decided:
+        return decided, None
+    said = [f"{CHECKPOINTING} {'on' if agreed.model.gradient_checkpointing else 'off'}"] \
+        if config.model.gradient_checkpointing == "auto" else []
+    said += [f"{MICRO_TOKENS} {agreed.trainer.max_tokens_per_microbatch:,}"] \
+        if config.trainer.max_tokens_per_microbatch == "auto" else []
+    return agreed, f"the ranks' plans decided differently; every rank runs the most cautious: {', '.join(said)}"

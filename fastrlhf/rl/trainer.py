@@ -387,11 +387,15 @@ STEP_LINE_KEYS = (("reward", "reward_mean"), ("kl", "kl"), ("loss", "policy_loss
 
 def _with_auto_decided(config, plan):
     """``model.gradient_checkpointing`` and ``trainer.max_tokens_per_microbatch`` ``auto`` as the memory plan
-    decided them (``fastrlhf.memory.auto``; said once), before any model loads."""
+    decided them (``fastrlhf.memory.auto``; said once), before any model loads, the same on every rank."""
     from fastrlhf import distributed as D
-    from fastrlhf.memory.auto import resolve_auto_settings
+    from fastrlhf.distributed import comm
+    from fastrlhf.memory.auto import agree_over_ranks, resolve_auto_settings
 
     decided, notes = resolve_auto_settings(config, plan)
+    if notes:  # one collective where several ranks run
+        decided, note = agree_over_ranks(config, decided, lambda values: comm.reduce_floats(values, "max"))
+        notes += [note] if note else []
     if notes and D.is_main():
         print("\n".join(notes), flush=True)
     return decided
@@ -428,9 +432,9 @@ def run(config, resume: bool = False) -> dict:
     # Before the process group: a bad config or data line stops every rank at once, none left waiting.
     prepared = preflight(config)
     examples, tokenizer = prepared.examples, prepared.tokenizer
+    D.init_distributed(shared_dir=config.output_dir)
     config = _with_auto_decided(config, prepared.plan)
     t = config.trainer
-    D.init_distributed(shared_dir=config.output_dir)
     seed_everything(config.seed)
     guard = StepGuard(t.max_skipped_steps)
     rl_step, stateful = build_rl_step(config, guard, tokenizer, prepared.text_rewards, prepared.reward_tokenizer,

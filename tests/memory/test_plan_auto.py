@@ -159,3 +159,41 @@ def test_the_rl_trainer_loads_its_models_as_the_plan_decided(config, capsys):
     assert capsys.readouterr().out.strip().splitlines() == plan.notes[:2]  # said once, by the main rank
     safe = trainer._with_auto_decided(config, None)
     assert safe.model.gradient_checkpointing is True and safe.trainer.max_tokens_per_microbatch == LENGTH
+
+
+def test_every_rank_runs_the_most_cautious_decision_of_any(config, monkeypatch, capsys):
+    """Each rank plans on its own budget (a CPU's free memory when it looked); ranks that decide differently would
+    hang under ZeRO-3 (one recomputes, and gathers, where another does not)."""
+    from fastrlhf.distributed import comm
+    from fastrlhf.memory.auto import agree_over_ranks
+    from fastrlhf.rl import trainer
+
+    both = with_(config, checkpointing="auto", tokens="auto", grad_accum=1)
+    roomy = resolve_auto_settings(both, plan_memory(both, 8, 80 * GiB))[0]
+    assert roomy.model.gradient_checkpointing is False and roomy.trainer.max_tokens_per_microbatch > 3 * LENGTH
+
+    def with_a_rank_that_decided(other):
+        """max over this rank and one that decided ``other``, as D.reduce_floats(..., "max") gives it."""
+        theirs = [float(other.model.gradient_checkpointing is True), -float(other.trainer.max_tokens_per_microbatch)]
+        return lambda mine: [max(a, b) for a, b in zip(mine, theirs, strict=True)]
+
+    tighter = with_(roomy, checkpointing=True, tokens=3 * LENGTH)
+    agreed, note = agree_over_ranks(both, roomy, with_a_rank_that_decided(tighter))
+    assert agreed == tighter
+    assert note == ("the ranks' plans decided differently; every rank runs the most cautious: "
+                    f"model.gradient_checkpointing on, trainer.max_tokens_per_microbatch {3 * LENGTH:,}")
+    assert agree_over_ranks(both, tighter, with_a_rank_that_decided(roomy)) == (tighter, None)  # already cautious
+    # A setting that was not auto stays as configured, whatever another rank decided.
+    fixed = with_(config, checkpointing=False, tokens="auto", grad_accum=1)
+    decided = resolve_auto_settings(fixed, plan_memory(fixed, 8, 80 * GiB))[0]
+    agreed, note = agree_over_ranks(fixed, decided, with_a_rank_that_decided(tighter))
+    assert agreed.model.gradient_checkpointing is False and agreed.trainer.max_tokens_per_microbatch == 3 * LENGTH
+    assert note.endswith(f"most cautious: trainer.max_tokens_per_microbatch {3 * LENGTH:,}")
+
+    # The trainer asks the other ranks, in one collective.
+    asked = []
+    monkeypatch.setattr(comm, "reduce_floats", lambda values, op: asked.append(op) or
+                        with_a_rank_that_decided(tighter)(values))
+    assert trainer._with_auto_decided(both, plan_memory(both, 8, 80 * GiB)) == tighter and asked == ["max"]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == note.replace(
+        "most cautious: ", "most cautious: model.gradient_checkpointing on, ")
