@@ -143,6 +143,34 @@ def test_tool_sft_rows_render_through_the_template_with_the_exact_call(written):
     assert tokenizer.tokenize("<tool_call>")[0] == "<tool_call>" and len(tokenizer.tokenize("</tool_call>")) == 1
 
 
+def test_tool_episodes_train_the_call_and_the_answer_in_one_sequence(written):
+    """data.assistant_turns: all on Qwen2.5's own template (tools listed, the result as a <tool_response> turn): the
+    call and the answer are trained, the tool's turn between them is read, and the sequence is the one the
+    template gives the whole episode."""
+    from transformers.utils import get_json_schema
+
+    from fastrlhf.data import load_sft_examples
+
+    paths, rows, tokenizer, tok_path = written
+    schemas = [get_json_schema(calculator)]
+    kwargs = dict(tokenizer_path=tok_path, chat_template=True, tools=schemas)
+    last = load_sft_examples(paths["sft-tool"], 2048, **kwargs)
+    every = load_sft_examples(paths["sft-tool"], 2048, assistant_turns="all", **kwargs)
+    episodes = 0
+    for row, one, both in zip(rows["sft-tool"], last, every, strict=True):
+        assert one.prompt_ids + one.response_ids == both.prompt_ids + both.response_ids
+        if len(row["messages"]) != 4:
+            assert both == one
+            continue
+        episodes += 1
+        trained = tokenizer.decode([t for t, m in zip(both.response_ids, both.response_mask, strict=True) if m])
+        read = tokenizer.decode([t for t, m in zip(both.response_ids, both.response_mask, strict=True) if not m])
+        assert trained == f"{row['messages'][1]['content']}<|im_end|>{row['messages'][3]['content']}<|im_end|>"
+        assert read == f"\n<|im_start|>user\n<tool_response>\n{row['messages'][2]['content']}\n</tool_response>" \
+                       "<|im_end|>\n<|im_start|>assistant\n"
+    assert episodes
+
+
 def test_no_tool_sft_rows_answer_at_once_without_tools(written):
     paths, rows, tokenizer, tok_path = written
     from fastrlhf.data import load_sft_examples
