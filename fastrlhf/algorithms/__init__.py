@@ -7,8 +7,9 @@ masked position (-inf logprobs of padding, NaN values) can never leak into a res
 
 What differs between PPO and GRPO lives in two registries, verl-style:
 
-* :data:`ADV_ESTIMATORS` (``@register_adv_est``): ``gae`` (PPO, with a critic) and ``grpo``;
-  ``ADV_ESTIMATOR_OF[algorithm]`` says which one an algorithm uses.
+* :data:`ADV_ESTIMATORS` (``@register_adv_est``): ``gae`` (PPO, with a critic), ``grpo``, ``rloo``,
+  ``reinforce_plus_plus`` and ``reinforce_plus_plus_baseline``; ``ADV_ESTIMATOR_OF[algorithm]`` says which one an
+  algorithm uses, :data:`ADV_ESTIMATOR_TRAITS` what each needs (values, groups) and gives (returns).
 * :data:`POLICY_LOSSES` (``@register_policy_loss``): ``vanilla`` (clipped surrogate, clip-higher,
   dual clip), ``cispo`` and ``gspo``; chosen by ``trainer.policy_loss``.
 

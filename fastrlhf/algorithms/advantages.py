@@ -1,10 +1,12 @@
-"""Token rewards and advantages: GAE (PPO, with a critic) and group-relative scores (GRPO), and the
-registry of estimators by name (``@register_adv_est``; ``ADV_ESTIMATOR_OF[algorithm]``).
+"""Token rewards and advantages: GAE (PPO, with a critic), group-relative scores (GRPO), leave-one-out
+baselines (RLOO), discounted returns whitened over the batch (REINFORCE++, with or without a group baseline), and
+the registry of estimators by name (``@register_adv_est``; ``ADV_ESTIMATOR_OF[algorithm]``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -18,8 +20,10 @@ from fastrlhf.algorithms.masked import (
 from fastrlhf.distributed import comm
 
 __all__ = [
-    "ADV_ESTIMATORS", "ADV_ESTIMATOR_OF", "compute_gae", "compute_grpo_advantages", "gae_advantages",
-    "grpo_token_advantages", "last_token_index", "register_adv_est", "shape_rewards", "whiten_across_ranks"
+    "ADV_ESTIMATORS", "ADV_ESTIMATOR_OF", "ADV_ESTIMATOR_TRAITS", "EstimatorTraits", "adv_estimator_of",
+    "compute_gae", "compute_grpo_advantages", "compute_rloo_advantages", "discounted_returns", "gae_advantages",
+    "grpo_token_advantages", "kl_in_reward", "last_token_index", "register_adv_est", "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages", "rloo_token_advantages", "shape_rewards", "whiten_across_ranks"
 ]
 
 
@@ -83,6 +87,22 @@ def compute_gae(
     return adv, adv + values
 
 
+def _group_centered(scores: torch.Tensor, group_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(centered, count, inverse, zeros)``: each score minus its group's mean (at least fp32), the size of each
+    row's group, each row's group index, and zeros of one per group."""
+    group_ids = torch.as_tensor(group_ids, device=scores.device)
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"shape mismatch: scores has shape {tuple(scores.shape)} but group_ids has shape "
+                         f"{tuple(group_ids.shape)} (expected both [B])")
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(scores))
+    mean = zeros.index_add(0, inverse, scores) / count
+    return scores - mean[inverse], count[inverse], inverse, zeros
+
+
 def compute_grpo_advantages(
     scores: torch.Tensor,
     group_ids: torch.Tensor | Sequence[int],
@@ -93,24 +113,27 @@ def compute_grpo_advantages(
 
     ``scale_by_std=False`` is Dr.GRPO (no std division). A group of one gets 0.
     """
-    group_ids = torch.as_tensor(group_ids, device=scores.device)
-    if scores.dim() != 1 or group_ids.shape != scores.shape:
-        raise ValueError(f"shape mismatch: scores has shape {tuple(scores.shape)} but group_ids has shape "
-                         f"{tuple(group_ids.shape)} (expected both [B])")
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
-    count = zeros.index_add(0, inverse, torch.ones_like(scores))
-    total = zeros.index_add(0, inverse, scores)
-    mean = total / count
-    centered = scores - mean[inverse]
+    centered, count, inverse, zeros = _group_centered(scores, group_ids)
     adv = centered
     if scale_by_std:
         sq = zeros.index_add(0, inverse, centered.square())
-        std = (sq / (count - 1).clamp(min=1)).sqrt()
-        adv = centered / (std[inverse] + eps)
-    return torch.where(count[inverse] > 1, adv, torch.zeros_like(adv))
+        std = (sq[inverse] / (count - 1).clamp(min=1)).sqrt()
+        adv = centered / (std + eps)
+    return torch.where(count > 1, adv, torch.zeros_like(adv))
+
+
+def compute_rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """RLOO advantages ``[B]``: each score minus the mean of the other scores of its group (its own left out,
+    so the baseline does not depend on the sample it judges): ``n / (n - 1)`` times the score minus the group's
+    mean. A group of one gets 0."""
+    centered, count, _, _ = _group_centered(scores, group_ids)
+    return torch.where(count > 1, centered * count / (count - 1).clamp(min=1), torch.zeros_like(centered))
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``sum_{s >= t} gamma^(s - t) r_s`` over each row's kept tokens (0 elsewhere): GAE with no values and
+    ``lam = 1``, so masked positions (tool output between turns) are skipped as :func:`compute_gae` skips them."""
+    return compute_gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)[0]
 
 
 # fn(exp, trainer_config) -> (advantages [B, T], returns [B, T] or None); ``exp`` is the step's batch
@@ -121,23 +144,54 @@ AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
 
 
+class EstimatorTraits(NamedTuple):
+    """What the config checks and the step need to know of an estimator before it runs."""
+
+    needs_values: bool = False  # reads the critic's values: algorithm ppo only
+    # returns the critic's targets (algorithm ppo trains a critic on them); None: not said (checked at step 1)
+    gives_returns: bool | None = None
+    # trainer.kl_in_reward puts the KL into its token rewards; otherwise the KL (kl_coef) goes into the loss
+    takes_kl_in_reward: bool = False
+    needs_groups: bool = False  # compares completions of one prompt: rollout.n >= 2
+
+
+ADV_ESTIMATOR_TRAITS: dict[str, EstimatorTraits] = {}
+
+
 # The estimator each algorithm uses (PPO's needs the critic's values).
 ADV_ESTIMATOR_OF = {"ppo": "gae", "grpo": "grpo"}
 
 
-def register_adv_est(name: str):
-    """Decorator: register an advantage estimator under ``name``."""
+UNKNOWN_TRAITS = EstimatorTraits()  # an estimator registered without them: only the step-1 checks apply
+
+
+def register_adv_est(name: str, traits: EstimatorTraits = UNKNOWN_TRAITS):
+    """Decorator: register an advantage estimator under ``name``, with its :class:`EstimatorTraits`."""
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         if name in ADV_ESTIMATORS:
             raise ValueError(f"an advantage estimator named {name!r} is already registered")
         ADV_ESTIMATORS[name] = fn
+        ADV_ESTIMATOR_TRAITS[name] = traits
         return fn
 
     return decorator
 
 
-@register_adv_est("grpo")
+def adv_estimator_of(config) -> str:
+    """The estimator a run config uses: ``trainer.adv_estimator``, ``auto`` resolved by the algorithm."""
+    name = config.trainer.adv_estimator
+    return ADV_ESTIMATOR_OF[config.algorithm] if name == "auto" else name
+
+
+def kl_in_reward(config) -> bool:
+    """Whether the run's KL penalty goes into token rewards (``trainer.kl_in_reward`` with an estimator that
+    takes it) rather than into the loss: never both."""
+    traits = ADV_ESTIMATOR_TRAITS.get(adv_estimator_of(config), UNKNOWN_TRAITS)
+    return config.trainer.kl_in_reward and traits.takes_kl_in_reward
+
+
+@register_adv_est("grpo", EstimatorTraits(gives_returns=False, needs_groups=True))
 def grpo_token_advantages(exp, cfg) -> tuple[torch.Tensor, None]:
     """GRPO: each completion's group-relative score on every one of its tokens; no critic, no returns.
 
@@ -149,7 +203,7 @@ def grpo_token_advantages(exp, cfg) -> tuple[torch.Tensor, None]:
     return (per_sequence[:, None] * exp.response_mask).detach(), None
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", EstimatorTraits(needs_values=True, gives_returns=True, takes_kl_in_reward=True))
 def gae_advantages(exp, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO: token rewards (score at the last token, ``-kl_coef * KL(old || ref)`` on every token when
     ``cfg.kl_in_reward``), then GAE over the critic's values; advantages whitened over the whole
@@ -169,6 +223,44 @@ def gae_advantages(exp, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     if cfg.whiten_advantages:
         advantages = whiten_across_ranks(advantages, mask)
     return advantages.detach(), returns.detach()
+
+
+@register_adv_est("rloo", EstimatorTraits(gives_returns=False, needs_groups=True))
+def rloo_token_advantages(exp, cfg) -> tuple[torch.Tensor, None]:
+    """RLOO: each completion's score minus the mean of the other completions of its prompt, on every one of its
+    tokens; no critic, not whitened (the baseline is already unbiased). KL in the loss (``cfg.kl_coef``)."""
+    per_sequence = compute_rloo_advantages(exp.scores, exp.group_ids)
+    return (per_sequence[:, None] * exp.response_mask).detach(), None
+
+
+def _reinforce_pp(exp, cfg, scores: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """REINFORCE++ on ``scores``: the score at the last token (and ``-kl_coef * KL(old || ref)`` on every token
+    with ``cfg.kl_in_reward``), discounted returns (``cfg.gamma``) as advantages, whitened over the whole batch,
+    every rank's tokens together (``cfg.whiten_advantages``): the batch's statistics stand in for a critic."""
+    mask = exp.response_mask
+    if cfg.kl_in_reward and cfg.kl_coef != 0.0:
+        token_rewards = shape_rewards(scores, exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_coef, cfg.kl_kind)
+    else:
+        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        token_rewards = shape_rewards(scores, zeros, zeros, mask, 0.0, "k1")
+    advantages = discounted_returns(token_rewards, mask, cfg.gamma)
+    if cfg.whiten_advantages:
+        advantages = whiten_across_ranks(advantages, mask)
+    return advantages.detach(), None
+
+
+@register_adv_est("reinforce_plus_plus", EstimatorTraits(gives_returns=False, takes_kl_in_reward=True))
+def reinforce_pp_advantages(exp, cfg) -> tuple[torch.Tensor, None]:
+    """REINFORCE++ (Hu, 2025): see :func:`_reinforce_pp`; no critic, no groups needed (``rollout.n`` may be 1)."""
+    return _reinforce_pp(exp, cfg, exp.scores)
+
+
+@register_adv_est("reinforce_plus_plus_baseline",
+                  EstimatorTraits(gives_returns=False, takes_kl_in_reward=True, needs_groups=True))
+def reinforce_pp_baseline_advantages(exp, cfg) -> tuple[torch.Tensor, None]:
+    """REINFORCE++ with each score less its group's mean first (OpenRLHF's ``reinforce_baseline``): the group
+    removes the prompt's difficulty, the batch whitening then scales every prompt's advantages alike."""
+    return _reinforce_pp(exp, cfg, compute_grpo_advantages(exp.scores, exp.group_ids, scale_by_std=False))
 
 
 def whiten_across_ranks(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -153,7 +153,7 @@ def _validate_train(c: TrainConfig, base: str):
 
     ro = c.rollout
     _positive(ro.n, "rollout.n")
-    if c.algorithm == "grpo" and ro.n < 2:
+    if c.algorithm == "grpo" and c.trainer.adv_estimator == "auto" and ro.n < 2:
         raise ConfigError("rollout.n", f"grpo compares completions within a group and needs rollout.n >= 2, got {ro.n}")
     if ro.temperature < 0:
         raise ConfigError("rollout.temperature", f"must be >= 0, got {ro.temperature}")
@@ -193,14 +193,8 @@ def _validate_train(c: TrainConfig, base: str):
         if t.policy_loss not in POLICY_LOSSES:
             raise ConfigError("trainer.policy_loss", f"unknown policy loss {t.policy_loss!r}; registered: "
                                                      f"{', '.join(sorted(POLICY_LOSSES))}")
-    if t.adv_estimator != "auto":
-        from fastrlhf.algorithms import ADV_ESTIMATORS
-
-        if t.adv_estimator not in ADV_ESTIMATORS:
-            raise ConfigError("trainer.adv_estimator", f"unknown advantage estimator {t.adv_estimator!r}; registered: "
-                                                       f"{', '.join(sorted(ADV_ESTIMATORS))} (or auto)")
-        if t.adv_estimator == "gae" and c.algorithm != "ppo":
-            raise ConfigError("trainer.adv_estimator", "gae needs a critic's values: algorithm ppo")
+    if t.adv_estimator != "auto":  # auto (gae or grpo, by the algorithm) needs no torch import
+        _check_adv_estimator(c)
     rollout_batch = c.rollout_batch_size
     if rollout_batch % t.minibatch_size:
         raise ConfigError("trainer.minibatch_size", f"{t.minibatch_size} does not divide the rollout batch of "
@@ -260,6 +254,26 @@ def _no_auto_micro_tokens(t: LoopConfig):
     if t.max_tokens_per_microbatch == "auto":
         raise ConfigError("trainer.max_tokens_per_microbatch", "auto is decided by the memory plan of `fastrlhf "
                                                                "train`; here set a number of tokens or null")
+
+
+def _check_adv_estimator(c) -> None:
+    """A registered ``trainer.adv_estimator`` that the algorithm can run: values only with PPO's critic, returns
+    for it to train on, groups of ``rollout.n >= 2`` where it compares completions of a prompt."""
+    from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS, ADV_ESTIMATORS
+
+    name = c.trainer.adv_estimator
+    if name not in ADV_ESTIMATORS:
+        raise ConfigError("trainer.adv_estimator", f"unknown advantage estimator {name!r}; registered: "
+                                                   f"{', '.join(sorted(ADV_ESTIMATORS))} (or auto)")
+    traits = ADV_ESTIMATOR_TRAITS[name]
+    if traits.needs_values and c.algorithm != "ppo":
+        raise ConfigError("trainer.adv_estimator", f"{name} needs a critic's values: algorithm ppo")
+    if traits.gives_returns is False and c.algorithm == "ppo":
+        raise ConfigError("trainer.adv_estimator", f"{name} gives no returns for algorithm ppo's critic to train on; "
+                                                   "run it with algorithm grpo (no critic)")
+    if traits.needs_groups and c.rollout.n < 2:
+        raise ConfigError("rollout.n", f"{name} compares completions within a group and needs rollout.n >= 2, "
+                                       f"got {c.rollout.n}")
 
 
 def _validate_sft(c: SFTConfig, base: str):

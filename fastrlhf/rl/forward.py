@@ -27,6 +27,7 @@ from fastrlhf.algorithms import (
     aggregation_weights,
     entropy_from_logits,
     get_policy_loss,
+    kl_in_reward,
     logprobs_from_logits,
     masked_mean,
     value_loss,
@@ -276,8 +277,8 @@ def policy_loss_from_model(model, mb: Experience, config):
     view = MicroBatch(_with_loss_weights(mb, cfg.agg), packing_mode(cfg))
     e = view.exp
     advantages = e.advantages if e.is_weights is None else e.advantages * e.is_weights
-    # The KL goes into PPO's token rewards (trainer.kl_in_reward) or into the loss, never both.
-    kl_coef = 0.0 if (config.algorithm == "ppo" and cfg.kl_in_reward) else cfg.kl_coef
+    # The KL goes into the token rewards (trainer.kl_in_reward, where the estimator takes it) or into the loss.
+    kl_coef = 0.0 if kl_in_reward(config) else cfg.kl_coef
     ref = e.ref_logprobs if kl_coef != 0.0 else None
     terms = dict(policy_loss=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                  dual_clip=cfg.dual_clip, kl_coef=kl_coef, kl_kind=cfg.kl_kind, entropy_coef=cfg.entropy_coef)

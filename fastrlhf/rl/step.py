@@ -42,7 +42,14 @@ import time
 import torch
 
 from fastrlhf import distributed as D
-from fastrlhf.algorithms import ADV_ESTIMATOR_OF, ADV_ESTIMATORS, kl_penalty, masked_mean, truncated_is_weights
+from fastrlhf.algorithms import (
+    ADV_ESTIMATORS,
+    adv_estimator_of,
+    kl_in_reward,
+    kl_penalty,
+    masked_mean,
+    truncated_is_weights,
+)
 from fastrlhf.distributed import comm
 from fastrlhf.engine.device import to_device
 from fastrlhf.engine.guards import StepGuard
@@ -76,8 +83,7 @@ def skips_old_logprobs(config) -> bool:
     """
     t = config.trainer
     single_update = t.ppo_epochs == 1 and t.minibatch_size == config.rollout_batch_size
-    return (t.old_logprobs == "auto" and single_update and t.tis_cap is None
-            and not (config.algorithm == "ppo" and t.kl_in_reward))
+    return (t.old_logprobs == "auto" and single_update and t.tis_cap is None and not kl_in_reward(config))
 
 
 class RLStep:
@@ -134,8 +140,7 @@ class RLStep:
                     **(self.episodes.metrics if self.episodes is not None else {}),
                     "truncated_fraction": sum(truncated) / max(len(truncated), 1),
                     "rank_tokens": rank_tokens, "rank_tokens_max": rank_tokens}
-            name = self.config.trainer.adv_estimator
-            name = ADV_ESTIMATOR_OF[self.config.algorithm] if name == "auto" else name
+            name = adv_estimator_of(self.config)
             exp.advantages, exp.returns = ADV_ESTIMATORS[name](exp, self.config.trainer)
             if self.critic is not None and exp.returns is None:
                 from fastrlhf.config import ConfigError

@@ -367,10 +367,29 @@ def test_an_import_that_raises_names_the_line_of_the_users_file(paths, plugin, t
 
 
 def test_adv_estimator_names_a_registered_one(paths):
-    assert "unknown advantage estimator 'nope'; registered: gae, grpo (or auto)" in str(
-        error_of(grpo(paths, trainer={"adv_estimator": "nope"})))
+    unknown = error_of(grpo(paths, trainer={"adv_estimator": "nope"}))
+    assert ("unknown advantage estimator 'nope'; registered: gae, grpo, reinforce_plus_plus, "
+            "reinforce_plus_plus_baseline, rloo (or auto)") in str(unknown)
     assert str(error_of(grpo(paths, trainer={"adv_estimator": "gae"}))) == ("trainer.adv_estimator: gae needs a "
                                                                            "critic's values: algorithm ppo")
+
+
+def test_adv_estimator_fits_the_algorithm_and_the_group_size(paths):
+    def with_(algorithm, estimator, n):
+        extra = {"critic": None} if algorithm == "ppo" else {}
+        return grpo(paths, algorithm=algorithm, rollout={"n": n}, **extra,
+                    trainer={"adv_estimator": estimator, "max_steps": 1, "prompts_per_step": 4, "minibatch_size": 4})
+
+    for name in ("rloo", "reinforce_plus_plus_baseline"):
+        assert parse_config(with_("grpo", name, 2)).trainer.adv_estimator == name
+        assert str(error_of(with_("grpo", name, 1))) == (f"rollout.n: {name} compares completions within a group and "
+                                                         "needs rollout.n >= 2, got 1")
+    # REINFORCE++ needs no group: one completion per prompt is a valid run.
+    assert parse_config(with_("grpo", "reinforce_plus_plus", 1)).rollout.n == 1
+    assert str(error_of(with_("ppo", "rloo", 2))) == (
+        "trainer.adv_estimator: rloo gives no returns for algorithm ppo's critic to train on; run it with algorithm "
+        "grpo (no critic)")
+    assert parse_config(with_("ppo", "gae", 1)).trainer.adv_estimator == "gae"
 
 
 @pytest.mark.parametrize("command", ["train", "sft", "rm"])

@@ -93,7 +93,24 @@ def hand_written_step(config, actor, ref, opt, completions, scores, step, critic
         weights = torch.ones_like(mask)
         if hp.tis_cap:
             weights = torch.exp(old - engine_lp).clamp(max=hp.tis_cap) * mask
-        if hp.algorithm == "grpo":
+        estimator = hp.adv_estimator
+        # KL in the token rewards with the estimators that take it (gae, REINFORCE++), else in the loss.
+        kl_shaped = hp.kl_in_reward and (hp.algorithm == "ppo" or estimator.startswith("reinforce"))
+        if estimator == "rloo":  # each score less the mean of the others of its prompt, by hand
+            others = [[scores[j] for j in range(B) if groups[j] == groups[b] and j != b] for b in range(B)]
+            adv = torch.stack([scores[b] - sum(o) / len(o) for b, o in enumerate(others)]).float()[:, None] * mask
+        elif estimator.startswith("reinforce"):
+            base = scores.float()
+            if estimator == "reinforce_plus_plus_baseline":
+                base = base - torch.stack([scores[groups == groups[b]].float().mean() for b in range(B)])
+            token_rewards = shape_rewards(base, old, ref_lp, mask, hp.kl_coef if kl_shaped else 0.0, hp.kl_kind)
+            returns_ = torch.zeros_like(token_rewards)
+            running = torch.zeros(B)
+            for t in reversed(range(T)):  # completions are left-aligned: masked positions only trail
+                running = token_rewards[:, t] + hp.gamma * running
+                returns_[:, t] = running * mask[:, t]
+            adv = masked_whiten(returns_, mask)
+        elif hp.algorithm == "grpo":
             adv = compute_grpo_advantages(scores, groups, scale_by_std=hp.scale_by_std)[:, None] * mask
         else:
             old_values = values_of(every) * mask
@@ -102,7 +119,7 @@ def hand_written_step(config, actor, ref, opt, completions, scores, step, critic
             adv, returns = compute_gae(token_rewards, old_values, mask, hp.gamma, hp.lam)
             adv = masked_whiten(adv, mask)
 
-    loss_kl = hp.kl_coef if (hp.algorithm == "grpo" or not hp.kl_in_reward) else 0.0
+    loss_kl = 0.0 if kl_shaped else hp.kl_coef
     g = torch.Generator().manual_seed(hp.seed * 7919 + step)
     minibatch = hp.minibatch_size
     micro = minibatch // hp.grad_accum
@@ -156,7 +173,8 @@ def assert_same_params(a, b, atol=2e-5):
 
 
 @pytest.mark.parametrize("case", ["grpo", "grpo-drgrpo-tokensum", "grpo-unfused", "ppo", "grpo-on-policy",
-                                  "grpo-on-policy-unfused"])
+                                  "grpo-on-policy-unfused", "grpo-rloo", "grpo-reinforce-pp-kl-in-reward",
+                                  "grpo-reinforce-pp-baseline"])
 def test_step_matches_hand_written_unfused_step(case, monkeypatch):
     torch.manual_seed(0)
     if case == "grpo":
@@ -171,6 +189,12 @@ def test_step_matches_hand_written_unfused_step(case, monkeypatch):
                      minibatch_size=12, loss_chunk_size=5)
     elif case == "grpo-unfused":
         hp = make_config(GRPO, fused_loss=False, entropy_coef=0.05)
+    elif case == "grpo-rloo":
+        hp = make_config(GRPO, adv_estimator="rloo")
+    elif case == "grpo-reinforce-pp-kl-in-reward":  # the KL in the token rewards, discounted, none in the loss
+        hp = make_config(GRPO, adv_estimator="reinforce_plus_plus", kl_in_reward=True, kl_kind="k1", gamma=0.9)
+    elif case == "grpo-reinforce-pp-baseline":
+        hp = make_config(GRPO, adv_estimator="reinforce_plus_plus_baseline")
     else:
         hp = make_config(PPO)
     actor, ref = tiny_actor(), tiny_actor(seed=1).eval()  # a reference that differs: KL > 0
