@@ -194,21 +194,21 @@ def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: in
 
 
 def _assistant_turns(messages: list[dict], tokenizer: LazyTokenizer, vocab_size: int | None,
-                     turns: str) -> SFTExample:
+                     turns: str, field_name: str = CHAT_FIELD) -> SFTExample:
     """A chat's SFT example: each trained assistant turn is its content's tokens plus EOS after the template
     of the turns before it, with the generation prompt (``last``: only the final turn, every earlier one is
     prompt). With ``all``, the template of each later context must start with the tokens built so far, so
     that every turn is trained in the context the template gives it; a template that rewrites earlier turns
     (one that drops past reasoning) is a bad line rather than a silent mismatch."""
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
-        raise _BadLine(f"field {CHAT_FIELD!r} must end with an assistant message (the response) after at "
+        raise _BadLine(f"field {field_name!r} must end with an assistant message (the response) after at "
                        f"least one other message, got roles {[m['role'] for m in messages]}")
     trained = [len(messages) - 1] if turns == "last" else \
         [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
     ids: list[int] = []
     mask: list[int] = []
     for i in trained:
-        context = tokenizer.chat_ids(messages[:i], CHAT_FIELD)
+        context = tokenizer.chat_ids(messages[:i], field_name)
         _check_vocab(context, vocab_size, "prompt")
         if context[:len(ids)] != ids:
             raise _BadLine(f"the chat template renders the turns before message {i} differently from how it "
@@ -262,16 +262,54 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
     return _collect(path, parse)
 
 
+def _scored_chat(messages: list[dict], tokenizer: LazyTokenizer, vocab_size: int | None, field_name: str) -> list[int]:
+    """A chat as a reward model scores it: ending with an assistant turn, that turn's content plus EOS after the
+    template of the turns before it with the generation prompt (the tokens a policy's completion ends with in RL,
+    so that training and scoring see the same last token); ending with another role, the template as it is."""
+    if messages[-1]["role"] == "assistant":
+        example = _assistant_turns(messages, tokenizer, vocab_size, "last", field_name)
+        return example.prompt_ids + example.response_ids
+    ids = tokenizer.chat_ids(messages, field_name, generation_prompt=False)
+    _check_vocab(ids, vocab_size, field_name)
+    return ids
+
+
+def _pair_of_chats(row: dict, tokenizer: LazyTokenizer, vocab_size: int | None) -> PairExample:
+    """A pair in TRL's conversational form: ``chosen`` and ``rejected`` chats, each a whole conversation or the
+    reply to a ``prompt`` (a chat, or text as one user message). The pair's prompt is the tokens both share."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    prompt = _chat(prompt, "prompt") if prompt is not None else []
+    sides = []
+    for name in ("chosen", "rejected"):
+        if not _is_chat(row.get(name)):
+            raise _BadLine(f"field {name!r} must be a chat like the other side's, got {_short(row.get(name))}")
+        sides.append(_scored_chat(prompt + _chat(row[name], name), tokenizer, vocab_size, name))
+    chosen, rejected = sides
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+    return PairExample(chosen[:shared], chosen[shared:], rejected[shared:])
+
+
 def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = None,
                            tokenizer_path: str | None = None) -> list[PairExample]:
-    """Preference pairs: ``{"prompt", "chosen", "rejected"}`` (text or ``*_ids`` token lists; prompt optional)."""
+    """Preference pairs: ``{"prompt", "chosen", "rejected"}`` (text or ``*_ids`` token lists; prompt optional), or
+    TRL's conversational form: ``chosen`` and ``rejected`` chats (whole conversations, or replies to a ``prompt``
+    chat), through the tokenizer's chat template as :func:`_scored_chat` renders them."""
     tokenizer = LazyTokenizer(tokenizer_path)
 
     def parse(row: dict, where: str) -> PairExample:
-        prompt = _tokens(row, ("prompt_ids", "prompt"), "prompt", tokenizer, vocab_size, special=True,
-                         required=False)
-        chosen = _tokens(row, ("chosen_ids", "chosen"), "chosen", tokenizer, vocab_size, special=not prompt)
-        rejected = _tokens(row, ("rejected_ids", "rejected"), "rejected", tokenizer, vocab_size, special=not prompt)
+        if _is_chat(row.get("chosen")) or _is_chat(row.get("rejected")):
+            pair = _pair_of_chats(row, tokenizer, vocab_size)
+            prompt, chosen, rejected = pair.prompt_ids, pair.chosen_ids, pair.rejected_ids
+        else:
+            prompt = _tokens(row, ("prompt_ids", "prompt"), "prompt", tokenizer, vocab_size, special=True,
+                             required=False)
+            chosen = _tokens(row, ("chosen_ids", "chosen"), "chosen", tokenizer, vocab_size, special=not prompt)
+            rejected = _tokens(row, ("rejected_ids", "rejected"), "rejected", tokenizer, vocab_size,
+                               special=not prompt)
         _check_len(prompt + chosen, max_len, "prompt + chosen")
         _check_len(prompt + rejected, max_len, "prompt + rejected")
         return PairExample(prompt, chosen, rejected)
@@ -281,11 +319,16 @@ def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = Non
 
 def load_classification_examples(path: str, max_len: int, num_labels: int, vocab_size: int | None = None,
                                  tokenizer_path: str | None = None) -> list[ClassificationExample]:
-    """Labelled sequences: ``{"text"/"input_ids", "label"}`` lines, label in [0, num_labels)."""
+    """Labelled sequences: ``{"text"/"input_ids"/"messages", "label"}`` lines, label in [0, num_labels); a chat
+    through the tokenizer's chat template as :func:`_scored_chat` renders it."""
     tokenizer = LazyTokenizer(tokenizer_path)
 
     def parse(row: dict, where: str) -> ClassificationExample:
-        ids = _tokens(row, ("input_ids", "text"), "text", tokenizer, vocab_size, special=True)
+        chat = next((name for name in ("text", CHAT_FIELD) if _is_chat(row.get(name))), None)
+        if chat is not None:
+            ids = _scored_chat(_chat(row[chat], chat), tokenizer, vocab_size, chat)
+        else:
+            ids = _tokens(row, ("input_ids", "text"), "text", tokenizer, vocab_size, special=True)
         _check_len(ids, max_len, "text")
         if "label" not in row:
             raise _BadLine("missing field 'label'")

@@ -68,8 +68,10 @@ class LazyTokenizer:
                                f"({self._failure}); give token ids instead")
         return self._tokenizer
 
-    def chat_ids(self, messages: list[dict], field_name: str, why: str = "") -> list[int]:
-        """``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` as a list of ints."""
+    def chat_ids(self, messages: list[dict], field_name: str, why: str = "",
+                 generation_prompt: bool = True) -> list[int]:
+        """``apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)`` as a list of
+        ints."""
         try:
             tokenizer = self.get()
         except _BadLine:
@@ -83,7 +85,7 @@ class LazyTokenizer:
                 reason = f"the tokenizer of {self.model_path} has none"
             raise _BadLine(f"field {field_name!r} needs a tokenizer with a chat template{why} ({reason})")
         try:
-            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
                                                 **({"tools": self.tools} if self.tools else {}))
         except Exception as exc:  # noqa: BLE001 -- a template that raises (roles must alternate...) is a bad line
             detail = " ".join(str(exc).split())

@@ -5,7 +5,15 @@ import json
 
 import pytest
 
-from fastrlhf.data import DataError, check_columns, load_prompts, load_sft_examples, report_uneven_columns
+from fastrlhf.data import (
+    DataError,
+    check_columns,
+    load_classification_examples,
+    load_pairwise_examples,
+    load_prompts,
+    load_sft_examples,
+    report_uneven_columns,
+)
 from fastrlhf.rl.rewards import required_columns
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -56,8 +64,8 @@ def plain_tok(tmp_path_factory):
     return str(folder)
 
 
-def template_ids(tokenizer, messages):
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def template_ids(tokenizer, messages, generation_prompt=True):
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
@@ -328,6 +336,50 @@ def test_sft_chat_turns_refuse_a_template_that_rewrites_earlier_turns(tmp_path):
     assert len(load_sft_examples(path, max_len=256, tokenizer_path=str(folder))) == 2
     with pytest.raises(ValueError, match="assistant_turns must be one of last, all, got 'every'"):
         load_sft_examples(path, max_len=256, tokenizer_path=str(folder), assistant_turns="every")
+
+
+def test_preference_pairs_in_trls_conversational_form(tok, tmp_path):
+    folder, tokenizer = tok
+    good, bad = ({"role": "assistant", "content": "the answer is four"},
+                 {"role": "assistant", "content": "hello world"})
+
+    def reply(message):
+        return tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    rows = [{"prompt": CHAT, "chosen": [good], "rejected": [bad]},  # explicit prompt
+            {"chosen": CHAT + [good], "rejected": CHAT + [bad]},  # implicit: whole conversations
+            {"prompt": CHAT[1]["content"], "chosen": [good], "rejected": [bad]}]  # a text prompt: one user message
+    explicit, implicit, text = load_pairwise_examples(write_lines(tmp_path / "p.jsonl", rows), 256,
+                                                      tokenizer_path=folder)
+    # Scored as RL scores a completion: the reply and EOS after the template's generation prompt.
+    assert explicit.prompt_ids + explicit.chosen_ids == template_ids(tokenizer, CHAT) + reply(good)
+    assert explicit.prompt_ids + explicit.rejected_ids == template_ids(tokenizer, CHAT) + reply(bad)
+    assert explicit.prompt_ids == template_ids(tokenizer, CHAT)  # the tokens both sides share
+    assert implicit == explicit
+    assert text.prompt_ids + text.chosen_ids == template_ids(tokenizer, CHAT[1:]) + reply(good)
+
+    lines = [{"prompt": CHAT, "chosen": [good], "rejected": "hello world"}, {"chosen": [good], "rejected": [bad]}]
+    with pytest.raises(DataError) as info:
+        load_pairwise_examples(write_lines(tmp_path / "b.jsonl", lines), 256, tokenizer_path=folder)
+    assert info.value.problems == [
+        "b.jsonl:1: field 'rejected' must be a chat like the other side's, got 'hello world'",
+        "b.jsonl:2: field 'chosen' must end with an assistant message (the response) after at least one other "
+        "message, got roles ['assistant']"]
+
+
+def test_classification_rows_may_be_chats(tok, tmp_path):
+    folder, tokenizer = tok
+    answered = CHAT + [{"role": "assistant", "content": "the answer is four"}]
+    path = write_lines(tmp_path / "c.jsonl", [{"messages": answered, "label": 1}, {"text": CHAT, "label": 0},
+                                               {"text": "hello world", "label": 1}])
+    reply, asked, plain = load_classification_examples(path, 256, 2, tokenizer_path=folder)
+    assert reply.input_ids == template_ids(tokenizer, CHAT) + tokenizer(
+        "the answer is four", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    # A chat that ends with the user: the template as it is, no generation prompt.
+    assert asked.input_ids == template_ids(tokenizer, CHAT, generation_prompt=False)
+    assert tokenizer.decode(asked.input_ids).endswith("what is two plus two<|im_end|>\n")
+    assert (reply.label, asked.label, plain.label) == (1, 0, 1)
+    assert plain.input_ids == tokenizer("hello world")["input_ids"]
 
 
 def test_required_columns():
