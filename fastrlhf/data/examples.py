@@ -65,10 +65,6 @@ class SFTExample:
     # chat's assistant turns, data.assistant_turns: all); None: all of them
     response_mask: list[int] | None = None
 
-    @property
-    def trained_tokens(self) -> int:
-        return len(self.response_ids) if self.response_mask is None else sum(self.response_mask)
-
 
 @dataclass
 class PairExample:

@@ -305,14 +305,13 @@ def test_sft_chat_trains_every_assistant_turn_in_its_context(tok, tmp_path):
 
     # last: every earlier turn is prompt, as before.
     assert last.prompt_ids == template_ids(tokenizer, EPISODE[:4]) and last.response_ids == reply(EPISODE[4]["content"])
-    assert last.response_mask is None and last.trained_tokens == len(last.response_ids)
+    assert last.response_mask is None
     # all: the first reply follows the first context; the whole sequence ends as the last turn's does.
     assert every.prompt_ids == template_ids(tokenizer, CHAT)
     assert every.prompt_ids + every.response_ids == last.prompt_ids + last.response_ids
     trained = [t for t, m in zip(every.response_ids, every.response_mask, strict=True) if m]
     read = [t for t, m in zip(every.response_ids, every.response_mask, strict=True) if not m]
     assert trained == reply("hello world") + reply("the answer is four")
-    assert every.trained_tokens == len(trained)
     assert tokenizer.decode(read) == "\n<|im_start|>tool\nfour<|im_end|>\n<|im_start|>assistant\n"
     assert every.response_mask[:len(reply("hello world"))] == [1] * len(reply("hello world"))
     # One assistant turn: the same example either way.
