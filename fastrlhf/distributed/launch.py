@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from fastrlhf.distributed.ranks import DEFAULT_TIMEOUT_S, free_port, local_rank, rank, world_size
+from fastrlhf.distributed.ranks import DEFAULT_TIMEOUT_S, free_port, local_rank, rank
 
 __all__ = ["DEFAULT_TIMEOUT_S", "before_group", "clear_stale_build_lock", "discard_before_group", "init_distributed",
            "run_before_group"]
@@ -83,15 +83,16 @@ def _unlink_shm_buffers() -> None:
     """Remove the names of DeepSpeed's CPU shared-memory all-reduce buffers once every rank has mapped them.
 
     DeepSpeed (0.19) creates one 66 MiB ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``
-    per rank when all ranks are on one host and never unlinks it: every such run, finished or killed,
-    left its buffers in /dev/shm (RAM) for good. Each rank maps every buffer inside
-    ``init_distributed``; after a barrier the names are no longer needed and the mappings stay valid.
+    per rank when all ranks are on one host (``LOCAL_SIZE`` = the world size, one rank included: the
+    launcher with one process) and never unlinks it: every such run, finished or killed, left its buffers in
+    /dev/shm (RAM) for good. Each rank maps every buffer inside ``init_distributed``; after a barrier the
+    names are no longer needed and the mappings stay valid.
     """
     import torch
 
     from fastrlhf.distributed import comm
 
-    if torch.cuda.is_available() or world_size() < 2:
+    if torch.cuda.is_available():
         return
     name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
             f"{os.environ.get('MASTER_PORT')}_{rank()}")
