@@ -52,7 +52,7 @@ from fastrlhf.supervised import reward_model, sft, train_on_batch
 VOCAB = 64
 SUPERVISED = [("sft", None, False), ("sft", None, True), ("rm", "pairwise", False), ("rm", "pairwise", True),
               ("rm", "classifier", False), ("rm", "classifier", True)]
-RL = ["grpo", "grpo-packed", "grpo-shared", "grpo-on-policy", "ppo", "ppo-packed"]
+RL = ["grpo", "grpo-packed", "grpo-shared", "grpo-on-policy", "grpo-rloo", "grpo-reinforce-pp", "ppo", "ppo-packed"]
 COVERED = {"sft": SUPERVISED, "rm": SUPERVISED, "train": RL}
 # Packed rows run model.attention: sdpa (one call per sequence), which a GPU runs too. What a packed row
 # brings to the attention is the same for every backend (its block mask and bounds, built on the host:
@@ -144,7 +144,11 @@ def rl_config(case):
     trainer = TrainerConfig(max_steps=1, prompts_per_step=3, minibatch_size=6 if not on_policy else 12,
                             ppo_epochs=1 if on_policy else 2, grad_accum=2, kl_coef=0.05, loss_chunk_size=5,
                             packing=case.endswith(("packed", "shared")), share_prompts=case.endswith("shared"),
-                            tis_cap=None if on_policy else 2.0)
+                            tis_cap=None if on_policy else 2.0,
+                            # the critic-free estimators beside GRPO's; REINFORCE++ with the KL in its token rewards
+                            adv_estimator={"grpo-rloo": "rloo", "grpo-reinforce-pp": "reinforce_plus_plus"}.get(case,
+                                                                                                               "auto"),
+                            kl_in_reward=case == "grpo-reinforce-pp")
     rollout = RolloutConfig(n=4, max_new_tokens=5, temperature=1.0, max_logprob_mismatch=None)
     return TrainConfig(output_dir="unused", model=ModelConfig(path="unused"), data=DataConfig(prompts="unused"),
                        trainer=trainer, rollout=rollout, reward=RewardConfig(model_path="unused"),
