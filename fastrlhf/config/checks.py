@@ -153,8 +153,8 @@ def _validate_train(c: TrainConfig, base: str):
 
     ro = c.rollout
     _positive(ro.n, "rollout.n")
-    if c.algorithm == "grpo" and c.trainer.adv_estimator == "auto" and ro.n < 2:
-        raise ConfigError("rollout.n", f"grpo compares completions within a group and needs rollout.n >= 2, got {ro.n}")
+    if c.algorithm == "grpo" and c.trainer.adv_estimator == "auto":
+        _check_group_size("grpo", ro.n)
     if ro.temperature < 0:
         raise ConfigError("rollout.temperature", f"must be >= 0, got {ro.temperature}")
     if not 0.0 < ro.top_p <= 1.0:
@@ -271,9 +271,14 @@ def _check_adv_estimator(c) -> None:
     if traits.gives_returns is False and c.algorithm == "ppo":
         raise ConfigError("trainer.adv_estimator", f"{name} gives no returns for algorithm ppo's critic to train on; "
                                                    "run it with algorithm grpo (no critic)")
-    if traits.needs_groups and c.rollout.n < 2:
-        raise ConfigError("rollout.n", f"{name} compares completions within a group and needs rollout.n >= 2, "
-                                       f"got {c.rollout.n}")
+    if traits.needs_groups:
+        _check_group_size(name, c.rollout.n)
+
+
+def _check_group_size(estimator: str, n: int) -> None:
+    if n < 2:
+        raise ConfigError("rollout.n", f"{estimator} compares completions within a group and needs rollout.n >= 2, "
+                                       f"got {n}")
 
 
 def _validate_sft(c: SFTConfig, base: str):

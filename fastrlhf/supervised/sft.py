@@ -123,13 +123,13 @@ def build_job(config: SFTConfig, model, examples: list[SFTExample]) -> Supervise
     use_fused = t.fused_loss and (t.packing or config.deepspeed.zero_stage != 3)
 
     def loss_fn(engine, micro_batch, scale):
-        tokens = float(sum(sum(_trained(e)) for e in micro_batch))
+        trained = [_trained(e) for e in micro_batch]
+        tokens = float(sum(map(sum, trained)))
         if t.packing:
             logprobs = packed_response_logprobs(engine, micro_batch, use_fused, t.loss_chunk_size, t.loss_chunk_bytes)
             if all(e.response_mask is None for e in micro_batch):
                 return -logprobs.sum() * scale, {"response_tokens": tokens}
-            mask = to_device(torch.tensor([m for e in micro_batch for m in _trained(e)], dtype=logprobs.dtype),
-                             logprobs.device)
+            mask = to_device(torch.tensor([m for each in trained for m in each], dtype=logprobs.dtype), logprobs.device)
             return -masked_sum(logprobs, mask) * scale, {"response_tokens": tokens}
         batch = to_device(collate_sft(micro_batch, pad_id), model_device(engine))
         loss = sft_loss(engine, batch, use_fused, t.loss_chunk_size, t.loss_chunk_bytes, scale=scale)
