@@ -22,8 +22,9 @@ from fastrlhf.distributed import comm
 __all__ = [
     "ADV_ESTIMATORS", "ADV_ESTIMATOR_OF", "ADV_ESTIMATOR_TRAITS", "EstimatorTraits", "adv_estimator_of",
     "compute_gae", "compute_grpo_advantages", "compute_rloo_advantages", "discounted_returns", "gae_advantages",
-    "grpo_token_advantages", "kl_in_reward", "last_token_index", "register_adv_est", "reinforce_pp_advantages",
-    "reinforce_pp_baseline_advantages", "rloo_token_advantages", "shape_rewards", "whiten_across_ranks"
+    "grpo_token_advantages", "kl_in_reward", "last_token_index", "overlong_penalty", "register_adv_est",
+    "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "rloo_token_advantages", "shape_rewards",
+    "whiten_across_ranks",
 ]
 
 
@@ -56,6 +57,14 @@ def shape_rewards(
     rows = torch.nonzero(last >= 0).squeeze(-1)
     rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
     return rewards
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment of ``[B]`` completion lengths: 0 up to ``max_len - buffer`` tokens, then
+    falling linearly to ``-factor`` at ``max_len``. Near the cap a completion is more likely rambling than
+    finished, and a ramp tells the policy so before the cap cuts it (where only ``truncated_reward`` would)."""
+    over = (lengths.to(torch.float32) - (max_len - buffer)).clamp(min=0.0)
+    return over * (-factor / buffer)
 
 
 def compute_gae(

@@ -176,6 +176,15 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(ro.max_turns, "rollout.max_turns")
     _positive(ro.tool_timeout_s, "rollout.tool_timeout_s")
     _positive(ro.max_tool_tokens, "rollout.max_tool_tokens")
+    if r.overlong_buffer is not None:
+        if not 0 < r.overlong_buffer <= ro.max_new_tokens:
+            raise ConfigError("reward.overlong_buffer", f"must be in [1, rollout.max_new_tokens = {ro.max_new_tokens}]"
+                                                        f" (or null), got {r.overlong_buffer}")
+        if ro.tools or ro.environment:
+            raise ConfigError("reward.overlong_buffer", "counts the tokens of one generated turn against "
+                                                        "rollout.max_new_tokens; an episode's completion holds several "
+                                                        "turns and the tools' replies")
+    _positive(r.overlong_penalty, "reward.overlong_penalty", strict=False)
     if (ro.tools or ro.environment) and ro.tensor_parallel_size > 1:
         raise ConfigError("rollout.tools", "multi-turn episodes advance each rank's engine on its own; they do not run "
                           "with rollout.tensor_parallel_size > 1 yet")
@@ -221,8 +230,22 @@ def _validate_train(c: TrainConfig, base: str):
     if t.forward_micro_batch is not None and t.max_tokens_per_microbatch is not None:
         raise ConfigError("trainer.forward_micro_batch", "conflicts with trainer.max_tokens_per_microbatch, which "
                                                          "sizes the no-grad passes too; set one of them")
+    _positive(t.max_sampling_rounds, "trainer.max_sampling_rounds")
+    if t.filter_groups:
+        _check_filter_groups(c)
     _validate_eval(c, base)
     _check_deepspeed(c.deepspeed, c.model)
+
+
+def _check_filter_groups(c) -> None:
+    from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS, adv_estimator_of
+
+    name = adv_estimator_of(c)
+    traits = ADV_ESTIMATOR_TRAITS.get(name)
+    if traits is None or not traits.needs_groups:
+        raise ConfigError("trainer.filter_groups", f"sets aside groups of equal scores, which only an estimator that "
+                                                   f"compares a group's completions ignores; {name} does not (use "
+                                                   "grpo, rloo or reinforce_plus_plus_baseline)")
 
 
 def _validate_eval(c: TrainConfig, base: str):

@@ -79,6 +79,10 @@ class RewardConfig:
     model_kind: Literal["classifier", "value_head"] = "classifier"
     label_index: int = 0
     truncated_reward: float | None = None  # the reward of a completion cut at max_new_tokens; null: scored as any
+    # DAPO's soft overlong punishment: a completion longer than rollout.max_new_tokens - overlong_buffer tokens
+    # loses overlong_penalty x (its excess / overlong_buffer) of its score; null: none
+    overlong_buffer: int | None = None
+    overlong_penalty: float = 1.0
     # The form of `functions`' prompts and completions. trl: as TRL's GRPOTrainer passes them (a messages row:
     # its messages and [{"role": "assistant", "content": text}]; a text row: strings); text: strings, the prompt
     # as the model saw it (chat template and special tokens included)
@@ -225,6 +229,11 @@ class TrainerConfig(LoopConfig):
     # auto: skip the old-logprob pass when the update is on-policy (one epoch, one minibatch, no TIS,
     # KL not in the reward); recompute: always (also logs logprob_mismatch_* against the engine)
     old_logprobs: Literal["auto", "recompute"] = "auto"
+    # DAPO's dynamic sampling: groups whose rollout.n completions all scored the same (zero advantage) are set aside
+    # and more prompts generated until each rank has its share of groups that differ, at most max_sampling_rounds
+    # generations per step (then all-equal groups fill the rest); needs a group estimator (grpo, rloo, ...)
+    filter_groups: bool = False
+    max_sampling_rounds: int = 3
 
 
 @dataclass(frozen=True)

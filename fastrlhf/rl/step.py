@@ -23,7 +23,8 @@ token counts: summed): reward_mean/std (over finite rewards; NaN where there is 
 (NaN/inf rewards: the step is skipped), reward/<name> (each text reward), truncated_fraction (completions cut at
 max_new_tokens), kl (rollout KL of the old policy to the reference), entropy,
 rollout_entropy, policy_loss, value_loss, clipfrac, approx_kl, logprob_mismatch_mean/max (|actor
-recomputed - engine|), tis_weight_mean, advantage_mean, grad_norm, generated_tokens,
+recomputed - engine|), tis_weight_mean, advantage_mean, grad_norm, generated_tokens (with
+``trainer.filter_groups``: of every sampling round, as are ``sampling/*``: see ``rl/dynamic_sampling.py``),
 tokens_per_second, time/generate, time/score, time/reward, time/train, time/sync, step_time,
 sync_bytes, skipped (this step) and skipped_steps (total), rank_tokens and rank_tokens_max (real
 prompt + completion tokens of a rank's batch, mean and largest: every collective waits for the largest;
@@ -48,6 +49,7 @@ from fastrlhf.algorithms import (
     kl_in_reward,
     kl_penalty,
     masked_mean,
+    overlong_penalty,
     truncated_is_weights,
 )
 from fastrlhf.distributed import comm
@@ -117,23 +119,27 @@ class RLStep:
             raise ValueError("kl_coef != 0 needs a reference model (reference.path) or a LoRA actor")
 
     def __call__(self, prompts: list[list[int]], metas: list[dict] | None, step: int,
-                 completions=None) -> dict[str, float]:
+                 completions=None, more_prompts=None) -> dict[str, float]:
         """One step on this rank's prompts; ``completions`` (per prompt, n each) skips generation.
+        ``more_prompts()``: this rank's next prompts and metas, drawn where ``trainer.filter_groups`` samples again.
         Returns the step's metrics reduced over ranks (a collective: call it on every rank)."""
         metas = metas if metas is not None else [{} for _ in prompts]
         clock = _Clock(self.device)
+        sampled = None
+        if completions is None and self.config.trainer.filter_groups and more_prompts is not None:
+            sampled = self.sample_differing_groups(prompts, metas, step, more_prompts, clock)
+            prompts, metas, completions = sampled.prompts, sampled.metas, sampled.completions
+        elif completions is None:
+            with clock("generate"):
+                completions = self.generate(prompts, metas, step)
         with clock("generate"):
-            if completions is None and self.episodes is not None:
-                completions = self.episodes.generate(prompts, self.sampling(step), metas)
-            elif completions is None:
-                completions = self.rollout.generate(prompts, self.sampling(step))
             if not self.rollout_shares_actor:  # its device memory is the update's until the sync
                 self.rollout.sleep()
                 empty_device_cache(self.device)
         with clock("score"):
             with clock("reward"):
                 exp = build_experience(prompts, completions, self.pad_token_id, self.device)
-                exp.scores = self.score(exp, prompts, completions, metas)
+                exp.scores = self.score(exp, prompts, completions, metas) if sampled is None else sampled.scores
             truncated = [c.finish_reason == "length" for samples in completions for c in samples]
             rank_tokens = float(sum(p + c for p, c in exp.token_parts()))  # what this rank's passes cost
             prep = {**getattr(self.scorer, "metrics", {}), **self.logprobs_and_values(exp),
@@ -158,25 +164,51 @@ class RLStep:
         with clock("sync"):
             # A skipped update changed no weight, but an engine whose sleep dropped them needs them back.
             sync = self.sync() if inputs_ok or getattr(self.rollout, "needs_sync", False) else {"sync_bytes": 0.0}
-        return self.reduce_metrics(exp, {**prep, **train, **sync, **clock.memory()}, clock.times, skipped, step)
+        local = {**prep, **train, **sync, **clock.memory(), **(sampled.metrics if sampled else {})}
+        generated = sampled.generated_tokens if sampled else None
+        return self.reduce_metrics(exp, local, clock.times, skipped, step, generated)
 
     # ------------------------------------------------------------------ stages
-    def sampling(self, step: int):
+    def generate(self, prompts, metas, step: int, round_: int = 0):
+        """Completions (``rollout.n`` per prompt) from the rollout engine, or whole episodes with tools."""
+        if self.episodes is not None:
+            return self.episodes.generate(prompts, self.sampling(step, round_), metas)
+        return self.rollout.generate(prompts, self.sampling(step, round_))
+
+    def sample_differing_groups(self, prompts, metas, step: int, more_prompts, clock):
+        """``trainer.filter_groups``: rounds of generation and scoring until this rank has its share of groups whose
+        scores differ (:mod:`fastrlhf.rl.dynamic_sampling`). The engine stays awake between rounds, so a reward
+        model scores beside it."""
+        from fastrlhf.rl.dynamic_sampling import sample_groups
+
+        def generate_and_score(prompts, metas, round_):
+            with clock("generate"):
+                completions = self.generate(prompts, metas, step, round_)
+            with clock("score"), clock("reward"):
+                exp = build_experience(prompts, completions, self.pad_token_id, self.device)
+                return completions, self.score(exp, prompts, completions, metas), sum(exp.policy_token_counts())
+
+        t = self.config.trainer
+        return sample_groups(generate_and_score, prompts, metas, more_prompts, self.config.rollout.n,
+                             t.max_sampling_rounds)
+
+    def sampling(self, step: int, round_: int = 0):
         from fastrlhf.rollout import SamplingConfig
 
         ro = self.config.rollout
-        # A seed per (step, engine): different samples on each rank's engine, the same ones after a resume.
-        # The ranks of a tensor-parallel group drive one engine and must agree on it.
+        # A seed per (step, engine, sampling round): different samples on each rank's engine, the same ones after a
+        # resume. The ranks of a tensor-parallel group drive one engine and must agree on it.
         tp = 1 if self.rollout_shares_actor else ro.tensor_parallel_size
-        seed = (self.config.seed * 1_000_003 + step * self.world + D.rank() // tp) % (2**31)
+        seed = (self.config.seed * 1_000_003 + step * self.world + D.rank() // tp + round_ * 7_919_617) % (2**31)
         return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                               max_new_tokens=ro.max_new_tokens, stop_token_ids=tuple(ro.stop_token_ids),
                               stop=tuple(ro.stop), seed=seed)
 
-    def score(self, exp: Experience, prompts, completions, metas) -> torch.Tensor:
+    def score(self, exp: Experience, prompts, completions, metas, overlong: bool = True) -> torch.Tensor:
         """[B] fp32 scores, one row per (prompt, sample) in the batch's prompt-major order.
 
-        ``reward.truncated_reward`` replaces the score of a completion cut at the length cap. A
+        ``reward.overlong_buffer`` subtracts DAPO's overlong penalty (a training signal: not with ``overlong=False``,
+        as validation scores); then ``reward.truncated_reward`` replaces the score of a completion cut at the cap. A
         reward function that fails on one rank fails the step on every rank, with that rank's message
         (:func:`fastrlhf.rl.rewards.agree_on_reward_failure`), so no rank is left waiting in the next
         collective.
@@ -191,7 +223,12 @@ class RLStep:
                     "environments": [c.extra.get("environment") for c in flat]} if self.episodes is not None else {}
         scores = agree_on_reward_failure(lambda: self.scorer(exp, *map(list, zip(*rows, strict=True)),
                                                              **episodes).float())
-        truncated_reward = self.config.reward.truncated_reward
+        r = self.config.reward
+        if overlong and r.overlong_buffer is not None:
+            lengths = to_device(torch.tensor([len(c.token_ids) for c in flat]), scores.device)
+            scores = scores + overlong_penalty(lengths, self.config.rollout.max_new_tokens, r.overlong_buffer,
+                                               r.overlong_penalty)
+        truncated_reward = r.truncated_reward
         if truncated_reward is not None:
             cut = to_device(torch.tensor([c.finish_reason == "length" for samples in completions for c in samples]),
                             scores.device)
@@ -199,9 +236,10 @@ class RLStep:
         return scores
 
     def score_rollout(self, prompts, completions, metas) -> torch.Tensor:
-        """[B] scores of completions generated outside a step (validation), as a step scores them."""
+        """[B] scores of completions generated outside a step (validation), as a step scores them, without the
+        overlong penalty: validation measures the task, not the length shaping."""
         exp = build_experience(prompts, completions, self.pad_token_id, self.device)
-        return self.score(exp, prompts, completions, metas)
+        return self.score(exp, prompts, completions, metas, overlong=False)
 
     def logprobs_and_values(self, exp: Experience) -> dict[str, float]:
         """Old logprobs (recomputed by the actor), reference logprobs, TIS weights and values.
@@ -342,12 +380,14 @@ class RLStep:
         return {"sync_bytes": float(stats.bytes), "sync_buckets": float(stats.num_buckets)}
 
     # ------------------------------------------------------------------ metrics
-    def reduce_metrics(self, exp, local, times, skipped, step) -> dict[str, float]:
-        """Every rank's metrics in three collectives: score sums, then all metrics summed and maxed."""
+    def reduce_metrics(self, exp, local, times, skipped, step, generated: float | None = None) -> dict[str, float]:
+        """Every rank's metrics in three collectives: score sums, then all metrics summed and maxed.
+        ``generated``: the tokens this rank generated, where more than the batch's (``trainer.filter_groups``)."""
         scores = exp.scores.double()
         finite = torch.isfinite(scores)
+        trained = float(exp.response_mask.sum())
         total = comm.reduce_floats([float(scores[finite].sum()), float(scores[finite].square().sum()),
-                                    float(finite.sum()), float(exp.response_mask.sum())], "sum")
+                                    float(finite.sum()), trained, trained if generated is None else generated], "sum")
         count = max(total[2], 1.0)
         # No finite reward at all: no mean either (NaN, written as a JSON number), not a made-up 0.
         mean = total[0] / count if total[2] else float("nan")
@@ -359,9 +399,9 @@ class RLStep:
         metrics = {k: (mx if k.startswith(("time/", "memory/")) or k.endswith("_max") else s / self.world)
                    for k, s, mx in zip(keys, summed, maxed, strict=True)}
         generate_time = metrics["time/generate"]
-        metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total[3],
+        metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total[4],
                        reward_nonfinite=exp.batch_size * self.world - total[2],
-                       tokens_per_second=total[3] / generate_time if generate_time > 0 else 0.0,
+                       tokens_per_second=total[4] / generate_time if generate_time > 0 else 0.0,
                        step_time=sum(metrics[f"time/{k}"] for k in ("generate", "score", "train", "sync")),
                        skipped=float(skipped), skipped_steps=float(self.guard.skipped_total),
                        mean_response_length=total[3] / max(1, exp.batch_size * self.world))

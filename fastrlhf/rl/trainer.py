@@ -464,10 +464,14 @@ def run(config, resume: bool = False) -> dict:
     def one_step(step: int) -> dict:
         started = time.perf_counter()
         position = sampler.state_dict()
-        batch = rank_prompts(examples, sampler.next_indices(t.prompts_per_step), t.balance_ranks, D.rank(),
-                             D.world_size())
+
+        def draw():  # this rank's share of the next prompts_per_step prompts (again under trainer.filter_groups)
+            batch = rank_prompts(examples, sampler.next_indices(t.prompts_per_step), t.balance_ranks, D.rank(),
+                                 D.world_size())
+            return [e.prompt_ids for e in batch], [e.meta for e in batch]
+
         try:
-            metrics = rl_step([e.prompt_ids for e in batch], [e.meta for e in batch], step)
+            metrics = rl_step(*draw(), step, more_prompts=draw)
         except StepFailed:
             sampler.load_state_dict(position)  # --resume retries this step's prompts
             raise

@@ -97,6 +97,15 @@ def test_valid_grpo_config_has_defaults(paths):
         ({"deepspeed": {"offload_param": True}}, "deepspeed.offload_param", "zero_stage 3"),
         ({"model": {"lora_targets": "q_proj"}}, "model.lora_targets", "a list of a string"),
         ({"trainer": {"dual_clip": 0.5}}, "trainer.dual_clip", "> 1"),
+        ({"trainer": {"filter_groups": True, "adv_estimator": "reinforce_plus_plus"}}, "trainer.filter_groups",
+         "reinforce_plus_plus does not (use grpo, rloo or reinforce_plus_plus_baseline)"),
+        ({"trainer": {"max_sampling_rounds": 0}}, "trainer.max_sampling_rounds", "> 0"),
+        ({"reward": {"function": "length", "overlong_buffer": 0}}, "reward.overlong_buffer",
+         "must be in [1, rollout.max_new_tokens = 64] (or null), got 0"),
+        ({"reward": {"function": "length", "overlong_buffer": 65}}, "reward.overlong_buffer", "got 65"),
+        ({"reward": {"function": "length", "overlong_penalty": -1.0}}, "reward.overlong_penalty", ">= 0"),
+        ({"reward": {"function": "length", "overlong_buffer": 8}, "rollout": {"tools": ["x:y"]}},
+         "reward.overlong_buffer", "an episode's completion holds several turns"),
     ],
 )
 def test_impossible_train_configs_name_the_key(paths, sections, key, phrase):
@@ -390,6 +399,14 @@ def test_adv_estimator_fits_the_algorithm_and_the_group_size(paths):
         "trainer.adv_estimator: rloo gives no returns for algorithm ppo's critic to train on; run it with algorithm "
         "grpo (no critic)")
     assert parse_config(with_("ppo", "gae", 1)).trainer.adv_estimator == "gae"
+
+
+def test_filter_groups_runs_with_the_estimators_that_compare_a_group(paths):
+    for estimator in ("auto", "rloo", "reinforce_plus_plus_baseline"):
+        config = parse_config(grpo(paths, trainer={"filter_groups": True, "adv_estimator": estimator}))
+        assert config.trainer.filter_groups and config.trainer.max_sampling_rounds == 3
+    ppo = error_of(grpo(paths, algorithm="ppo", critic={}, trainer={"filter_groups": True}))
+    assert str(ppo).startswith("trainer.filter_groups: ") and "gae does not" in str(ppo)
 
 
 @pytest.mark.parametrize("command", ["train", "sft", "rm"])

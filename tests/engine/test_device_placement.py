@@ -52,7 +52,8 @@ from fastrlhf.supervised import reward_model, sft, train_on_batch
 VOCAB = 64
 SUPERVISED = [("sft", None, False), ("sft", None, True), ("rm", "pairwise", False), ("rm", "pairwise", True),
               ("rm", "classifier", False), ("rm", "classifier", True)]
-RL = ["grpo", "grpo-packed", "grpo-shared", "grpo-on-policy", "grpo-rloo", "grpo-reinforce-pp", "ppo", "ppo-packed"]
+RL = ["grpo", "grpo-packed", "grpo-shared", "grpo-on-policy", "grpo-rloo", "grpo-reinforce-pp", "grpo-dapo", "ppo",
+      "ppo-packed"]
 COVERED = {"sft": SUPERVISED, "rm": SUPERVISED, "train": RL}
 # Packed rows run model.attention: sdpa (one call per sequence), which a GPU runs too. What a packed row
 # brings to the attention is the same for every backend (its block mask and bounds, built on the host:
@@ -148,10 +149,13 @@ def rl_config(case):
                             # the critic-free estimators beside GRPO's; REINFORCE++ with the KL in its token rewards
                             adv_estimator={"grpo-rloo": "rloo", "grpo-reinforce-pp": "reinforce_plus_plus"}.get(case,
                                                                                                                "auto"),
-                            kl_in_reward=case == "grpo-reinforce-pp")
+                            kl_in_reward=case == "grpo-reinforce-pp",
+                            # DAPO: dynamic sampling (two rounds at most) and the overlong penalty below
+                            filter_groups=case == "grpo-dapo", max_sampling_rounds=2)
     rollout = RolloutConfig(n=4, max_new_tokens=5, temperature=1.0, max_logprob_mismatch=None)
+    reward = RewardConfig(model_path="unused", overlong_buffer=3 if case == "grpo-dapo" else None)
     return TrainConfig(output_dir="unused", model=ModelConfig(path="unused"), data=DataConfig(prompts="unused"),
-                       trainer=trainer, rollout=rollout, reward=RewardConfig(model_path="unused"),
+                       trainer=trainer, rollout=rollout, reward=reward,
                        critic=CriticConfig() if algorithm == "ppo" else None, algorithm=algorithm)
 
 
@@ -190,7 +194,8 @@ def test_rl_step_on_another_device(case):
                             actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3),
                             critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-3) if critic else None,
                             pad_token_id=0, rollout_shares_actor=True, device=dev.device, guard=StepGuard())
-        metrics = step(prompts, None, step=1)
+        more = (lambda: (prompts[::-1], [{}] * 3)) if t.filter_groups else None
+        metrics = step(prompts, None, step=1, more_prompts=more)
         validation = Validator(prompts, [{}] * 3, step.score_rollout, step.rollout, step.sampling(1))(1)
     assert metrics["skipped"] == 0 and metrics["optimizer_steps"] > 0, metrics
     assert all(map(_finite, [v for k, v in metrics.items() if not k.startswith("time/")])), metrics

@@ -16,3 +16,13 @@ def raise_on_rank_1_at_step_2(prompt_ids, completion_ids, meta):
     completion only that rank drew would."""
     _calls["n"] += 1
     return _answer(completion_ids)
+
+
+def constant_logging_prompts(prompt_ids, completion_ids, meta):
+    """0.5 for every completion (so every group's scores are equal), each call's prompt appended to the file
+    ``FASTRLHF_TEST_PROMPT_LOG``: the prompts ``trainer.filter_groups`` drew."""
+    import json
+
+    with open(os.environ["FASTRLHF_TEST_PROMPT_LOG"], "a") as f:
+        f.write(json.dumps(list(prompt_ids)) + "\n")
+    return 0.5

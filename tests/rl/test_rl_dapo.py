@@ -1,0 +1,234 @@
+"""DAPO's two reward-side techniques: dynamic sampling (``trainer.filter_groups``: groups whose completions all scored
+the same are set aside and more prompts generated) and the soft overlong punishment (``reward.overlong_buffer``).
+
+The dynamic-sampling step is checked against the plain step on the groups it should have kept: the same updated
+parameters, bit for bit."""
+
+import copy
+import dataclasses
+import datetime
+import json
+import math
+import socket
+import subprocess
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers.rl_case import GRPO, PAD, N, make_config, tiny_actor
+from helpers.rl_runs import TRAIN, grpo_config, launch_env, make_tiny, metrics_by_step
+
+from fastrlhf.algorithms import logprobs_from_logits, overlong_penalty
+from fastrlhf.config import RewardConfig
+from fastrlhf.rl.dynamic_sampling import differing_groups, pick_groups, sample_groups
+from fastrlhf.rl.experience import build_experience
+from fastrlhf.rl.step import RLStep
+from fastrlhf.rollout import Completion
+
+# Two rounds of three prompts (a rank's share is three groups); per prompt, the scores of its N completions.
+ROUND_1 = [[5, 6, 7], [8, 9], [10, 11, 12]]
+ROUND_2 = [[13, 14], [15, 16, 17], [18]]
+SCORES = {(5, 6, 7): [1.0] * N, (8, 9): [0.0, 1.0, 1.0, 0.0], (10, 11, 12): [0.0] * N,
+          (13, 14): [0.5, 0.5, 0.2, 0.5], (15, 16, 17): [1.0] * N, (18,): [0.0, 0.0, 0.0, 2.0]}
+
+
+def completions_of(actor, prompts, temperature):
+    """Fixed completions (tokens by prompt) whose engine logprobs are the actor's own plus noise, as in
+    ``helpers.rl_case.fixed_completions``."""
+    out = []
+    for p in prompts:
+        g = torch.Generator().manual_seed(sum(p))
+        tokens = [torch.randint(3, 96, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+                  for _ in range(N)]
+        out.append([Completion(t, [0.0] * len(t), "stop") for t in tokens])
+    exp = build_experience(prompts, out, PAD)
+    with torch.no_grad():
+        logits = actor(input_ids=exp.input_ids, attention_mask=exp.attention_mask,
+                       position_ids=exp.position_ids).logits[:, exp.response_slice()]
+        lp = logprobs_from_logits(logits, exp.labels, temperature)
+    for b, c in enumerate(c for samples in out for c in samples):
+        c.logprobs = (lp[b, :len(c.token_ids)] + 0.1).tolist()
+    return out
+
+
+class ScriptedEngine:
+    """Answers each prompt with its fixed completions; records the prompts and seeds it was asked for."""
+
+    def __init__(self, completions: dict):
+        self.completions, self.calls = completions, []
+
+    def generate(self, prompts, sampling):
+        self.calls.append(([list(p) for p in prompts], sampling.seed))
+        return [copy.deepcopy(self.completions[tuple(p)]) for p in prompts]
+
+
+def score_by_prompt(exp, prompts, completions, metas):
+    seen = {}
+    out = []
+    for p in prompts:
+        j = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
+        out.append(SCORES[tuple(p)][j])
+    return torch.tensor(out)
+
+
+def _step(config, engine=None):
+    actor = tiny_actor()
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    rl = RLStep(config, actor, rollout=engine, scorer=score_by_prompt, reference=tiny_actor().eval(),
+                actor_optimizer=opt, pad_token_id=PAD, rollout_shares_actor=True)
+    return rl, actor
+
+
+def _engine(config):
+    prompts = ROUND_1 + ROUND_2
+    completions = completions_of(tiny_actor(), prompts, config.rollout.temperature)
+    return ScriptedEngine({tuple(p): c for p, c in zip(prompts, completions, strict=True)})
+
+
+def test_groups_differ_unless_every_score_is_the_same_and_finite():
+    assert differing_groups([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, float("nan"), float("nan")], 2) == [False, True, False,
+                                                                                                True]
+    with pytest.raises(ValueError, match="5 scores do not split into groups of 2"):
+        differing_groups([0.0] * 5, 2)
+
+
+def test_the_first_differing_groups_are_kept_in_draw_order_and_equal_ones_fill_the_rest():
+    assert pick_groups([False, True, False, True, True, True], 3) == ([1, 3, 4], 0)
+    assert pick_groups([False, True, False, False, True], 3) == ([0, 1, 4], 1)
+    assert pick_groups([False, False], 2) == ([0, 1], 2)
+    with pytest.raises(ValueError):
+        pick_groups([True], 2)
+
+
+def test_the_filtered_step_trains_exactly_the_plain_step_on_the_kept_groups():
+    config = make_config(GRPO, filter_groups=True)
+    engine = _engine(config)
+    filtered, actor = _step(config, engine)
+    draws = iter([(ROUND_2, [{}] * 3)])
+    metrics = filtered(ROUND_1, None, step=2, more_prompts=lambda: next(draws))
+    # Round 1 has one group that differs ([8, 9]), round 2 two: three, a full share, after two rounds.
+    assert [prompts for prompts, _ in engine.calls] == [ROUND_1, ROUND_2]
+    assert engine.calls[0][1] != engine.calls[1][1]  # each round samples with its own seed
+    kept = [[8, 9], [13, 14], [18]]
+
+    plain, plain_actor = _step(dataclasses.replace(config, trainer=dataclasses.replace(config.trainer,
+                                                                                         filter_groups=False)))
+    expected = plain(kept, None, step=2, completions=[copy.deepcopy(engine.completions[tuple(p)]) for p in kept])
+    for a, b in zip(actor.parameters(), plain_actor.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for key in ("policy_loss", "reward_mean", "reward_std", "advantage_mean", "mean_response_length"):
+        assert metrics[key] == expected[key], key
+    everything = [s for p in ROUND_1 + ROUND_2 for s in SCORES[tuple(p)]]
+    assert metrics["sampling/rounds"] == 2.0 and metrics["sampling/filled_fraction"] == 0.0
+    assert metrics["sampling/differing_fraction"] == pytest.approx(3 / 6)
+    assert metrics["sampling/reward_mean"] == pytest.approx(sum(everything) / len(everything))
+    # Tokens generated in both rounds, the set-aside groups' included.
+    assert metrics["generated_tokens"] == sum(len(c.token_ids) for c in engine.completions.values() for c in c)
+    assert metrics["generated_tokens"] > expected["generated_tokens"] == metrics["mean_response_length"] * 12
+
+
+def test_after_the_last_round_groups_of_equal_scores_fill_the_share():
+    config = make_config(GRPO, filter_groups=True, max_sampling_rounds=2)
+    engine = _engine(config)
+    rl, _ = _step(config, engine)
+    # Round 1: [18] differs; round 2: [8, 9]; the cap of two rounds stops there, and the first all-equal group
+    # drawn ([15, 16, 17]) fills the share, in its place in draw order.
+    draws = iter([(ROUND_1, [{}] * 3)])
+    metrics = rl(ROUND_2[1:] + ROUND_1[:1], None, step=0, more_prompts=lambda: next(draws))
+    assert len(engine.calls) == 2 and metrics["sampling/filled_fraction"] == pytest.approx(1 / 3)
+    assert metrics["reward_mean"] == pytest.approx((1.0 * 4 + 2.0 + 2 * 1.0) / 12)
+
+    engine.calls.clear()
+    draws = iter([(ROUND_2[1:2] + ROUND_1[1:], [{}] * 3), (ROUND_1[2:] * 3, [{}] * 3)])
+    metrics = rl(ROUND_1[:1] + ROUND_1[2:] + ROUND_2[1:2], None, step=1, more_prompts=lambda: next(draws))
+    # Round 1: none differs; round 2: only [8, 9]; the cap of two rounds stops there: two all-equal groups fill in.
+    assert len(engine.calls) == 2 and metrics["sampling/rounds"] == 2.0
+    assert metrics["sampling/filled_fraction"] == pytest.approx(2 / 3)
+    assert metrics["reward_mean"] == pytest.approx((1.0 * 4 + 0.0 * 4 + 2 * 1.0 + 2 * 0.0) / 12)
+
+
+def test_without_more_prompts_or_with_given_completions_the_step_samples_once():
+    config = make_config(GRPO, filter_groups=True)
+    engine = _engine(config)
+    rl, _ = _step(config, engine)
+    metrics = rl(ROUND_1, None, step=0)
+    assert len(engine.calls) == 1 and "sampling/rounds" not in metrics
+
+
+def _sample_on_rank(rank, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        def generate_and_score(prompts, metas, round_):
+            # Rank 0's first round already differs everywhere; rank 1's groups differ from round 3 on.
+            differ = rank == 0 or round_ >= 2
+            scores = torch.tensor([float(j) if differ else 0.0 for _ in prompts for j in range(2)])
+            return [[Completion([3], [0.0], "stop")] * 2 for _ in prompts], scores, 2 * len(prompts)
+
+        draws = iter([([[round_]], [{}]) for round_ in (1, 2, 3)])
+        got = sample_groups(generate_and_score, [[0]], [{}], lambda: next(draws), n=2, max_rounds=4)
+        out[rank] = (got.prompts, got.metrics["sampling/rounds"], got.generated_tokens)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_samples_as_many_rounds_as_the_rank_that_needs_the_most():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_sample_on_rank, args=(port, out), nprocs=2, start_method="spawn", join=True)
+        result = dict(out)
+    # Both ranks generate three rounds (rank 0 waits on rank 1), and each keeps its first differing group.
+    assert result[0] == ([[0]], 3.0, 6.0)
+    assert result[1] == ([[2]], 3.0, 6.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_trainer_draws_the_next_prompts_for_each_round(tmp_path):
+    """``fastrlhf train`` with a reward that never differs within a group: every step runs all its rounds, each on
+    the sampler's next prompts, and trains on groups of equal scores."""
+    tiny = make_tiny(tmp_path)
+    config = grpo_config(tiny, tmp_path / "out", reward="sample_rewards:constant_logging_prompts",
+                         trainer={"max_steps": 2, "save_every": 0, "save_final": False, "filter_groups": True})
+    log = tmp_path / "prompts.log"
+    result = subprocess.run([*TRAIN, config], env=launch_env(FASTRLHF_TEST_PROMPT_LOG=str(log)), capture_output=True,
+                            text=True, timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = metrics_by_step(tmp_path / "out")
+    for step in (1, 2):
+        assert metrics[step]["sampling/rounds"] == 3.0 and metrics[step]["sampling/filled_fraction"] == 1.0
+        assert metrics[step]["sampling/differing_fraction"] == 0.0 and metrics[step]["skipped"] == 0.0
+    # 2 steps x 3 rounds x 2 prompts x 2 completions scored; the first 8 prompts drawn are one epoch: all 8.
+    scored = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
+    assert len(scored) == 24 and scored[::2] == scored[1::2]
+    assert len(set(scored[:16:2])) == 8
+
+
+def test_overlong_penalty_ramps_over_the_buffer_to_the_cap():
+    lengths = torch.tensor([0, 6, 7, 8, 9, 10])
+    penalty = overlong_penalty(lengths, max_len=10, buffer=4, factor=0.5)
+    assert penalty.tolist() == [0.0, 0.0, pytest.approx(-0.125), pytest.approx(-0.25), pytest.approx(-0.375), -0.5]
+
+
+def test_the_overlong_penalty_shapes_training_scores_not_validation_scores():
+    completions = completions_of(tiny_actor(), ROUND_1, 0.8)
+    flat = [c for samples in completions for c in samples]
+    flat[0].finish_reason = "length"
+    reward = RewardConfig(function="unused", overlong_buffer=3, overlong_penalty=2.0, truncated_reward=-1.0)
+    config = dataclasses.replace(make_config(GRPO, max_new_tokens=6), reward=reward)
+    rl, _ = _step(config)
+    exp = build_experience(ROUND_1, completions, PAD)
+    raw = score_by_prompt(exp, [p for p in ROUND_1 for _ in range(N)], None, None)
+    lengths = torch.tensor([float(len(c.token_ids)) for c in flat])
+    expected = raw - 2.0 * ((lengths - 3).clamp(min=0) / 3)
+    expected[0] = -1.0  # cut at the cap: truncated_reward replaces whatever it scored
+    assert any(length > 3 for length in lengths[1:])  # the case has penalised completions that are not cut
+    torch.testing.assert_close(rl.score(exp, ROUND_1, completions, [{}] * 3), expected)
+    torch.testing.assert_close(rl.score_rollout(ROUND_1, completions, [{}] * 3), torch.where(
+        torch.arange(len(flat)) == 0, torch.tensor(-1.0), raw))
+    assert math.isfinite(float(expected.sum()))
