@@ -24,7 +24,7 @@ __all__ = [
     "compute_gae", "compute_grpo_advantages", "compute_rloo_advantages", "discounted_returns", "gae_advantages",
     "grpo_token_advantages", "kl_in_reward", "last_token_index", "overlong_penalty", "register_adv_est",
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "rloo_token_advantages", "shape_rewards",
-    "whiten_across_ranks",
+    "std_across_ranks", "whiten_across_ranks",
 ]
 
 
@@ -116,19 +116,35 @@ def compute_grpo_advantages(
     scores: torch.Tensor,
     group_ids: torch.Tensor | Sequence[int],
     eps: float = 1e-6,
-    scale_by_std: bool = True,
+    scale_by_std: bool | str = True,
 ) -> torch.Tensor:
     """Group-relative advantages ``[B]``: score minus its group's mean, over (unbiased std + eps).
 
-    ``scale_by_std=False`` is Dr.GRPO (no std division). A group of one gets 0.
+    ``scale_by_std=False`` is Dr.GRPO (no std division); ``"batch"`` divides by the std of every score of the
+    batch, all ranks' together (TRL's ``scale_rewards="batch"``): a group whose scores differ by noise (a
+    saturated learned reward) keeps small advantages instead of being scaled up to full size. A group of one
+    gets 0.
     """
     centered, count, inverse, zeros = _group_centered(scores, group_ids)
     adv = centered
-    if scale_by_std:
+    if scale_by_std == "batch":
+        adv = centered / (std_across_ranks(scores).to(centered.dtype) + eps)
+    elif scale_by_std:
         sq = zeros.index_add(0, inverse, centered.square())
         std = (sq[inverse] / (count - 1).clamp(min=1)).sqrt()
         adv = centered / (std + eps)
     return torch.where(count > 1, adv, torch.zeros_like(adv))
+
+
+def std_across_ranks(values: torch.Tensor) -> torch.Tensor:
+    """The unbiased std (0-dim) of ``[B]`` values, every rank's together, on their device: two reductions (sum and
+    count, then squared deviations from the global mean, as :func:`whiten_across_ranks`), no host read. Fewer
+    than two values in all: 0."""
+    x = values.detach().double()
+    totals = comm.all_reduce_(torch.stack([x.sum(), x.new_tensor(float(x.numel()))]))
+    count = totals[1]
+    squares = comm.all_reduce_((x - totals[0] / count.clamp(min=1)).square().sum().reshape(1))[0]
+    return (squares / (count - 1).clamp(min=1)).sqrt()
 
 
 def compute_rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -206,7 +222,7 @@ def grpo_token_advantages(exp, cfg) -> tuple[torch.Tensor, None]:
 
     Reads ``exp.scores [B]``, ``exp.group_ids [B]``, ``exp.response_mask [B, T]`` and
     ``cfg.scale_by_std`` (false: Dr.GRPO). Groups never straddle ranks (each rank samples all n
-    completions of its prompts), so this needs no communication.
+    completions of its prompts), so this needs no communication, but for ``scale_by_std: batch``'s std.
     """
     per_sequence = compute_grpo_advantages(exp.scores, exp.group_ids, scale_by_std=cfg.scale_by_std)
     return (per_sequence[:, None] * exp.response_mask).detach(), None

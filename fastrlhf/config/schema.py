@@ -220,7 +220,8 @@ class TrainerConfig(LoopConfig):
     vf_clip: float | None = 0.2
     vf_coef: float = 0.5
     whiten_advantages: bool = True
-    scale_by_std: bool = True
+    # GRPO's divisor: true: each group's std; false: none (Dr.GRPO); batch: the std of the whole batch's scores
+    scale_by_std: bool | Literal["batch"] = True
     tis_cap: float | None = None
     forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None: minibatch share
     # With packing: the samples of one prompt share one copy of it in a packed row (each completion attends

@@ -192,6 +192,15 @@ def test_grpo_advantages():
     # identical scores: zero advantage, not NaN
     close(compute_grpo_advantages(t([2.0, 2.0]), [7, 7]), [0.0, 0.0])
 
+    # batch: centred by the group, divided by the std of all four scores (unbiased: mean 7/4, variance 59/12)
+    batch_std = math.sqrt(59 / 12)
+    close(compute_grpo_advantages(scores, groups, eps=0.0, scale_by_std="batch"),
+          [1 / 3 / batch_std, -2 / 3 / batch_std, 1 / 3 / batch_std, 0.0])
+    # a group whose scores differ by noise keeps advantages of that size, where its own std scales them to ~1
+    noisy = t([0.9994, 0.9995, 0.0, 1.0])
+    assert compute_grpo_advantages(noisy, [0, 0, 1, 1], scale_by_std="batch")[:2].abs().max() < 1e-3
+    assert compute_grpo_advantages(noisy, [0, 0, 1, 1])[:2].abs().min() > 0.5
+
 
 # ---------------------------------------------------------------- losses
 LOSS = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])

@@ -401,6 +401,12 @@ def test_adv_estimator_fits_the_algorithm_and_the_group_size(paths):
     assert parse_config(with_("ppo", "gae", 1)).trainer.adv_estimator == "gae"
 
 
+def test_scale_by_std_is_a_switch_or_batch(paths):
+    assert parse_config(grpo(paths, trainer={"scale_by_std": "batch"})).trainer.scale_by_std == "batch"
+    assert parse_config(grpo(paths, trainer={"scale_by_std": False})).trainer.scale_by_std is False
+    assert error_of(grpo(paths, trainer={"scale_by_std": "group"})).key == "trainer.scale_by_std"
+
+
 def test_filter_groups_runs_with_the_estimators_that_compare_a_group(paths):
     for estimator in ("auto", "rloo", "reinforce_plus_plus_baseline"):
         config = parse_config(grpo(paths, trainer={"filter_groups": True, "adv_estimator": estimator}))

@@ -52,8 +52,8 @@ from fastrlhf.supervised import reward_model, sft, train_on_batch
 VOCAB = 64
 SUPERVISED = [("sft", None, False), ("sft", None, True), ("rm", "pairwise", False), ("rm", "pairwise", True),
               ("rm", "classifier", False), ("rm", "classifier", True)]
-RL = ["grpo", "grpo-packed", "grpo-shared", "grpo-on-policy", "grpo-rloo", "grpo-reinforce-pp", "grpo-dapo", "ppo",
-      "ppo-packed"]
+RL = ["grpo", "grpo-packed", "grpo-shared", "grpo-on-policy", "grpo-rloo", "grpo-reinforce-pp", "grpo-dapo",
+      "grpo-batch-std", "ppo", "ppo-packed"]
 COVERED = {"sft": SUPERVISED, "rm": SUPERVISED, "train": RL}
 # Packed rows run model.attention: sdpa (one call per sequence), which a GPU runs too. What a packed row
 # brings to the attention is the same for every backend (its block mask and bounds, built on the host:
@@ -151,7 +151,8 @@ def rl_config(case):
                                                                                                                "auto"),
                             kl_in_reward=case == "grpo-reinforce-pp",
                             # DAPO: dynamic sampling (two rounds at most) and the overlong penalty below
-                            filter_groups=case == "grpo-dapo", max_sampling_rounds=2)
+                            filter_groups=case == "grpo-dapo", max_sampling_rounds=2,
+                            scale_by_std="batch" if case == "grpo-batch-std" else True)
     rollout = RolloutConfig(n=4, max_new_tokens=5, temperature=1.0, max_logprob_mismatch=None)
     reward = RewardConfig(model_path="unused", overlong_buffer=3 if case == "grpo-dapo" else None)
     return TrainConfig(output_dir="unused", model=ModelConfig(path="unused"), data=DataConfig(prompts="unused"),

@@ -1,4 +1,5 @@
-"""PPO advantages are whitened with the statistics of the whole batch, whichever rank holds a token."""
+"""PPO advantages are whitened with the statistics of the whole batch, whichever rank holds a token, and GRPO's
+``scale_by_std: batch`` divides by the std of every rank's scores together."""
 
 import socket
 
@@ -6,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastrlhf.algorithms import masked_whiten, whiten_across_ranks
+from fastrlhf.algorithms import masked_whiten, std_across_ranks, whiten_across_ranks
 
 
 def batch():
@@ -30,6 +31,7 @@ def _rank(rank, port, out):
         adv, mask = batch()
         rows = slice(0, 1) if rank == 0 else slice(1, 4)  # uneven shares, on purpose
         out[rank] = whiten_across_ranks(adv[rows], mask[rows])
+        out[f"std{rank}"] = std_across_ranks(adv[rows].flatten())
     finally:
         dist.destroy_process_group()
 
@@ -42,5 +44,8 @@ def test_two_ranks_use_global_statistics():
         out = manager.dict()
         mp.start_processes(_rank, args=(port, out), nprocs=2, start_method="spawn", join=True)
         whitened = torch.cat([out[0], out[1]])
+        stds = [out["std0"], out["std1"]]
     adv, mask = batch()
     torch.testing.assert_close(whitened, masked_whiten(adv, mask))
+    for std in stds:  # every rank's std is the whole batch's, not its share's
+        torch.testing.assert_close(std, adv.flatten().std())
