@@ -59,3 +59,19 @@ def wait_groups(procs: list, timeout: float, logs=()) -> list[int]:
         for proc in procs:
             kill_group(proc)
     return [proc.returncode for proc in procs]
+
+
+def spawn_ranks(target, nprocs: int = 2) -> dict:
+    """Run ``target(rank, port, out)`` in ``nprocs`` spawned processes (a gloo group on a free local ``port``,
+    which ``target`` joins and leaves) and return what they put in the shared dict ``out``."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(target, args=(port, out), nprocs=nprocs, start_method="spawn", join=True)
+        return dict(out)

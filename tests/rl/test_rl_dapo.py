@@ -9,13 +9,12 @@ import dataclasses
 import datetime
 import json
 import math
-import socket
 import subprocess
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers.launch import spawn_ranks
 from helpers.rl_case import GRPO, PAD, N, make_config, tiny_actor
 from helpers.rl_runs import TRAIN, grpo_config, launch_env, make_tiny, metrics_by_step
 
@@ -175,13 +174,7 @@ def _sample_on_rank(rank, port, out):
 
 @pytest.mark.timeout(120)
 def test_every_rank_samples_as_many_rounds_as_the_rank_that_needs_the_most():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_sample_on_rank, args=(port, out), nprocs=2, start_method="spawn", join=True)
-        result = dict(out)
+    result = spawn_ranks(_sample_on_rank)
     # Both ranks generate three rounds (rank 0 waits on rank 1), and each keeps its first differing group.
     assert result[0] == ([[0]], 3.0, 6.0)
     assert result[1] == ([[2]], 3.0, 6.0)

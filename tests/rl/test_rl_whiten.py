@@ -1,11 +1,9 @@
 """PPO advantages are whitened with the statistics of the whole batch, whichever rank holds a token, and GRPO's
 ``scale_by_std: batch`` divides by the std of every rank's scores together."""
 
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers.launch import spawn_ranks
 
 from fastrlhf.algorithms import masked_whiten, std_across_ranks, whiten_across_ranks
 
@@ -37,15 +35,8 @@ def _rank(rank, port, out):
 
 
 def test_two_ranks_use_global_statistics():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_rank, args=(port, out), nprocs=2, start_method="spawn", join=True)
-        whitened = torch.cat([out[0], out[1]])
-        stds = [out["std0"], out["std1"]]
+    out = spawn_ranks(_rank)
     adv, mask = batch()
-    torch.testing.assert_close(whitened, masked_whiten(adv, mask))
-    for std in stds:  # every rank's std is the whole batch's, not its share's
+    torch.testing.assert_close(torch.cat([out[0], out[1]]), masked_whiten(adv, mask))
+    for std in (out["std0"], out["std1"]):  # every rank's std is the whole batch's, not its share's
         torch.testing.assert_close(std, adv.flatten().std())
