@@ -137,14 +137,9 @@ def compute_grpo_advantages(
 
 
 def std_across_ranks(values: torch.Tensor) -> torch.Tensor:
-    """The unbiased std (0-dim) of ``[B]`` values, every rank's together, on their device: two reductions (sum and
-    count, then squared deviations from the global mean, as :func:`whiten_across_ranks`), no host read. Fewer
-    than two values in all: 0."""
-    x = values.detach().double()
-    totals = comm.all_reduce_(torch.stack([x.sum(), x.new_tensor(float(x.numel()))]))
-    count = totals[1]
-    squares = comm.all_reduce_((x - totals[0] / count.clamp(min=1)).square().sum().reshape(1))[0]
-    return (squares / (count - 1).clamp(min=1)).sqrt()
+    """The unbiased std (0-dim, fp64) of ``[B]`` values, every rank's together, on their device (no host read).
+    Fewer than two values in all: 0."""
+    return _moments_across_ranks(values, torch.ones_like(values))[1].sqrt()
 
 
 def compute_rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -228,6 +223,16 @@ def grpo_token_advantages(exp, cfg) -> tuple[torch.Tensor, None]:
     return (per_sequence[:, None] * exp.response_mask).detach(), None
 
 
+def _token_rewards(exp, cfg, scores: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: ``scores`` at each row's last token, plus ``-kl_coef * KL(old || ref)`` on every token where
+    ``cfg.kl_in_reward`` puts the KL there (GAE's and REINFORCE++'s token rewards)."""
+    mask = exp.response_mask
+    if cfg.kl_in_reward and cfg.kl_coef != 0.0:
+        return shape_rewards(scores, exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_coef, cfg.kl_kind)
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return shape_rewards(scores, zeros, zeros, mask, 0.0, "k1")
+
+
 @register_adv_est("gae", EstimatorTraits(needs_values=True, gives_returns=True, takes_kl_in_reward=True))
 def gae_advantages(exp, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO: token rewards (score at the last token, ``-kl_coef * KL(old || ref)`` on every token when
@@ -239,12 +244,7 @@ def gae_advantages(exp, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     Returns ``(advantages, returns)`` ``[B, T]``.
     """
     mask = exp.response_mask
-    if cfg.kl_in_reward and cfg.kl_coef != 0.0:
-        token_rewards = shape_rewards(exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_coef, cfg.kl_kind)
-    else:
-        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        token_rewards = shape_rewards(exp.scores, zeros, zeros, mask, 0.0, "k1")
-    advantages, returns = compute_gae(token_rewards, exp.values, mask, cfg.gamma, cfg.lam)
+    advantages, returns = compute_gae(_token_rewards(exp, cfg, exp.scores), exp.values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
         advantages = whiten_across_ranks(advantages, mask)
     return advantages.detach(), returns.detach()
@@ -263,12 +263,7 @@ def _reinforce_pp(exp, cfg, scores: torch.Tensor) -> tuple[torch.Tensor, None]:
     with ``cfg.kl_in_reward``), discounted returns (``cfg.gamma``) as advantages, whitened over the whole batch,
     every rank's tokens together (``cfg.whiten_advantages``): the batch's statistics stand in for a critic."""
     mask = exp.response_mask
-    if cfg.kl_in_reward and cfg.kl_coef != 0.0:
-        token_rewards = shape_rewards(scores, exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_coef, cfg.kl_kind)
-    else:
-        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        token_rewards = shape_rewards(scores, zeros, zeros, mask, 0.0, "k1")
-    advantages = discounted_returns(token_rewards, mask, cfg.gamma)
+    advantages = discounted_returns(_token_rewards(exp, cfg, scores), mask, cfg.gamma)
     if cfg.whiten_advantages:
         advantages = whiten_across_ranks(advantages, mask)
     return advantages.detach(), None
@@ -291,16 +286,22 @@ def reinforce_pp_baseline_advantages(exp, cfg) -> tuple[torch.Tensor, None]:
 def whiten_across_ranks(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """:func:`masked_whiten` with the mean and variance of the global batch, not of this rank's share.
 
-    Per-rank statistics would make the update depend on how the batch was split. Two reductions
-    of two numbers each (sum and count, then the sum of squared deviations from the global mean:
-    the same two-pass variance as :func:`masked_var`), on the advantages' device; no host sync.
-    Fewer than two kept tokens in the whole batch: returned unchanged (no variance to divide by).
+    Per-rank statistics would make the update depend on how the batch was split (statistics:
+    :func:`_moments_across_ranks`, no host sync). Fewer than two kept tokens in the whole batch:
+    returned unchanged (no variance to divide by).
     """
-    x = advantages.detach().double()
+    mean, var, count = _moments_across_ranks(advantages, mask)
+    whitened = whiten_with_stats(advantages, mask, mean.to(advantages.dtype), var.to(advantages.dtype))
+    return torch.where(count >= 2, whitened, advantages)
+
+
+def _moments_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mean, unbiased variance, count)`` (0-dim, fp64) of ``x`` where ``mask`` keeps it, every rank's values
+    together: two reductions (sum and count, then the squared deviations from the global mean: the same two-pass
+    variance as :func:`masked_var`), on ``x``'s device, no host read. Variance 0 below two values."""
+    x = x.detach().double()
     totals = comm.all_reduce_(torch.stack([masked_sum(x, mask), (mask > 0).sum().double()]))
     count = totals[1]
     mean = totals[0] / count.clamp(min=1)
     squares = comm.all_reduce_(masked_sum((x - mean).square(), mask).reshape(1))[0]
-    var = squares / (count - 1).clamp(min=1)
-    whitened = whiten_with_stats(advantages, mask, mean.to(advantages.dtype), var.to(advantages.dtype))
-    return torch.where(count >= 2, whitened, advantages)
+    return mean, squares / (count - 1).clamp(min=1), count

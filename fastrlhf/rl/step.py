@@ -230,8 +230,7 @@ class RLStep:
                                                r.overlong_penalty)
         truncated_reward = r.truncated_reward
         if truncated_reward is not None:
-            cut = to_device(torch.tensor([c.finish_reason == "length" for samples in completions for c in samples]),
-                            scores.device)
+            cut = to_device(torch.tensor([c.finish_reason == "length" for c in flat]), scores.device)
             scores = torch.where(cut, torch.full_like(scores, truncated_reward), scores)
         return scores
 
