@@ -20,13 +20,16 @@ A loss that needs a whole sequence (GSPO's sequence-level ratio) is registered w
 ``token_level=False`` and trained through the fused logprob kernel plus autograd instead; neither
 path materialises the ``[tokens, vocab]`` logits.
 
-The formulas live in four modules, all re-exported here: ``masked`` (masked reductions), ``logprobs``
-(logprobs, entropy and KL from logits), ``advantages`` (GAE, GRPO, the estimator registry) and
-``losses`` (aggregation, the policy-loss registry, value, SFT and reward-model losses).
+The formulas live in five modules, all re-exported here: ``masked`` (masked reductions), ``logprobs``
+(logprobs, entropy and KL from logits), ``advantages`` (GAE, GRPO, the estimator registry), ``losses``
+(aggregation, the policy-loss registry, value, SFT and reward-model losses) and ``kl_control`` (the adaptive
+KL coefficient).
 """
 
 from fastrlhf.algorithms.advantages import *  # noqa: F403
 from fastrlhf.algorithms.advantages import __all__ as _advantages
+from fastrlhf.algorithms.kl_control import *  # noqa: F403
+from fastrlhf.algorithms.kl_control import __all__ as _kl_control
 from fastrlhf.algorithms.logprobs import *  # noqa: F403
 from fastrlhf.algorithms.logprobs import __all__ as _logprobs
 from fastrlhf.algorithms.logprobs import _check_temperature  # noqa: F401 (the kernels' argument check)
@@ -35,4 +38,4 @@ from fastrlhf.algorithms.losses import __all__ as _losses
 from fastrlhf.algorithms.masked import *  # noqa: F403
 from fastrlhf.algorithms.masked import __all__ as _masked
 
-__all__ = [*_masked, *_logprobs, *_advantages, *_losses]
+__all__ = [*_masked, *_logprobs, *_advantages, *_losses, *_kl_control]

@@ -216,6 +216,10 @@ def _validate_train(c: TrainConfig, base: str):
     if t.dual_clip is not None and t.dual_clip <= 1.0:
         raise ConfigError("trainer.dual_clip", f"must be > 1 (or null), got {t.dual_clip}")
     _positive(t.kl_coef, "trainer.kl_coef", strict=False)
+    _check_kl_target(t, rollout_batch)
+    _positive(t.critic_warmup_steps, "trainer.critic_warmup_steps", strict=False)
+    if t.critic_warmup_steps and c.algorithm != "ppo":
+        raise ConfigError("trainer.critic_warmup_steps", f"warms up PPO's critic; algorithm {c.algorithm} has none")
     _positive(t.entropy_coef, "trainer.entropy_coef", strict=False)
     for name in ("gamma", "lam"):
         value = getattr(t, name)
@@ -235,6 +239,18 @@ def _validate_train(c: TrainConfig, base: str):
         _check_filter_groups(c)
     _validate_eval(c, base)
     _check_deepspeed(c.deepspeed, c.model)
+
+
+def _check_kl_target(t, rollout_batch: int) -> None:
+    _positive(t.kl_target, "trainer.kl_target")
+    _positive(t.kl_horizon, "trainer.kl_horizon")
+    if t.kl_target is not None and t.kl_horizon <= 0.2 * rollout_batch:
+        # One step changes the coefficient by up to 0.2 x rollout_batch / kl_horizon of itself.
+        raise ConfigError("trainer.kl_horizon", f"must be > 0.2 x the {rollout_batch} completions of a step, got "
+                                                f"{t.kl_horizon}: one step could take the coefficient to 0 or below")
+    if t.kl_target is not None and t.kl_coef == 0.0:
+        raise ConfigError("trainer.kl_target", "adapts trainer.kl_coef, its starting value, which is 0 (no KL term and "
+                                               "no reference model); set kl_coef > 0, e.g. 0.001")
 
 
 def _check_filter_groups(c) -> None:

@@ -215,6 +215,13 @@ class TrainerConfig(LoopConfig):
     kl_coef: float = 0.001
     kl_kind: Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"] = "k3"  # verl's names accepted
     kl_in_reward: bool = False
+    # The adaptive KL coefficient (fastrlhf.algorithms.kl_control): kl_coef starts the coefficient, which then moves
+    # to keep the measured kl at kl_target, by at most 0.2 x (completions per step) / kl_horizon of itself per step
+    kl_target: float | None = None
+    kl_horizon: int = 10000
+    # PPO: the first critic_warmup_steps steps train the critic alone (a fresh value head learns the returns before
+    # its advantages move the actor); the actor, its learning-rate schedule and the rollout weights stay as they are
+    critic_warmup_steps: int = 0
     gamma: float = 1.0
     lam: float = 0.95
     vf_clip: float | None = 0.2

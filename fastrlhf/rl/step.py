@@ -21,7 +21,8 @@ optimizers, so a single process without DeepSpeed runs exactly the same step.
 Metrics (reduced over ranks: means, except times and ``*_max``: the slowest / largest rank, and
 token counts: summed): reward_mean/std (over finite rewards; NaN where there is none), reward_nonfinite
 (NaN/inf rewards: the step is skipped), reward/<name> (each text reward), truncated_fraction (completions cut at
-max_new_tokens), kl (rollout KL of the old policy to the reference), entropy,
+max_new_tokens), kl (rollout KL of the old policy to the reference), kl_coef (the coefficient the step used,
+with ``trainer.kl_target``), critic_warmup (1 on a step that trained the critic alone), entropy,
 rollout_entropy, policy_loss, value_loss, clipfrac, approx_kl, logprob_mismatch_mean/max (|actor
 recomputed - engine|), tis_weight_mean, advantage_mean, grad_norm, generated_tokens (with
 ``trainer.filter_groups``: of every sampling round, as are ``sampling/*``: see ``rl/dynamic_sampling.py``),
@@ -38,6 +39,7 @@ memory/peak_rss_gib.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -45,6 +47,7 @@ import torch
 from fastrlhf import distributed as D
 from fastrlhf.algorithms import (
     ADV_ESTIMATORS,
+    AdaptiveKLController,
     adv_estimator_of,
     kl_in_reward,
     kl_penalty,
@@ -117,6 +120,9 @@ class RLStep:
         self.device = torch.device(device)
         if t.kl_coef != 0.0 and reference is None and not hasattr(unwrap(self.actor.module), "disable_adapter"):
             raise ValueError("kl_coef != 0 needs a reference model (reference.path) or a LoRA actor")
+        # trainer.kl_target: the coefficient each step uses is the controller's (restored with it on --resume)
+        self.kl_control = (AdaptiveKLController(t.kl_coef, t.kl_target, t.kl_horizon) if t.kl_target is not None
+                           else None)
 
     def __call__(self, prompts: list[list[int]], metas: list[dict] | None, step: int,
                  completions=None, more_prompts=None) -> dict[str, float]:
@@ -124,6 +130,9 @@ class RLStep:
         ``more_prompts()``: this rank's next prompts and metas, drawn where ``trainer.filter_groups`` samples again.
         Returns the step's metrics reduced over ranks (a collective: call it on every rank)."""
         metas = metas if metas is not None else [{} for _ in prompts]
+        if self.kl_control is not None:
+            trainer = dataclasses.replace(self.config.trainer, kl_coef=self.kl_control.value)
+            self.config = dataclasses.replace(self.config, trainer=trainer)
         clock = _Clock(self.device)
         sampled = None
         if completions is None and self.config.trainer.filter_groups and more_prompts is not None:
@@ -163,10 +172,19 @@ class RLStep:
         skipped = self.guard.end_step()
         with clock("sync"):
             # A skipped update changed no weight, but an engine whose sleep dropped them needs them back.
-            sync = self.sync() if inputs_ok or getattr(self.rollout, "needs_sync", False) else {"sync_bytes": 0.0}
+            actor_moved = inputs_ok and not self.warming_critic(step)
+            sync = self.sync() if actor_moved or getattr(self.rollout, "needs_sync", False) else {"sync_bytes": 0.0}
         local = {**prep, **train, **sync, **clock.memory(), **(sampled.metrics if sampled else {})}
         generated = sampled.generated_tokens if sampled else None
-        return self.reduce_metrics(exp, local, clock.times, skipped, step, generated)
+        metrics = self.reduce_metrics(exp, local, clock.times, skipped, step, generated)
+        if self.kl_control is not None:  # every rank feeds it the same reduced kl
+            metrics["kl_coef"] = self.kl_control.value
+            self.kl_control.update(None if skipped else metrics.get("kl"), self.config.rollout_batch_size)
+        return metrics
+
+    def warming_critic(self, step: int) -> bool:
+        """``trainer.critic_warmup_steps``: whether this step trains the critic alone."""
+        return self.critic is not None and step <= self.config.trainer.critic_warmup_steps
 
     # ------------------------------------------------------------------ stages
     def generate(self, prompts, metas, step: int, round_: int = 0):
@@ -343,9 +361,23 @@ class RLStep:
         """The actor's (then the critic's) optimizer steps over shuffled minibatches of the batch."""
         t = self.config.trainer
         order = self.update_plan(exp, step)
+        if self.warming_critic(step):
+            metrics, aborted = {"critic_warmup": 1.0}, False
+        else:
+            metrics, aborted = self.update_actor(exp, order)
+        if self.critic is not None and not aborted:
+            unwrap(self.critic.module).train()
+            critic = run_updates(self.critic, exp, lambda module, mb: critic_loss(module, mb, self.config), order,
+                                 t.agg)
+            metrics.update(value_loss=critic.get("value_loss", float("nan")),
+                           vf_clipfrac=critic.get("vf_clipfrac", float("nan")), critic_grad_norm=critic["grad_norm"])
+        return metrics
+
+    def update_actor(self, exp: Experience, order: list[Minibatch]) -> tuple[dict[str, float], bool]:
+        """The actor's optimizer steps: its metrics, and whether a non-finite loss stopped them."""
         unwrap(self.actor.module).train()
         actor = run_updates(self.actor, exp, lambda module, mb: policy_loss_from_model(module, mb, self.config),
-                            order, t.agg)
+                            order, self.config.trainer.agg)
         metrics = {"policy_loss": actor.get("loss", float("nan")), "loss_kl": actor.get("kl", float("nan")),
                    **{k: actor.get(k, float("nan")) for k in ("clipfrac", "approx_kl", "entropy")},
                    "grad_norm": actor["grad_norm"], "optimizer_steps": actor["optimizer_steps"]}
@@ -353,13 +385,7 @@ class RLStep:
             metrics["rollout_entropy"] = metrics["entropy"]
             if exp.ref_logprobs is not None:
                 metrics["kl"] = metrics["loss_kl"]
-        if self.critic is not None and not actor["aborted"]:
-            unwrap(self.critic.module).train()
-            critic = run_updates(self.critic, exp, lambda module, mb: critic_loss(module, mb, self.config), order,
-                                 t.agg)
-            metrics.update(value_loss=critic.get("value_loss", float("nan")),
-                           vf_clipfrac=critic.get("vf_clipfrac", float("nan")), critic_grad_norm=critic["grad_norm"])
-        return metrics
+        return metrics, actor["aborted"]
 
     def sync(self) -> dict[str, float]:
         """Push the actor's weights into a rollout engine that holds its own copy (bucketed)."""

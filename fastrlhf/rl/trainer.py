@@ -199,6 +199,8 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
                                  say=(lambda line: print(line, flush=True)) if D.is_main() else None)
     step = RLStep(config, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,
                   rollout_shares_actor=shares, device=device, guard=guard, episodes=episodes)
+    if step.kl_control is not None:
+        stateful["kl_control"] = step.kl_control
     return step, stateful
 
 

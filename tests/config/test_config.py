@@ -100,6 +100,12 @@ def test_valid_grpo_config_has_defaults(paths):
         ({"trainer": {"filter_groups": True, "adv_estimator": "reinforce_plus_plus"}}, "trainer.filter_groups",
          "reinforce_plus_plus does not (use grpo, rloo or reinforce_plus_plus_baseline)"),
         ({"trainer": {"max_sampling_rounds": 0}}, "trainer.max_sampling_rounds", "> 0"),
+        ({"trainer": {"kl_target": 0.02, "kl_coef": 0.0}}, "trainer.kl_target", "which is 0 (no KL term"),
+        ({"trainer": {"kl_target": -0.1}}, "trainer.kl_target", "> 0"),
+        ({"trainer": {"kl_target": 0.02, "kl_horizon": 3}}, "trainer.kl_horizon",
+         "must be > 0.2 x the 16 completions of a step, got 3"),
+        ({"trainer": {"critic_warmup_steps": 5}}, "trainer.critic_warmup_steps", "algorithm grpo has none"),
+        ({"trainer": {"critic_warmup_steps": -1}}, "trainer.critic_warmup_steps", ">= 0"),
         ({"reward": {"function": "length", "overlong_buffer": 0}}, "reward.overlong_buffer",
          "must be in [1, rollout.max_new_tokens = 64] (or null), got 0"),
         ({"reward": {"function": "length", "overlong_buffer": 65}}, "reward.overlong_buffer", "got 65"),
@@ -405,6 +411,13 @@ def test_scale_by_std_is_a_switch_or_batch(paths):
     assert parse_config(grpo(paths, trainer={"scale_by_std": "batch"})).trainer.scale_by_std == "batch"
     assert parse_config(grpo(paths, trainer={"scale_by_std": False})).trainer.scale_by_std is False
     assert error_of(grpo(paths, trainer={"scale_by_std": "group"})).key == "trainer.scale_by_std"
+
+
+def test_the_adaptive_kl_and_the_critic_warmup_parse(paths):
+    t = parse_config(grpo(paths, trainer={"kl_target": 0.02, "kl_horizon": 4})).trainer  # 4 > 0.2 x 16
+    assert (t.kl_target, t.kl_horizon, t.critic_warmup_steps) == (0.02, 4, 0)
+    ppo = parse_config(grpo(paths, algorithm="ppo", critic={}, trainer={"critic_warmup_steps": 5}))
+    assert ppo.trainer.critic_warmup_steps == 5 and ppo.trainer.kl_target is None
 
 
 def test_filter_groups_runs_with_the_estimators_that_compare_a_group(paths):

@@ -68,21 +68,26 @@ def test_two_ranks_zero2_zero3_ppo_grpo(tiny):
 def test_kill_and_resume_matches_uninterrupted_grpo_run(tiny):
     train = [PY, "-m", "fastrlhf", "train", "--config"]
     straight, killed = tiny / "straight", tiny / "killed"
-    rc, out = run_group(train + [grpo_config(tiny, straight)], env=launch_env(), timeout=300)
+    # The KL coefficient adapts (trainer.kl_target): its value is part of the state a resume must restore.
+    adaptive = {"kl_target": 0.01, "kl_horizon": 10}
+    rc, out = run_group(train + [grpo_config(tiny, straight, trainer=adaptive)], env=launch_env(), timeout=300)
     assert rc == 0, out[-4000:]
 
     # 4 sequences are scored per step: the 9th reward call is inside step 3, after the step-2 checkpoint.
-    rc, out = run_group(train + [grpo_config(tiny, killed)], timeout=300,
+    rc, out = run_group(train + [grpo_config(tiny, killed, trainer=adaptive)], timeout=300,
                         env=launch_env(FASTRLHF_TEST_KILL_AFTER_CALLS="8"))
     assert rc == -signal.SIGKILL, out[-4000:]
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step-2"
     assert not (killed / "final").exists()
 
-    rc, out = run_group(train + [grpo_config(tiny, killed), "--resume"], env=launch_env(), timeout=300)
+    rc, out = run_group(train + [grpo_config(tiny, killed, trainer=adaptive), "--resume"], env=launch_env(),
+                        timeout=300)
     assert rc == 0, out[-4000:]
     assert sorted(metrics_by_step(killed)) == [1, 2, 3, 4]
     assert_resumed_like_straight(straight, killed, ("reward_mean", "policy_loss", "kl", "entropy", "grad_norm",
-                                                    "generated_tokens"))
+                                                    "generated_tokens", "kl_coef"))
+    coefs = [metrics_by_step(straight)[step]["kl_coef"] for step in (1, 2, 3, 4)]
+    assert coefs[0] == 0.05 and len(set(coefs)) == 4, coefs  # it moved every step, from trainer.kl_coef
     wa = final_weights(straight)
     # The run really trained (lr 1e-2): the final weights are not the initial ones.
     from safetensors.torch import load_file
