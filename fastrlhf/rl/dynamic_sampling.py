@@ -25,7 +25,7 @@ import torch
 from fastrlhf.distributed import comm
 from fastrlhf.engine.device import to_device
 
-__all__ = ["SampledGroups", "differing_groups", "pick_groups", "sample_groups"]
+__all__ = ["SampledGroups", "differing_groups", "kept_reward_means", "pick_groups", "sample_groups"]
 
 
 def differing_groups(scores: list[float], n: int) -> list[bool]:
@@ -49,7 +49,8 @@ def pick_groups(differs: list[bool], share: int) -> tuple[list[int], int]:
 @dataclass
 class SampledGroups:
     """The groups a step trains on (as many as the rank's share of prompts), their scores, and the rounds'
-    metrics; ``generated_tokens``: the completion tokens of every round, kept or not."""
+    metrics; ``generated_tokens``: the completion tokens of every round, kept or not; ``rows``: the kept
+    completions' positions among all the rounds' completions, in the order scored."""
 
     prompts: list
     metas: list
@@ -57,6 +58,7 @@ class SampledGroups:
     scores: torch.Tensor
     generated_tokens: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)
 
 
 # generate_and_score(prompts, metas, round) -> (completions per prompt, [len(prompts) * n] scores, policy tokens)
@@ -95,4 +97,18 @@ def sample_groups(generate_and_score: GenerateAndScore, prompts: list, metas: li
                # the reward of every completion sampled, kept or not: the run's learning curve, unbiased by the filter
                "sampling/reward_mean": finite_sum / finite_count if finite_count else float("nan")}
     return SampledGroups([pool_prompts[g] for g in kept], [pool_metas[g] for g in kept],
-                         [pool_completions[g] for g in kept], scores, float(generated), metrics)
+                         [pool_completions[g] for g in kept], scores, float(generated), metrics, rows)
+
+
+def kept_reward_means(parts: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], rows: list[int]) -> dict[str, float]:
+    """``reward/<name>`` over the kept completions, as ``reward_mean`` is (``sampling/reward_mean`` covers every
+    round): ``parts``, each round's named rewards per row (``RewardScorer.parts``), ``rows`` the kept positions
+    among all rounds' rows (:attr:`SampledGroups.rows`)."""
+    from fastrlhf.rl.rewards import reward_part_means
+
+    kept = torch.tensor(rows, dtype=torch.long)
+    pooled = {}
+    for name in parts[0] if parts else {}:
+        values, applicable = (torch.cat([round_parts[name][i] for round_parts in parts]) for i in (0, 1))
+        pooled[name] = values[kept], applicable[kept]
+    return reward_part_means(pooled)

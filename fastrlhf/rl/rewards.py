@@ -47,7 +47,7 @@ from fastrlhf.engine.guards import StepFailed
 
 __all__ = ["REWARD_FORMATS", "REWARD_FUNCTIONS", "RewardFunctionError", "RewardScorer", "TextReward",
            "agree_on_reward_failure", "completion_text", "register_reward", "required_columns",
-           "resolve_reward_function", "resolve_text_rewards", "trl_texts", "user_frames"]
+           "resolve_reward_function", "reward_part_means", "resolve_text_rewards", "trl_texts", "user_frames"]
 
 RewardFn = Callable[[list, list, dict], float | None]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
@@ -396,6 +396,16 @@ def retokenized(prompts: list[list[int]], completions: list[list[int]], tokenize
     return build_experience(rows, [[Completion([], [], "stop")] for _ in rows], pad, device)
 
 
+def reward_part_means(parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """``reward/<name>``: each named reward's mean over the rows it applied to (0 where none), from its per-row
+    ``(values, applicable)`` (host tensors)."""
+    means = {}
+    for name, (values, applicable) in parts.items():
+        count = int(applicable.sum())
+        means[f"reward/{name}"] = float(values[applicable].sum()) / count if count else 0.0
+    return means
+
+
 class RewardScorer:
     """Scores a batch: ``function`` on each (prompt, completion, meta), batch ``text_rewards`` on the
     decoded text (with ``tokenizer``), and/or a frozen reward model; the scores add up. A reward model
@@ -406,8 +416,9 @@ class RewardScorer:
     :class:`fastrlhf.data.Columns`) or ``text`` (the prompt the model saw, special tokens included, and
     the completion's text, special tokens skipped).
 
-    ``reward_model`` is a loaded module (frozen, eval mode). After each call, :attr:`metrics` holds
-    ``reward/<name>``: each text reward's mean over the completions it applied to (0 if none).
+    ``reward_model`` is a loaded module (frozen, eval mode). After each call, :attr:`parts` holds each named
+    reward's per-row ``(values, applicable)`` and :attr:`metrics` their ``reward/<name>``: each one's mean over
+    the completions it applied to (0 if none), as :func:`reward_part_means` computes it.
     """
 
     def __init__(self, function: str | RewardFn | None = None, reward_model: torch.nn.Module | None = None,
@@ -436,7 +447,11 @@ class RewardScorer:
         self.micro_batch = micro_batch
         # trainer.max_tokens_per_microbatch and trainer.packing, for the reward model's forward passes
         self.max_tokens, self.packed = max_tokens, packed
-        self.metrics: dict[str, float] = {}
+        self.parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return reward_part_means(self.parts)
 
     def __call__(self, exp, prompts: list[list[int]], completions: list[list[int]], metas: list[dict],
                  conversations: list[list[dict] | None] | None = None, environments: list | None = None
@@ -446,15 +461,14 @@ class RewardScorer:
         (``fastrlhf.rollout.episodes``): ``conversations[b]``, the messages the episode added (what TRL's
         text rewards receive as the completion), and ``environments[b]``, its environment instance."""
         scores = torch.zeros(len(completions), dtype=torch.float32)
+        self.parts = {}
         if self.function is not None:
             values, _ = _sample_scores(self.function_name, self.function, prompts, completions, metas)
             scores += values
         if self.environment_reward is not None and environments is not None:
             values, applicable = _environment_scores(self.environment_reward, environments)
             scores += values
-            count = int(applicable.sum())
-            self.metrics[f"reward/{self.environment_reward}"] = float(values[applicable].sum()) / count if count \
-                else 0.0
+            self.parts[self.environment_reward] = values, applicable
         if self.text_rewards:
             prompt_text, completion_text = self._texts(prompts, completions, metas, conversations)
             completion_ids = [list(c) for c in completions]
@@ -462,8 +476,7 @@ class RewardScorer:
             for reward in self.text_rewards:
                 values, applicable = _batch_scores(reward, prompt_text, completion_text, completion_ids, columns)
                 scores += reward.weight * values
-                count = int(applicable.sum())
-                self.metrics[f"reward/{reward.name}"] = float(values[applicable].sum()) / count if count else 0.0
+                self.parts[reward.name] = values, applicable
         if self.reward_model is not None:
             from fastrlhf.rl.forward import reward_model_scores
 

@@ -197,18 +197,24 @@ class RLStep:
         """``trainer.filter_groups``: rounds of generation and scoring until this rank has its share of groups whose
         scores differ (:mod:`fastrlhf.rl.dynamic_sampling`). The engine stays awake between rounds, so a reward
         model scores beside it."""
-        from fastrlhf.rl.dynamic_sampling import sample_groups
+        from fastrlhf.rl.dynamic_sampling import kept_reward_means, sample_groups
+
+        parts = []  # each round's named rewards per row (text rewards, an environment's), for reward/<name>
 
         def generate_and_score(prompts, metas, round_):
             with clock("generate"):
                 completions = self.generate(prompts, metas, step, round_)
             with clock("score"), clock("reward"):
                 exp = build_experience(prompts, completions, self.pad_token_id, self.device)
-                return completions, self.score(exp, prompts, completions, metas), sum(exp.policy_token_counts())
+                scores = self.score(exp, prompts, completions, metas)
+                parts.append(getattr(self.scorer, "parts", {}))
+                return completions, scores, sum(exp.policy_token_counts())
 
         t = self.config.trainer
-        return sample_groups(generate_and_score, prompts, metas, more_prompts, self.config.rollout.n,
-                             t.max_sampling_rounds)
+        sampled = sample_groups(generate_and_score, prompts, metas, more_prompts, self.config.rollout.n,
+                                t.max_sampling_rounds)
+        sampled.metrics.update(kept_reward_means(parts, sampled.rows))
+        return sampled
 
     def sampling(self, step: int, round_: int = 0):
         from fastrlhf.rollout import SamplingConfig

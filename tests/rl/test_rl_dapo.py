@@ -127,6 +127,40 @@ def test_the_filtered_step_trains_exactly_the_plain_step_on_the_kept_groups():
     assert metrics["generated_tokens"] > expected["generated_tokens"] == metrics["mean_response_length"] * 12
 
 
+class SpacedIds:
+    """A tokenizer stand-in for text rewards: ids as space-separated numbers."""
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, row)) for row in ids]
+
+
+def test_text_rewards_are_logged_over_the_kept_groups_as_reward_mean_is():
+    from fastrlhf.rl.rewards import RewardScorer, TextReward
+
+    def by_prompt(prompts, completions, completion_ids, **_):
+        seen, out = {}, []
+        for text in prompts:
+            p = tuple(map(int, text.split()))
+            j = seen[p] = seen.get(p, -1) + 1
+            out.append(None if p == (15, 16, 17) else SCORES[p][j])  # not applicable there (an all-equal group)
+        return out
+
+    config = make_config(GRPO, filter_groups=True)
+    engine = _engine(config)
+    actor = tiny_actor()
+    scorer = RewardScorer(text_rewards=[TextReward("by_prompt", by_prompt)], tokenizer=SpacedIds(),
+                          reward_format="text")
+    rl = RLStep(config, actor, rollout=engine, scorer=scorer, reference=tiny_actor().eval(),
+                actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-2), pad_token_id=PAD,
+                rollout_shares_actor=True)
+    draws = iter([(ROUND_2, [{}] * 3)])
+    metrics = rl(ROUND_1, None, step=2, more_prompts=lambda: next(draws))
+    kept = SCORES[(8, 9)] + SCORES[(13, 14)] + SCORES[(18,)]  # the groups that differ, as above
+    assert metrics["reward/by_prompt"] == pytest.approx(sum(kept) / 12) == metrics["reward_mean"]
+    last_round = SCORES[(13, 14)] + SCORES[(18,)]  # what the scorer saw last (its applicable rows)
+    assert scorer.metrics["reward/by_prompt"] == pytest.approx(sum(last_round) / 8) != metrics["reward/by_prompt"]
+
+
 def test_after_the_last_round_groups_of_equal_scores_fill_the_share():
     config = make_config(GRPO, filter_groups=True, max_sampling_rounds=2)
     engine = _engine(config)
