@@ -195,7 +195,10 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 def load_value_model(model_cfg, path: str | None = None, trainable: bool = True) -> CausalLMWithValueHead:
-    """Critic from ``path``: a saved value head (``value_head.safetensors``) is reused, else a fresh one."""
+    """Critic from ``path``: a saved value head (``value_head.safetensors``) is reused; a reward model's scalar
+    score head (a ``*ForSequenceClassification`` folder with one label, as ``fastrlhf rm --kind pairwise``
+    exports) becomes the value head, as TRL and OpenRLHF start PPO's critic from the reward model; else a fresh
+    head. The backbone is the folder's in every case."""
     path = path or model_cfg.path
     lm = load_causal_lm(model_cfg, path, trainable=trainable)
     head = None
@@ -206,9 +209,46 @@ def load_value_model(model_cfg, path: str | None = None, trainable: bool = True)
         state = load_file(head_file)
         head = nn.Linear(state["weight"].shape[1], 1)
         head.load_state_dict(state)
+    else:
+        head = _reward_score_head(path)
     model = CausalLMWithValueHead(lm, head)
     model.v_head.requires_grad_(trainable)
     return model
+
+
+def _reward_score_head(path: str) -> nn.Linear | None:
+    """The ``score`` layer of a one-label sequence classifier saved in ``path``, as a value head (bias 0 where it
+    has none), read from its safetensors alone (the backbone is loaded once, as a causal LM); None for any other
+    folder, a classifier of several labels included (its backbone still starts the critic)."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if config.num_labels != 1 or not any(a.endswith("ForSequenceClassification") for a in config.architectures or ()):
+        return None
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = json.load(f)["weight_map"]
+    else:
+        shards = {}
+    tensors = {}
+    for name in ("score.weight", "score.bias"):
+        file = os.path.join(path, shards.get(name, "model.safetensors"))
+        if os.path.exists(file):
+            with safe_open(file, framework="pt") as f:
+                if name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+    if "score.weight" not in tensors:
+        return None
+    weight = tensors["score.weight"].float()
+    head = nn.Linear(weight.shape[1], 1)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.copy_(tensors["score.bias"].float() if "score.bias" in tensors else torch.zeros(1))
+    return head
 
 
 def unwrap(model_or_engine):
