@@ -399,11 +399,8 @@ def retokenized(prompts: list[list[int]], completions: list[list[int]], tokenize
 def reward_part_means(parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
     """``reward/<name>``: each named reward's mean over the rows it applied to (0 where none), from its per-row
     ``(values, applicable)`` (host tensors)."""
-    means = {}
-    for name, (values, applicable) in parts.items():
-        count = int(applicable.sum())
-        means[f"reward/{name}"] = float(values[applicable].sum()) / count if count else 0.0
-    return means
+    return {f"reward/{name}": float(values[applicable].sum()) / max(int(applicable.sum()), 1)
+            for name, (values, applicable) in parts.items()}
 
 
 class RewardScorer:
