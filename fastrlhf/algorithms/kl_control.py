@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["AdaptiveKLController", "adaptive_kl_coef"]
+__all__ = ["KL_ERROR_CLIP", "AdaptiveKLController", "adaptive_kl_coef"]
+
+KL_ERROR_CLIP = 0.2  # the largest |error| one step acts on (the config's bound on kl_horizon follows from it)
 
 
 def adaptive_kl_coef(coef: float, kl: float, target: float, samples: int, horizon: int) -> float:
     """The coefficient after a step that measured ``kl`` over ``samples`` completions (the formula above)."""
-    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    error = min(max(kl / target - 1.0, -KL_ERROR_CLIP), KL_ERROR_CLIP)
     return coef * (1.0 + error * samples / horizon)
 
 

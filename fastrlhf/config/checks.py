@@ -244,11 +244,16 @@ def _validate_train(c: TrainConfig, base: str):
 def _check_kl_target(t, rollout_batch: int) -> None:
     _positive(t.kl_target, "trainer.kl_target")
     _positive(t.kl_horizon, "trainer.kl_horizon")
-    if t.kl_target is not None and t.kl_horizon <= 0.2 * rollout_batch:
-        # One step changes the coefficient by up to 0.2 x rollout_batch / kl_horizon of itself.
-        raise ConfigError("trainer.kl_horizon", f"must be > 0.2 x the {rollout_batch} completions of a step, got "
-                                                f"{t.kl_horizon}: one step could take the coefficient to 0 or below")
-    if t.kl_target is not None and t.kl_coef == 0.0:
+    if t.kl_target is None:
+        return
+    from fastrlhf.algorithms.kl_control import KL_ERROR_CLIP
+
+    if t.kl_horizon <= KL_ERROR_CLIP * rollout_batch:
+        # One step changes the coefficient by up to KL_ERROR_CLIP x rollout_batch / kl_horizon of itself.
+        raise ConfigError("trainer.kl_horizon", f"must be > {KL_ERROR_CLIP:g} x the {rollout_batch} completions of a "
+                                                f"step, got {t.kl_horizon}: one step could take the coefficient to 0 "
+                                                "or below")
+    if t.kl_coef == 0.0:
         raise ConfigError("trainer.kl_target", "adapts trainer.kl_coef, its starting value, which is 0 (no KL term and "
                                                "no reference model); set kl_coef > 0, e.g. 0.001")
 
