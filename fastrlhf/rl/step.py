@@ -2,7 +2,7 @@
 update -> weight sync. Each stage is one call into the module that owns it; a GRPO step passes
 through these files (PPO adds the critic's calls in the same files):
 
-1. ``fastrlhf/rl/step.py``           this file: the order of the stages, timings, metrics
+1. ``fastrlhf/rl/step.py``           this file: the order of the stages (timings and metrics: ``step_metrics.py``)
 2. ``fastrlhf/rollout/hf_engine.py``  generate (or ``vllm_engine.py``); ``SamplingConfig`` from ``rollout/sampling.py``
 3. ``fastrlhf/rl/experience.py``      completions -> one padded batch (the tensor layout)
 4. ``fastrlhf/rl/rewards.py``         scores: reward functions and/or a reward model
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 
 import torch
 
@@ -67,6 +66,7 @@ from fastrlhf.rl.forward import (
     token_values,
     unwrap,
 )
+from fastrlhf.rl.step_metrics import StepClock, logprob_mismatch, probe_rows, reduce_step_metrics
 from fastrlhf.rl.update import Minibatch, as_learner, minibatch_order, run_updates
 
 __all__ = ["RLStep", "empty_device_cache", "micro_batch_size", "skips_old_logprobs"]
@@ -133,7 +133,7 @@ class RLStep:
         if self.kl_control is not None:
             trainer = dataclasses.replace(self.config.trainer, kl_coef=self.kl_control.value)
             self.config = dataclasses.replace(self.config, trainer=trainer)
-        clock = _Clock(self.device)
+        clock = StepClock(self.device)
         sampled = None
         if completions is None and self.config.trainer.filter_groups and more_prompts is not None:
             sampled = self.sample_differing_groups(prompts, metas, step, more_prompts, clock)
@@ -176,7 +176,8 @@ class RLStep:
             sync = self.sync() if actor_moved or getattr(self.rollout, "needs_sync", False) else {"sync_bytes": 0.0}
         local = {**prep, **train, **sync, **clock.memory(), **(sampled.metrics if sampled else {})}
         generated = sampled.generated_tokens if sampled else None
-        metrics = self.reduce_metrics(exp, local, clock.times, skipped, step, generated)
+        metrics = reduce_step_metrics(exp, local, clock.times, step, skipped=skipped, world=self.world,
+                                      skipped_total=self.guard.skipped_total, generated=generated)
         if self.kl_control is not None:  # every rank feeds it the same reduced kl
             metrics["kl_coef"] = self.kl_control.value
             self.kl_control.update(None if skipped else metrics.get("kl"), self.config.rollout_batch_size)
@@ -282,13 +283,13 @@ class RLStep:
         metrics = {}
         if not skips_old_logprobs(self.config):
             exp.old_logprobs, old_entropy = sequence_logprobs(self.actor.module, exp, groups=groups, **lp_kwargs)
-            metrics.update(_mismatch(exp.old_logprobs, exp.engine_logprobs, mask),
+            metrics.update(logprob_mismatch(exp.old_logprobs, exp.engine_logprobs, mask),
                            rollout_entropy=float(masked_mean(old_entropy, mask)))
         else:
             probe = exp.select(probe_rows(exp.token_parts(), self.config.rollout.mismatch_probe))
             actor_logprobs, _ = sequence_logprobs(self.actor.module, probe, groups=self.forward_groups(probe, micro),
                                                   **lp_kwargs)
-            metrics.update(_mismatch(actor_logprobs, probe.engine_logprobs, probe.response_mask))
+            metrics.update(logprob_mismatch(actor_logprobs, probe.engine_logprobs, probe.response_mask))
         self.check_engine_weights(metrics["logprob_mismatch_mean"])
         if t.kl_coef != 0.0:
             reference, context = self.reference, contextlib.nullcontext()
@@ -410,89 +411,8 @@ class RLStep:
         self.rollout.wake_up(("kv_cache",))
         return {"sync_bytes": float(stats.bytes), "sync_buckets": float(stats.num_buckets)}
 
-    # ------------------------------------------------------------------ metrics
-    def reduce_metrics(self, exp, local, times, skipped, step, generated: float | None = None) -> dict[str, float]:
-        """Every rank's metrics in three collectives: score sums, then all metrics summed and maxed.
-        ``generated``: the tokens this rank generated, where more than the batch's (``trainer.filter_groups``)."""
-        scores = exp.scores.double()
-        finite = torch.isfinite(scores)
-        trained = float(exp.response_mask.sum())
-        total = comm.reduce_floats([float(scores[finite].sum()), float(scores[finite].square().sum()),
-                                    float(finite.sum()), trained, trained if generated is None else generated], "sum")
-        count = max(total[2], 1.0)
-        # No finite reward at all: no mean either (NaN, written as a JSON number), not a made-up 0.
-        mean = total[0] / count if total[2] else float("nan")
-        var = max(total[1] / count - mean * mean, 0.0) * (count / max(count - 1, 1)) if total[2] else float("nan")
-        local = {**local, **{f"time/{k}": v for k, v in times.items()}}
-        keys = sorted(local)
-        summed = comm.reduce_floats([float(local[k]) for k in keys], "sum")
-        maxed = comm.reduce_floats([float(local[k]) for k in keys], "max")
-        metrics = {k: (mx if k.startswith(("time/", "memory/")) or k.endswith("_max") else s / self.world)
-                   for k, s, mx in zip(keys, summed, maxed, strict=True)}
-        generate_time = metrics["time/generate"]
-        metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total[4],
-                       reward_nonfinite=exp.batch_size * self.world - total[2],
-                       tokens_per_second=total[4] / generate_time if generate_time > 0 else 0.0,
-                       step_time=sum(metrics[f"time/{k}"] for k in ("generate", "score", "train", "sync")),
-                       skipped=float(skipped), skipped_steps=float(self.guard.skipped_total),
-                       mean_response_length=total[3] / max(1, exp.batch_size * self.world))
-        return metrics
-
-
-def probe_rows(token_parts: list[tuple[int, int]], k: int) -> list[int]:
-    """The ``k`` rows that are cheapest to re-score (fewest prompt + completion tokens), in batch order.
-    Rows with no completion token come last: they would show no mismatch at all."""
-    cheapest = sorted(range(len(token_parts)), key=lambda i: (token_parts[i][1] == 0, sum(token_parts[i])))
-    return sorted(cheapest[:k])
-
-
-def _mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    diff = torch.where(mask > 0, (actor_logprobs - engine_logprobs).abs(), 0.0)
-    return {"logprob_mismatch_mean": float(masked_mean(diff, mask)),
-            "logprob_mismatch_max": float(diff.max()) if diff.numel() else 0.0}
-
 
 def empty_device_cache(device: torch.device) -> None:
     """Give cached, unused blocks back to the device, so a colocated engine can take them."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-class _Clock:
-    """``with clock("name"):`` adds the block's wall time to ``clock.times["name"]``; on CUDA it also
-    keeps the most memory torch allocated in each of the step's stages (allocator counters: no device
-    read)."""
-
-    STAGES = ("generate", "score", "train", "sync")
-
-    def __init__(self, device: torch.device | None = None):
-        self.times: dict[str, float] = {}
-        self.device = device if device is not None and device.type == "cuda" else None
-        self.allocated: dict[str, int] = {}
-        self.reserved = 0
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        tracked = self.device is not None and name in self.STAGES
-        if tracked:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
-            if tracked:
-                self.allocated[name] = max(self.allocated.get(name, 0), torch.cuda.max_memory_allocated(self.device))
-                self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
-
-    def memory(self) -> dict[str, float]:
-        """The step's memory metrics (see the module docstring), in GiB."""
-        gib = 2.0**30
-        if self.device is None:
-            import resource
-
-            return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
-        free, total = torch.cuda.mem_get_info(self.device)
-        return {**{f"memory/{name}_gib": n / gib for name, n in self.allocated.items()},
-                "memory/peak_reserved_gib": self.reserved / gib,
-                "memory/context_gib": (total - free - torch.cuda.memory_reserved(self.device)) / gib}

@@ -48,7 +48,8 @@ from fastrlhf.config import (
     RewardConfig,
 )
 from fastrlhf.rl.experience import build_experience
-from fastrlhf.rl.step import RLStep, probe_rows, skips_old_logprobs
+from fastrlhf.rl.step import RLStep, skips_old_logprobs
+from fastrlhf.rl.step_metrics import probe_rows
 from fastrlhf.rollout import Completion
 
 # ----------------------------------------------------------------------------------------------

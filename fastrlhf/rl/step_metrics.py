@@ -1,0 +1,100 @@
+"""What an RL step measures and how its metrics become one dict: the per-stage clock (wall time, and on
+CUDA the allocator's peak per stage), the actor-vs-engine logprob mismatch and the rows it is probed on,
+and the reduction over ranks. The metrics themselves are listed in ``fastrlhf/rl/step.py``'s docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from fastrlhf.algorithms import masked_mean
+from fastrlhf.distributed import comm
+
+__all__ = ["StepClock", "logprob_mismatch", "probe_rows", "reduce_step_metrics"]
+
+STAGES = ("generate", "score", "train", "sync")
+
+
+def reduce_step_metrics(exp, local: dict[str, float], times: dict[str, float], step: int, *, skipped: bool,
+                        skipped_total: int, world: int, generated: float | None = None) -> dict[str, float]:
+    """Every rank's metrics in three collectives: score sums, then all metrics summed and maxed (times,
+    ``memory/*`` and ``*_max`` take the largest rank's, the rest the mean). ``generated``: the tokens this
+    rank generated, where more than the batch's (``trainer.filter_groups``)."""
+    scores = exp.scores.double()
+    finite = torch.isfinite(scores)
+    trained = float(exp.response_mask.sum())
+    total = comm.reduce_floats([float(scores[finite].sum()), float(scores[finite].square().sum()),
+                                float(finite.sum()), trained, trained if generated is None else generated], "sum")
+    count = max(total[2], 1.0)
+    # No finite reward at all: no mean either (NaN, written as a JSON number), not a made-up 0.
+    mean = total[0] / count if total[2] else float("nan")
+    var = max(total[1] / count - mean * mean, 0.0) * (count / max(count - 1, 1)) if total[2] else float("nan")
+    local = {**local, **{f"time/{k}": v for k, v in times.items()}}
+    keys = sorted(local)
+    summed = comm.reduce_floats([float(local[k]) for k in keys], "sum")
+    maxed = comm.reduce_floats([float(local[k]) for k in keys], "max")
+    metrics = {k: (mx if k.startswith(("time/", "memory/")) or k.endswith("_max") else s / world)
+               for k, s, mx in zip(keys, summed, maxed, strict=True)}
+    generate_time = metrics["time/generate"]
+    metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total[4],
+                   reward_nonfinite=exp.batch_size * world - total[2],
+                   tokens_per_second=total[4] / generate_time if generate_time > 0 else 0.0,
+                   step_time=sum(metrics[f"time/{k}"] for k in STAGES),
+                   skipped=float(skipped), skipped_steps=float(skipped_total),
+                   mean_response_length=total[3] / max(1, exp.batch_size * world))
+    return metrics
+
+
+def probe_rows(token_parts: list[tuple[int, int]], k: int) -> list[int]:
+    """The ``k`` rows that are cheapest to re-score (fewest prompt + completion tokens), in batch order.
+    Rows with no completion token come last: they would show no mismatch at all."""
+    cheapest = sorted(range(len(token_parts)), key=lambda i: (token_parts[i][1] == 0, sum(token_parts[i])))
+    return sorted(cheapest[:k])
+
+
+def logprob_mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """``logprob_mismatch_mean`` / ``_max``: |actor - engine| over the completion tokens."""
+    diff = torch.where(mask > 0, (actor_logprobs - engine_logprobs).abs(), 0.0)
+    return {"logprob_mismatch_mean": float(masked_mean(diff, mask)),
+            "logprob_mismatch_max": float(diff.max()) if diff.numel() else 0.0}
+
+
+class StepClock:
+    """``with clock("name"):`` adds the block's wall time to ``clock.times["name"]``; on CUDA it also
+    keeps the most memory torch allocated in each of the step's stages (allocator counters: no device
+    read)."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.times: dict[str, float] = {}
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.allocated: dict[str, int] = {}
+        self.reserved = 0
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        tracked = self.device is not None and name in STAGES
+        if tracked:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            if tracked:
+                self.allocated[name] = max(self.allocated.get(name, 0), torch.cuda.max_memory_allocated(self.device))
+                self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
+
+    def memory(self) -> dict[str, float]:
+        """The step's memory metrics (see ``fastrlhf/rl/step.py``'s docstring), in GiB."""
+        gib = 2.0**30
+        if self.device is None:
+            import resource
+
+            return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {**{f"memory/{name}_gib": n / gib for name, n in self.allocated.items()},
+                "memory/peak_reserved_gib": self.reserved / gib,
+                "memory/context_gib": (total - free - torch.cuda.memory_reserved(self.device)) / gib}
