@@ -230,7 +230,8 @@ class TrainerConfig(LoopConfig):
     # GRPO's divisor: true: each group's std; false: none (Dr.GRPO); batch: the std of the whole batch's scores
     scale_by_std: bool | Literal["batch"] = True
     tis_cap: float | None = None
-    forward_micro_batch: int | None = None  # sequences per no-grad forward (logprobs, values); None: minibatch share
+    # sequences per no-grad forward (old/reference logprobs, values, the reward model); None: the micro-batch
+    forward_micro_batch: int | None = None
     # With packing: the samples of one prompt share one copy of it in a packed row (each completion attends
     # to it and to itself; the same loss). model.attention flex (GPU) or sdpa (fastrlhf.sequences.attention).
     share_prompts: bool = False

@@ -1,5 +1,6 @@
 """A decoder-only model's shape from its ``config.json``, and what follows from it: parameter counts,
-LoRA adapter sizes, KV-cache and activation bytes per token. No weights are read, no model is built.
+LoRA adapter sizes, KV-cache bytes per token, and activation bytes per token (what a backward keeps, and
+what a no-grad forward holds at once). No weights are read, no model is built.
 
 Counted architectures (``model_type``): Llama, Mistral, Qwen2, Qwen3 (the HF classes
 ``*ForCausalLM`` and ``*ForSequenceClassification``). Per decoder layer:
@@ -110,6 +111,27 @@ class ModelShape:
                 raise ValueError(f"{name!r} is no module of a {self.model_type} model; expected some of "
                                  f"{', '.join(LINEAR_MODULES)}, embed_tokens, lm_head or all-linear")
         return total
+
+    def forward_bytes_per_token(self, dtype_bytes: int) -> int:
+        """The most one no-grad forward of the decoder (``use_cache=False``) holds at once, per token, in
+        activations of ``a`` bytes: nothing is kept for a backward, so it is one layer's working set.
+
+        Alive through every layer: the embedding's output (the model's ``inputs_embeds``), the layer's
+        input, and RoPE's cos and sin (``2h + 2d``). On top, the larger of the layer's two peaks:
+        - the MLP's: the residual after attention, its RMSNorm's output, and SiLU(gate), up and their
+          product at once (``2h + 3I``);
+        - attention's: the normed input, q, k and v, RoPE's new q and k, k and v repeated to every
+          head, the output and its contiguous copy (at most ``h + 5 heads d + 2 kv_heads d``).
+
+        Measured with torch.profiler's allocation events on HF's Qwen2 and Llama layers (SDPA, fp32 and
+        bf16, padded or not): equal to the byte at Qwen2.5-0.5B/1.5B/7B's and Llama-3-8B's widths, where
+        the MLP peaks (``tests/memory/test_forward_peak.py``). The attention term bounds a layer whose MLP is
+        narrower than ``h``, which no model counted here has.
+        """
+        a, h, d = dtype_bytes, self.hidden, self.head_dim
+        mlp = 2 * h + 3 * self.intermediate
+        attention = h + 5 * self.q_dim + 2 * self.kv_dim
+        return a * (2 * h + 2 * d + max(mlp, attention))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one token."""

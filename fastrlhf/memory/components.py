@@ -223,13 +223,64 @@ def fused_loss(config, shape: ModelShape, micro: int, w: int, device: str, free:
     scratch = vocab * h * w if head_trained and w != 4 else 0
     in_gemm = device == "cuda"
     chunk = chunk_tokens(config, tokens, vocab, device, free, scratch if in_gemm else 0)
+    head_grad = vocab * h * 4 + (0 if in_gemm else scratch) if head_trained else 0
+    return _chunk_buffers(config, chunk, vocab, w, device) + head_grad + tokens * h * w
+
+
+def _chunk_buffers(config, chunk: int, vocab: int, w: int, device: str) -> int:
     if device == "cpu":  # the torch path: logits, fp32 probabilities, and p * z for bf16 or T != 1
         extra = 4 if (w != 4 or config.rollout.temperature != 1.0) else 0
-        buffers = chunk * vocab * (w + 4 + extra)
-    else:  # Triton: the logits chunk alone, dlogits written in place
-        buffers = chunk * vocab * w
-    head_grad = vocab * h * 4 + (0 if in_gemm else scratch) if head_trained else 0
-    return buffers + head_grad + tokens * h * w
+        return chunk * vocab * (w + 4 + extra)
+    return chunk * vocab * w  # Triton: the logits chunk alone, dlogits written in place
+
+
+def recomputes_old_logprobs(config) -> bool:
+    """``not fastrlhf.rl.step.skips_old_logprobs(config)``, without torch; ``trainer.kl_in_reward`` counts as
+    taken (the estimator's traits live with torch): a plan may count a pass the run skips, never the reverse."""
+    t = config.trainer
+    single_update = t.ppo_epochs == 1 and t.minibatch_size == config.rollout_batch_size
+    return not (t.old_logprobs == "auto" and single_update and t.tis_cap is None and not t.kl_in_reward)
+
+
+def forward_activations(config, shape: ModelShape, micro: int, a: int) -> int:
+    """One no-grad forward of ``shape``'s decoder on ``micro`` sequences (or the token budget), as
+    :func:`update_micro_batch` sizes them: its working set (:meth:`ModelShape.forward_bytes_per_token`) and
+    the attention mask."""
+    tokens, mask, _ = update_micro_batch(config, micro)
+    return tokens * shape.forward_bytes_per_token(a) + mask
+
+
+def logprob_forward(config, shape: ModelShape, micro: int, w: int, device: str, free: int | None) -> int:
+    """Old or reference logprobs of a micro-batch once its decoder has run: the last hidden states, those at
+    the completion positions, and one chunk of logits (no gradient: the budget does not grow by the head's
+    scratch), or without the fused loss the materialised logits and their fp32 log-softmax and softmax."""
+    tokens, _, completion = update_micro_batch(config, micro)
+    vocab, h = shape.vocab, shape.hidden
+    if not config.trainer.fused_loss:
+        return tokens * h * w + completion * vocab * (w + 8)
+    chunk = chunk_tokens(config, completion, vocab, device, free)
+    return (tokens + completion) * h * w + _chunk_buffers(config, chunk, vocab, w, device)
+
+
+def forward_micro(config, micro: int) -> int:
+    """``fastrlhf.rl.step.forward_micro_batch_size`` (mirrored; a test keeps them equal): sequences per no-grad
+    forward (old and reference logprobs, values, the reward model's scores); ``micro``: the update's."""
+    return config.trainer.forward_micro_batch or micro
+
+
+def scoring_activations(config, actor: ModelShape, reference: ModelShape | None, critic: ModelShape | None,
+                        rm: ModelShape | None, micro: int, w: int, device: str, free: int | None) -> int:
+    """The largest of the step's no-grad forwards, which run one after another: the actor's old logprobs
+    (on-policy only the ``rollout.mismatch_probe`` rows that check the engine), the reference's (with LoRA the
+    actor's shape), the critic's values and the reward model's scores. Each is its decoder's working set, then
+    for logprobs the head's chunk (a value or score head reads the last hidden states: nothing to add)."""
+    fwd = forward_micro(config, micro)
+    actor_rows = fwd if recomputes_old_logprobs(config) else min(config.rollout.mismatch_probe, fwd)
+    logprobs = [(actor, actor_rows)] + ([(reference, fwd)] if reference is not None else [])
+    passes = [max(forward_activations(config, s, rows, w), logprob_forward(config, s, rows, w, device, free))
+              for s, rows in logprobs if rows > 0]
+    passes += [forward_activations(config, s, fwd, w) for s in (critic, rm) if s is not None]
+    return max(passes, default=0)
 
 
 def rollout_working(config, shape: ModelShape, kind: str, seqs: int, dtype_bytes: int, device: str,

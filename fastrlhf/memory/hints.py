@@ -16,6 +16,9 @@ HINTS = {
     "weight sync bucket": "a smaller rollout.sync_bucket_bytes",
     "rollout KV cache": "a smaller rollout.kv_cache_bytes, trainer.prompts_per_step or rollout.n",
     "rollout working memory": "a smaller trainer.prompts_per_step or rollout.n",
+    # before "activations", which their names end with
+    "scoring activations": "a smaller trainer.forward_micro_batch, or trainer.max_tokens_per_microbatch",
+    "reward model activations": "a smaller trainer.forward_micro_batch, or a smaller reward model",
     "activations": "model.gradient_checkpointing: true, or a larger trainer.grad_accum (smaller micro-batches)",
     "fused loss": "a smaller trainer.loss_chunk_bytes",
     "optimizer step temporaries": "deepspeed.zero_stage 3 with a smaller zero_optimization.sub_group_size",

@@ -31,6 +31,11 @@ train`` run holds at its peak, by component, without loading a weight or importi
   which it keeps; for vLLM on a CPU (which frees the profile's) and for HF the generation's own
   (the prefill of the batch's prompts), a phase. With ``rollout.sleep`` (vLLM on CUDA)
   generation and the update are never held at once: the peak is the larger of the two.
+- **scoring activations**: the largest no-grad forward of the step (old and reference logprobs, values, the
+  reward model's scores; ``trainer.forward_micro_batch`` sequences), one layer's working set
+  (:meth:`~fastrlhf.memory.ModelShape.forward_bytes_per_token`) or, for logprobs, the head's chunk; a
+  phase. Counted in the generation phase too where a reward model scores beside an engine that sleeps
+  (dynamic sampling's rounds, validation).
 - **activations** of one update micro-batch (``micro_batch_size`` sequences of
   ``max_prompt_len + max_new_tokens`` tokens, or ``trainer.max_tokens_per_microbatch`` tokens,
   see :func:`fastrlhf.memory.components.update_micro_batch`): per layer and token what autograd keeps
@@ -296,6 +301,9 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     shapes, trained = [actor], [adapter if lora else actor.causal_lm_params()]
 
     C.trained_engine("actor", actor.causal_lm_params() + adapter, trained[0], w, ds, gpus, device, trainer, host)
+    ref = critic = None
+    if t.kl_coef != 0.0 and lora:  # the actor with its adapter disabled
+        ref = actor
     if t.kl_coef != 0.0 and not lora:
         ref = read_shape(config.reference.path or m.path, "reference.path" if config.reference.path else "model.path")
         shapes.append(ref)
@@ -311,9 +319,9 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
         trained.append(critic_adapter + value_head if lora else critic.causal_lm_params() + value_head)
         C.trained_engine("critic", critic.causal_lm_params() + value_head + critic_adapter, trained[-1], w, ds, gpus,
                          device, trainer, host)
-    if config.reward.model_path:
-        trainer["reward model weights"] = read_shape(config.reward.model_path,
-                                                     "reward.model_path").classifier_params() * w
+    rm = read_shape(config.reward.model_path, "reward.model_path") if config.reward.model_path else None
+    if rm is not None:
+        trainer["reward model weights"] = rm.classifier_params() * w
     trainer["ZeRO buffers"] = C.zero_buffers(config, trained, shapes, w, device)
 
     kind = C.engine_kind(config, actor, device)
@@ -366,6 +374,11 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     update = {"activations": C.activations(config, actor, micro, w)}
     free = budget - sum(trainer.values()) - sum(engine.values()) - update["activations"]
     update["fused loss"] = C.fused_loss(config, actor, micro, w, device, free if device == "cuda" else None)
+    scoring = {"scoring activations": C.scoring_activations(config, actor, ref, critic, rm, micro, w, device,
+                                                           free if device == "cuda" else None)}
+    if rm is not None and (t.filter_groups or config.eval.data) and (sleeps or cpu_release):
+        # Rounds of dynamic sampling and validation score beside the awake engine: its memory is back.
+        generation["reward model activations"] = C.forward_activations(config, rm, C.forward_micro(config, micro), w)
     step = {"optimizer step temporaries": C.optimizer_step_temporaries(ds, trained, gpus, device, w)}
     sync = {}
     if not shares_actor:  # fastrlhf.rollout.weight_sync: a bucket gathered (ZeRO-3) and/or converted at a time
@@ -373,7 +386,8 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
         sync["weight sync bucket"] = copies * min(ro.sync_bucket_bytes, actor.causal_lm_params() * rollout_bytes)
     if cpu_release:
         sync["rollout weights (synced)"] = generation["rollout weights"]
-    phase_parts = {"generation": generation, "update": update, "optimizer step": step, "weight sync": sync}
+    phase_parts = {"generation": generation, "scoring": scoring, "update": update, "optimizer step": step,
+                   "weight sync": sync}
     phase_totals = {name: sum(parts.values()) for name, parts in phase_parts.items()}
     peak_phase = max(phase_totals, key=phase_totals.get)
     if device == "cuda":

@@ -69,13 +69,18 @@ from fastrlhf.rl.forward import (
 from fastrlhf.rl.step_metrics import StepClock, logprob_mismatch, probe_rows, reduce_step_metrics
 from fastrlhf.rl.update import Minibatch, as_learner, minibatch_order, run_updates
 
-__all__ = ["RLStep", "empty_device_cache", "micro_batch_size", "skips_old_logprobs"]
+__all__ = ["RLStep", "empty_device_cache", "forward_micro_batch_size", "micro_batch_size", "skips_old_logprobs"]
 
 
 def micro_batch_size(config, world: int) -> int:
     """Sequences per rank per micro-batch: ``trainer.minibatch_size`` counts all ranks' sequences
     (``config.check_world_size`` has checked that it splits over ranks x grad_accum)."""
     return config.trainer.minibatch_size // world // config.trainer.grad_accum
+
+
+def forward_micro_batch_size(config, world: int) -> int:
+    """Sequences per rank per no-grad forward: old and reference logprobs, values, the reward model's scores."""
+    return config.trainer.forward_micro_batch or micro_batch_size(config, world)
 
 
 def skips_old_logprobs(config) -> bool:
@@ -275,7 +280,7 @@ class RLStep:
         ``rollout.mismatch_probe`` shortest sequences; :meth:`check_engine_weights` stops a stale engine.
         """
         t, mask = self.config.trainer, exp.response_mask
-        micro = t.forward_micro_batch or micro_batch_size(self.config, self.world)
+        micro = forward_micro_batch_size(self.config, self.world)
         lp_kwargs = dict(temperature=self.config.rollout.temperature, micro_batch=micro,
                          chunk_size=t.loss_chunk_size, fused=t.fused_loss, chunk_bytes=t.loss_chunk_bytes,
                          packed=packing_mode(t))

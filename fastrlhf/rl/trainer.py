@@ -137,7 +137,7 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     from fastrlhf.engine.deepspeed import build_frozen_engine, build_train_engine, deepspeed_config
     from fastrlhf.modeling import load_causal_lm, load_value_model, use_attention
     from fastrlhf.rl.rewards import RewardScorer
-    from fastrlhf.rl.step import RLStep, micro_batch_size
+    from fastrlhf.rl.step import RLStep, forward_micro_batch_size, micro_batch_size
 
     t, ds = config.trainer, config.deepspeed
     apply_matmul_precision(config)
@@ -185,9 +185,9 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
             config.reward.model_path, dtype=torch_dtype(compute_dtype(config))).eval().requires_grad_(False).to(device)
         use_attention(reward_model, t.packing, backend=attention)
     scorer = RewardScorer(config.reward.function, reward_model, config.reward.model_kind, config.reward.label_index,
-                          micro_batch=micro, text_rewards=text_rewards, tokenizer=tokenizer,
-                          reward_tokenizer=reward_tokenizer, max_tokens=t.max_tokens_per_microbatch, packed=t.packing,
-                          reward_format=config.reward.format,
+                          micro_batch=forward_micro_batch_size(config, D.world_size()), text_rewards=text_rewards,
+                          tokenizer=tokenizer, reward_tokenizer=reward_tokenizer, packed=t.packing,
+                          max_tokens=t.max_tokens_per_microbatch, reward_format=config.reward.format,
                           environment_reward=_environment_reward(toolbox))
 
     rollout, shares = _build_rollout(config, actor_engine.module, num_params, device, tokenizer, plan)
