@@ -238,6 +238,22 @@ def test_the_rl_config_reference_shows_each_keys_default():
         assert re.search(rf"{dotted.split('.')[-1]}: required|# required", text), dotted
 
 
+def test_config_md_names_every_key_of_every_command():
+    """Each key of the RL, SFT and RM configs appears in docs/config.md (forward_micro_batch, lora_dropout,
+    SFT's and RM's data.max_len and RM's num_labels did not)."""
+    import inspect
+
+    from fastrlhf.config import schema
+
+    text = read("docs/config.md")
+    classes = [c for _, c in inspect.getmembers(schema, inspect.isclass)
+               if dataclasses.is_dataclass(c) and c.__module__ == schema.__name__]
+    assert len(classes) > 10
+    missing = [f"{c.__name__}.{f.name}" for c in classes for f in dataclasses.fields(c)
+               if not re.search(rf"\b{f.name}\b", text)]
+    assert missing == []
+
+
 def test_the_readme_grpo_config_is_examples_grpo_yaml():
     """Each key of the README's GRPO block has examples/grpo.yaml's value (the schema's default where the
     example leaves a key out)."""
