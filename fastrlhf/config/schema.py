@@ -243,6 +243,9 @@ class TrainerConfig(LoopConfig):
     # generations per step (then all-equal groups fill the rest); needs a group estimator (grpo, rloo, ...)
     filter_groups: bool = False
     max_sampling_rounds: int = 3
+    # DAPO's overlong filtering (TRL's mask_truncated_completions): completions cut at rollout.max_new_tokens are
+    # left out of the losses (still scored, still in their group's statistics and in the metrics)
+    mask_truncated_completions: bool = False
 
 
 @dataclass(frozen=True)

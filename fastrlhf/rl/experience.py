@@ -62,10 +62,20 @@ class Experience:
     # [B, T] per-token loss weights of the minibatch the rows belong to (fastrlhf.algorithms.loss_weights),
     # set by the update; None: a loss aggregates its own rows by trainer.agg.
     loss_weights: torch.Tensor | None = None
+    # [B] 1 for the rows the losses train, 0 for those they leave out (trainer.mask_truncated_completions);
+    # None: every row.
+    loss_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """[B, T] the tokens the losses train: ``response_mask`` without the rows ``loss_rows`` leaves out."""
+        if self.loss_rows is None:
+            return self.response_mask
+        return self.response_mask * self.loss_rows[:, None].to(self.response_mask.dtype)
 
     @property
     def response_width(self) -> int:

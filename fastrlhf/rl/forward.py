@@ -255,7 +255,7 @@ def _with_loss_weights(mb: Experience, agg: str) -> Experience:
     """``mb`` carrying per-token loss weights: the minibatch's (set by the update), else its own by ``agg``."""
     if mb.loss_weights is not None:
         return mb
-    return replace(mb, loss_weights=aggregation_weights(mb.response_mask, agg))
+    return replace(mb, loss_weights=aggregation_weights(mb.trained_mask, agg))
 
 
 def policy_loss_from_model(model, mb: Experience, config):

@@ -155,6 +155,8 @@ class RLStep:
                 exp = build_experience(prompts, completions, self.pad_token_id, self.device)
                 exp.scores = self.score(exp, prompts, completions, metas) if sampled is None else sampled.scores
             truncated = [c.finish_reason == "length" for samples in completions for c in samples]
+            if self.config.trainer.mask_truncated_completions:  # DAPO's overlong filtering
+                exp.loss_rows = to_device(torch.tensor([0.0 if cut else 1.0 for cut in truncated]), self.device)
             rank_tokens = float(sum(p + c for p, c in exp.token_parts()))  # what this rank's passes cost
             prep = {**getattr(self.scorer, "metrics", {}), **self.logprobs_and_values(exp),
                     **(self.episodes.metrics if self.episodes is not None else {}),
@@ -189,8 +191,9 @@ class RLStep:
         return metrics
 
     def warming_critic(self, step: int) -> bool:
-        """``trainer.critic_warmup_steps``: whether this step trains the critic alone."""
-        return self.critic is not None and step <= self.config.trainer.critic_warmup_steps
+        """``trainer.critic_warmup_steps``: whether this step (counted from 1) trains the critic alone."""
+        warmup = self.config.trainer.critic_warmup_steps
+        return self.critic is not None and warmup > 0 and step <= warmup
 
     # ------------------------------------------------------------------ stages
     def generate(self, prompts, metas, step: int, round_: int = 0):

@@ -171,7 +171,7 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
     aborted = False
     for minibatch in order:
         mini = exp.select(minibatch.rows)
-        mini = replace(mini, loss_weights=aggregation_weights(mini.response_mask, agg))
+        mini = replace(mini, loss_weights=aggregation_weights(mini.trained_mask, agg))
         device_sums: dict[str, torch.Tensor] = {}
         mini_tokens = 0.0
         for index, group in enumerate(minibatch.groups):

@@ -1,5 +1,7 @@
-"""DAPO's two reward-side techniques: dynamic sampling (``trainer.filter_groups``: groups whose completions all scored
-the same are set aside and more prompts generated) and the soft overlong punishment (``reward.overlong_buffer``).
+"""DAPO's techniques beside the loss's clip-higher: dynamic sampling (``trainer.filter_groups``: groups whose
+completions all scored the same are set aside and more prompts generated), the soft overlong punishment
+(``reward.overlong_buffer``) and overlong filtering (``trainer.mask_truncated_completions``: completions cut at
+the cap train nothing).
 
 The dynamic-sampling step is checked against the plain step on the groups it should have kept: the same updated
 parameters, bit for bit."""
@@ -259,3 +261,66 @@ def test_the_overlong_penalty_shapes_training_scores_not_validation_scores():
     torch.testing.assert_close(rl.score_rollout(ROUND_1, completions, [{}] * 3), torch.where(
         torch.arange(len(flat)) == 0, torch.tensor(-1.0), raw))
     assert math.isfinite(float(expected.sum()))
+
+
+# --------------------------------------------------------------------------------------------
+# Overlong filtering
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "ppo"])
+def test_masked_truncated_completions_train_nothing(agg, monkeypatch):
+    """With ``mask_truncated_completions`` the tokens of cut completions never reach the gradient: rewriting them
+    (same lengths, same scores, so the same group advantages) leaves the updated parameters equal bit for bit,
+    and the other rows are weighted as if the cut ones were not in the batch (token-mean: each minibatch's
+    weights still sum to 1). Without it the update moves. PPO (advantages not whitened over the batch, which
+    the cut rows would shift): the actor and the critic alike."""
+    from helpers.rl_case import PPO, PROMPTS, SCORES, FixedScorer, changed, fixed_completions, tiny_critic
+
+    from fastrlhf.rl import step as step_module
+
+    weights = []  # (weights, cut rows) of each micro-batch the actor's loss sees
+    original = step_module.policy_loss_from_model
+    monkeypatch.setattr(step_module, "policy_loss_from_model", lambda module, mb, config: weights.append(
+        (mb.loss_weights, mb.loss_rows)) or original(module, mb, config))
+
+    ppo = agg == "ppo"
+    critics = []
+
+    def step(completions, mask):
+        hp = (make_config(PPO, whiten_advantages=False, mask_truncated_completions=mask) if ppo else
+              make_config(GRPO, agg=agg, mask_truncated_completions=mask))
+        actor, critic = tiny_actor(), tiny_critic() if ppo else None
+        rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=tiny_actor(seed=1).eval(),
+                    actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-2), pad_token_id=PAD,
+                    critic=critic, critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-2) if ppo else None,
+                    rollout_shares_actor=True)
+        weights.clear()
+        critics.append(critic)
+        return rl(PROMPTS, None, step=1, completions=completions), actor
+
+    completions = fixed_completions(tiny_actor(), GRPO["temperature"])
+    for i, samples in enumerate(completions):
+        for j, c in enumerate(samples):
+            c.finish_reason = "length" if (i + j) % 3 == 0 else "stop"
+    rewritten = copy.deepcopy(completions)
+    g = torch.Generator().manual_seed(7)
+    for samples in rewritten:
+        for c in samples:
+            if c.finish_reason == "length":
+                c.token_ids = torch.randint(3, 96, (len(c.token_ids),), generator=g).tolist()
+    (metrics, masked), (_, masked_rewritten) = step(completions, True), step(rewritten, True)
+    assert metrics["truncated_fraction"] == pytest.approx(4 / 12) and metrics["skipped"] == 0
+    # GRPO's case: 2 epochs x 2 minibatches of 6 rows, each in 2 micro-batches of 3 (PPO's: 3 minibatches of 4)
+    assert len(weights) == (12 if ppo else 8) and all(rows is not None for _, rows in weights)
+    for w, rows in weights:
+        assert float(w[rows == 0].abs().sum()) == 0.0
+    if agg in ("token-mean", "ppo"):  # per minibatch, unless all its rows were cut
+        for k in range(0, len(weights), 2):
+            kept = float(weights[k][0].sum() + weights[k + 1][0].sum())
+            assert kept == pytest.approx(1.0) or (kept == 0 and not weights[k][1].any() and not weights[k + 1][1].any())
+    assert changed(masked, masked_rewritten) == 0.0
+    if ppo:
+        assert changed(critics[0], critics[1]) == 0.0
+    assert changed(masked, tiny_actor()) > 1e-3  # it trained the rest
+    (_, plain), (_, plain_rewritten) = step(completions, False), step(rewritten, False)
+    assert changed(plain, plain_rewritten) > 1e-4
