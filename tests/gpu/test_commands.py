@@ -11,7 +11,8 @@ runs measured.
   ``vllm`` call of scripts/gpu_session.sh unpacks it).
 - ``fastrlhf plan``'s peak against the measured one: on CUDA the caching allocator's peak
   (``torch.cuda.max_memory_reserved``) plus what the device holds beyond it (CUDA context, NCCL), as
-  the trainer logs them (``memory/*``, fastrlhf.rl.step); on the CPU the rank's peak RSS.
+  the trainer logs them (``memory/*``, fastrlhf.rl.step); on the CPU the rank's peak RSS. On CUDA the
+  plan's scoring phase also bounds what the score stage allocated.
 
 No run writes a checkpoint or an export (``trainer.save_final: false``): a 1.5B checkpoint with its
 optimizer states is 24 GB, more than the GPU machine's disk can spare.
@@ -290,3 +291,12 @@ def test_plan_against_the_measured_peak(proof, name):
     ratio = plan.total / measured
     print(f"\n{name} on {where}:\n{plan.table()}\n{detail}\nplan / measured = {ratio:.3f}")
     assert low <= ratio <= high, f"plan {plan.total / GiB:.2f} GiB / measured {measured / GiB:.2f} GiB = {ratio:.3f}"
+    if where == "cuda" and "vllm" not in name:
+        # The scoring phase (no-grad forwards) is under the peak here; it must not be under what its stage
+        # allocated: the held components (allocator slack and context included, which allocations do not
+        # count) plus the phase bound it, within the plan's 5%.
+        phase = {p: sum(plan.components[c] for c in names) for p, names in plan.phases.items()}
+        planned = plan.total - phase[plan.peak_phase] + phase["scoring"]
+        scored = max(r["memory/score_gib"] for r in records) * GiB
+        print(f"score stage: planned {planned / GiB:.2f} GiB, allocated {scored / GiB:.2f} GiB")
+        assert scored <= planned * 1.05, (planned, scored)
