@@ -267,15 +267,17 @@ def test_the_overlong_penalty_shapes_training_scores_not_validation_scores():
 # Overlong filtering
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "ppo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "ppo", "packed"])
 def test_masked_truncated_completions_train_nothing(agg, monkeypatch):
     """With ``mask_truncated_completions`` the tokens of cut completions never reach the gradient: rewriting them
     (same lengths, same scores, so the same group advantages) leaves the updated parameters equal bit for bit,
     and the other rows are weighted as if the cut ones were not in the batch (token-mean: each minibatch's
     weights still sum to 1). Without it the update moves. PPO (advantages not whitened over the batch, which
-    the cut rows would shift): the actor and the critic alike."""
+    the cut rows would shift): the actor and the critic alike. Packed: micro-batches of at most 40 tokens, each
+    one row with no padding."""
     from helpers.rl_case import PPO, PROMPTS, SCORES, FixedScorer, changed, fixed_completions, tiny_critic
 
+    from fastrlhf.modeling import use_attention
     from fastrlhf.rl import step as step_module
 
     weights = []  # (weights, cut rows) of each micro-batch the actor's loss sees
@@ -287,10 +289,13 @@ def test_masked_truncated_completions_train_nothing(agg, monkeypatch):
     critics = []
 
     def step(completions, mask):
+        packed = dict(agg="token-mean", packing=True, max_tokens_per_microbatch=40, grad_accum=1)
         hp = (make_config(PPO, whiten_advantages=False, mask_truncated_completions=mask) if ppo else
-              make_config(GRPO, agg=agg, mask_truncated_completions=mask))
-        actor, critic = tiny_actor(), tiny_critic() if ppo else None
-        rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=tiny_actor(seed=1).eval(),
+              make_config(GRPO, **(packed if agg == "packed" else {"agg": agg}), mask_truncated_completions=mask))
+        actor, critic, reference = tiny_actor(), tiny_critic() if ppo else None, tiny_actor(seed=1).eval()
+        for model in (actor, reference):
+            use_attention(model, hp.trainer.packing)
+        rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=reference,
                     actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-2), pad_token_id=PAD,
                     critic=critic, critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-2) if ppo else None,
                     rollout_shares_actor=True)
@@ -311,10 +316,11 @@ def test_masked_truncated_completions_train_nothing(agg, monkeypatch):
     (metrics, masked), (_, masked_rewritten) = step(completions, True), step(rewritten, True)
     assert metrics["truncated_fraction"] == pytest.approx(4 / 12) and metrics["skipped"] == 0
     # GRPO's case: 2 epochs x 2 minibatches of 6 rows, each in 2 micro-batches of 3 (PPO's: 3 minibatches of 4)
-    assert len(weights) == (12 if ppo else 8) and all(rows is not None for _, rows in weights)
+    assert all(rows is not None for _, rows in weights)
     for w, rows in weights:
         assert float(w[rows == 0].abs().sum()) == 0.0
     if agg in ("token-mean", "ppo"):  # per minibatch, unless all its rows were cut
+        assert len(weights) == (12 if ppo else 8)
         for k in range(0, len(weights), 2):
             kept = float(weights[k][0].sum() + weights[k + 1][0].sum())
             assert kept == pytest.approx(1.0) or (kept == 0 and not weights[k][1].any() and not weights[k + 1][1].any())
