@@ -54,13 +54,11 @@ def forward_peak(dims: dict, dtype: torch.dtype, padded: bool, batch: int = 2, l
 
 
 def read_shape_of(config):
-    import json
+    import pathlib
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
-        with open(f"{folder}/config.json", "w") as f:
-            json.dump(config.to_dict(), f)
-        return read_shape(folder)
+        return read_shape(model_folder(pathlib.Path(folder), config.to_dict()))
 
 
 # The widths of Qwen2.5-0.5B, of a GQA Llama (Llama-3's head size, a quarter of its width) and of Qwen3-1.7B
