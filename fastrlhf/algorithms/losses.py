@@ -1,7 +1,7 @@
 """The losses: aggregation of per-token terms (``trainer.agg``), the policy losses by name
 (``@register_policy_loss``: vanilla clipped surrogate with clip-higher and dual clip, CISPO, GSPO), the
-actor's whole per-token loss (policy term + KL - entropy bonus), the clipped value loss, truncated
-importance weights, and the SFT and reward-model losses.
+actor's whole per-token loss (policy term + KL - entropy bonus), the clipped value loss, the importance
+weights against the rollout engine, and the SFT and reward-model losses.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from fastrlhf.algorithms.masked import _keep, check_same_shape, masked_mean, mas
 __all__ = [
     "AGG_MODES", "POLICY_LOSSES", "PolicyLoss", "actor_loss_per_token", "aggregate_loss",
     "aggregation_weights", "bradley_terry_loss", "cispo_policy_loss", "clipped_surrogate", "get_policy_loss",
-    "gspo_policy_loss", "loss_weights", "nll_loss", "policy_loss", "register_policy_loss", "truncated_is_weights",
-    "value_loss", "vanilla_policy_loss"
+    "gspo_policy_loss", "loss_weights", "nll_loss", "policy_loss", "register_policy_loss", "rollout_is_weights",
+    "TIS_LEVELS", "TIS_MODES", "value_loss", "vanilla_policy_loss"
 ]
 
 
@@ -154,17 +154,45 @@ def value_loss(
     return 0.5 * aggregate_loss(loss_mat, mask, agg, weights), metrics
 
 
-def truncated_is_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
-                         cap: float) -> torch.Tensor:
-    """Truncated importance weights ``min(exp(old - engine), cap)`` ``[B, T]``, 0 where masked.
+TIS_LEVELS = ("token", "sequence", "geometric")
+TIS_MODES = ("truncate", "mask")
 
-    The engine sampled from its own distribution (another precision, kernels, or stale weights);
-    the update treats the samples as the trainer's old policy's. Weighting each token's policy
-    term by this ratio, truncated at ``cap``, corrects the mismatch with bounded variance.
+
+def rollout_is_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor, cap: float,
+                       *, level: str = "token", mode: str = "truncate",
+                       floor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights against the rollout engine ``[B, T]`` (0 where masked) and which tokens' ratio fell
+    outside the bounds (bool ``[B, T]``).
+
+    The engine sampled from its own distribution (another precision, kernels, or stale weights); the update
+    treats the samples as the trainer's old policy's. Weighting each token's policy term by the ratio
+    ``exp(old - engine)`` corrects the mismatch; bounding it keeps the variance bounded. ``level``: the ratio
+    of each token (``token``), of each completion (``sequence``: the exponent is the completion's summed
+    log-ratio) or its per-token geometric mean (``geometric``: the mean log-ratio, which does not grow with
+    the length); a completion's ratio weights all its tokens. ``mode``: ``truncate`` caps the ratio at ``cap``
+    (TIS); ``mask`` zeroes it where it is above ``cap`` or below ``floor`` (TRL's ``*_mask`` modes, ICEPOP
+    with a floor).
     """
     check_same_shape(old_logprobs=old_logprobs, engine_logprobs=engine_logprobs, mask=mask)
-    log_w = (old_logprobs - engine_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.where(_keep(mask), torch.exp(log_w).clamp(max=cap), 0.0)
+    if level not in TIS_LEVELS or mode not in TIS_MODES:
+        raise ValueError(f"level must be one of {TIS_LEVELS} and mode one of {TIS_MODES}, got {level!r}, {mode!r}")
+    if floor is not None and mode != "mask":
+        raise ValueError("a floor bounds the mask mode only (truncation caps from above)")
+    keep = _keep(mask)
+    log_r = torch.where(keep, old_logprobs.float() - engine_logprobs.float(), 0.0)
+    if level != "token":
+        log_r = log_r.sum(-1, keepdim=True)
+        if level == "geometric":
+            log_r = log_r / keep.sum(-1, keepdim=True).clamp(min=1)
+    log_cap = math.log(cap)
+    outside = log_r > log_cap
+    if floor is not None:
+        outside |= log_r < math.log(floor)
+    # Clamped before exp: a sequence's summed log-ratio can reach hundreds, and exp(-20) is 0 in effect.
+    weights = torch.exp(log_r.clamp(-LOG_RATIO_CLAMP, log_cap))
+    if mode == "mask":
+        weights = torch.where(outside, 0.0, weights)
+    return torch.where(keep, weights, 0.0), keep & outside
 
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # see vanilla_policy_loss

@@ -227,7 +227,7 @@ def _validate_train(c: TrainConfig, base: str):
             raise ConfigError(f"trainer.{name}", f"must be in [0, 1], got {value}")
     _positive(t.vf_clip, "trainer.vf_clip")
     _positive(t.vf_coef, "trainer.vf_coef", strict=False)
-    _positive(t.tis_cap, "trainer.tis_cap")
+    _check_tis(t)
     if t.share_prompts and not t.packing:
         raise ConfigError("trainer.share_prompts",
                           "needs trainer.packing: true (prompts are shared within a packed row)")
@@ -239,6 +239,21 @@ def _validate_train(c: TrainConfig, base: str):
         _check_filter_groups(c)
     _validate_eval(c, base)
     _check_deepspeed(c.deepspeed, c.model)
+
+
+def _check_tis(t) -> None:
+    _positive(t.tis_cap, "trainer.tis_cap")
+    _positive(t.tis_floor, "trainer.tis_floor")
+    if t.tis_cap is None:
+        for name, default in (("tis_level", "token"), ("tis_mode", "truncate"), ("tis_floor", None)):
+            if getattr(t, name) != default:
+                raise ConfigError(f"trainer.{name}", "shapes the importance weights that trainer.tis_cap turns on; "
+                                                     "set trainer.tis_cap too")
+    if t.tis_floor is not None:
+        if t.tis_mode != "mask":
+            raise ConfigError("trainer.tis_floor", "bounds trainer.tis_mode: mask from below; truncate caps only")
+        if t.tis_floor >= t.tis_cap:
+            raise ConfigError("trainer.tis_floor", f"must be below trainer.tis_cap ({t.tis_cap}), got {t.tis_floor}")
 
 
 def _check_kl_target(t, rollout_batch: int) -> None:

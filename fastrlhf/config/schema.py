@@ -229,7 +229,13 @@ class TrainerConfig(LoopConfig):
     whiten_advantages: bool = True
     # GRPO's divisor: true: each group's std; false: none (Dr.GRPO); batch: the std of the whole batch's scores
     scale_by_std: bool | Literal["batch"] = True
+    # Importance weights against the rollout engine's logprobs (fastrlhf.algorithms.rollout_is_weights), on when
+    # tis_cap is set: the ratio of each token, of each completion (sequence) or its per-token geometric mean,
+    # capped at tis_cap (truncate: TIS) or zeroed above tis_cap and below tis_floor (mask: TRL's *_mask, ICEPOP)
     tis_cap: float | None = None
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    tis_floor: float | None = None
     # sequences per no-grad forward (old/reference logprobs, values, the reward model); None: the micro-batch
     forward_micro_batch: int | None = None
     # With packing: the samples of one prompt share one copy of it in a packed row (each completion attends

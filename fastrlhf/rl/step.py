@@ -24,7 +24,8 @@ token counts: summed): reward_mean/std (over finite rewards; NaN where there is 
 max_new_tokens), kl (rollout KL of the old policy to the reference), kl_coef (the coefficient the step used,
 with ``trainer.kl_target``), critic_warmup (1 on a step that trained the critic alone), entropy,
 rollout_entropy, policy_loss, value_loss, clipfrac, approx_kl, logprob_mismatch_mean/max (|actor
-recomputed - engine|), tis_weight_mean, advantage_mean, grad_norm, generated_tokens (with
+recomputed - engine|), tis_weight_mean and tis_outside_fraction (completion tokens whose importance ratio
+lay beyond ``tis_cap`` / ``tis_floor``), advantage_mean, grad_norm, generated_tokens (with
 ``trainer.filter_groups``: of every sampling round, as are ``sampling/*``: see ``rl/dynamic_sampling.py``),
 tokens_per_second, time/generate, time/score, time/reward, time/train, time/sync, step_time,
 sync_bytes, skipped (this step) and skipped_steps (total), rank_tokens and rank_tokens_max (real
@@ -52,7 +53,7 @@ from fastrlhf.algorithms import (
     kl_penalty,
     masked_mean,
     overlong_penalty,
-    truncated_is_weights,
+    rollout_is_weights,
 )
 from fastrlhf.distributed import comm
 from fastrlhf.engine.device import to_device
@@ -310,8 +311,10 @@ class RLStep:
                 metrics["kl"] = float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, t.kl_kind, mask),
                                                   mask))
         if t.tis_cap is not None:
-            exp.is_weights = truncated_is_weights(exp.old_logprobs, exp.engine_logprobs, mask, t.tis_cap)
+            exp.is_weights, outside = rollout_is_weights(exp.old_logprobs, exp.engine_logprobs, mask, t.tis_cap,
+                                                         level=t.tis_level, mode=t.tis_mode, floor=t.tis_floor)
             metrics["tis_weight_mean"] = float(masked_mean(exp.is_weights, mask))
+            metrics["tis_outside_fraction"] = float(masked_mean(outside.to(mask.dtype), mask))
         if self.critic is not None:
             exp.values = token_values(self.critic.module, exp, micro, groups=groups, packed=packing_mode(t))
         return metrics

@@ -21,7 +21,7 @@ from fastrlhf.algorithms import (
     nll_loss,
     policy_loss,
     register_policy_loss,
-    truncated_is_weights,
+    rollout_is_weights,
 )
 
 t = torch.tensor
@@ -139,11 +139,62 @@ def test_fused_kernels_train_a_registered_token_level_loss(backend):
         fused_policy_loss(logits.detach(), labels, old, adv, mask, policy_loss="gspo", backend=backend)
 
 
-def test_truncated_is_weights():
+def test_rollout_is_weights_truncate_token_level():
     old, engine = t([[0.0, -1.0, 50.0, 3.0]]), t([[0.0, -2.0, 0.0, 0.0]])
     mask = t([[1.0, 1.0, 1.0, 0.0]])
-    # exp(0) = 1; exp(1) = 2.718 capped at 2; exp(50) clamps its log at 20 first, then the cap; masked -> 0.
-    torch.testing.assert_close(truncated_is_weights(old, engine, mask, 2.0), t([[1.0, 2.0, 2.0, 0.0]]))
+    # exp(0) = 1; exp(1) = 2.718 capped at 2; exp(50) capped at 2 without overflowing; masked -> 0.
+    weights, outside = rollout_is_weights(old, engine, mask, 2.0)
+    torch.testing.assert_close(weights, t([[1.0, 2.0, 2.0, 0.0]]))
+    assert outside.tolist() == [[False, True, True, False]]
+
+
+# Log-ratios (old - engine) of three rows: [0, 1, -1 | pad], [0.5, 0.5 | pad, pad], and a fully masked row whose
+# engine logprobs are -inf (padding): none of it may leak into a weight.
+IS_LOG_RATIO = [[0.0, 1.0, -1.0, 7.0], [0.5, 0.5, 9.0, 9.0], [0.0, 0.0, 0.0, 0.0]]
+IS_MASK = [[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+E, E5 = math.e, math.exp(0.5)
+
+
+@pytest.mark.parametrize("level, mode, floor, weights, outside", [
+    ("token", "mask", 0.5, [[1, 0, 0, 0], [E5, E5, 0, 0]], [[0, 1, 1, 0], [0, 0, 0, 0]]),
+    ("token", "mask", None, [[1, 0, 1 / E, 0], [E5, E5, 0, 0]], [[0, 1, 0, 0], [0, 0, 0, 0]]),
+    # a completion's ratio: exp of its summed log-ratio (0 and 1), on each of its tokens
+    ("sequence", "truncate", None, [[1, 1, 1, 0], [2, 2, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
+    ("sequence", "mask", None, [[1, 1, 1, 0], [0, 0, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
+    # the per-token geometric mean: exp of the mean log-ratio (0 and 0.5)
+    ("geometric", "truncate", None, [[1, 1, 1, 0], [E5, E5, 0, 0]], [[0, 0, 0, 0], [0, 0, 0, 0]]),
+    ("geometric", "mask", 1.1, [[0, 0, 0, 0], [E5, E5, 0, 0]], [[1, 1, 1, 0], [0, 0, 0, 0]]),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rollout_is_weights_levels_and_modes(level, mode, floor, weights, outside, dtype):
+    engine = torch.tensor([[-1.0, -2.0, -0.5, float("-inf")], [-0.75, -1.5, float("-inf"), float("-inf")],
+                           [float("-inf")] * 4], dtype=dtype)
+    old = engine.float().nan_to_num(neginf=0.0) + t(IS_LOG_RATIO)  # finite where masked: the mask alone hides it
+    got, got_outside = rollout_is_weights(old.to(dtype), engine, t(IS_MASK), 2.0, level=level, mode=mode, floor=floor)
+    assert got.dtype == torch.float32  # the ratio is taken in fp32 whatever the logprobs' dtype
+    torch.testing.assert_close(got, t(weights + [[0, 0, 0, 0]], dtype=torch.float32), rtol=1e-6, atol=1e-6)
+    assert got_outside.int().tolist() == outside + [[0, 0, 0, 0]]
+
+
+def test_rollout_is_weights_of_long_completions_stay_finite():
+    mask = torch.ones(2, 300)
+    old, engine = torch.zeros(2, 300), torch.full((2, 300), -2.0)  # a summed log-ratio of 600: exp overflows
+    engine[1] = 2.0  # and of -600: exp underflows to 0
+    for mode in ("truncate", "mask"):
+        weights, _ = rollout_is_weights(old, engine, mask, 3.0, level="sequence", mode=mode)
+        assert torch.isfinite(weights).all()
+        assert weights[0, 0].item() == pytest.approx(3.0 if mode == "truncate" else 0.0)
+        assert weights[1, 0].item() < 1e-8
+    geometric, _ = rollout_is_weights(old, engine, mask, 10.0, level="geometric")
+    torch.testing.assert_close(geometric[:, 0], torch.tensor([math.exp(2.0), math.exp(-2.0)]))
+
+
+def test_rollout_is_weights_refuses_what_it_cannot_mean():
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="level must be one of"):
+        rollout_is_weights(x, x, x, 2.0, level="sentence")
+    with pytest.raises(ValueError, match="bounds the mask mode only"):
+        rollout_is_weights(x, x, x, 2.0, floor=0.5)
 
 
 def test_supervised_losses():

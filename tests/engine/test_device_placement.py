@@ -146,6 +146,9 @@ def rl_config(case):
                             ppo_epochs=1 if on_policy else 2, grad_accum=2, kl_coef=0.05, loss_chunk_size=5,
                             packing=case.endswith(("packed", "shared")), share_prompts=case.endswith("shared"),
                             tis_cap=None if on_policy else 2.0,
+                            # packed: the completions' own ratios (geometric means), masked beyond [0.5, 2]
+                            **(dict(tis_level="geometric", tis_mode="mask", tis_floor=0.5)
+                               if case.endswith("packed") else {}),
                             # the critic-free estimators beside GRPO's; REINFORCE++ with the KL in its token rewards
                             adv_estimator={"grpo-rloo": "rloo", "grpo-reinforce-pp": "reinforce_plus_plus"}.get(case,
                                                                                                                "auto"),

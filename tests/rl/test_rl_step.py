@@ -92,8 +92,18 @@ def hand_written_step(config, actor, ref, opt, completions, scores, step, critic
         rollout = {"kl": float(masked_mean(kl_penalty(old, ref_lp, hp.kl_kind), mask)),
                    "rollout_entropy": float(masked_mean(entropy_from_logits(old_logits, hp.temperature), mask))}
         weights = torch.ones_like(mask)
-        if hp.tis_cap:
-            weights = torch.exp(old - engine_lp).clamp(max=hp.tis_cap) * mask
+        if hp.tis_cap:  # the ratio of each token, of each completion, or of its per-token geometric mean
+            log_ratio = (old - engine_lp) * mask
+            if hp.tis_level != "token":
+                log_ratio = log_ratio.sum(-1, keepdim=True) / (mask.sum(-1, keepdim=True)
+                                                               if hp.tis_level == "geometric" else 1.0)
+            ratio = torch.exp(log_ratio)
+            inside = (ratio <= hp.tis_cap) & (ratio >= (hp.tis_floor or 0.0))
+            rollout["tis_outside_fraction"] = float(masked_mean((~inside).float().expand_as(mask), mask))
+            if hp.tis_mode == "truncate":
+                weights = ratio.clamp(max=hp.tis_cap) * mask
+            else:
+                weights = torch.where(inside, ratio, 0.0) * mask
         estimator = hp.adv_estimator
         # KL in the token rewards with the estimators that take it (gae, REINFORCE++), else in the loss.
         kl_shaped = hp.kl_in_reward and (hp.algorithm == "ppo" or estimator.startswith("reinforce"))
@@ -175,7 +185,7 @@ def assert_same_params(a, b, atol=2e-5):
 
 @pytest.mark.parametrize("case", ["grpo", "grpo-drgrpo-tokensum", "grpo-unfused", "ppo", "grpo-on-policy",
                                   "grpo-on-policy-unfused", "grpo-rloo", "grpo-reinforce-pp-kl-in-reward",
-                                  "grpo-reinforce-pp-baseline"])
+                                  "grpo-reinforce-pp-baseline", "grpo-tis-sequence-mask", "grpo-tis-geometric-floor"])
 def test_step_matches_hand_written_unfused_step(case, monkeypatch):
     torch.manual_seed(0)
     if case == "grpo":
@@ -196,6 +206,10 @@ def test_step_matches_hand_written_unfused_step(case, monkeypatch):
         hp = make_config(GRPO, adv_estimator="reinforce_plus_plus", kl_in_reward=True, kl_kind="k1", gamma=0.9)
     elif case == "grpo-reinforce-pp-baseline":
         hp = make_config(GRPO, adv_estimator="reinforce_plus_plus_baseline")
+    elif case == "grpo-tis-sequence-mask":  # TRL's sequence_mask: a completion whose ratio passes the cap trains not
+        hp = make_config(GRPO, tis_level="sequence", tis_mode="mask", tis_cap=1.1)
+    elif case == "grpo-tis-geometric-floor":  # ICEPOP-like bounds on each completion's geometric-mean ratio
+        hp = make_config(GRPO, tis_level="geometric", tis_mode="mask", tis_cap=1.1, tis_floor=0.9)
     else:
         hp = make_config(PPO)
     actor, ref = tiny_actor(), tiny_actor(seed=1).eval()  # a reference that differs: KL > 0
@@ -249,6 +263,9 @@ def test_step_matches_hand_written_unfused_step(case, monkeypatch):
     for key in ("reward_mean", "reward_std", "entropy", "clipfrac", "approx_kl", "grad_norm", "kl"):
         assert math.isfinite(metrics[key]), key
     assert math.isclose(metrics["reward_mean"], float(SCORES.mean()), rel_tol=1e-6)
+    if hp.trainer.tis_cap:  # the engine's noise puts some tokens or completions beyond the bounds, not all
+        assert 0.0 < metrics["tis_outside_fraction"] < 1.0
+        assert math.isclose(metrics["tis_outside_fraction"], expected["tis_outside_fraction"], rel_tol=1e-6)
     assert metrics["generated_tokens"] == sum(len(c.token_ids) for s in completions for c in s)
 
 
