@@ -10,8 +10,8 @@ when the group is joined. ``from fastrlhf import distributed as D`` gives the ra
 ``D.init_distributed``.
 """
 
-from fastrlhf.distributed.launch import DEFAULT_TIMEOUT_S, clear_stale_build_lock, init_distributed
+from fastrlhf.distributed.launch import DEFAULT_TIMEOUT_S, init_distributed
 from fastrlhf.distributed.ranks import free_port, is_main, local_rank, rank, world_size
 
-__all__ = ["DEFAULT_TIMEOUT_S", "clear_stale_build_lock", "free_port", "init_distributed", "is_main", "local_rank",
+__all__ = ["DEFAULT_TIMEOUT_S", "free_port", "init_distributed", "is_main", "local_rank",
            "rank", "world_size"]

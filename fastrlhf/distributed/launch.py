@@ -11,7 +11,7 @@ from datetime import timedelta
 
 from fastrlhf.distributed.ranks import DEFAULT_TIMEOUT_S, free_port, local_rank, rank
 
-__all__ = ["DEFAULT_TIMEOUT_S", "before_group", "clear_stale_build_lock", "discard_before_group", "init_distributed",
+__all__ = ["DEFAULT_TIMEOUT_S", "before_group", "discard_before_group", "init_distributed",
            "run_before_group"]
 
 # Rank 0's work on the shared output_dir that no other rank may race (``--overwrite`` removing an earlier run):
@@ -67,67 +67,28 @@ def init_distributed(timeout_s: float | None = None, shared_dir: str | None = No
         # and a CUDA context, on device 0.
         torch.cuda.set_device(local_rank())
     else:
-        clear_stale_build_lock("deepspeed_shm_comm")
+        _no_shm_comm_op()
     import deepspeed
 
     try:
         deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
     finally:
         multinode.release_gate_store()
-    _unlink_shm_buffers()
     if shared_dir is not None:
         multinode.check_shared_dir(shared_dir)
 
 
-def _unlink_shm_buffers() -> None:
-    """Remove the names of DeepSpeed's CPU shared-memory all-reduce buffers once every rank has mapped them.
+def _no_shm_comm_op() -> None:
+    """Keep DeepSpeed from building and starting its CPU shared-memory all-reduce (``deepspeed_shm_comm``).
 
-    DeepSpeed (0.19) creates one 66 MiB ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``
-    per rank when all ranks are on one host (``LOCAL_SIZE`` = the world size, one rank included: the
-    launcher with one process) and never unlinks it: every such run, finished or killed, left its buffers in
-    /dev/shm (RAM) for good. Each rank maps every buffer inside ``init_distributed``; after a barrier the
-    names are no longer needed and the mappings stay valid.
+    Only ``inference_all_reduce`` (DeepSpeed's AutoTP inference) uses it: ZeRO's collectives are
+    torch.distributed's (gloo) with or without it. Left alone, DeepSpeed's ``init_distributed`` (0.19)
+    JIT-compiles it on a machine's first run (17-30 s of g++ on 2 cores, under a torch build lock that a run
+    killed mid-build leaves behind, to hang every later run), then maps a 66 MiB
+    ``/dev/shm/deepspeed_allreduce_buffer_*`` per rank that it never unlinks. DeepSpeed builds only the ops
+    its ``__compatible_ops__`` marks compatible, a dict kept for the process.
     """
-    import torch
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
-    from fastrlhf.distributed import comm
-
-    if torch.cuda.is_available():
-        return
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-            f"{os.environ.get('MASTER_PORT')}_{rank()}")
-    comm.barrier()
-    try:
-        os.remove(name)
-    except FileNotFoundError:  # not a single-host CPU run, or DeepSpeed's shm op not built
-        pass
-
-
-# DeepSpeed JIT-builds its CPU shared-memory collective on the first init_distributed (30-60 s on 2
-# cores). torch's build lock outlives a process killed mid-build, and every later run then waits on
-# it forever, before any timeout of ours applies.
-STALE_BUILD_LOCK_S = 600
-
-
-def clear_stale_build_lock(extension: str, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
-    """Remove the torch-extension build lock of ``extension`` when it is older than any real build;
-    returns whether one was removed."""
-    import sys
-    import time
-
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        lock = os.path.join(_get_build_directory(extension, verbose=False), "lock")
-        age = time.time() - os.path.getmtime(lock)
-    except (ImportError, OSError):
-        return False
-    if age < max_age_s:
-        return False
-    try:
-        os.remove(lock)
-    except FileNotFoundError:  # another rank removed it first
-        return False
-    print(f"warning: removed a stale build lock ({lock}, {age / 60:.0f} min old) left by an interrupted run",
-          file=sys.stderr)
-    return True
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False

@@ -23,7 +23,7 @@ if __name__ == "__main__":
     from fastrlhf.modeling.tiny import make_tiny_llama
     from fastrlhf.rollout import HFEngine, SamplingConfig, VLLMEngine, sync_weights
 
-    # Through fastrlhf's set-up (gloo on CPU), which also removes DeepSpeed's /dev/shm buffers.
+    # Through fastrlhf's set-up (gloo on CPU), which keeps DeepSpeed from mapping /dev/shm buffers.
     D.init_distributed(timeout_s=60)
     rank = dist.get_rank()
     report = {"rank": rank, "world_size": dist.get_world_size()}
