@@ -419,9 +419,10 @@ def fused_linear_policy_loss(
     chunk_bytes: int | None = None,
     policy_loss: str = "vanilla",
     weights: torch.Tensor | None = None,
+    policy_loss_args: dict | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The actor's loss (a registered token-level policy loss + KL penalty - entropy bonus) from hidden
-    states and the LM head.
+    """The actor's loss (a registered token-level policy loss, with its options ``policy_loss_args``, + KL
+    penalty - entropy bonus) from hidden states and the LM head.
 
     Equal to :func:`fastrlhf.kernels.fused_policy_loss` of ``logits = hidden @ weight.T + bias``
     (itself ``aggregate_loss(actor_loss_per_token(...))`` of ``fastrlhf.algorithms``), without ever
@@ -464,7 +465,8 @@ def fused_linear_policy_loss(
         loss = (flat_hidden.sum() * 0 + weight.sum() * 0).float() if torch.is_grad_enabled() else zero
         return loss, finalize_metrics({k: zero for k in metric_keys})
     loss_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                       kl_kind=kl_kind, entropy_coef=entropy_coef, policy_loss=policy_loss)
+                       kl_kind=kl_kind, entropy_coef=entropy_coef, policy_loss=policy_loss,
+                       policy_loss_args=policy_loss_args)
     loss, *sums = _FusedLinearPolicyLoss.apply(
         flat_hidden, weight, bias, flat_labels, flat["old_logprobs"], flat["advantages"], weights,
         flat["ref_logprobs"], loss_kwargs, float(temperature), chunk_size, backend, torch.is_grad_enabled(),

@@ -64,6 +64,7 @@ def policy_loss_from_token_stats(
     kl_kind: str = "k3",
     entropy_coef: float = 0.0,
     policy_loss: str = "vanilla",
+    policy_loss_args: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of a chunk of tokens and its gradient in each token's logprob and entropy.
 
@@ -102,7 +103,8 @@ def policy_loss_from_token_stats(
     with torch.enable_grad():
         loss_mat, is_clipped, kl = actor_loss_per_token(lp, ent, old, adv, keep, ref, policy_loss=policy_loss,
                                                         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                                                        kl_coef=kl_coef, kl_kind=kl_kind, entropy_coef=entropy_coef)
+                                                        kl_coef=kl_coef, kl_kind=kl_kind, entropy_coef=entropy_coef,
+                                                        policy_loss_args=policy_loss_args)
         loss = masked_sum(loss_mat * weights, keep)
         grad_lp, grad_ent = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
 
@@ -277,9 +279,10 @@ def fused_policy_loss(
     backend: str = "auto",
     policy_loss: str = "vanilla",
     weights: torch.Tensor | None = None,
+    policy_loss_args: dict | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The actor's loss (a registered token-level policy loss + KL penalty - entropy bonus) straight from
-    logits; ``(loss, metrics)``.
+    """The actor's loss (a registered token-level policy loss, with its options ``policy_loss_args``, + KL
+    penalty - entropy bonus) straight from logits; ``(loss, metrics)``.
 
     Equal to ``aggregate_loss(actor_loss_per_token(lp, entropy, old_logprobs, advantages, mask,
     ref_logprobs, ...)[0], mask, agg)`` of ``fastrlhf.algorithms``, with lp and entropy those of
@@ -303,7 +306,7 @@ def fused_policy_loss(
         return t.detach().reshape(-1) if t is not None else None
 
     loss_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_kind=kl_kind,
-                       entropy_coef=entropy_coef, policy_loss=policy_loss)
+                       entropy_coef=entropy_coef, policy_loss=policy_loss, policy_loss_args=policy_loss_args)
     loss, *sums = FusedPolicyLossFunction.apply(
         logits, labels, flat(old_logprobs), flat(advantages), weights, flat(ref_logprobs), loss_kwargs,
         temperature, backend,

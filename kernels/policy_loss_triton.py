@@ -53,10 +53,12 @@ def token_loss_kernels():
     return types.SimpleNamespace(loss=jit._token_loss_kernel, rows=jit._row_loss_kernel)
 
 
-def _check_loss_options(policy_loss, dual_clip, kl_kind, what) -> int:
+def _check_loss_options(policy_loss, dual_clip, kl_kind, what, policy_loss_args=None) -> int:
     """The kernels' options checked as the reference checks them; returns the KL kind's code."""
     if policy_loss != "vanilla":
         raise ValueError(f"{what} fuses the vanilla policy loss only, got {policy_loss!r}")
+    if policy_loss_args:
+        raise ValueError(f"the vanilla policy loss takes no options, got {sorted(policy_loss_args)}")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
     kind = _KL_ALIASES.get(kl_kind, kl_kind)
@@ -76,10 +78,10 @@ def _loss_and_sums(sums: torch.Tensor):
 
 def triton_policy_loss_from_token_stats(logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs=None, *,
                                         clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_kind="k3",
-                                        entropy_coef=0.0, policy_loss="vanilla"):
+                                        entropy_coef=0.0, policy_loss="vanilla", policy_loss_args=None):
     """:func:`fastrlhf.kernels.policy_loss.policy_loss_from_token_stats` (same arguments, checks and results) in
     one kernel launch and one sum; the ``vanilla`` policy loss only."""
-    kind = _check_loss_options(policy_loss, dual_clip, kl_kind, "the Triton token loss")
+    kind = _check_loss_options(policy_loss, dual_clip, kl_kind, "the Triton token loss", policy_loss_args)
     check_token_inputs(logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs, kl_coef)
     n, device = logprobs.numel(), logprobs.device
     grad_lp = torch.empty(n, dtype=torch.float32, device=device)
@@ -101,7 +103,7 @@ def triton_policy_loss_from_token_stats(logprobs, entropy, old_logprobs, advanta
 
 def triton_row_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_logprobs, temperature, *,
                              out=None, clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_kind="k3",
-                             entropy_coef=0.0, policy_loss="vanilla", block_v=None):
+                             entropy_coef=0.0, policy_loss="vanilla", policy_loss_args=None, block_v=None):
     """A chunk's policy loss straight from its ``[n, V]`` logits, in one launch: ``(loss, metric_sums)`` as
     :func:`fastrlhf.kernels.policy_loss.policy_loss_from_token_stats` returns them of the logits' logprobs and
     entropies, and, where ``out`` is given (``[n, V]``, the logits themselves for in place), ``dlogits`` written
@@ -110,7 +112,7 @@ def triton_row_loss_and_grad(logits, labels, old_logprobs, advantages, weights, 
     policy loss only."""
     from .logprob_entropy_triton import _num_warps, default_block_v
 
-    kind = _check_loss_options(policy_loss, dual_clip, kl_kind, "the Triton row loss")
+    kind = _check_loss_options(policy_loss, dual_clip, kl_kind, "the Triton row loss", policy_loss_args)
     n, v = logits.shape
     if ref_logprobs is None and kl_coef != 0.0:
         raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")

@@ -11,7 +11,8 @@ What differs between PPO and GRPO lives in two registries, verl-style:
   ``reinforce_plus_plus`` and ``reinforce_plus_plus_baseline``; ``ADV_ESTIMATOR_OF[algorithm]`` says which one an
   algorithm uses, :data:`ADV_ESTIMATOR_TRAITS` what each needs (values, groups) and gives (returns).
 * :data:`POLICY_LOSSES` (``@register_policy_loss``): ``vanilla`` (clipped surrogate, clip-higher,
-  dual clip), ``cispo`` and ``gspo``; chosen by ``trainer.policy_loss``.
+  dual clip), ``cispo``, ``gspo`` and ``sapo``; chosen by ``trainer.policy_loss``, with its own options in
+  ``trainer.policy_loss_args``.
 
 Adding a loss is one registered function. ``token_level=True`` says each token's loss depends on
 that token alone; such a loss runs inside the token-chunked fused kernels

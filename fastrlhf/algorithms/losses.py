@@ -1,11 +1,12 @@
 """The losses: aggregation of per-token terms (``trainer.agg``), the policy losses by name
-(``@register_policy_loss``: vanilla clipped surrogate with clip-higher and dual clip, CISPO, GSPO), the
+(``@register_policy_loss``: vanilla clipped surrogate with clip-higher and dual clip, CISPO, GSPO, SAPO), the
 actor's whole per-token loss (policy term + KL - entropy bonus), the clipped value loss, the importance
 weights against the rollout engine, and the SFT and reward-model losses.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ from fastrlhf.algorithms.masked import _keep, check_same_shape, masked_mean, mas
 __all__ = [
     "AGG_MODES", "POLICY_LOSSES", "PolicyLoss", "actor_loss_per_token", "aggregate_loss",
     "aggregation_weights", "bradley_terry_loss", "cispo_policy_loss", "clipped_surrogate", "get_policy_loss",
-    "gspo_policy_loss", "loss_weights", "nll_loss", "policy_loss", "register_policy_loss", "rollout_is_weights",
+    "gspo_policy_loss", "loss_weights", "nll_loss", "policy_loss", "policy_loss_options", "register_policy_loss",
+    "rollout_is_weights", "sapo_policy_loss",
     "TIS_LEVELS", "TIS_MODES", "value_loss", "vanilla_policy_loss"
 ]
 
@@ -267,6 +269,34 @@ def gspo_policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=3e-4,
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+@register_policy_loss("sapo")
+def sapo_policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                     tau_pos=1.0, tau_neg=1.05):
+    """SAPO (Qwen, arXiv 2511.20347; TRL's ``loss_type="sapo"``): a soft gate in place of the clip,
+    ``-A * 4/tau * sigmoid(tau * (r - 1))`` per token, ``tau = tau_pos`` where A > 0, else ``tau_neg``.
+
+    Its gradient, ``-A * 4 sigmoid'(tau (r - 1)) r * grad logprob``, is vanilla's ``-A grad logprob`` at
+    r = 1 and fades smoothly as the ratio leaves 1, faster for negative advantages (``tau_neg > tau_pos``,
+    the paper's choice). The clips are not used: no token is clipped (``is_clipped`` all False).
+    """
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"tau_pos and tau_neg must be > 0, got {tau_pos} and {tau_neg}")
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    tau = torch.where(advantages > 0, float(tau_pos), float(tau_neg))
+    return -advantages * torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau, torch.zeros_like(ratio, dtype=torch.bool)
+
+
+# What every registered policy loss takes besides its own options (trainer.policy_loss_args).
+_SHARED_LOSS_ARGS = ("clip_low", "clip_high", "dual_clip")
+
+
+def policy_loss_options(name: str) -> dict[str, object]:
+    """The options of a registered policy loss (``trainer.policy_loss_args``): its keyword-only arguments
+    beyond the clips, with their defaults."""
+    params = inspect.signature(get_policy_loss(name).fn).parameters.values()
+    return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _SHARED_LOSS_ARGS}
+
+
 def actor_loss_per_token(
     logprobs: torch.Tensor,
     entropy: torch.Tensor,
@@ -282,8 +312,10 @@ def actor_loss_per_token(
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
     entropy_coef: float = 0.0,
+    policy_loss_args: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The actor's per-token loss: ``policy term + kl_coef * KL(policy || ref) - entropy_coef * entropy``.
+    ``policy_loss_args``: the policy loss's own options (:func:`policy_loss_options`).
 
     All tensors ``[B, T]`` (or flat ``[n]`` for token-level losses). Returns ``(loss_mat,
     is_clipped, kl)``, ``kl`` None without ``ref_logprobs``; aggregate ``loss_mat`` with
@@ -291,7 +323,7 @@ def actor_loss_per_token(
     """
     loss_mat, is_clipped = get_policy_loss(policy_loss).fn(logprobs, old_logprobs, advantages, mask,
                                                            clip_low=clip_low, clip_high=clip_high,
-                                                           dual_clip=dual_clip)
+                                                           dual_clip=dual_clip, **(policy_loss_args or {}))
     kl = kl_penalty(logprobs, ref_logprobs, kl_kind, mask) if ref_logprobs is not None else None
     if kl_coef != 0.0:
         if kl is None:

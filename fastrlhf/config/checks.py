@@ -196,12 +196,8 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(t.prompts_per_step, "trainer.prompts_per_step")
     _positive(t.minibatch_size, "trainer.minibatch_size")
     _positive(t.ppo_epochs, "trainer.ppo_epochs")
-    if t.policy_loss != "vanilla":  # the default needs no torch import; any other name is looked up
-        from fastrlhf.algorithms import POLICY_LOSSES
-
-        if t.policy_loss not in POLICY_LOSSES:
-            raise ConfigError("trainer.policy_loss", f"unknown policy loss {t.policy_loss!r}; registered: "
-                                                     f"{', '.join(sorted(POLICY_LOSSES))}")
+    if t.policy_loss != "vanilla" or t.policy_loss_args:  # the default needs no torch import
+        _check_policy_loss(t)
     if t.adv_estimator != "auto":  # auto (gae or grpo, by the algorithm) needs no torch import
         _check_adv_estimator(c)
     rollout_batch = c.rollout_batch_size
@@ -239,6 +235,34 @@ def _validate_train(c: TrainConfig, base: str):
         _check_filter_groups(c)
     _validate_eval(c, base)
     _check_deepspeed(c.deepspeed, c.model)
+
+
+def _check_policy_loss(t) -> None:
+    """The policy loss by its registered name, and its options by its own arguments and checks."""
+    import math
+
+    import torch
+
+    from fastrlhf.algorithms import POLICY_LOSSES, policy_loss_options
+
+    if t.policy_loss not in POLICY_LOSSES:
+        raise ConfigError("trainer.policy_loss", f"unknown policy loss {t.policy_loss!r}; registered: "
+                                                 f"{', '.join(sorted(POLICY_LOSSES))}")
+    options = policy_loss_options(t.policy_loss)
+    for key, value in t.policy_loss_args.items():
+        name = f"trainer.policy_loss_args.{key}"
+        if key not in options:
+            takes = f"its options: {', '.join(sorted(options))}" if options else "it takes none"
+            raise ConfigError(name, f"is not an option of policy loss {t.policy_loss} ({takes})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(name, f"expected a finite number, got {value!r}")
+    if t.policy_loss_args:  # the loss's own checks of its options, on one sequence of one token
+        one = torch.ones(1, 1)
+        try:
+            POLICY_LOSSES[t.policy_loss].fn(one, one, one, one, clip_low=t.clip_low, clip_high=t.clip_high,
+                                            dual_clip=t.dual_clip, **t.policy_loss_args)
+        except ValueError as err:
+            raise ConfigError("trainer.policy_loss_args", str(err)) from None
 
 
 def _check_tis(t) -> None:

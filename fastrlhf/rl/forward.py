@@ -281,7 +281,8 @@ def policy_loss_from_model(model, mb: Experience, config):
     kl_coef = 0.0 if kl_in_reward(config) else cfg.kl_coef
     ref = e.ref_logprobs if kl_coef != 0.0 else None
     terms = dict(policy_loss=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                 dual_clip=cfg.dual_clip, kl_coef=kl_coef, kl_kind=cfg.kl_kind, entropy_coef=cfg.entropy_coef)
+                 dual_clip=cfg.dual_clip, kl_coef=kl_coef, kl_kind=cfg.kl_kind, entropy_coef=cfg.entropy_coef,
+                 policy_loss_args=dict(cfg.policy_loss_args) or None)
     token_level = get_policy_loss(cfg.policy_loss).token_level
     if cfg.fused_loss and token_level:
         _, head = body_and_head(model)

@@ -28,13 +28,13 @@ t = torch.tensor
 
 
 def test_registries_name_every_algorithm_and_loss():
-    assert {"vanilla", "cispo", "gspo"} <= set(POLICY_LOSSES)
+    assert {"vanilla", "cispo", "gspo", "sapo"} <= set(POLICY_LOSSES)
     assert POLICY_LOSSES["vanilla"].token_level and POLICY_LOSSES["cispo"].token_level
     assert not POLICY_LOSSES["gspo"].token_level
     assert ADV_ESTIMATOR_OF == {"ppo": "gae", "grpo": "grpo"} and set(ADV_ESTIMATOR_OF.values()) <= set(ADV_ESTIMATORS)
     with pytest.raises(ValueError, match="already registered"):
         register_policy_loss("vanilla")(lambda *a, **k: None)
-    with pytest.raises(ValueError, match="unknown policy loss 'nope'; registered: cispo, gspo, vanilla"):
+    with pytest.raises(ValueError, match="unknown policy loss 'nope'; registered: cispo, gspo, sapo, vanilla"):
         actor_loss_per_token(t([0.0]), t([0.0]), t([0.0]), t([1.0]), t([1.0]), policy_loss="nope")
 
 
@@ -63,7 +63,7 @@ def test_composition_equals_the_sum_of_aggregated_terms():
         torch.testing.assert_close(kl, kl_penalty(lp, ref, "k3", mask))
 
 
-@pytest.mark.parametrize("name", ["cispo", "gspo"])
+@pytest.mark.parametrize("name", ["cispo", "gspo", "sapo"])
 def test_on_policy_gradient_equals_vanilla(name):
     # At ratio 1 every policy loss reduces to the policy gradient -A * grad(logprob).
     lp, _, adv, mask = _batch(1)
@@ -90,6 +90,30 @@ def test_cispo_clips_the_detached_weight_not_the_gradient():
     torch.testing.assert_close(loss_mat.detach(), t([[1.28, -2.0]]))
 
 
+def test_sapo_gates_the_ratio_softly_with_a_temperature_per_advantage_sign():
+    lp, old, adv = t([[-1.0, -1.0, -0.5]]), t([[-1.5, -0.8, -0.5]]), t([[1.0, -2.0, 0.5]])
+    x = lp.clone().requires_grad_()
+    loss_mat, is_clipped, _ = actor_loss_per_token(x, torch.zeros_like(x), old, adv, torch.ones(1, 3),
+                                                   policy_loss="sapo", policy_loss_args=dict(tau_pos=0.5, tau_neg=2.0))
+    loss_mat.sum().backward()
+    assert not is_clipped.any()
+    for i in range(3):  # by hand: f = 4/tau sigmoid(tau (r - 1)), df/dlp = 4 sigmoid'(tau (r - 1)) r
+        a = float(adv[0, i])
+        tau, r = (0.5 if a > 0 else 2.0), math.exp(float(lp[0, i] - old[0, i]))
+        sig = 1 / (1 + math.exp(-tau * (r - 1)))
+        assert math.isclose(float(loss_mat.detach()[0, i]), -a * 4 / tau * sig, rel_tol=1e-6)
+        assert math.isclose(float(x.grad[0, i]), -a * 4 * sig * (1 - sig) * r, rel_tol=1e-5)
+    with pytest.raises(ValueError, match="tau_pos and tau_neg must be > 0, got 1.0 and 0.0"):
+        actor_loss_per_token(lp, lp, old, adv, torch.ones(1, 3), policy_loss="sapo", policy_loss_args={"tau_neg": 0.0})
+
+
+def test_policy_loss_options_are_the_keyword_arguments_after_the_clips():
+    from fastrlhf.algorithms import policy_loss_options
+
+    assert policy_loss_options("sapo") == {"tau_pos": 1.0, "tau_neg": 1.05}
+    assert policy_loss_options("vanilla") == {} and policy_loss_options("gspo") == {}
+
+
 def test_gspo_uses_each_sequences_mean_ratio():
     lp, old, adv, mask = _batch(2)
     x = lp.clone().requires_grad_()
@@ -112,8 +136,9 @@ def test_gspo_uses_each_sequences_mean_ratio():
                              policy_loss="gspo")
 
 
+@pytest.mark.parametrize("name, options", [("cispo", None), ("sapo", {"tau_pos": 0.8, "tau_neg": 1.3})])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fused_kernels_train_a_registered_token_level_loss(backend):
+def test_fused_kernels_train_a_registered_token_level_loss(backend, name, options):
     g = torch.Generator().manual_seed(3)
     B, T, H, V = 3, 5, 8, 41
     hidden = torch.randn(B, T, H, generator=g)
@@ -123,12 +148,13 @@ def test_fused_kernels_train_a_registered_token_level_loss(backend):
     ref = old - 0.1
     kw = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.05, kl_kind="k2", entropy_coef=0.01, agg="seq-mean-token-mean")
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, _ = fused_linear_policy_loss(h, w, labels, old, adv, mask, ref, policy_loss="cispo", backend=backend, **kw)
+    loss, _ = fused_linear_policy_loss(h, w, labels, old, adv, mask, ref, policy_loss=name, backend=backend,
+                                       policy_loss_args=options, **kw)
     loss.backward()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     logits = h2 @ w2.T
     lp, ent = logprobs_from_logits(logits, labels), entropy_from_logits(logits)
-    loss_mat, _, _ = actor_loss_per_token(lp, ent, old, adv, mask, ref, policy_loss="cispo",
+    loss_mat, _, _ = actor_loss_per_token(lp, ent, old, adv, mask, ref, policy_loss=name, policy_loss_args=options,
                                           **{k: v for k, v in kw.items() if k != "agg"})
     expected = aggregate_loss(loss_mat, mask, kw["agg"])
     expected.backward()

@@ -263,8 +263,28 @@ def test_policy_loss(paths):
     assert parse_config(grpo(paths, trainer={"policy_loss": "gspo"})).trainer.policy_loss == "gspo"
     assert error_of(grpo(paths, trainer={"policy_loss": ""})).key == "trainer.policy_loss"
     assert error_of(grpo(paths, trainer={"policy_loss": 3})).key == "trainer.policy_loss"
-    assert "unknown policy loss 'ppo2'; registered: cispo, gspo, vanilla" in str(
+    assert "unknown policy loss 'ppo2'; registered: cispo, gspo, sapo, vanilla" in str(
         error_of(grpo(paths, trainer={"policy_loss": "ppo2"})))
+
+
+def test_policy_loss_args_are_the_losss_own_options_checked_before_any_work(paths, tmp_path):
+    sapo = parse_config(grpo(paths, trainer={"policy_loss": "sapo", "policy_loss_args": {"tau_neg": 1.2}}))
+    assert sapo.trainer.policy_loss_args == {"tau_neg": 1.2}
+    path = write_yaml(tmp_path / "run.yaml", grpo(paths, trainer={"policy_loss": "sapo"}))
+    assert load_config(path, "train", ["trainer.policy_loss_args.tau_pos=0.9"]).trainer.policy_loss_args == {
+        "tau_pos": 0.9}
+    for trainer, key, phrase in [
+        ({"policy_loss": "sapo", "policy_loss_args": {"tau": 1.0}}, "trainer.policy_loss_args.tau",
+         "is not an option of policy loss sapo (its options: tau_neg, tau_pos)"),
+        ({"policy_loss_args": {"tau_pos": 1.0}}, "trainer.policy_loss_args.tau_pos",
+         "is not an option of policy loss vanilla (it takes none)"),
+        ({"policy_loss": "sapo", "policy_loss_args": {"tau_pos": "warm"}}, "trainer.policy_loss_args.tau_pos",
+         "expected a finite number, got 'warm'"),
+        ({"policy_loss": "sapo", "policy_loss_args": {"tau_neg": -1.0}}, "trainer.policy_loss_args",
+         "tau_pos and tau_neg must be > 0, got 1.0 and -1.0"),
+    ]:
+        err = error_of(grpo(paths, trainer=trainer))
+        assert err.key == key and phrase in str(err), str(err)
 
 
 def world_error(config, world) -> ConfigError:

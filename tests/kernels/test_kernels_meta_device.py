@@ -105,6 +105,16 @@ def test_fused_linear_policy_loss_meta_device_forward_backward(monkeypatch, dtyp
     assert len(gemms) == 5
 
 
+@pytest.mark.parametrize("name, options", [("cispo", None), ("sapo", {"tau_pos": 0.8, "tau_neg": 1.3})])
+def test_registered_token_level_losses_meta_device_forward_backward(name, options):
+    # The losses other than vanilla run as torch per-token math in the chunk loop, on every device.
+    hidden, weight, b, labels = meta_head((3, 7), 16, 300, torch.bfloat16)
+    loss, _ = run_policy_loss(hidden, weight, b, labels, chunk_size=8, policy_loss=name, policy_loss_args=options)
+    loss.backward()
+    assert_meta(loss, (), torch.float32)
+    assert_grads_meta(hidden, weight, b)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_linear_policy_loss_meta_device_on_policy_no_bias_token_mean(dtype):
     hidden, weight, _, labels = meta_head((40,), 8, 97, dtype, bias=False)

@@ -41,6 +41,7 @@ from fastrlhf.algorithms import (
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
+    sapo_policy_loss,
     shape_rewards,
     value_loss,
 )
@@ -160,7 +161,10 @@ def hand_written_step(config, actor, ref, opt, completions, scores, step, critic
         logits = logits_of(actor, r)
         lp = logprobs_from_logits(logits, labels[r], hp.temperature)
         m = mask[r]
-        loss_mat, _ = clipped_surrogate(lp, old[r], adv[r] * weights[r], hp.clip_low, hp.clip_high, hp.dual_clip)
+        if hp.policy_loss == "sapo":  # the soft gate with the config's temperatures (its formula: by hand elsewhere)
+            loss_mat, _ = sapo_policy_loss(lp, old[r], adv[r] * weights[r], m, **hp.policy_loss_args)
+        else:
+            loss_mat, _ = clipped_surrogate(lp, old[r], adv[r] * weights[r], hp.clip_low, hp.clip_high, hp.dual_clip)
         loss = aggregate_loss(loss_mat, m, hp.agg, w)
         if loss_kl:
             loss = loss + loss_kl * aggregate_loss(kl_penalty(lp, ref_lp[r], hp.kl_kind), m, hp.agg, w)
@@ -185,7 +189,8 @@ def assert_same_params(a, b, atol=2e-5):
 
 @pytest.mark.parametrize("case", ["grpo", "grpo-drgrpo-tokensum", "grpo-unfused", "ppo", "grpo-on-policy",
                                   "grpo-on-policy-unfused", "grpo-rloo", "grpo-reinforce-pp-kl-in-reward",
-                                  "grpo-reinforce-pp-baseline", "grpo-tis-sequence-mask", "grpo-tis-geometric-floor"])
+                                  "grpo-reinforce-pp-baseline", "grpo-tis-sequence-mask", "grpo-tis-geometric-floor",
+                                  "grpo-sapo"])
 def test_step_matches_hand_written_unfused_step(case, monkeypatch):
     torch.manual_seed(0)
     if case == "grpo":
@@ -206,6 +211,8 @@ def test_step_matches_hand_written_unfused_step(case, monkeypatch):
         hp = make_config(GRPO, adv_estimator="reinforce_plus_plus", kl_in_reward=True, kl_kind="k1", gamma=0.9)
     elif case == "grpo-reinforce-pp-baseline":
         hp = make_config(GRPO, adv_estimator="reinforce_plus_plus_baseline")
+    elif case == "grpo-sapo":
+        hp = make_config(GRPO, policy_loss="sapo", policy_loss_args={"tau_pos": 0.5, "tau_neg": 3.0})
     elif case == "grpo-tis-sequence-mask":  # TRL's sequence_mask: a completion whose ratio passes the cap trains not
         hp = make_config(GRPO, tis_level="sequence", tis_mode="mask", tis_cap=1.1)
     elif case == "grpo-tis-geometric-floor":  # ICEPOP-like bounds on each completion's geometric-mean ratio
