@@ -213,7 +213,7 @@ def test_step_matches_hand_written_unfused_step(case, monkeypatch):
         hp = make_config(GRPO, adv_estimator="reinforce_plus_plus_baseline")
     elif case == "grpo-sapo":
         hp = make_config(GRPO, policy_loss="sapo", policy_loss_args={"tau_pos": 0.5, "tau_neg": 3.0})
-    elif case == "grpo-tis-sequence-mask":  # TRL's sequence_mask: a completion whose ratio passes the cap trains not
+    elif case == "grpo-tis-sequence-mask":  # TRL's sequence_mask: no policy gradient from a completion above the cap
         hp = make_config(GRPO, tis_level="sequence", tis_mode="mask", tis_cap=1.1)
     elif case == "grpo-tis-geometric-floor":  # ICEPOP-like bounds on each completion's geometric-mean ratio
         hp = make_config(GRPO, tis_level="geometric", tis_mode="mask", tis_cap=1.1, tis_floor=0.9)
