@@ -105,7 +105,11 @@ def _config(root, name, where):
                      "trainer": {**loop, "max_steps": 3, "prompts_per_step": 8, "minibatch_size": 16,
                                  "grad_accum": 1 if beside else 2, "kl_coef": 0.0 if beside else 0.01,
                                  "lr": (1e-2 if cuda else 5e-2) if beside else 1e-6 if cuda else 1e-3,
-                                 "packing": shared, "share_prompts": shared},
+                                 "packing": shared, "share_prompts": shared,
+                                 # importance weights against the real engine: geometric-mean ratios masked
+                                 # beyond [0.5, 2] (near 1 when the engine's logprobs are the trainer's)
+                                 **({"tis_cap": 2.0, "tis_level": "geometric", "tis_mode": "mask", "tis_floor": 0.5}
+                                    if name == "grpo-vllm" else {})},
                      # ZeRO-3 steps its optimizer once per sub_group_size (1e9) parameters: two sub-groups at
                      # 1.5B, so the tiny CPU model is split into several as well.
                      "deepspeed": {"zero_stage": 3 if ppo else 2,
@@ -259,6 +263,9 @@ def test_rl_trains_with_vllm(proof, name):
     assert all(r["sync_bytes"] > 0 and r["sync_buckets"] >= 2 for r in records), records
     worst = max(r["logprob_mismatch_mean"] for r in records)
     assert worst <= MISMATCH_MAX[where], f"engine vs actor logprobs: {worst:.4f} nats per token"
+    if name == "grpo-vllm":  # engine logprobs aligned with the trainer's tokens give ratios near 1, kept
+        assert all(0.9 <= r["tis_weight_mean"] <= 1.1 and r["tis_outside_fraction"] <= 0.05 for r in records), [
+            (r["tis_weight_mean"], r["tis_outside_fraction"]) for r in records]
 
 
 @pytest.mark.slow
