@@ -304,7 +304,7 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     ref = critic = None
     if t.kl_coef != 0.0 and lora:  # the actor with its adapter disabled
         ref = actor
-    if t.kl_coef != 0.0 and not lora:
+    elif t.kl_coef != 0.0:
         ref = read_shape(config.reference.path or m.path, "reference.path" if config.reference.path else "model.path")
         shapes.append(ref)
         ref_bytes = ref.causal_lm_params() * w // (gpus if ds.zero_stage == 3 else 1)
