@@ -103,7 +103,10 @@ def _coerce(value, tp, key: str):
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(key, f"expected a mapping, got {value!r}")
-        return dict(value)
+        if origin is not dict:  # a bare dict: anything, passed through (deepspeed.extra)
+            return dict(value)
+        _, value_tp = typing.get_args(tp)
+        return {k: _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key)
     if tp is bool:

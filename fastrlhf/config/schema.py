@@ -206,7 +206,7 @@ class TrainerConfig(LoopConfig):
     ppo_epochs: int = 1
     policy_loss: str = "vanilla"  # a registered policy loss (fastrlhf.algorithms)
     # the policy loss's own options, beyond the clips (fastrlhf.algorithms.policy_loss_options); sapo: tau_pos, tau_neg
-    policy_loss_args: dict = field(default_factory=dict)
+    policy_loss_args: dict[str, float] = field(default_factory=dict)
     # a registered advantage estimator (@register_adv_est); auto: the algorithm's (ppo: gae, grpo: grpo)
     adv_estimator: str = "auto"
     clip_low: float = 0.2

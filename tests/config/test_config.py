@@ -279,7 +279,11 @@ def test_policy_loss_args_are_the_losss_own_options_checked_before_any_work(path
         ({"policy_loss_args": {"tau_pos": 1.0}}, "trainer.policy_loss_args.tau_pos",
          "is not an option of policy loss vanilla (it takes none)"),
         ({"policy_loss": "sapo", "policy_loss_args": {"tau_pos": "warm"}}, "trainer.policy_loss_args.tau_pos",
-         "expected a finite number, got 'warm'"),
+         "expected a number, got 'warm'"),
+        ({"policy_loss": "sapo", "policy_loss_args": {"tau_pos": float("inf")}}, "trainer.policy_loss_args.tau_pos",
+         "expected a finite number, got inf"),
+        ({"policy_loss": "sapo", "policy_loss_args": {"tau_pos": True}}, "trainer.policy_loss_args.tau_pos",
+         "expected a number, got True"),
         ({"policy_loss": "sapo", "policy_loss_args": {"tau_neg": -1.0}}, "trainer.policy_loss_args",
          "tau_pos and tau_neg must be > 0, got 1.0 and -1.0"),
     ]:
