@@ -7,14 +7,17 @@
 # (/tmp/site, /tmp/vsite, the parts) stays while the machine is warm (given back after 30 s idle), so the
 # calls of one sequence are issued one right after the other:
 #
-#   1. bash scripts/gpu_session.sh vllm
+#   1. bash scripts/gpu_session.sh vllm [CAP_S]
 #        carry: .gpu-carry  .vllm-carry/part-aa  .vllm-carry/unpack.sh       (../shared/gpu/prepare_carry.sh,
-#        ../shared/gpu/vllm_carry.sh): sets up, keeps the part, reads scripts/gpu_probe.py (seconds), stops.
-#   2. bash scripts/gpu_session.sh vllm [CAP_S]
-#        carry: .gpu-carry  .vllm-carry/part-ab: unpacks vLLM and, within CAP_S in all, runs tests/gpu's vLLM
-#        tests (in the trainer's process beside a ZeRO-2 actor; GRPO, PPO on ZeRO-3 and LoRA with
-#        rollout.engine vllm; the plan with the engine), .gpu-carry/vllm_smoke.py if they failed (the engine
-#        alone, on a tiny model), then, where RACE_MIN_S are left, the GRPO step with vLLM against HF generate.
+#        ../shared/gpu/vllm_carry.sh): sets up, keeps the part, reads scripts/gpu_probe.py (seconds); with
+#        CAP_S, also the HF-generate run of the GRPO race (it needs no vLLM; about 150 s on an H100), within it.
+#   2. bash scripts/gpu_session.sh vllm [CAP_S] [K]
+#        carry: .gpu-carry  .vllm-carry/part-ab: unpacks vLLM and, within CAP_S in all: where call 1 ran the
+#        race's HF run, the race's vLLM run first (the step, sync and mismatch figures); then tests/gpu's vLLM
+#        tests matching -k K (default "vllm": in the trainer's process beside a ZeRO-2 actor; GRPO, PPO on
+#        ZeRO-3 and LoRA with rollout.engine vllm; the plan with the engine), .gpu-carry/vllm_smoke.py if they
+#        failed (the engine alone, on a tiny model), then, where call 1 ran no HF run and RACE_MIN_S are
+#        left, the whole race: the GRPO step with vLLM against HF generate.
 #   3. bash scripts/gpu_session.sh vllm-bench [CAP_S]      carry: .gpu-carry. The GRPO step with vLLM against
 #        the same step with HF generate alone (vLLM unpacked by call 2 on the same machine), in CAP_S: the
 #        device time left (about 240 s after calls 1 and 2 of a 15-minute session).
@@ -73,12 +76,16 @@ gpu_bench() {
   cp -r benchmarks/results/gpu/partial "$OUT/results-gpu" 2>/dev/null
 }
 
-# race CAP: the GRPO step with vLLM against HF generate; the race skips a run that would start late and gives
-# each the time left (benchmarks/gpu/races.py), so that a cut run still leaves the other's figures.
-RACE_MIN_S=240
+# race CAP [NAME] [RUNS]: the GRPO step with vLLM against HF generate (RUNS: some of its runs, e.g. fastrlhf_hf);
+# the race skips a run that would start late and gives each the time left (benchmarks/gpu/races.py), so that a
+# cut run still leaves the other's figures.
+RACE_MIN_S=${RACE_MIN_S:-240}
 race() {
-  FASTRLHF_RACE_BUDGET_S=$1 gpu_bench "$1" bench-vllm-vs-hf "vllm_vs_hf"
+  FASTRLHF_RACE_BUDGET_S=$1 FASTRLHF_RACE_RUNS=${3:-fastrlhf_vllm,fastrlhf_hf} \
+    gpu_bench "$1" "${2:-bench-vllm-vs-hf}" "vllm_vs_hf"
 }
+# Where the race's HF run came back with its figures on this machine (call 1), so that call 2 runs the vLLM one.
+HF_RACED=$VPARTS/hf-raced
 
 # A call's deadline (DEADLINE, epoch seconds) shared by its parts: left prints the seconds before it, at most $1.
 left() {
@@ -122,16 +129,25 @@ case "$MODE" in
   vllm)
     if ! with_vllm; then
       timeout 60 python3 scripts/gpu_probe.py
+      if [ -n "${2:-}" ]; then
+        race "$2" bench-hf fastrlhf_hf
+        grep -q '"fastrlhf_hf_step_s"' benchmarks/results/gpu/partial/bench-hf.json 2>/dev/null && touch "$HF_RACED"
+      fi
       exit 1
     fi
     DEADLINE=$(( $(date +%s) + ${2:-560} ))
+    if [ -f "$HF_RACED" ]; then
+      race "$(left 240)" bench-vllm fastrlhf_vllm
+    fi
     # Four runs through the launcher, about 100 s each on an H200 (2026-11-27).
-    if ! gpu_tests "$(left 450)" test-gpu-vllm "vllm"; then
+    if ! gpu_tests "$(left 450)" test-gpu-vllm "${3:-vllm}"; then
       run_capped "$(left 100)" vllm-smoke python3 .gpu-carry/vllm_smoke.py --eager
     fi
     # The race (its vLLM and HF runs, about 100 s each, and the model's save) only where it fits; else the
     # next call, vllm-bench, runs it.
-    if (( $(left 600) >= RACE_MIN_S )); then
+    if [ -f "$HF_RACED" ]; then
+      :
+    elif (( $(left 600) >= RACE_MIN_S )); then
       race "$(left 600)"
     else
       echo "the vLLM-vs-HF race needs ${RACE_MIN_S}s, $(left 600)s left: next call, vllm-bench"

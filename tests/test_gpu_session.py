@@ -12,9 +12,10 @@ import pytest
 from helpers.paths import ROOT
 
 PYTHON_STUB = """#!/usr/bin/env bash
-# python3 on the "device": records its arguments (and the race's budget); sleeps where asked (the cap's test);
+# python3 on the "device": records its arguments (and the race's runs and budget); sleeps where asked (the cap's test);
 # fails where its arguments hold STUB_FAIL; imports answer.
-echo "$*${FASTRLHF_RACE_BUDGET_S:+ budget=$FASTRLHF_RACE_BUDGET_S}" >> "$OUT/calls.txt"
+echo "$*${FASTRLHF_RACE_RUNS:+ runs=$FASTRLHF_RACE_RUNS}${FASTRLHF_RACE_BUDGET_S:+ budget=$FASTRLHF_RACE_BUDGET_S}" \
+  >> "$OUT/calls.txt"
 case "$*" in
   *"-c "*) echo "stub: $*" ;;
   *"${STUB_FAIL:-no such call}"*) echo "1 failed"; exit 1 ;;
@@ -91,6 +92,35 @@ def test_vllm_is_unpacked_only_once_both_parts_arrived_then_its_tests_run(device
     rc, log, calls = run("vllm-bench", "230")
     assert rc == 0 and "unpack" not in calls, (log, calls)
     assert "-k vllm_vs_hf" in calls[-1] and calls[-1].endswith("budget=230"), calls
+
+
+def test_the_first_vllm_call_with_a_cap_runs_the_races_hf_half_and_the_next_its_vllm_half_first(device):
+    """HF generate needs no vLLM: the call that delivers one part spends its cap on the race's HF run (the
+    baseline, on the same warm machine); the next call runs the vLLM run first, then the tests, and no whole race."""
+    root, run = device
+    (root / ".vllm-carry" / "part-aa").write_bytes(b"a")
+    hf_json = root / "benchmarks" / "results" / "gpu" / "partial" / "bench-hf.json"
+    hf_json.parent.mkdir(parents=True)
+    hf_json.write_text('{"extra_info": {"fastrlhf_hf_step_s": 15.0}}')  # what the stand-in race "measured"
+    rc, log, calls = run("vllm", "200")
+    assert calls[0] == "scripts/gpu_probe.py" and "-k vllm_vs_hf" in calls[1], calls
+    assert calls[1].endswith("runs=fastrlhf_hf budget=200") and len(calls) == 2, calls
+    (root / ".vllm-carry" / "part-aa").unlink()
+    (root / ".vllm-carry" / "part-ab").write_bytes(b"b")
+    rc, log, calls = run("vllm", "400", "vllm and not ppo-vllm")
+    assert rc == 0 and calls[0] == "unpack", (log, calls)
+    assert "-k vllm_vs_hf" in calls[1] and "runs=fastrlhf_vllm budget=" in calls[1], calls
+    assert 200 < int(calls[1].rsplit("budget=", 1)[1]) <= 240, calls
+    assert "-k vllm and not ppo-vllm" in calls[2] and len(calls) == 3, calls
+
+
+def test_a_first_call_whose_hf_run_failed_leaves_the_whole_race_to_the_next(device):
+    root, run = device
+    (root / ".vllm-carry" / "part-aa").write_bytes(b"a")
+    run("vllm", "200")  # the stand-in writes no figures: the HF run did not finish
+    (root / ".vllm-carry" / "part-ab").write_bytes(b"b")
+    rc, log, calls = run("vllm", "560")
+    assert "-k vllm" in calls[1] and "runs=fastrlhf_vllm,fastrlhf_hf" in calls[2] and len(calls) == 3, calls
 
 
 def test_failed_vllm_tests_are_followed_by_the_engine_alone_then_the_race(device):
