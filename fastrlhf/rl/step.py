@@ -139,7 +139,7 @@ class RLStep:
         if self.kl_control is not None:
             trainer = dataclasses.replace(self.config.trainer, kl_coef=self.kl_control.value)
             self.config = dataclasses.replace(self.config, trainer=trainer)
-        clock = StepClock(self.device)
+        clock = StepClock(self.device, uncounted=getattr(self.rollout, "asleep_bytes", lambda: 0))
         sampled = None
         if completions is None and self.config.trainer.filter_groups and more_prompts is not None:
             sampled = self.sample_differing_groups(prompts, metas, step, more_prompts, clock)
@@ -181,7 +181,8 @@ class RLStep:
         with clock("sync"):
             # A skipped update changed no weight, but an engine whose sleep dropped them needs them back.
             actor_moved = inputs_ok and not self.warming_critic(step)
-            sync = self.sync() if actor_moved or getattr(self.rollout, "needs_sync", False) else {"sync_bytes": 0.0}
+            needed = actor_moved or getattr(self.rollout, "needs_sync", False)
+            sync = self.sync(clock) if needed else {"sync_bytes": 0.0}
         local = {**prep, **train, **sync, **clock.memory(), **(sampled.metrics if sampled else {})}
         generated = sampled.generated_tokens if sampled else None
         metrics = reduce_step_metrics(exp, local, clock.times, step, skipped=skipped, world=self.world,
@@ -405,8 +406,9 @@ class RLStep:
                 metrics["kl"] = metrics["loss_kl"]
         return metrics, actor["aborted"]
 
-    def sync(self) -> dict[str, float]:
-        """Push the actor's weights into a rollout engine that holds its own copy (bucketed)."""
+    def sync(self, clock: StepClock | None = None) -> dict[str, float]:
+        """Push the actor's weights into a rollout engine that holds its own copy (bucketed); ``clock``: the
+        step's, whose sync stage counts its peak from the engine's weights woken (:meth:`StepClock.restart_peak`)."""
         if self.rollout_shares_actor:
             return {"sync_bytes": 0.0}
         from fastrlhf.rl.lora_sync import is_peft_model, sync_lora_weights
@@ -415,6 +417,8 @@ class RLStep:
         source, bucket = getattr(self.actor, "engine", self.actor.module), self.config.rollout.sync_bucket_bytes
         empty_device_cache(self.device)  # the update's activations and logits go before the weights come back
         self.rollout.wake_up(("weights",))
+        if clock is not None:
+            clock.restart_peak("sync")
         if is_peft_model(unwrap(self.actor.module)):
             stats = sync_lora_weights(source, self.rollout, bucket)
         else:

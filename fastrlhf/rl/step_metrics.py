@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -65,27 +66,44 @@ def logprob_mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
 class StepClock:
     """``with clock("name"):`` adds the block's wall time to ``clock.times["name"]``; on CUDA it also
     keeps the most memory torch allocated in each of the step's stages (allocator counters: no device
-    read)."""
+    read).
 
-    def __init__(self, device: torch.device | None = None):
+    ``uncounted()``: bytes those counters hold that the device does not (a rollout engine's sleeping pool,
+    :meth:`fastrlhf.rollout.base.RolloutEngine.asleep_bytes`). A stage's peak leaves out the least of them at
+    its two ends: an engine asleep through the stage (score, train) is left out; one that slept or woke
+    inside it held its memory for real at one end, which the peak then rightly counts."""
+
+    def __init__(self, device: torch.device | None = None, uncounted: Callable[[], int] = lambda: 0):
         self.times: dict[str, float] = {}
         self.device = device if device is not None and device.type == "cuda" else None
+        self.uncounted = uncounted
         self.allocated: dict[str, int] = {}
         self.reserved = 0
+        self._uncounted_at_start: dict[str, int] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         tracked = self.device is not None and name in STAGES
         if tracked:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self.restart_peak(name)
         start = time.perf_counter()
         try:
             yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
             if tracked:
-                self.allocated[name] = max(self.allocated.get(name, 0), torch.cuda.max_memory_allocated(self.device))
-                self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
+                left_out = min(self._uncounted_at_start.pop(name), self.uncounted())
+                self.allocated[name] = max(self.allocated.get(name, 0),
+                                           torch.cuda.max_memory_allocated(self.device) - left_out)
+                self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device) - left_out)
+
+    def restart_peak(self, name: str) -> None:
+        """Stage ``name``'s peak counts from here. The sync calls it once it has freed the update's cached
+        blocks and woken the engine's weights: before that its counters read the update's, with the sleeping
+        engine's bytes as if held, which the train stage has already counted without them."""
+        if self.device is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._uncounted_at_start[name] = self.uncounted()
 
     def memory(self) -> dict[str, float]:
         """The step's memory metrics (see ``fastrlhf/rl/step.py``'s docstring), in GiB."""
@@ -95,6 +113,7 @@ class StepClock:
 
             return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
         free, total = torch.cuda.mem_get_info(self.device)
+        held_by_allocator = torch.cuda.memory_reserved(self.device) - self.uncounted()
         return {**{f"memory/{name}_gib": n / gib for name, n in self.allocated.items()},
                 "memory/peak_reserved_gib": self.reserved / gib,
-                "memory/context_gib": (total - free - torch.cuda.memory_reserved(self.device)) / gib}
+                "memory/context_gib": (total - free - held_by_allocator) / gib}

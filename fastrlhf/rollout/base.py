@@ -160,6 +160,11 @@ class RolloutEngine(abc.ABC):
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:  # noqa: B027
         """Bring back what :meth:`sleep` freed; ``generate`` and ``update_weights`` wake what they need."""
 
+    def asleep_bytes(self) -> int:
+        """Device memory that :meth:`sleep` released but torch's allocator counters still count (vLLM's
+        sleep pool); the step's memory metrics leave it out. 0 for engines whose sleep frees nothing so."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 (engines without resources need nothing here)
         """Release the engine's resources (the trainer's process group survives)."""
 

@@ -68,5 +68,8 @@ class TensorParallelGroup(RolloutEngine):
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         self.engine.wake_up(tags)
 
+    def asleep_bytes(self) -> int:
+        return self.engine.asleep_bytes()
+
     def close(self) -> None:
         self.engine.close()

@@ -158,6 +158,19 @@ def wake_llm(llm, tags: Sequence[str]) -> None:
     llm.wake_up(tags=list(tags))
 
 
+def asleep_bytes() -> int:
+    """The bytes of this process's vLLM sleep-mode pool that sleep unmapped. The pool is a torch ``MemPool``
+    whose tensors stay alive while their pages are released, so torch's allocator counters (allocated,
+    reserved, their peaks) still count these bytes, which the device no longer holds (seen on an H100:
+    every stage of a step read 3.8 GiB more than with HF ``generate``, the size of the sleeping pool)."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    allocator = CuMemAllocator.instance  # None until an engine with sleep mode made it
+    if allocator is None:
+        return 0
+    return sum(int(data.handle[1]) for data in allocator.pointer_to_data.values() if data.is_asleep)
+
+
 def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None):
     from vllm import SamplingParams
 

@@ -247,6 +247,9 @@ class VLLMEngine(RolloutEngine):
             vllm_adapter.wake_llm(self.llm, waking)
             self._asleep -= set(waking)
 
+    def asleep_bytes(self) -> int:
+        return vllm_adapter.asleep_bytes() if self._asleep else 0
+
     def generate(self, prompt_token_ids, sampling: SamplingConfig, limits=None, seeds=None) -> list[list[Completion]]:
         self._check_open()
         if self._released:

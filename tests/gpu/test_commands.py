@@ -298,10 +298,11 @@ def test_plan_against_the_measured_peak(proof, name):
     ratio = plan.total / measured
     print(f"\n{name} on {where}:\n{plan.table()}\n{detail}\nplan / measured = {ratio:.3f}")
     assert low <= ratio <= high, f"plan {plan.total / GiB:.2f} GiB / measured {measured / GiB:.2f} GiB = {ratio:.3f}"
-    if where == "cuda" and "vllm" not in name:
+    if where == "cuda":
         # The scoring phase (no-grad forwards) is under the peak here; it must not be under what its stage
         # allocated: the held components (allocator slack and context included, which allocations do not
-        # count) plus the phase bound it, within the plan's 5%.
+        # count) plus the phase bound it, within the plan's 5%. With vLLM the stage's figure leaves out the
+        # sleeping engine's pool, which torch's counters keep (StepClock).
         phase = {p: sum(plan.components[c] for c in names) for p, names in plan.phases.items()}
         planned = plan.total - phase[plan.peak_phase] + phase["scoring"]
         scored = max(r["memory/score_gib"] for r in records) * GiB

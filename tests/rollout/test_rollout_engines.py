@@ -251,3 +251,25 @@ def test_the_head_size_table_checked_before_start_up_is_vllms_own():
     from fastrlhf.rollout import vllm_adapter
 
     assert vllm_adapter.CPU_SUPPORTED_HEAD_SIZES == vllm_adapter.cpu_supported_head_sizes()
+
+
+def test_asleep_bytes_are_the_sleeping_allocations_of_vllms_pool(monkeypatch):
+    """What the step leaves out of torch's counters: the sizes (``handle[1]``) of the pool's allocations whose
+    pages sleep released, read from vLLM's own allocator (the same fields in 0.26 and 0.32); 0 before an engine
+    with sleep mode made the allocator."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.device_allocator import AllocationData
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    from fastrlhf.rollout import vllm_adapter
+
+    monkeypatch.setattr(CuMemAllocator, "instance", None)
+    assert vllm_adapter.asleep_bytes() == 0
+    # handle: (device, size, pointer, CUDA handle)
+    data = {1: AllocationData(handle=(0, 3 << 20, 1, 0), tag="weights", is_asleep=True),
+            2: AllocationData(handle=(0, 5 << 20, 2, 0), tag="kv_cache", is_asleep=False),
+            3: AllocationData(handle=(0, 7 << 20, 3, 0), tag="kv_cache", is_asleep=True)}
+    monkeypatch.setattr(CuMemAllocator, "instance", SimpleNamespace(pointer_to_data=data))
+    assert vllm_adapter.asleep_bytes() == 10 << 20
