@@ -547,7 +547,8 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf") ->
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if "step_time" in r]
     steps = [dict(step_s=r.get("wall_time", r["step_time"]), tokens=r["generated_tokens"],
-                  generate_s=r["time/generate"], train_s=r["time/train"], sync_s=r["time/sync"],
+                  generate_s=r["time/generate"], score_s=r["time/score"], train_s=r["time/train"],
+                  sync_s=r["time/sync"],
                   sync_bytes=r.get("sync_bytes", 0.0), trained_tokens=r["rank_tokens"],
                   mismatch=r.get("logprob_mismatch_mean"),
                   peak_gib=r.get("memory/peak_reserved_gib"), context_gib=r.get("memory/context_gib"),
@@ -812,6 +813,10 @@ def _run_figures(out: dict, name: str, r: dict, warmup: int, keys) -> None:
     if "generate_s" in steps[0]:  # fastrlhf's metrics
         out[f"{name}_generated_tokens_per_s"] = round(median("tokens") / median("generate_s"), 1)
         out[f"{name}_trained_tokens_per_s"] = round(median("trained_tokens") / median("train_s"), 1)
+        # Where the step's time goes: what a faster engine can win against what it shares with the other run.
+        for stage in ("generate", "score", "train", "sync"):
+            if median(f"{stage}_s") is not None:
+                out[f"{name}_{stage}_s"] = round(median(f"{stage}_s"), 3)
     if median("sync_bytes"):
         out[f"{name}_sync_ms"] = round(median("sync_s") * 1e3, 2)
         out[f"{name}_sync_gb_per_s"] = round(median("sync_bytes") / 1e9 / median("sync_s"), 2)

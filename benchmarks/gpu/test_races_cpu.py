@@ -127,13 +127,15 @@ def test_the_engine_race_gives_each_run_the_time_left_and_keeps_the_others_figur
         clock[0] += 100.0  # each run takes 100 s
         if engine == "hf":
             raise RuntimeError("exit 1: the HF run broke")
-        return {"steps": [{"step_s": 2.0, "tokens": 10, "generate_s": 1.0, "trained_tokens": 20, "train_s": 1.0,
-                           "sync_s": 0.1, "sync_bytes": 1e9, "mismatch": 0.01}] * 2}
+        return {"steps": [{"step_s": 2.0, "tokens": 10, "generate_s": 1.0, "score_s": 0.3, "trained_tokens": 20,
+                           "train_s": 0.6, "sync_s": 0.1, "sync_bytes": 1e9, "mismatch": 0.01}] * 2}
 
     monkeypatch.setattr(races, "run_fastrlhf", fake_run)
     r = races.grpo_engines(device="cpu", runs=("fastrlhf_vllm", "fastrlhf_hf", "fastrlhf_vllm"), timeout_s=300,
                            budget_s=230)
     assert given == {"vllm": 230, "hf": 130}  # the whole timeout would have outrun the budget
     assert r["fastrlhf_vllm_step_s"] == 2.0 and "exit 1: the HF run broke" in r["fastrlhf_hf_error"], r
+    stages = {k: r[f"fastrlhf_vllm_{k}_s"] for k in ("generate", "score", "train", "sync")}
+    assert stages == {"generate": 1.0, "score": 0.3, "train": 0.6, "sync": 0.1}, r  # where the step's time goes
     assert "30 s of the race's 230 s left" in r["fastrlhf_vllm_skipped"], r  # below MIN_RUN_S: not begun
     assert "vllm_over_hf" not in r and r["targets_met"] is False, r
