@@ -273,3 +273,31 @@ def test_asleep_bytes_are_the_sleeping_allocations_of_vllms_pool(monkeypatch):
             3: AllocationData(handle=(0, 7 << 20, 3, 0), tag="kv_cache", is_asleep=True)}
     monkeypatch.setattr(CuMemAllocator, "instance", SimpleNamespace(pointer_to_data=data))
     assert vllm_adapter.asleep_bytes() == 10 << 20
+
+
+def test_the_cuda_sync_loads_in_place_exactly_the_models_whose_kernels_read_the_checkpoint_layout(vllm_engine):
+    """On CUDA the sync takes the model's own ``load_weights`` (one copy per tensor) where no module processes its
+    weights after loading; vLLM's generic reload otherwise. The real engine's module tree (a Llama here, the same
+    vLLM classes as on a GPU) qualifies, so the GPU run does not silently fall back; a quantized layer, a MoE
+    layer's method or a module with post-load processing of its own (MLA) does not."""
+    import torch.nn as nn
+
+    from fastrlhf.rollout.vllm_adapter import engine_loads_in_place, loads_in_place
+
+    assert engine_loads_in_place(vllm_engine.llm)
+
+    def model_with(method_name: str | None = None, module_name: str | None = None) -> nn.Module:
+        model = nn.Sequential(nn.Linear(2, 2))
+        model[0].quant_method = type("UnquantizedLinearMethod", (), {})()
+        if method_name:
+            extra = nn.Linear(2, 2)
+            extra.quant_method = type(method_name, (), {})()
+            model.append(extra)
+        if module_name:
+            model.append(type(module_name, (nn.Module,), {"process_weights_after_loading": lambda self, dtype: None})())
+        return model
+
+    assert loads_in_place(model_with()) and loads_in_place(model_with(module_name="Attention"))
+    assert not loads_in_place(model_with("Fp8LinearMethod"))
+    assert not loads_in_place(model_with("UnquantizedFusedMoEMethod"))
+    assert not loads_in_place(model_with(module_name="MLAAttention"))

@@ -81,7 +81,7 @@ def main(config_path: str, out_path: str) -> None:
     from fastrlhf.engine.guards import StepGuard
     from fastrlhf.rl.step import empty_device_cache
     from fastrlhf.rl.trainer import build_rl_step, preflight
-    from fastrlhf.rollout import HFEngine, SamplingConfig
+    from fastrlhf.rollout import HFEngine, SamplingConfig, vllm_adapter
     from fastrlhf.supervised import seed_everything
 
     config = load_config(config_path, "train")
@@ -149,6 +149,8 @@ def main(config_path: str, out_path: str) -> None:
         torch.cuda.synchronize(device)
     report["sync_ms"] = (time.perf_counter() - t0) * 1e3
     report["sync_bytes"], report["sync_buckets"] = sync["sync_bytes"], sync["sync_buckets"]
+    # On CUDA: the model's own load_weights (True) or vLLM's generic reload_weights.
+    report["sync_loads_in_place"] = vllm_adapter.engine_loads_in_place(engine.llm)
     report["sync_gb_per_s"] = sync["sync_bytes"] / 1e9 / (report["sync_ms"] / 1e3)
     greedy_after = [c[0].token_ids for c in engine.generate(prompts, greedy)]  # wakes the KV cache
     report["wake_restored_gib"] = (used_bytes(device) - asleep) / GIB
