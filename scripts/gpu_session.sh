@@ -145,12 +145,12 @@ case "$MODE" in
     fi
     # The race (its vLLM and HF runs, about 100 s each, and the model's save) only where it fits; else the
     # next call, vllm-bench, runs it.
-    if [ -f "$HF_RACED" ]; then
-      :
-    elif (( $(left 600) >= RACE_MIN_S )); then
-      race "$(left 600)"
-    else
-      echo "the vLLM-vs-HF race needs ${RACE_MIN_S}s, $(left 600)s left: next call, vllm-bench"
+    if [ ! -f "$HF_RACED" ]; then
+      if (( $(left 600) >= RACE_MIN_S )); then
+        race "$(left 600)"
+      else
+        echo "the vLLM-vs-HF race needs ${RACE_MIN_S}s, $(left 600)s left: next call, vllm-bench"
+      fi
     fi
     ;;
   vllm-bench)
