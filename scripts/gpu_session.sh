@@ -18,6 +18,10 @@
 #        ZeRO-3 and LoRA with rollout.engine vllm; the plan with the engine), .gpu-carry/vllm_smoke.py if they
 #        failed (the engine alone, on a tiny model), then, where call 1 ran no HF run and RACE_MIN_S are
 #        left, the whole race: the GRPO step with vLLM against HF generate.
+#      With vllm_carry.sh's HOPPER_ONLY=1 (one part of ~43 MiB, its library pruned to sm_90; unverified on a
+#        GPU), call 1 carries that part and unpack.sh and runs as call 2 does. Its fallback, the unpruned
+#        library (fullC.xz, 53 MiB), does not fit a call beside .gpu-carry: if the pruned one fails, the
+#        two-part carry is the way, in a later session.
 #   3. bash scripts/gpu_session.sh vllm-bench [CAP_S]      carry: .gpu-carry. The GRPO step with vLLM against
 #        the same step with HF generate alone (vLLM unpacked by call 2 on the same machine), in CAP_S: the
 #        device time left (about 240 s after calls 1 and 2 of a 15-minute session).
@@ -95,15 +99,19 @@ left() {
   echo "$s"
 }
 
-# vLLM 0.26.0 and the packages the image lacks, once both parts are here (unpack.sh checks them); its env.sh
-# puts them first on PYTHONPATH.
+# vLLM 0.26.0 and the packages the image lacks, once every part is here: unpack.sh knows its parts (two, or one
+# with vllm_carry.sh's HOPPER_ONLY=1) and exits 3 while one is missing; its env.sh puts them first on PYTHONPATH.
 with_vllm() {
   if [ ! -f "$VSITE/env.sh" ]; then
     mkdir -p "$VPARTS"
     cp .vllm-carry/part-* .vllm-carry/unpack.sh "$VPARTS"/ 2>/dev/null
-    [ -f "$VPARTS/part-aa" ] && [ -f "$VPARTS/part-ab" ] && [ -f "$VPARTS/unpack.sh" ] \
-      || { echo "vLLM: $VPARTS has $(ls "$VPARTS" | tr '\n' ' '); carry the other part next"; return 1; }
-    VSITE=$VSITE bash "$VPARTS/unpack.sh" || { echo "vLLM unpack failed"; return 1; }
+    [ -f "$VPARTS/unpack.sh" ] || { echo "vLLM: no unpack.sh yet: carry .vllm-carry/unpack.sh with a part"; return 1; }
+    VSITE=$VSITE bash "$VPARTS/unpack.sh"
+    case $? in
+      0) ;;
+      3) echo "vLLM: $VPARTS has $(ls "$VPARTS" | tr '\n' ' '); carry the other part next"; return 1 ;;
+      *) echo "vLLM unpack failed"; return 1 ;;
+    esac
   fi
   # shellcheck disable=SC1091
   source "$VSITE/env.sh"

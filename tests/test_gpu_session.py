@@ -23,6 +23,9 @@ case "$*" in
 esac
 """
 UNPACK_STUB = """#!/usr/bin/env bash
+# As vllm_carry.sh's: exits 3 while one of its parts (STUB_PARTS: two, or HOPPER_ONLY's one) is missing here.
+cd "$(dirname "$0")"
+for p in ${STUB_PARTS:-part-aa part-ab}; do [ -f "$p" ] || exit 3; done
 echo unpack >> "$OUT/calls.txt"
 mkdir -p "$VSITE" && echo 'export STUB_VLLM=1' > "$VSITE/env.sh"
 """
@@ -121,6 +124,18 @@ def test_a_first_call_whose_hf_run_failed_leaves_the_whole_race_to_the_next(devi
     (root / ".vllm-carry" / "part-ab").write_bytes(b"b")
     rc, log, calls = run("vllm", "560")
     assert "-k vllm" in calls[1] and "runs=fastrlhf_vllm,fastrlhf_hf" in calls[2] and len(calls) == 3, calls
+
+
+def test_a_one_part_vllm_carry_unpacks_in_its_first_call(device):
+    """vllm_carry.sh's HOPPER_ONLY=1 makes one part (43 MiB, beside .gpu-carry's 15): vLLM's tests run in the
+    call that carries it, and the next call finds vLLM unpacked."""
+    root, run = device
+    (root / ".vllm-carry" / "part-aa").write_bytes(b"a")
+    rc, log, calls = run("vllm", "300", STUB_PARTS="part-aa")
+    assert rc == 0 and calls[0] == "unpack" and "-k vllm" in calls[1], (log, calls)
+    (root / ".vllm-carry" / "part-aa").unlink()
+    rc, log, calls = run("vllm-bench", "200", STUB_PARTS="part-aa")
+    assert "unpack" not in calls and "-k vllm_vs_hf" in calls[-1], (log, calls)
 
 
 def test_failed_vllm_tests_are_followed_by_the_engine_alone_then_the_race(device):
