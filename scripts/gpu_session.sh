@@ -27,7 +27,8 @@
 #        device time left (about 240 s after calls 1 and 2 of a 15-minute session).
 #   4. bash scripts/gpu_session.sh trl [CAP_S]
 #        carry: .gpu-carry  .trl-carry (scripts/gpu_trl_carry.sh), vLLM unpacked: the GRPO step
-#        with vLLM against TRL's colocated vLLM, then (time left) the HF-engine race against TRL.
+#        with vLLM against TRL's colocated vLLM, with and without Liger, within CAP_S; then, where 200 s are
+#        left, the HF-engine race against TRL.
 #   bash scripts/gpu_session.sh tests [CAP_S]      carry: .gpu-carry. tests/gpu without vLLM: kernels at
 #        V=151,936, the update's host reads, every command through the launcher, the plan against the peak.
 #   bash scripts/gpu_session.sh bench [CAP_S] [K]: the benchmarks that need neither vLLM nor TRL (-k K: some).
@@ -168,7 +169,13 @@ case "$MODE" in
   trl)
     with_vllm || exit 1
     with_trl
-    gpu_bench "${2:-570}" bench-vllm-vs-trl "vllm_vs_trl or grpo_step_vs_trl"
+    DEADLINE=$(( $(date +%s) + ${2:-570} ))
+    # The race's budget is the cap's, so that its runs (each given the time left) end before the cap: a call cut
+    # by its cap writes no figures at all.
+    FASTRLHF_RACE_BUDGET_S=$(left 600) gpu_bench "$(left 600)" bench-vllm-vs-trl "vllm_vs_trl"
+    if (( $(left 600) >= 200 )); then  # then the HF-engine race against TRL, where it fits
+      gpu_bench "$(left 600)" bench-hf-vs-trl "grpo_step_vs_trl"
+    fi
     ;;
   bench)
     gpu_bench "${2:-570}" bench-gpu "${3:-not vllm and not trl}"

@@ -168,7 +168,10 @@ def test_the_trl_call_unpacks_trl_from_beside_gpu_carry(device, tmp_path):
     for part in ("part-aa", "part-ab"):
         (root / ".vllm-carry" / part).write_bytes(b"x")
     rc, log, calls = run("trl")
-    assert "TRL's races are skipped" in log and "-k vllm_vs_trl or grpo_step_vs_trl" in calls[-1], (log, calls)
+    race, hf_race = calls[-2:]
+    assert "TRL's races are skipped" in log and race.split(" -k ")[1].startswith("vllm_vs_trl "), (log, calls)
+    assert 560 <= int(race.rsplit("budget=", 1)[1]) <= 570, calls  # the race ends its runs before the call's cap
+    assert " -k grpo_step_vs_trl " in hf_race, calls  # then the HF-engine race, in the time left
     (tmp_path / "src" / "trl").mkdir(parents=True)
     (tmp_path / "src" / "trl" / "marker.py").write_text("")
     (root / ".trl-carry").mkdir()
