@@ -67,7 +67,7 @@ config = resolve_precision(TrainConfig(
     data=DataConfig(prompts="unused"), reward=RewardConfig(function="length"),
     trainer=TrainerConfig(max_steps=1, prompts_per_step=2, minibatch_size=4, kl_coef=0.05),
     rollout=RolloutConfig(n=2, max_new_tokens=4, max_logprob_mismatch=None), algorithm="grpo"), on_gpu=True)
-assert cpu_tools() is None and vllm_adapter._in_place_updaters() == ()
+assert cpu_tools() is None and vllm_adapter._in_place_updaters() == (vllm_adapter.load_in_place_on_cuda,)
 with OtherDevice() as dev:                      # the models on a second device: every branch a GPU takes
     actor = dev.move(make_tiny_llama(vocab_size=64, hidden_size=32, num_heads=1).train())
     reference = dev.move(make_tiny_llama(vocab_size=64, hidden_size=32, num_heads=1).eval())
