@@ -197,6 +197,16 @@ def test_step_memory_leaves_out_the_sleeping_engines_pool_that_torchs_counters_s
                       "memory/context_gib": 1.0}, memory
 
 
+def test_the_context_of_a_step_that_ends_with_the_engine_asleep_leaves_the_pool_out(monkeypatch):
+    """What the device holds beyond the allocator, read while the engine sleeps (a step whose sync did not run):
+    the counters' reserved bytes include the sleeping pool, which the device does not hold."""
+    counters = FakeCudaCounters(held=20 * GiB, pool=4 * GiB, context=1 * GiB)
+    counters.install(monkeypatch)
+    counters.asleep = True
+    clock = StepClock(torch.device("cuda"), uncounted=lambda: counters.pool if counters.asleep else 0)
+    assert clock.memory()["memory/context_gib"] == 1.0  # not 1 - 4
+
+
 class BrokenWakeEngine(RecordingEngine):
     """Comes back from sleep with other weights than it was given (what a failed wake-up looks like)."""
 
