@@ -8,7 +8,7 @@ mirrors equal to their sources.
 
 from __future__ import annotations
 
-from fastrlhf.config.precision import trained_zero_stage
+from fastrlhf.config.precision import fp32_grad_accumulation, trained_zero_stage
 
 from .architecture import ModelShape
 
@@ -83,7 +83,7 @@ def trained_engine(name: str, params: int, trained: int, w: int, ds, gpus: int, 
     """Weights, gradients and optimizer states of one DeepSpeed engine, on the device or offloaded."""
     stage, on_host = trained_zero_stage(ds), device == "cpu"
     weights = params * w // (gpus if stage == 3 else 1)
-    grads = trained * w // (gpus if stage >= 2 else 1)
+    grads = trained * (4 if fp32_grad_accumulation(ds) else w) // (gpus if stage >= 2 else 1)
     states = trained * optimizer_bytes_per_param(ds, w) // (gpus if stage >= 1 else 1)
     if ds.offload_param and stage == 3 and not on_host:
         host[f"{name} weights"] = weights
@@ -130,11 +130,12 @@ def optimizer_step_temporaries(ds, trained_counts: list[int], gpus: int, device:
     turn): ZeRO 1-3 flatten the rank's gradient partition into fp32 (per ``sub_group_size`` at ZeRO-3);
     at ZeRO 1-2 with bf16/fp16 gradients (``w`` bytes) DeepSpeed first flattens them into one ``w``-byte
     copy, then casts that to fp32, so both exist at once (measured on one H100: the 1.5B model's ZeRO-2
-    step peaks at exactly the two over its held memory). The AdamW step itself is torch's fused kernel
-    (``fastrlhf.engine.guards.GuardedAdamW``), which makes no full-size temporary, so ZeRO-0 adds nothing.
-    Offloaded optimizer states step on the host."""
+    step peaked at exactly the two over its held memory when it summed in bf16). Where the micro-batches'
+    gradients are summed in fp32 (``fp32_grad_accumulation``, ZeRO-2) the step uses that partition as it is. The
+    AdamW step itself is torch's fused kernel (``fastrlhf.engine.guards.GuardedAdamW``), which makes no full-size
+    temporary, so ZeRO-0 adds nothing. Offloaded optimizer states step on the host."""
     stage = trained_zero_stage(ds)
-    if stage == 0 or (ds.offload_optimizer and device == "cuda"):
+    if stage == 0 or (ds.offload_optimizer and device == "cuda") or fp32_grad_accumulation(ds):
         return 0
     z = (ds.extra or {}).get("zero_optimization", {}) if isinstance(ds.extra, dict) else {}
     shard = max(trained_counts) // gpus

@@ -158,7 +158,7 @@ class MemoryPlan:
             if names:
                 mark = "  <- peak" if phase == self.peak_phase else ""
                 lines.append(row("  " + phase, _gib(sum(self.components[n] for n in names))) + mark)
-                if len(names) > 1:
+                if len(names) > 1 or sum(names[0] in other for other in self.phases.values()) > 1:
                     lines += [row("    " + name, _gib(self.components[name])) for name in names]
         lines += [row("total (peak)", _gib(self.total)),
                   row("budget", _gib(self.budget)) + f"   ({MARGIN_FRACTION:.0%} kept free: "
@@ -380,6 +380,12 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
         # Rounds of dynamic sampling and validation score beside the awake engine: its memory is back.
         generation["reward model activations"] = C.forward_activations(config, rm, C.forward_micro(config, micro), w)
     step = {"optimizer step temporaries": C.optimizer_step_temporaries(ds, trained, gpus, device, w)}
+    if device == "cuda" and C.trained_zero_stage(ds) in (1, 2) and not ds.offload_optimizer:
+        # DeepSpeed's ZeRO 1-2 step frees the gradients it stepped; the first backward of the next update makes
+        # them again (measured on an H100: the generation and scoring stages hold none). A CPU's heap keeps
+        # what was freed: there they stay held.
+        for name in [k for k in trainer if k.endswith(" gradients")]:
+            update[name] = step[name] = trainer.pop(name)
     sync = {}
     if not shares_actor:  # fastrlhf.rollout.weight_sync: a bucket gathered (ZeRO-3) and/or converted at a time
         copies = (ds.zero_stage == 3) + (rollout_bytes != w)
