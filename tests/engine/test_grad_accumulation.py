@@ -110,3 +110,47 @@ def test_where_gradients_are_summed_in_fp32(changes, fp32):
     assert (config.get("data_types") == {"grad_accum_dtype": "fp32"}) is fp32
     if not ds.extra:  # deepspeed.extra goes verbatim into every engine's config
         assert "data_types" not in deepspeed_config(ds, trainable=False)
+
+
+def _two_ranks(rank, port, out):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    from deepspeed.utils import safe_get_full_grad
+
+    engine, reference = _engine()
+    try:
+        batches = _batches()
+        shares = batches[rank::2] + batches[rank::2]  # each rank its own micro-batches
+        expected = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in reference.named_parameters()}
+        for i, ids in enumerate(shares):
+            (reference(input_ids=ids, labels=ids).loss / GRAD_ACCUM).backward()
+            for n, p in reference.named_parameters():
+                expected[n] += p.grad.float()
+                p.grad = None
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            if i < GRAD_ACCUM - 1:
+                engine.step()
+        out[f"expected{rank}"] = expected
+        out[f"full{rank}"] = {n: safe_get_full_grad(p).float().clone() for n, p in engine.module.named_parameters()}
+        out[f"dtypes{rank}"] = sorted({str(g.dtype) for g in engine.optimizer.averaged_gradients[0]})
+        engine.step()
+        out[f"steps{rank}"] = engine.global_steps
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_sum_their_partitions_in_fp32():
+    """With data parallelism each rank holds its partition of the ranks' mean gradient; each micro-batch is
+    reduced in bf16 (DeepSpeed's communication dtype) before its fp32 sum, so it equals the fp32 sum of the
+    ranks' mean within bf16's rounding of the 4 micro-batches; a misplaced partition would be off by whole
+    gradients."""
+    from helpers.launch import spawn_ranks
+
+    out = spawn_ranks(_two_ranks)
+    assert out["steps0"] == out["steps1"] == 1 and out["dtypes0"] == out["dtypes1"] == ["torch.float32"]
+    for n, full in out["full0"].items():
+        mean = (out["expected0"][n] + out["expected1"][n]) / 2
+        torch.testing.assert_close(full, out["full1"][n], rtol=0, atol=0)
+        torch.testing.assert_close(full, mean, rtol=2e-2, atol=2e-2 * mean.abs().max().item())
