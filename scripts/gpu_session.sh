@@ -32,6 +32,8 @@
 #   bash scripts/gpu_session.sh tests [CAP_S]      carry: .gpu-carry. tests/gpu without vLLM: kernels at
 #        V=151,936, the update's host reads, every command through the launcher, the plan against the peak.
 #   bash scripts/gpu_session.sh bench [CAP_S] [K]: the benchmarks that need neither vLLM nor TRL (-k K: some).
+#        Like `tests`, it keeps a vLLM part it carries (.vllm-carry/part-aa and unpack.sh beside .gpu-carry: 53 MiB),
+#        so that it can be a session's first call and the `vllm` call after it carries part-ab only.
 #        Issue #43's before and after in one call: K="lm_head or rl_update" (the fused loss with and without
 #        the row kernel and the GEMM's fp32 sum, each profiled; the 1.5B update with and without checkpointing
 #        and with Liger's layer kernels).
@@ -102,10 +104,17 @@ left() {
 
 # vLLM 0.26.0 and the packages the image lacks, once every part is here: unpack.sh knows its parts (two, or one
 # with vllm_carry.sh's HOPPER_ONLY=1) and exits 3 while one is missing; its env.sh puts them first on PYTHONPATH.
+# keep_vllm_parts: whatever part of vLLM this call carried, kept outside the checkout for a later call (any call may
+# deliver one: a `bench` call carrying part-aa leaves the `vllm` call after it only part-ab to carry).
+keep_vllm_parts() {
+  mkdir -p "$VPARTS"
+  cp .vllm-carry/part-* .vllm-carry/unpack.sh "$VPARTS"/ 2>/dev/null
+  ls .vllm-carry/part-* >/dev/null 2>&1 && echo "vLLM parts kept for the next call: $(ls "$VPARTS" | tr '\n' ' ')"
+  return 0
+}
 with_vllm() {
   if [ ! -f "$VSITE/env.sh" ]; then
-    mkdir -p "$VPARTS"
-    cp .vllm-carry/part-* .vllm-carry/unpack.sh "$VPARTS"/ 2>/dev/null
+    keep_vllm_parts
     [ -f "$VPARTS/unpack.sh" ] || { echo "vLLM: no unpack.sh yet: carry .vllm-carry/unpack.sh with a part"; return 1; }
     VSITE=$VSITE bash "$VPARTS/unpack.sh"
     case $? in
@@ -133,6 +142,7 @@ with_trl() {
 
 case "$MODE" in
   tests)
+    keep_vllm_parts
     gpu_tests "${2:-560}" test-gpu "not vllm"
     ;;
   vllm)
@@ -178,6 +188,7 @@ case "$MODE" in
     fi
     ;;
   bench)
+    keep_vllm_parts
     gpu_bench "${2:-570}" bench-gpu "${3:-not vllm and not trl}"
     ;;
 esac

@@ -138,6 +138,21 @@ def test_a_one_part_vllm_carry_unpacks_in_its_first_call(device):
     assert "unpack" not in calls and "-k vllm_vs_hf" in calls[-1], (log, calls)
 
 
+def test_a_bench_call_delivers_the_first_vllm_part_for_the_vllm_call_after_it(device):
+    """A session's first call can measure issue #43's benchmarks while it brings part-aa: the `vllm` call after it
+    carries part-ab alone and unpacks both."""
+    root, run = device
+    (root / ".vllm-carry" / "part-aa").write_bytes(b"a")
+    rc, log, calls = run("bench", "200", "lm_head")
+    assert rc == 0 and "-k lm_head" in calls[0] and "unpack" not in calls and len(calls) == 1, (log, calls)
+    assert "vLLM parts kept for the next call: part-aa unpack.sh" in log, log
+    (root / ".vllm-carry" / "part-aa").unlink()
+    (root / ".vllm-carry" / "unpack.sh").unlink()  # that call carries part-ab and nothing else of vLLM's
+    (root / ".vllm-carry" / "part-ab").write_bytes(b"b")
+    rc, log, calls = run("vllm", "300", "ppo-vllm")
+    assert rc == 0 and calls[0] == "unpack" and "-k ppo-vllm" in calls[1], (log, calls)
+
+
 def test_failed_vllm_tests_are_followed_by_the_engine_alone_then_the_race(device):
     root, run = device
     for part in ("part-aa", "part-ab"):
