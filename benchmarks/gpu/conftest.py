@@ -82,6 +82,11 @@ def pytest_terminal_summary(terminalreporter):
                 lines += [f"{key}:", "", "| kernel | calls | ms | share |", "|---|---|---|---|"]
                 lines += [f"| `{name}` | {calls} | {ms} | {share:.1%} |" for name, calls, ms, share in rows]
                 lines.append("")
+            if key.endswith("profile_stages") and rows:  # a profiled step's stages (trainer.profile_step)
+                lines += [f"{key}:", "", "| stage | calls | wall ms | device ms | busy |", "|---|---|---|---|---|"]
+                lines += [f"| {stage} | {s['calls']} | {s['wall_ms']} | {s['device_ms']} | {s['busy']} |"
+                          for stage, s in rows.items()]
+                lines.append("")
     path = os.path.join(_out_dir(config), "bench-gpu.md")
     with open(path, "w") as f:
         f.write("\n".join(lines))

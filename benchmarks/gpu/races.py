@@ -107,15 +107,12 @@ def gemm_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = tor
     return 2 * size**3 / (stats["time_ms"] / 1e3) / 1e12
 
 
-GEMM_KERNEL_WORDS = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
-                     "aten::matmul", "aten::linear")
-
-
 def profile_kernels(step, device: torch.device, top: int = 10) -> dict:
-    """One warm call of ``step`` under torch.profiler, its time summed by kernel name: on CUDA the device time of
-    each kernel (self), elsewhere the CPU time of each op (self). Returns the ``top`` names with their calls,
-    milliseconds and share of the whole, the whole, and the share of GEMM kernels (by name)."""
+    """One warm call of ``step`` under torch.profiler, its time summed by kernel name
+    (:func:`fastrlhf.engine.step_profile.summarize_kernels`)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from fastrlhf.engine.step_profile import summarize_kernels
 
     cuda = device.type == "cuda"
     step()  # warm: compiled kernels, allocator blocks
@@ -123,22 +120,7 @@ def profile_kernels(step, device: torch.device, top: int = 10) -> dict:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
         sync(device)
-    rows = []
-    for e in prof.key_averages():
-        if cuda:
-            if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
-                continue
-            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-        else:
-            us = e.self_cpu_time_total
-        if us > 0 and not e.key.startswith("ProfilerStep"):
-            rows.append((e.key, int(e.count), us / 1e3))
-    rows.sort(key=lambda r: -r[2])
-    whole = sum(r[2] for r in rows) or 1.0
-    gemm = sum(r[2] for r in rows if any(w in r[0].lower() for w in GEMM_KERNEL_WORDS))
-    return dict(profile_ms=round(whole, 3), profile_gemm_share=round(gemm / whole, 4),
-                profile_top=[[name[:120], calls, round(ms, 3), round(ms / whole, 4)] for name, calls, ms in rows[:top]],
-                profile_of="CUDA kernels (device time)" if cuda else "CPU ops (self time)")
+    return summarize_kernels(prof, cuda, top)
 
 
 def _accepted(fn, kwargs: dict) -> tuple[dict, list[str]]:
@@ -519,11 +501,15 @@ def run_child(race: str, params: dict, timeout_s: float = 600.0, device: str = "
 
 def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf") -> dict:
     """``fastrlhf train`` through DeepSpeed's launcher on one device (``engine``: ``hf``, or ``vllm`` in the
-    trainer's process, asleep during the update on CUDA); the per-step figures of its metrics.jsonl."""
+    trainer's process, asleep during the update on CUDA); the per-step figures of its metrics.jsonl. With
+    ``spec["profile"]`` (the races' default) one more step runs under ``trainer.profile_step``, left out of the
+    figures: its stages' wall and device time and its largest kernels (``profile_stages``, ``profile_top``). A run
+    that fails in that step keeps the figures of the steps before it."""
     import yaml
 
     from fastrlhf.distributed import free_port
 
+    profiled = spec["steps"] + 1 if spec.get("profile", True) else None
     out_dir = os.path.join(work, "fastrlhf" if engine == "hf" else f"fastrlhf-{engine}")
     vllm = {"engine": "vllm", "sleep": spec["device"] == "cuda", "max_logprob_mismatch": None}
     raw = {
@@ -533,7 +519,8 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf") ->
         "data": {"prompts": spec["prompts_file"], "max_prompt_len": spec["prompt_len"]},
         "rollout": {"engine": "hf", "n": spec["n"], "temperature": 1.0, "max_new_tokens": spec["new_tokens"],
                     "max_logprob_mismatch": None, **(vllm if engine == "vllm" else {})},
-        "trainer": {"max_steps": spec["steps"], "prompts_per_step": spec["prompts"],
+        "trainer": {"max_steps": profiled or spec["steps"], "profile_step": profiled,
+                    "prompts_per_step": spec["prompts"],
                     "minibatch_size": spec["prompts"] * spec["n"], "grad_accum": spec["grad_accum"], "lr": 1e-6,
                     "agg": AGG, **LOSS, "save_final": False, "log_every": 1},
         "deepspeed": {"zero_stage": 2},
@@ -541,11 +528,31 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf") ->
     path = out_dir + ".yaml"
     with open(path, "w") as f:
         yaml.safe_dump(raw, f)
+    failed = None
     with DevicePeak(spec["device"]) as device_peak:
-        _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(free_port()),
-              "--module", "fastrlhf", "train", "--config", path], _child_env(spec["device"]), timeout_s)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, filter(str.strip, f)) if "step_time" in r]
+        try:
+            _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+                  str(free_port()), "--module", "fastrlhf", "train", "--config", path], _child_env(spec["device"]),
+                 timeout_s)
+        except RuntimeError as e:
+            failed = e
+    metrics_file = os.path.join(out_dir, "metrics.jsonl")
+    rows = []
+    if os.path.exists(metrics_file):
+        with open(metrics_file) as f:
+            rows = [r for r in map(json.loads, filter(str.strip, f)) if "step_time" in r]
+    rows = [r for r in rows if r.get("step", 0) <= spec["steps"]]
+    if failed is not None and (profiled is None or len(rows) < spec["steps"]):
+        raise failed
+    profile = {}
+    profile_file = os.path.join(out_dir, "profile", f"step-{profiled}-rank-0.json")
+    if profiled and os.path.exists(profile_file):
+        with open(profile_file) as f:
+            p = json.load(f)
+        profile = dict(profile_stages=p["stages"], profile_top=p["profile_top"],
+                       profile_gemm_share=p["profile_gemm_share"])
+    elif profiled:
+        profile = dict(profile_error=str(failed)[-1500:] if failed else "no profile written")
     steps = [dict(step_s=r.get("wall_time", r["step_time"]), tokens=r["generated_tokens"],
                   generate_s=r["time/generate"], score_s=r["time/score"], train_s=r["time/train"],
                   sync_s=r["time/sync"],
@@ -556,7 +563,7 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf") ->
     peaks = [s["peak_gib"] for s in steps if s["peak_gib"] is not None]
     contexts = [s["context_gib"] for s in steps if s["context_gib"] is not None]
     return dict(steps=steps, peak_gib=max(peaks) if peaks else None, context_gib=max(contexts) if contexts else None,
-                device_peak_gib=device_peak.gib)
+                device_peak_gib=device_peak.gib, **profile)
 
 
 class DevicePeak:
@@ -691,7 +698,7 @@ def grpo_vs_trl(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 
                                           device)
         for name, r in results.items():
             _run_figures(out, name, r, warmup, ("peak_gib", "context_gib", "weights_dtype", "liger_flag",
-                                                "ignored_args"))
+                                                "ignored_args", *PROFILE_KEYS))
         for other in ("trl", "trl_liger"):
             _ratio(out, f"speedup_vs_{other}", f"{other}_step_s", "fastrlhf_step_s")
             _ratio(out, f"memory_ratio_vs_{other}", "fastrlhf_peak_gib", f"{other}_peak_gib")
@@ -745,7 +752,7 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
             except (RuntimeError, OSError) as e:  # the others' figures still count
                 out[f"{name}_error"] = str(e)[-3000:]
                 continue
-            _run_figures(out, name, r, warmup, ("device_peak_gib", "peak_gib", "liger_flag"))
+            _run_figures(out, name, r, warmup, ("device_peak_gib", "peak_gib", "liger_flag", *PROFILE_KEYS))
         _ratio(out, "vllm_over_hf", "fastrlhf_hf_step_s", "fastrlhf_vllm_step_s")
         for other in ("trl_vllm", "trl_vllm_liger"):
             _ratio(out, f"speedup_vs_{other}", f"{other}_step_s", "fastrlhf_vllm_step_s")
@@ -796,6 +803,10 @@ def _write_prompts(spec: dict, vocab: int) -> None:
     with open(spec["prompts_file"], "w") as f:
         for ids in torch.randint(3, vocab - 2, (spec["prompts"], spec["prompt_len"]), generator=g).tolist():
             f.write(json.dumps({"prompt_ids": ids, "prompt": " ".join(f"t{i}" for i in ids)}) + "\n")
+
+
+# What run_fastrlhf reads from its profiled step (trainer.profile_step).
+PROFILE_KEYS = ("profile_stages", "profile_top", "profile_gemm_share", "profile_error")
 
 
 def _run_figures(out: dict, name: str, r: dict, warmup: int, keys) -> None:

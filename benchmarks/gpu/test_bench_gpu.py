@@ -31,7 +31,9 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    the trainer's process (asleep during the update), 8 prompts x 8 completions of 128 + 256 tokens, against the
    same steps with HF ``generate`` (target: >= 5x), and against TRL's colocated vLLM with sleep mode, without and
    with Liger (targets: >= 1.5x, <= 0.8x its device memory); the sync of the 1.5B model (<= 100 ms) and the
-   logprob mismatch (<= 0.02 per token). Each fits one device call (vLLM is unpacked by the second call of
+   logprob mismatch (<= 0.02 per token). Each fastrlhf run of these GRPO races (3. and 5.) runs one more step under
+   ``trainer.profile_step``, left out of its figures: each stage's wall and device time and the largest kernels
+   (``*_profile_stages``, ``*_profile_top``), where the step's time goes. Each fits one device call (vLLM is unpacked by the second call of
    scripts/gpu_session.sh; skipped where it is missing).
 
 Targets are reported (``targets_met``); a miss fails only with ``FASTRLHF_BENCH_STRICT=1``.

@@ -9,6 +9,7 @@ are installed and are skipped with the reason otherwise. Skipped on a CUDA machi
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -86,6 +87,9 @@ def test_grpo_vs_trl():
     r = races.grpo_vs_trl(device="cpu", shape="tiny", prompts=2, n=4, prompt_len=8, new_tokens=8, grad_accum=2,
                           steps=2, runs=("fastrlhf", "trl"), timeout_s=180)
     assert len(r["fastrlhf_steps_s"]) == 2 and r["fastrlhf_step_s"] > 0, r
+    # one more step under the profiler, left out of the figures: where the step's time goes, by stage
+    assert {"generate", "score", "train"} <= r["fastrlhf_profile_stages"].keys(), r
+    assert r["fastrlhf_profile_top"] and "fastrlhf_profile_error" not in r, r
     if importlib.util.find_spec("trl") is None:
         assert "not installed" in r["trl_skipped"], r
     else:
@@ -109,6 +113,7 @@ def test_grpo_engines():
         assert r[f"{name}_generated_tokens_per_s"] > 0 and r[f"{name}_trained_tokens_per_s"] > 0, r
     assert r["fastrlhf_vllm_sync_ms"] > 0 and r["fastrlhf_vllm_sync_gb_per_s"] > 0, r  # its own copy, synced
     assert "fastrlhf_hf_sync_ms" not in r, r  # the HF engine generates with the actor's weights: no sync
+    assert {"generate", "score", "train", "sync"} <= r["fastrlhf_vllm_profile_stages"].keys(), r  # profiled
     assert 0 <= r["fastrlhf_vllm_mismatch"] < 1e-3 and r["vllm_over_hf"] > 0, r
     assert "fastrlhf_vllm_device_peak_gib" not in r and r["targets_met"] is False, r  # no device memory on a CPU
 
@@ -139,3 +144,25 @@ def test_the_engine_race_gives_each_run_the_time_left_and_keeps_the_others_figur
     assert stages == {"generate": 1.0, "score": 0.3, "train": 0.6, "sync": 0.1}, r  # where the step's time goes
     assert "30 s of the race's 230 s left" in r["fastrlhf_vllm_skipped"], r  # below MIN_RUN_S: not begun
     assert "vllm_over_hf" not in r and r["targets_met"] is False, r
+
+
+def test_a_run_that_fails_in_its_profiled_step_keeps_the_steps_before(monkeypatch, tmp_path):
+    """The profiled step is one more than the race's: a failure there (the profiler beside vLLM's CUDA graphs, a
+    cap reached) keeps the race's steps; one before them still fails the run."""
+    spec = dict(device="cpu", model_dir="m", prompts_file="p", prompt_len=8, n=4, new_tokens=8, prompts=2,
+                grad_accum=2, steps=2)
+
+    def fake_run(cmd, env, timeout_s, last=3):
+        out = tmp_path / "fastrlhf"
+        out.mkdir(exist_ok=True)
+        rows = [{"step": s, "step_time": 1.0, "wall_time": 1.0, "generated_tokens": 8, "time/generate": 0.5,
+                 "time/score": 0.1, "time/train": 0.3, "time/sync": 0.0, "rank_tokens": 16} for s in (1, 2, 3)]
+        (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:last - 1]))
+        raise RuntimeError(f"exit 1: broke in step {last}")
+
+    monkeypatch.setattr(races, "_run", fake_run)
+    r = races.run_fastrlhf(spec, str(tmp_path), 60)
+    assert len(r["steps"]) == 2 and "broke in step 3" in r["profile_error"], r
+    monkeypatch.setattr(races, "_run", lambda *a: fake_run(*a, last=2))
+    with pytest.raises(RuntimeError, match="broke in step 2"):
+        races.run_fastrlhf(spec, str(tmp_path), 60)

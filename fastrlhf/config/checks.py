@@ -115,6 +115,7 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
     _positive(t.keep_checkpoints, f"{prefix}.keep_checkpoints", strict=False)
     _positive(t.max_skipped_steps, f"{prefix}.max_skipped_steps")
     _positive(t.log_every, f"{prefix}.log_every")
+    _positive(t.profile_step, f"{prefix}.profile_step")
     for name in ("wandb_project", "wandb_run_name"):
         if getattr(t, name) is not None and not t.wandb:
             raise ConfigError(f"{prefix}.{name}", f"needs {prefix}.wandb (offline or online), which is off")

@@ -188,6 +188,9 @@ class LoopConfig:
     save_final: bool = True
     max_skipped_steps: int = 3
     log_every: int = 1
+    # Step N under torch.profiler: each stage's wall and device time, the largest kernels, and a timeline, in
+    # output_dir/profile (fastrlhf.engine.step_profile); null: none
+    profile_step: int | None = None
     tensorboard: bool = False
     # Weights & Biases (when installed): false; true or offline (a local run under output_dir/wandb, `wandb sync`
     # uploads it); online (streamed to the W&B server: needs `wandb login` or WANDB_API_KEY)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from fastrlhf import distributed as D
 from fastrlhf.engine.checkpoint import load_latest, save_checkpoint
 from fastrlhf.engine.guards import StepFailed, TooManySkippedSteps
+from fastrlhf.engine.step_profile import profile_step
 
 __all__ = ["resume_step", "run_steps", "write_run_config"]
 
@@ -80,7 +81,8 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
     step = start_step
     try:
         for step in range(start_step + 1, t.max_steps + 1):
-            metrics = step_fn(step)
+            with profile_step(config, step, D.rank()):
+                metrics = step_fn(step)
             stop = bool(metrics.pop("stop", False))
             if step % t.log_every == 0 or step == t.max_steps or stop or metrics["skipped"]:
                 logger.log(step, metrics)

@@ -12,6 +12,7 @@ import torch
 
 from fastrlhf.algorithms import masked_mean
 from fastrlhf.distributed import comm
+from fastrlhf.engine.step_profile import STAGE_PREFIX
 
 __all__ = ["StepClock", "logprob_mismatch", "probe_rows", "reduce_step_metrics"]
 
@@ -88,7 +89,8 @@ class StepClock:
             self.restart_peak(name)
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(STAGE_PREFIX + name):  # trainer.profile_step's stages
+                yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
             if tracked:

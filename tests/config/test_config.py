@@ -100,6 +100,8 @@ def test_valid_grpo_config_has_defaults(paths):
         ({"trainer": {"filter_groups": True, "adv_estimator": "reinforce_plus_plus"}}, "trainer.filter_groups",
          "reinforce_plus_plus does not (use grpo, rloo or reinforce_plus_plus_baseline)"),
         ({"trainer": {"max_sampling_rounds": 0}}, "trainer.max_sampling_rounds", "> 0"),
+        ({"trainer": {"profile_step": 0}}, "trainer.profile_step", "> 0"),
+        ({"trainer": {"profile_step": 1.5}}, "trainer.profile_step", "expected an integer"),
         ({"trainer": {"kl_target": 0.02, "kl_coef": 0.0}}, "trainer.kl_target", "which is 0 (no KL term"),
         ({"trainer": {"kl_target": -0.1}}, "trainer.kl_target", "> 0"),
         ({"trainer": {"kl_target": 0.02, "kl_horizon": 3}}, "trainer.kl_horizon",

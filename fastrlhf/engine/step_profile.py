@@ -1,0 +1,98 @@
+"""``trainer.profile_step: N``: step N of a run under torch.profiler, summed where one looks first.
+
+Each rank writes ``output_dir/profile/step-N-rank-R.json``:
+
+- ``stages``: each stage of the step (the RL step's ``generate``, ``score``, ``train``, ``sync``, which
+  :class:`fastrlhf.rl.step_metrics.StepClock` marks ``fastrlhf:<stage>``): its wall time and, on CUDA, the
+  device time of the kernels it launched, and their ratio (``busy``). A stage far under 1 waits on the host
+  (Python, launches, host reads), one near 1 on its kernels;
+- ``top``: the largest kernels by device time (CUDA), or ops by CPU time (elsewhere), with their calls and share,
+  and the share of GEMMs;
+
+and ``step-N-rank-R.trace.json.gz``, the timeline (chrome://tracing, Perfetto). The profiled step runs slower
+than the others (the profiler's own cost); its metrics are logged as any step's. The benchmarks sum one call's
+kernels with :func:`summarize_kernels` as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import shutil
+
+__all__ = ["GEMM_KERNEL_WORDS", "STAGE_PREFIX", "profile_step", "summarize_kernels"]
+
+STAGE_PREFIX = "fastrlhf:"
+GEMM_KERNEL_WORDS = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+                     "aten::matmul", "aten::linear")
+
+
+def summarize_kernels(prof, cuda: bool, top: int = 10) -> dict:
+    """A finished profile's time summed by kernel name: on CUDA each kernel's device time (self), elsewhere each op's
+    CPU time (self). The ``top`` names with their calls, milliseconds and share of the whole, the whole, and the
+    share of GEMM kernels (by name)."""
+    import torch
+
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        else:
+            us = e.self_cpu_time_total
+        if us > 0 and not e.key.startswith(("ProfilerStep", STAGE_PREFIX)):
+            rows.append((e.key, int(e.count), us / 1e3))
+    rows.sort(key=lambda r: -r[2])
+    whole = sum(r[2] for r in rows) or 1.0
+    gemm = sum(r[2] for r in rows if any(w in r[0].lower() for w in GEMM_KERNEL_WORDS))
+    return dict(profile_ms=round(whole, 3), profile_gemm_share=round(gemm / whole, 4),
+                profile_top=[[name[:120], calls, round(ms, 3), round(ms / whole, 4)] for name, calls, ms in rows[:top]],
+                profile_of="CUDA kernels (device time)" if cuda else "CPU ops (self time)")
+
+
+def _stages(prof, cuda: bool) -> dict:
+    """Each ``fastrlhf:<stage>`` range's wall time and the device time of the kernels launched inside it."""
+    import torch
+
+    out: dict = {}
+    for e in prof.key_averages():
+        if not e.key.startswith(STAGE_PREFIX) or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            continue
+        wall = e.cpu_time_total / 1e3
+        device = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)) / 1e3 if cuda else None
+        out[e.key[len(STAGE_PREFIX):]] = dict(calls=int(e.count), wall_ms=round(wall, 3),
+                                               device_ms=None if device is None else round(device, 3),
+                                               busy=None if device is None or wall <= 0 else round(device / wall, 4))
+    return out
+
+
+@contextlib.contextmanager
+def profile_step(config, step: int, rank: int = 0):
+    """Runs the block (one step) under torch.profiler where ``step`` is ``trainer.profile_step``, then writes its
+    summary and timeline; elsewhere just runs it. CUDA is profiled where the run has initialised it (a CPU run
+    never does)."""
+    if getattr(config.trainer, "profile_step", None) != step:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()  # the step's last kernels belong to it
+    folder = os.path.join(config.output_dir, "profile")
+    os.makedirs(folder, exist_ok=True)
+    stem = os.path.join(folder, f"step-{step}-rank-{rank}")
+    summary = dict(step=step, rank=rank, device=torch.cuda.get_device_name() if cuda else "cpu",
+                   stages=_stages(prof, cuda), **summarize_kernels(prof, cuda, top=20))
+    with open(stem + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    prof.export_chrome_trace(stem + ".trace.json")
+    with open(stem + ".trace.json", "rb") as src, gzip.open(stem + ".trace.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(stem + ".trace.json")
