@@ -33,8 +33,8 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    with Liger (targets: >= 1.5x, <= 0.8x its device memory); the sync of the 1.5B model (<= 100 ms) and the
    logprob mismatch (<= 0.02 per token). Each fastrlhf run of these GRPO races (3. and 5.) runs one more step under
    ``trainer.profile_step``, left out of its figures: each stage's wall and device time and the largest kernels
-   (``*_profile_stages``, ``*_profile_top``), where the step's time goes. Each fits one device call (vLLM is unpacked by the second call of
-   scripts/gpu_session.sh; skipped where it is missing).
+   (``*_profile_stages``, ``*_profile_top``), where the step's time goes. Each fits one device call (vLLM is
+   unpacked by the second call of scripts/gpu_session.sh; skipped where it is missing).
 
 Targets are reported (``targets_met``); a miss fails only with ``FASTRLHF_BENCH_STRICT=1``.
 """
