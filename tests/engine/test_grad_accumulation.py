@@ -29,12 +29,11 @@ def _batches():
     return [torch.randint(3, 96, (1, 24), generator=g) for _ in range(GRAD_ACCUM)]
 
 
-def _accumulate(engine, reference):
-    """The gradient partition DeepSpeed holds for its step after ``GRAD_ACCUM`` micro-batches (the last one's
-    ``engine.step()`` left to the caller), by parameter name, and the same micro-batches' bf16 gradients summed in
-    fp32 by hand."""
+def _micro_batches(engine, reference, batches) -> dict:
+    """``GRAD_ACCUM`` micro-batches through the engine (the last one's ``engine.step()`` left to the caller) and
+    the reference; the reference's bf16 gradients summed in fp32 by hand, by parameter name."""
     expected = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in reference.named_parameters()}
-    for i, ids in enumerate(_batches()):
+    for i, ids in enumerate(batches):
         (reference(input_ids=ids, labels=ids).loss / GRAD_ACCUM).backward()
         for n, p in reference.named_parameters():
             expected[n] += p.grad.float()
@@ -42,6 +41,13 @@ def _accumulate(engine, reference):
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         if i < GRAD_ACCUM - 1:
             engine.step()  # counts the micro-batch; DeepSpeed steps at the last one (the caller's)
+    return expected
+
+
+def _accumulate(engine, reference):
+    """The gradient partition DeepSpeed holds for its step after ``GRAD_ACCUM`` micro-batches, by parameter name,
+    and the fp32 sum of the same micro-batches' bf16 gradients."""
+    expected = _micro_batches(engine, reference, _batches())
     opt = engine.optimizer
     names = {p: n for n, p in engine.module.named_parameters()}
     pairs = zip(opt.params_in_partition[0], opt.averaged_gradients[0], strict=True)
@@ -122,17 +128,7 @@ def _two_ranks(rank, port, out):
     engine, reference = _engine()
     try:
         batches = _batches()
-        shares = batches[rank::2] + batches[rank::2]  # each rank its own micro-batches
-        expected = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in reference.named_parameters()}
-        for i, ids in enumerate(shares):
-            (reference(input_ids=ids, labels=ids).loss / GRAD_ACCUM).backward()
-            for n, p in reference.named_parameters():
-                expected[n] += p.grad.float()
-                p.grad = None
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
-            if i < GRAD_ACCUM - 1:
-                engine.step()
-        out[f"expected{rank}"] = expected
+        out[f"expected{rank}"] = _micro_batches(engine, reference, batches[rank::2] * 2)  # each rank its own
         out[f"full{rank}"] = {n: safe_get_full_grad(p).float().clone() for n, p in engine.module.named_parameters()}
         out[f"dtypes{rank}"] = sorted({str(g.dtype) for g in engine.optimizer.averaged_gradients[0]})
         engine.step()
