@@ -6,8 +6,8 @@ Each rank writes ``output_dir/profile/step-N-rank-R.json``:
   :class:`fastrlhf.rl.step_metrics.StepClock` marks ``fastrlhf:<stage>``): its wall time and, on CUDA, the
   device time of the kernels it launched, and their ratio (``busy``). A stage far under 1 waits on the host
   (Python, launches, host reads), one near 1 on its kernels;
-- ``top``: the largest kernels by device time (CUDA), or ops by CPU time (elsewhere), with their calls and share,
-  and the share of GEMMs;
+- ``profile_top``: the largest kernels by device time (CUDA), or ops by CPU time (elsewhere), with their calls
+  and share; ``profile_gemm_share``: the GEMMs' share of the whole;
 
 and ``step-N-rank-R.trace.json.gz``, the timeline (chrome://tracing, Perfetto). The profiled step runs slower
 than the others (the profiler's own cost); its metrics are logged as any step's. The benchmarks sum one call's
@@ -62,7 +62,7 @@ def _stages(prof, cuda: bool) -> dict:
         if not e.key.startswith(STAGE_PREFIX) or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
             continue
         wall = e.cpu_time_total / 1e3
-        device = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)) / 1e3 if cuda else None
+        device = getattr(e, "device_time_total", 0.0) / 1e3 if cuda else None
         out[e.key[len(STAGE_PREFIX):]] = dict(calls=int(e.count), wall_ms=round(wall, 3),
                                                device_ms=None if device is None else round(device, 3),
                                                busy=None if device is None or wall <= 0 else round(device / wall, 4))
