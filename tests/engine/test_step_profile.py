@@ -7,21 +7,16 @@ import dataclasses
 import gzip
 import json
 
-import torch
-from helpers.rl_case import GRPO, PAD, PROMPTS, SCORES, FixedScorer, fixed_completions, make_config, tiny_actor
+from helpers.rl_case import GRPO, PROMPTS, fixed_completions, guarded_step, make_config
 
 from fastrlhf.engine.step_profile import profile_step
-from fastrlhf.rl.step import RLStep
 
 
 def _profiled(tmp_path, profile: int | None):
     hp = make_config(GRPO)
     hp = dataclasses.replace(hp, output_dir=str(tmp_path),
                              trainer=dataclasses.replace(hp.trainer, profile_step=profile))
-    actor = tiny_actor()
-    rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=tiny_actor().eval(),
-                actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-2), pad_token_id=PAD,
-                rollout_shares_actor=True)
+    rl, actor, _ = guarded_step(hp)
     for step in (1, 2):
         completions = fixed_completions(actor, hp.rollout.temperature)  # sampled from this step's weights
         with profile_step(hp, step, rank=0):

@@ -78,6 +78,18 @@ class FixedScorer:
         return self.scores.clone()
 
 
+def guarded_step(hp):
+    """An RLStep on ``hp`` with a tiny actor (AdamW at 1e-2), a tiny reference, the fixed scores and no rollout
+    engine of its own (completions are given); returns ``(rl_step, actor, optimizer)``."""
+    from fastrlhf.rl.step import RLStep
+
+    actor = tiny_actor()
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=tiny_actor().eval(),
+                actor_optimizer=opt, pad_token_id=PAD, rollout_shares_actor=True)
+    return rl, actor, opt
+
+
 def changed(a, b):
     return max(float((pa - pb).detach().abs().max()) for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
 

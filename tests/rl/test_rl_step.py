@@ -24,6 +24,7 @@ from helpers.rl_case import (
     changed,
     fixed_completions,
     flat,
+    guarded_step,
     make_config,
     tiny_actor,
     tiny_critic,
@@ -320,17 +321,9 @@ def test_gradient_checkpointing_changes_memory_not_the_update(case):
 # ----------------------------------------------------------------------------------------------
 
 
-def _guarded_step(hp):
-    actor = tiny_actor()
-    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
-    rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=tiny_actor().eval(),
-                actor_optimizer=opt, pad_token_id=PAD, rollout_shares_actor=True)
-    return rl, actor, opt
-
-
 def test_nan_reward_skips_step_and_keeps_parameters():
     hp = make_config(GRPO)
-    rl, actor, opt = _guarded_step(hp)
+    rl, actor, opt = guarded_step(hp)
     before = copy.deepcopy(actor)
     completions = fixed_completions(actor, hp.rollout.temperature)
     bad = SCORES.clone()
@@ -354,7 +347,7 @@ def test_a_step_with_no_finite_reward_logs_nan_as_numbers_not_a_made_up_0(tmp_pa
     from fastrlhf.engine.metrics import MetricsLogger, read_metrics
 
     hp = make_config(GRPO)
-    rl, actor, _ = _guarded_step(hp)
+    rl, actor, _ = guarded_step(hp)
     rl.scorer = FixedScorer(torch.full_like(SCORES, float("nan")))
     metrics = rl(PROMPTS, None, step=1, completions=fixed_completions(actor, hp.rollout.temperature))
     assert metrics["skipped"] == 1.0 and metrics["reward_nonfinite"] == float(SCORES.numel())
@@ -378,7 +371,7 @@ def test_truncated_completions_are_counted_and_can_get_their_own_reward():
     for truncated_reward in (None, -1.0):
         config = dataclasses.replace(make_config(GRPO), reward=RewardConfig(function="length",
                                                                           truncated_reward=truncated_reward))
-        rl, _, _ = _guarded_step(config)
+        rl, _, _ = guarded_step(config)
         exp = build_experience(PROMPTS, completions, PAD)
         seen[truncated_reward] = rl.score(exp, PROMPTS, completions, [{}] * len(PROMPTS))
         metrics = rl(PROMPTS, None, step=0, completions=completions)
@@ -394,7 +387,7 @@ def test_a_failing_reward_function_fails_the_step_before_any_update():
         def __call__(self, exp, prompts, completions, metas):
             raise RewardFunctionError("reward function 'f' raised KeyError on a batch of 12 completions: 'x'")
 
-    rl, actor, opt = _guarded_step(make_config(GRPO))
+    rl, actor, opt = guarded_step(make_config(GRPO))
     before = copy.deepcopy(actor)
     rl.scorer = Failing(SCORES)
     with pytest.raises(RewardFunctionError, match="'f' raised KeyError") as info:
@@ -406,7 +399,7 @@ def test_nan_loss_skips_update_and_keeps_parameters(monkeypatch):
     import fastrlhf.rl.step as step_module
 
     hp = make_config(GRPO)
-    rl, actor, opt = _guarded_step(hp)
+    rl, actor, opt = guarded_step(hp)
     before = copy.deepcopy(actor)
     completions = fixed_completions(actor, hp.rollout.temperature)
     real = step_module.policy_loss_from_model
