@@ -17,10 +17,8 @@ kernels with :func:`summarize_kernels` as well.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
-import shutil
 
 __all__ = ["GEMM_KERNEL_WORDS", "STAGE_PREFIX", "profile_step", "summarize_kernels"]
 
@@ -92,7 +90,4 @@ def profile_step(config, step: int, rank: int = 0):
                    stages=_stages(prof, cuda), **summarize_kernels(prof, cuda, top=20))
     with open(stem + ".json", "w") as f:
         json.dump(summary, f, indent=1)
-    prof.export_chrome_trace(stem + ".trace.json")
-    with open(stem + ".trace.json", "rb") as src, gzip.open(stem + ".trace.json.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(stem + ".trace.json")
+    prof.export_chrome_trace(stem + ".trace.json.gz")  # torch gzips a path ending in .gz
