@@ -87,12 +87,8 @@ gpu_bench() {
 # the race skips a run that would start late and gives each the time left (benchmarks/gpu/races.py), so that a
 # cut run still leaves the other's figures.
 RACE_MIN_S=${RACE_MIN_S:-240}
-race() {  # without RUNS, the benchmark's own (test_bench_gpu.py): both
-  if [ -n "${3:-}" ]; then
-    FASTRLHF_RACE_BUDGET_S=$1 FASTRLHF_RACE_RUNS=$3 gpu_bench "$1" "${2:-bench-vllm-vs-hf}" "vllm_vs_hf"
-  else
-    FASTRLHF_RACE_BUDGET_S=$1 gpu_bench "$1" "${2:-bench-vllm-vs-hf}" "vllm_vs_hf"
-  fi
+race() {  # without RUNS (empty), the benchmark's own (test_bench_gpu.py): both
+  FASTRLHF_RACE_BUDGET_S=$1 FASTRLHF_RACE_RUNS=${3:-} gpu_bench "$1" "${2:-bench-vllm-vs-hf}" "vllm_vs_hf"
 }
 # Where the race's HF run came back with its figures on this machine (call 1), so that call 2 runs the vLLM one.
 HF_RACED=$VPARTS/hf-raced

@@ -87,7 +87,7 @@ def test_layouts_1_5b(gpu_benchmark):
 def test_grpo_step_vllm_vs_hf(gpu_benchmark):
     # A lent machine's two vLLM calls may split the race (scripts/gpu_session.sh): the HF run in the call that
     # delivers vLLM's first part, the vLLM run in the next, on the same model and prompts (seed 0).
-    runs = os.environ.get("FASTRLHF_RACE_RUNS", "fastrlhf_vllm,fastrlhf_hf").split(",")
+    runs = (os.environ.get("FASTRLHF_RACE_RUNS") or "fastrlhf_vllm,fastrlhf_hf").split(",")  # unset or empty: both
     if "fastrlhf_vllm" in runs and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (the gpu extra; on the lent machines the second call of gpu_session.sh)")
     _race(gpu_benchmark, "grpo_engines", dict(device="cuda", runs=runs, **_budget()), timeout_s=570)
