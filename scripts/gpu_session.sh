@@ -101,8 +101,6 @@ left() {
   echo "$s"
 }
 
-# vLLM 0.26.0 and the packages the image lacks, once every part is here: unpack.sh knows its parts (two, or one
-# with vllm_carry.sh's HOPPER_ONLY=1) and exits 3 while one is missing; its env.sh puts them first on PYTHONPATH.
 # keep_vllm_parts: whatever part of vLLM this call carried, kept outside the checkout for a later call (any call may
 # deliver one: a `bench` call carrying part-aa leaves the `vllm` call after it only part-ab to carry).
 keep_vllm_parts() {
@@ -111,6 +109,8 @@ keep_vllm_parts() {
   ls .vllm-carry/part-* >/dev/null 2>&1 && echo "vLLM parts kept for the next call: $(ls "$VPARTS" | tr '\n' ' ')"
   return 0
 }
+# vLLM 0.26.0 and the packages the image lacks, once every part is here: unpack.sh knows its parts (two, or one
+# with vllm_carry.sh's HOPPER_ONLY=1) and exits 3 while one is missing; its env.sh puts them first on PYTHONPATH.
 with_vllm() {
   if [ ! -f "$VSITE/env.sh" ]; then
     keep_vllm_parts
