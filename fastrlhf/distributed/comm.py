@@ -103,14 +103,14 @@ def reduce_floats(values: list[float], op: str = "sum") -> list[float]:
 
 
 def _flag(flag) -> torch.Tensor:
-    if isinstance(flag, torch.Tensor):  # a device-side flag: reduced where it is, read once
-        return flag.detach().reshape(()).to(torch.int32)
+    if isinstance(flag, torch.Tensor):  # a device-side flag (or flags): reduced where it is, read once
+        return flag.detach().to(torch.int32)
     return torch.tensor(1 if flag else 0, dtype=torch.int32)
 
 
 def all_ranks_flag(flag) -> torch.Tensor:
-    """``flag`` AND-ed over ranks as a 0-dim int32 tensor where ``flag`` lives: no host read (a
-    collective when distributed; on NCCL it stays on the device)."""
+    """``flag`` (a bool, or a tensor of flags) AND-ed over ranks, elementwise, as int32 where it lives: no host
+    read (a collective when distributed; on NCCL it stays on the device)."""
     return all_reduce_(_flag(flag).clone(), "min")
 
 

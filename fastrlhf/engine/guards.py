@@ -4,6 +4,7 @@ The protocol, shared by the RL step and the supervised (SFT, RM) loop::
 
     guard.inputs_ok(*tensors)    # RL, before the update: anything non-finite it would consume skips the step
     guard.note_loss(loss)        # each micro-batch, before backward: a device flag, no host read
+    guard.note_trained(tokens)   # RL, each minibatch: its trained-token count, a device value
     guard.carry(metrics)         # device values the host wants after this optimizer step
     optimizer.step()             # GuardedAdamW (or TorchLearner) asks guard.should_skip(grads_finite), once:
                                  # ZeRO-3's further sub-group steps follow that decision until note_loss/carry
@@ -15,6 +16,10 @@ Every question is answered for all ranks together (one tiny collective), so rank
 different branches. The final decision is taken inside the optimizer because that is the one place
 that sees the reduced, clipped, possibly partitioned gradients under every ZeRO stage: a skipped
 update leaves parameters and optimizer moments untouched and drops the gradients.
+
+An optimizer step that trains no token on any rank (every completion of its minibatch cut by
+``trainer.mask_truncated_completions``, say) is dropped the same way, but it is not a bad step: its
+gradients are zeros, and AdamW would still move every weight by its momentum and weight decay.
 
 That decision is the update's one host read per optimizer step (on a GPU each read waits for the
 queued kernels): the losses' flags, the gradients' flag, the gradient norm and whatever metrics were
@@ -65,7 +70,9 @@ class StepGuard:
         # This optimizer step is decided: ZeRO-3 steps its sub-groups (sub_group_size, 1e9 parameters)
         # one optimizer.step() each, and the first one decides for all (see GuardedAdamW.step).
         self.decided = False
+        self.step_empty = False  # this optimizer step trains no token on any rank: dropped, not counted
         self._losses_finite: torch.Tensor | None = None  # the losses noted since the last decision
+        self._trains: torch.Tensor | None = None  # whether what was noted since then trains a token here
         self._carry: dict[str, torch.Tensor | float] = {}
         self._carried: dict[str, float] = {}
 
@@ -84,6 +91,18 @@ class StepGuard:
         self._losses_finite = ok if self._losses_finite is None else self._losses_finite & ok
         self.decided = False
 
+    def note_trained(self, tokens: torch.Tensor) -> None:
+        """The tokens a minibatch trains (a device count: no host read), judged at its optimizer step: none on
+        every rank drops that step without counting it as skipped (:attr:`step_empty`)."""
+        trains = tokens.detach().reshape(()) > 0
+        self._trains = trains if self._trains is None else self._trains | trains
+        self.decided = False
+
+    @property
+    def drops_step(self) -> bool:
+        """Whether the optimizer step just decided leaves the parameters as they are (bad, or empty)."""
+        return self.update_skipped or self.step_empty
+
     def carry(self, values: dict) -> None:
         """Values (device tensors or floats) the host needs once this optimizer step is decided: they
         come to the host with the decision, in its one read; :meth:`carried` gives them as floats."""
@@ -94,33 +113,41 @@ class StepGuard:
         """The values carried into the last decision, as floats. Carried values that no decision has
         read yet (a step that never reached the guard) are read now, in one named read."""
         if self._carry:
-            self._carried = self._read(None, "the step's metrics (no guard decision read them)")[1]
+            self._carried = self._read([], "the step's metrics (no guard decision read them)")[1]
         return dict(self._carried)
 
     def should_skip(self, grads_finite) -> bool:
-        """The optimizer's question at a step boundary (``grads_finite``: a bool or a 0-dim tensor):
-        whether the gradients and every loss noted since the last decision are finite on every rank."""
+        """The optimizer's question at a step boundary (``grads_finite``: a bool or a 0-dim tensor): True
+        unless the gradients and every loss noted since the last decision are finite on every rank, and
+        some rank trains a token (when :meth:`note_trained` was told; an empty step sets :attr:`step_empty`)."""
         flag = grads_finite if isinstance(grads_finite, torch.Tensor) else torch.tensor(bool(grads_finite))
         if self._losses_finite is not None:
             flag = self._losses_finite & flag
-        self._losses_finite = None
-        ok, self._carried = self._read(comm.all_ranks_flag(flag), "the optimizer step's skip decision and metrics")
+        trains, self._losses_finite, self._trains = self._trains, None, None
+        # One collective for both: AND over ranks of "finite" and of "trains nothing here", where a device
+        # value is (a host flag goes there; the other way would be a read).
+        device = flag.device if trains is None or flag.device.type != "cpu" else trains.device
+        empty = ~to_device(trains, device) if trains is not None else torch.zeros((), dtype=torch.bool, device=device)
+        flags = comm.all_ranks_flag(torch.stack([to_device(flag.reshape(()), device), empty]))
+        decision = self._read(list(flags), "the optimizer step's skip decision and metrics")
+        (ok, empty_everywhere), self._carried = decision
         skip = not ok or self.update_skipped
         self.update_skipped, self.decided = skip, True
-        return skip
+        self.step_empty = not skip and empty_everywhere
+        return skip or self.step_empty
 
     def settle(self, grads_finite=True) -> None:
         """Decide now if a loss or carried values wait for a decision that no optimizer step asked for
         (DeepSpeed skips its optimizer itself on a non-finite gradient norm): a noted non-finite loss
         is never dropped unseen."""
-        if self._losses_finite is not None or self._carry:
+        if self._losses_finite is not None or self._trains is not None or self._carry:
             self.should_skip(grads_finite)
 
-    def _read(self, flag: torch.Tensor | None, name: str) -> tuple[bool, dict[str, float]]:
-        """``flag`` and the carried values in one device-to-host transfer."""
+    def _read(self, flags: list[torch.Tensor], name: str) -> tuple[list[bool], dict[str, float]]:
+        """``flags`` (as bools) and the carried values in one device-to-host transfer."""
         carry, self._carry = self._carry, {}
         tensors = {k: v for k, v in carry.items() if isinstance(v, torch.Tensor)}
-        parts = ([flag] if flag is not None else []) + list(tensors.values())
+        parts = list(flags) + list(tensors.values())
         values = []
         if parts:
             # Gathered where the device values are (host scalars go there), so that the one read waits for
@@ -128,14 +155,13 @@ class StepGuard:
             device = next((t.device for t in parts if t.device.type != "cpu"), parts[0].device)
             with host_read(name):
                 values = torch.stack([to_device(t.detach().reshape(()), device).double() for t in parts]).tolist()
-        ok = bool(values.pop(0)) if flag is not None else True
-        read = dict(zip(tensors, values, strict=True))
-        return ok, {k: read[k] if k in read else float(v) for k, v in carry.items()}
+        read = dict(zip(tensors, values[len(flags):], strict=True))
+        return [bool(v) for v in values[:len(flags)]], {k: read[k] if k in read else float(v) for k, v in carry.items()}
 
     def end_step(self) -> bool:
         """Close a training step; returns True if its update was skipped."""
         self.settle()
-        skipped, self.update_skipped, self.decided = self.update_skipped, False, False
+        skipped, self.update_skipped, self.decided, self.step_empty = self.update_skipped, False, False, False
         if skipped:
             self.skipped_total += 1
             self.skipped_in_row += 1
@@ -209,7 +235,7 @@ class GuardedAdamW(torch.optim.AdamW):
             # A later ZeRO-3 sub-group (or parameter group) of an optimizer step the first one decided, on
             # the whole step's losses and DeepSpeed's global norm: asking again would read the device
             # again and lose the metrics the first read brought.
-            if self.guard.update_skipped:
+            if self.guard.drops_step:
                 for p in params:
                     p.grad = None
                 return None

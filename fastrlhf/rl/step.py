@@ -180,7 +180,7 @@ class RLStep:
         skipped = self.guard.end_step()
         with clock("sync"):
             # A skipped update changed no weight, but an engine whose sleep dropped them needs them back.
-            actor_moved = inputs_ok and not self.warming_critic(step)
+            actor_moved = inputs_ok and not self.warming_critic(step) and train.get("optimizer_steps", 0) > 0
             needed = actor_moved or getattr(self.rollout, "needs_sync", False)
             sync = self.sync(clock) if needed else {"sync_bytes": 0.0}
         local = {**prep, **train, **sync, **clock.memory(), **(sampled.metrics if sampled else {})}
@@ -399,7 +399,8 @@ class RLStep:
                             order, self.config.trainer.agg)
         metrics = {"policy_loss": actor.get("loss", float("nan")), "loss_kl": actor.get("kl", float("nan")),
                    **{k: actor.get(k, float("nan")) for k in ("clipfrac", "approx_kl", "entropy")},
-                   "grad_norm": actor["grad_norm"], "optimizer_steps": actor["optimizer_steps"]}
+                   "grad_norm": actor["grad_norm"], "optimizer_steps": actor["optimizer_steps"],
+                   "empty_minibatches": actor["empty_minibatches"]}
         if exp.old_logprobs is None and not actor["aborted"]:  # on-policy: the update's logprobs are the rollout's
             metrics["rollout_entropy"] = metrics["entropy"]
             if exp.ref_logprobs is not None:

@@ -11,7 +11,8 @@ the boundary is because a minibatch's number of micro-batches is not fixed: with
 
 :func:`run_updates` drives the actor (policy loss) and the critic (value loss) alike. Each loss
 goes through the step's guard (``fastrlhf.engine.guards``): a non-finite loss on any rank makes the
-minibatch's optimizer step drop its gradients on every rank, and the update stops there.
+minibatch's optimizer step drop its gradients on every rank, and the update stops there. A minibatch
+that trains no token on any rank does not step either (``empty_minibatches``); the update goes on.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class DeepSpeedLearner:
         self.engine.step()
         if boundary:  # DeepSpeed may have skipped our optimizer's step (and with it the guard's decision)
             self.guard.settle(not getattr(self.engine.optimizer, "overflow", False))
-        return boundary and not self.guard.update_skipped
+        return boundary and not self.guard.drops_step
 
     def grad_norm(self) -> float | None:
         """The last step's pre-clip norm: carried into the guard's decision by GuardedAdamW, else
@@ -137,7 +138,8 @@ class UpdateResult(dict):
     """Metrics of an update: losses (``loss`` and ``*_loss``) per minibatch (the sum of its micro-batches'
     shares: the loss the optimizer stepped on) averaged over minibatches; every other metric (a masked
     mean over a micro-batch's tokens) weighted by its micro-batch's kept tokens, i.e. the masked mean
-    over all tokens the update saw. Plus ``grad_norm`` (mean over optimizer steps), ``optimizer_steps``
+    over all tokens the update saw. Plus ``grad_norm`` (mean over optimizer steps), ``optimizer_steps``,
+    ``empty_minibatches`` (no token trained on any rank: not stepped, and left out of the other metrics)
     and ``aborted`` (a non-finite loss stopped the update)."""
 
 
@@ -167,11 +169,12 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
     sums: dict[str, float] = defaultdict(float)
     minibatches, tokens = 0, 0.0
     grad_norms = []
-    optimizer_steps = 0
+    optimizer_steps = empty = 0
     aborted = False
     for minibatch in order:
         mini = exp.select(minibatch.rows)
         mini = replace(mini, loss_weights=aggregation_weights(mini.trained_mask, agg))
+        learner.guard.note_trained(mini.trained_mask.sum())
         device_sums: dict[str, torch.Tensor] = {}
         mini_tokens = 0.0
         for index, group in enumerate(minibatch.groups):
@@ -194,6 +197,9 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
         if learner.guard.update_skipped:  # later minibatches are not run
             aborted = True
             break
+        if learner.guard.step_empty:
+            empty += 1
+            continue
         if stepped:
             optimizer_steps += 1
             norm = learner.grad_norm()
@@ -207,5 +213,6 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
     result = UpdateResult({k: v / (max(1, minibatches) if _is_loss(k) else max(1.0, tokens)) for k, v in sums.items()})
     result["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     result["optimizer_steps"] = float(optimizer_steps)
+    result["empty_minibatches"] = float(empty)
     result["aborted"] = aborted
     return result

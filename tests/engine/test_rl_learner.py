@@ -154,3 +154,44 @@ def test_all_finite_sees_every_non_finite_value(dtype, bad):
     ok = all_finite(torch.zeros(0), torch.arange(3), t, torch.ones(2, 3))
     assert ok.dim() == 0 and bool(ok) is (bad is None)
     assert bool(all_finite(torch.arange(3))) and bool(all_finite())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_step_that_trains_no_token_moves_no_weight_in_a_zero_engine(stage):
+    """A minibatch with no trained token (``guard.note_trained``) has zero gradients, on which AdamW would still
+    move every weight by its momentum and weight decay: the engine's step leaves them, every ZeRO-3 sub-group
+    included, in the same one read, and the guard does not count it as a skipped (bad) step."""
+    from fastrlhf.engine.device import watch_host_reads
+    from fastrlhf.engine.guards import StepGuard
+    from fastrlhf.modeling.tiny import make_tiny_llama
+    from fastrlhf.rl.update import DeepSpeedLearner
+
+    D.init_distributed(timeout_s=60)
+    guard = StepGuard(3)
+    model = make_tiny_llama(vocab_size=64, hidden_size=64, num_layers=2, dtype=torch.bfloat16).train()
+    extra = {"zero_optimization": {"sub_group_size": 10_000}} if stage == 3 else None
+    ds = DeepSpeedConfig(zero_stage=stage, bf16=True, extra=extra)
+    engine = build_train_engine(model, ds, lr=1e-2, max_grad_norm=1.0, weight_decay=0.1, guard=guard)
+    learner = DeepSpeedLearner(engine, guard)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    for tokens in (3, 0):
+        state = [p.detach().clone() for p in _full_parameters(engine)]
+        with watch_host_reads() as reads:
+            loss = engine(input_ids=ids, labels=ids).loss * float(tokens > 0)  # no token: zero gradients
+            guard.note_trained(torch.tensor(float(tokens)))
+            learner.backward(loss)
+            stepped = learner.step()
+        assert reads == ["the optimizer step's skip decision and metrics"], reads
+        assert stepped is (tokens > 0) and guard.step_empty is (tokens == 0) and not guard.end_step()
+        unchanged = all(torch.equal(a, b) for a, b in zip(state, _full_parameters(engine), strict=True))
+        assert unchanged is (tokens == 0), tokens
+    assert guard.skipped_total == 0
+
+
+def _full_parameters(engine):
+    """The parameters as the forward sees them (gathered under ZeRO-3)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]

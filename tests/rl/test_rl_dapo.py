@@ -330,3 +330,63 @@ def test_masked_truncated_completions_train_nothing(agg, monkeypatch):
     assert changed(masked, tiny_actor()) > 1e-3  # it trained the rest
     (_, plain), (_, plain_rewritten) = step(completions, False), step(rewritten, False)
     assert changed(plain, plain_rewritten) > 1e-4
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_step_whose_completions_were_all_cut_moves_no_weight(algo):
+    """Every completion cut with ``mask_truncated_completions``: the gradients are zeros, and AdamW would still
+    move every weight (the momentum of the step before, and weight decay). No minibatch steps, none counts as a
+    skipped step, and the actor (and PPO's critic) stay as they were, bit for bit."""
+    from helpers.rl_case import PPO, PROMPTS, SCORES, FixedScorer, fixed_completions, tiny_critic
+
+    ppo = algo == "ppo"
+    hp = (make_config(PPO, whiten_advantages=False, mask_truncated_completions=True) if ppo else
+          make_config(GRPO, mask_truncated_completions=True))
+    actor, critic = tiny_actor(), tiny_critic() if ppo else None
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (actor, critic) if m]
+    rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=tiny_actor(seed=1).eval(),
+                actor_optimizer=optimizers[0], pad_token_id=PAD, critic=critic,
+                critic_optimizer=optimizers[1] if ppo else None, rollout_shares_actor=True)
+    ended = fixed_completions(tiny_actor(), GRPO["temperature"])
+    for samples in ended:
+        for c in samples:
+            c.finish_reason = "stop"
+    first = rl(PROMPTS, None, step=1, completions=ended)
+    assert first["optimizer_steps"] > 0 and first["empty_minibatches"] == 0  # momentum to carry
+    completions = fixed_completions(actor, GRPO["temperature"])  # the trained actor's; every one cut at the cap
+    before = [copy.deepcopy(m.state_dict()) for m in (actor, critic) if m]
+    metrics = rl(PROMPTS, None, step=2, completions=completions)
+    assert metrics["truncated_fraction"] == 1.0 and metrics["skipped"] == 0 and metrics["optimizer_steps"] == 0
+    assert metrics["empty_minibatches"] == first["optimizer_steps"]  # every minibatch of the update
+    for model, state in zip((m for m in (actor, critic) if m), before, strict=True):
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, state[name]), name
+    assert rl.guard.skipped_total == 0 and rl.guard.skipped_in_row == 0
+
+
+def _decide_on_rank(rank, port, out):
+    from fastrlhf.engine.guards import StepGuard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        guard, decisions = StepGuard(), []
+        # (rank 0's tokens, rank 1's tokens, finite) per optimizer step
+        for tokens, finite in (((0, 5), True), ((0, 0), True), ((3, 0), True), ((0, 0), False)):
+            guard.note_trained(torch.tensor(float(tokens[rank])))
+            decisions.append((guard.should_skip(torch.tensor(finite)), guard.step_empty, guard.update_skipped,
+                              guard.drops_step))
+            guard.end_step()
+        out[rank] = (decisions, guard.skipped_total)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_step_is_empty_only_when_no_rank_trains_a_token():
+    """The ranks decide together: one rank with tokens is enough to step (its gradient is the ranks' mean); a
+    step with no token anywhere is dropped as empty, not as bad; a non-finite one is bad even when empty."""
+    result = spawn_ranks(_decide_on_rank)
+    expected = [(False, False, False, False), (True, True, False, True), (False, False, False, False),
+                (True, False, True, True)]
+    assert result[0] == result[1] == (expected, 1)
