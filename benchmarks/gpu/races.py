@@ -313,14 +313,15 @@ def _ratio(out: dict, key: str, num: str, den: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ race 2
 def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batch: int, grad_accum: int,
-                 gradient_checkpointing: bool = True, liger_kernels: bool = False):
+                 gradient_checkpointing: bool = True, liger_kernels: bool = False, checkpoint_layers=None):
     """``(engine, reference, guard)`` as ``fastrlhf train`` builds them for GRPO: the actor from random init in a
-    ZeRO-2 engine (bf16 with fp32 master weights on a GPU), gradient checkpointing (unless told otherwise), its
-    frozen reference; with ``liger_kernels``, both with Liger-Kernel's layers (``model.liger_kernels``)."""
+    ZeRO-2 engine (bf16 with fp32 master weights on a GPU), gradient checkpointing (unless told otherwise; of the
+    first ``checkpoint_layers`` layers where given), its frozen reference; with ``liger_kernels``, both with
+    Liger-Kernel's layers (``model.liger_kernels``)."""
     from fastrlhf.config import DeepSpeedConfig
     from fastrlhf.engine.deepspeed import build_train_engine
     from fastrlhf.engine.guards import StepGuard
-    from fastrlhf.modeling.loading import apply_liger_layers
+    from fastrlhf.modeling.loading import apply_liger_layers, checkpoint_first_layers
     from fastrlhf.modeling.tiny import make_qwen2_on
 
     actor = make_qwen2_on(dev, torch_dtype, seed=seed, **model).train()
@@ -330,6 +331,8 @@ def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batc
         apply_liger_layers(reference)
     if gradient_checkpointing:
         actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as modeling.py
+        if checkpoint_layers is not None:
+            checkpoint_first_layers(actor, checkpoint_layers)
     actor.config.use_cache = False
     guard = StepGuard()
     engine = build_train_engine(actor, DeepSpeedConfig(zero_stage=2, bf16=torch_dtype == torch.bfloat16), lr=lr,
@@ -340,7 +343,7 @@ def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batc
 def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16", prompts: int = 8,
                    n: int = 8, prompt_len: int = 128, new_tokens: int = 256, grad_accum: int = 2, updates: int = 4,
                    gemm_size: int = 8192, seed: int = 0, gradient_checkpointing: bool = True,
-                   liger_kernels: bool = False, profile: bool = True) -> dict:
+                   liger_kernels: bool = False, profile: bool = True, checkpoint_layers: int | None = None) -> dict:
     """One GRPO step's update (``RLStep.update``: every micro-batch's forward + backward and the optimizer
     step) as the trainer builds it (tests/gpu/test_update_syncs.py): ZeRO-2, bf16 with fp32 master weights,
     gradient checkpointing, a reference model (KL in the loss), the HF engine sharing the actor. One
@@ -350,8 +353,9 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     MFU = 6 x params x trained tokens / update time / the measured GEMM rate, trained tokens being every real
     token of the sequences (prompt and completion: all run forward and backward; the LM head only sees the
     completion positions, so 6 x params over-counts its share on prompt tokens). ``mfu_with_recompute``
-    counts the forward that gradient checkpointing repeats (8 x params x tokens; as MFU without it). With
-    ``profile``, one more update's time by kernel (:func:`profile_kernels`): what it spends outside the GEMMs.
+    counts the forward that gradient checkpointing repeats (8 x params x tokens, or 6 + 2 x the share of layers
+    checkpointed with ``checkpoint_layers``; as MFU without it). With ``profile``, one more update's time by
+    kernel (:func:`profile_kernels`): what it spends outside the GEMMs.
     ``liger_kernels``: the actor and reference with Liger-Kernel's RMSNorm, SwiGLU and rotary kernels."""
     from dataclasses import replace
 
@@ -378,12 +382,13 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                             ppo_epochs=1, lr=1e-6, kl_coef=LOSS["kl_coef"], kl_kind=LOSS["kl_kind"],
                             clip_low=LOSS["clip_low"], clip_high=LOSS["clip_high"], agg=AGG)
     config = TrainConfig(output_dir="unused",
-                         model=ModelConfig(path="unused", gradient_checkpointing=gradient_checkpointing),
+                         model=ModelConfig(path="unused", gradient_checkpointing=gradient_checkpointing,
+                                           checkpoint_layers=checkpoint_layers),
                          data=DataConfig(prompts="unused"), trainer=trainer, algorithm="grpo", seed=seed,
                          rollout=RolloutConfig(n=n, max_new_tokens=new_tokens, max_logprob_mismatch=None),
                          reward=RewardConfig(function="target_token"))
     engine, reference, guard = actor_engine(dev, torch_dtype, model, seed, 1e-6, batch // grad_accum, grad_accum,
-                                            gradient_checkpointing, liger_kernels)
+                                            gradient_checkpointing, liger_kernels, checkpoint_layers)
     actor, params = engine.module, count_parameters(engine.module)
     timed: list[dict] = []
     step_exp: list = []  # the last update's experience, profiled again at the end
@@ -414,14 +419,17 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     tokens = measured[-1]["tokens"]
     gemm = gemm_tflops(dev, gemm_size, torch_dtype)
     model_tflops = 6 * params * tokens / update_s / 1e12
+    layers = actor.config.num_hidden_layers  # the share of the forward that the backward repeats
+    recomputed = 0.0 if not gradient_checkpointing else min(checkpoint_layers or layers, layers) / layers
     out = dict(shape=shape, params=params, sequences=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                micro_batch=batch // grad_accum, optimizer_steps=metrics[-1].get("optimizer_steps"),
                trained_tokens=tokens, completion_tokens=measured[-1]["completion_tokens"],
                update_s=round(update_s, 4), update_s_all=[round(t["seconds"], 4) for t in timed],
                tokens_per_s=round(tokens / update_s, 1), gemm_tflops=round(gemm, 1),
                model_tflops=round(model_tflops, 2), mfu=round(model_tflops / gemm, 4),
-               mfu_with_recompute=round(model_tflops * (8 if gradient_checkpointing else 6) / 6 / gemm, 4),
+               mfu_with_recompute=round(model_tflops * (6 + 2 * recomputed) / 6 / gemm, 4),
                mfu_target=0.45, gradient_checkpointing=gradient_checkpointing, liger_kernels=liger_kernels,
+               checkpoint_layers=checkpoint_layers,
                generate_s=round(generate_s, 2), skipped_steps=sum(m.get("skipped", 0) for m in metrics))
     for key, name in (("memory/train_gib", "update_peak_allocated_gib"), ("memory/peak_reserved_gib",
                                                                          "step_peak_reserved_gib")):

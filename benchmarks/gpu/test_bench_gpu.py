@@ -14,10 +14,10 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    and MFU = 6 x params x tokens / time / the bf16 GEMM rate measured in the same process (every real
    token, prompt and completion, runs forward and backward; the LM head only on completion positions, so
    6 x params over-counts it by its share on prompts, about 5% here). Target (issue #43): MFU >= 45%. Run with
-   gradient checkpointing (2 micro-batches) and without it (4 micro-batches: the activations of 2 would not fit
-   80 GB), each with the update's time by kernel (``profile_top``: what it spends outside the GEMMs); and
-   without it with Liger-Kernel's RMSNorm, SwiGLU and rotary kernels (``model.liger_kernels``), beside the run
-   without them.
+   gradient checkpointing (2 micro-batches; and of the first 14 of the 28 layers only, ``model.checkpoint_layers``)
+   and without it (4 micro-batches: the activations of 2 would not fit 80 GB), each with the update's time by
+   kernel (``profile_top``: what it spends outside the GEMMs); and without it with Liger-Kernel's RMSNorm,
+   SwiGLU and rotary kernels (``model.liger_kernels``), beside the run without them.
 3. ``test_grpo_step_vs_trl``: s/step and peak reserved memory of ``fastrlhf train`` (HF engine) and TRL's
    GRPOTrainer (without and with Liger: TRL 1.16 has no ``use_liger_loss``, its ``use_liger_kernel`` swaps in
    Liger's layer kernels and keeps TRL's own fused LM head), 16 prompts x 8 completions of 128 tokens.
@@ -64,13 +64,15 @@ def test_lm_head_7b(gpu_benchmark):
     _race(gpu_benchmark, "lm_head", dict(device="cuda", **LM_HEAD_7B), timeout_s=300)
 
 
-@pytest.mark.parametrize("checkpointing,liger", [(True, False), (False, False), (False, True)],
-                         ids=["checkpointing", "no-checkpointing", "no-checkpointing-liger"])
-def test_rl_update_1_5b(gpu_benchmark, checkpointing, liger):
+@pytest.mark.parametrize("checkpointing,liger,layers", [(True, False, None), (True, False, 14), (False, False, None),
+                                                        (False, True, None)],
+                         ids=["checkpointing", "checkpointing-14-of-28", "no-checkpointing", "no-checkpointing-liger"])
+def test_rl_update_1_5b(gpu_benchmark, checkpointing, liger, layers):
     if liger and importlib.util.find_spec("liger_kernel") is None:
         pytest.skip("liger-kernel is not installed (the gpu-bench extra)")
     _race(gpu_benchmark, "rl_update", dict(device="cuda", shape="qwen2-1.5b", gradient_checkpointing=checkpointing,
-                                           grad_accum=2 if checkpointing else 4, liger_kernels=liger), timeout_s=300)
+                                           grad_accum=2 if checkpointing else 4, liger_kernels=liger,
+                                           checkpoint_layers=layers), timeout_s=300)
 
 
 def test_grpo_step_vs_trl(gpu_benchmark):

@@ -50,6 +50,10 @@ def test_rl_update_race():
     r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
                              grad_accum=2, updates=2, gemm_size=128, gradient_checkpointing=False, profile=False)
     assert r["mfu"] == r["mfu_with_recompute"] > 0 and not r["gradient_checkpointing"] and "profile_top" not in r, r
+    # The first of the tiny model's two layers checkpointed: half its forward repeated (7 x params x tokens).
+    r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
+                             grad_accum=2, updates=2, gemm_size=128, checkpoint_layers=1, profile=False)
+    assert r["checkpoint_layers"] == 1 and r["mfu_with_recompute"] == pytest.approx(r["mfu"] * 7 / 6, abs=2e-4), r
 
 
 def test_rl_update_race_hands_actor_and_reference_to_liger(monkeypatch):

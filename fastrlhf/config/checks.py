@@ -44,11 +44,11 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def _check_model_folder(path: str | None, key: str, base: str):
-    """A ``save_pretrained`` folder: config.json naming a model_type, and weights (read, not loaded). A
-    missing path shaped like a hub id whose first part is no folder here is refused with the download command."""
+def _check_model_folder(path: str | None, key: str, base: str) -> dict:
+    """A ``save_pretrained`` folder: config.json naming a model_type, and weights (read, not loaded); its config.json.
+    A missing path shaped like a hub id whose first part is no folder here is refused with the download command."""
     if path is None:
-        return
+        return {}
     folder = path if os.path.isabs(path) else os.path.join(base, path)
     if not os.path.exists(folder) and _HUB_ID.fullmatch(path) and not os.path.isdir(os.path.dirname(folder)):
         local = f"models/{path.split('/')[1]}"
@@ -60,18 +60,30 @@ def _check_model_folder(path: str | None, key: str, base: str):
         raise ConfigError(key, f"{path} is a file; expected a model folder (save_pretrained output)")
     try:
         with open(os.path.join(folder, "config.json")) as f:
-            model_type = json.load(f).get("model_type")
+            hf_config = json.load(f)
+        model_type = hf_config.get("model_type")
     except (OSError, ValueError, AttributeError):
         raise ConfigError(key, f"{path} is not a model folder: no readable config.json") from None
     if not model_type:
         raise ConfigError(key, f"{path} is not a model folder: its config.json names no model_type")
     if not any(os.path.exists(os.path.join(folder, name)) for name in WEIGHT_FILES):
         raise ConfigError(key, f"{path} has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])})")
+    return hf_config
 
 
 def _check_model(m: ModelConfig, base: str, key: str = "model"):
-    _check_model_folder(m.path, f"{key}.path", base)
+    hf_config = _check_model_folder(m.path, f"{key}.path", base)
     _positive(m.lora_r, f"{key}.lora_r", strict=False)
+    if m.checkpoint_layers is not None:
+        _positive(m.checkpoint_layers, f"{key}.checkpoint_layers")
+        if m.gradient_checkpointing is not True:
+            raise ConfigError(f"{key}.checkpoint_layers", "needs gradient_checkpointing: true" + (
+                " (with auto the memory plan decides it: leave it null)" if m.gradient_checkpointing == "auto" else
+                f", got {m.gradient_checkpointing}"))
+        layers = hf_config.get("num_hidden_layers", hf_config.get("text_config", {}).get("num_hidden_layers"))
+        if isinstance(layers, int) and m.checkpoint_layers > layers:
+            raise ConfigError(f"{key}.checkpoint_layers", f"must be at most the model's {layers} decoder layers, "
+                                                          f"got {m.checkpoint_layers}")
     if m.lora_r > 0 and not m.lora_targets:
         raise ConfigError(f"{key}.lora_targets", "must name at least one module when lora_r > 0")
     if not 0.0 <= m.lora_dropout < 1.0:

@@ -40,8 +40,12 @@ class ModelConfig:
     lora_alpha: int = 16
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    # auto (fastrlhf train only): off where the memory plan fits without it, else on (fastrlhf.memory.plan)
+    # auto (fastrlhf train only): off where the memory plan fits without it, else on for as few layers as fit
+    # (fastrlhf.memory.auto)
     gradient_checkpointing: bool | Literal["auto"] = False
+    # With gradient_checkpointing true: how many decoder layers (the first ones) recompute their forward in the
+    # backward; the others keep their activations (less recompute, more memory). null: all. auto decides it.
+    checkpoint_layers: int | None = None
     # The attention of packed rows (trainer.packing, trainer.share_prompts): auto, flex, flash_attention_2 or
     # sdpa; auto: flash_attention_2 on a GPU with flash_attn and bf16, else flex; sdpa on a CPU
     # (fastrlhf.sequences.attention)

@@ -1,7 +1,8 @@
 """The ``auto`` settings of ``fastrlhf train`` that the memory plan decides, before any model loads:
 
 - ``model.gradient_checkpointing: auto``: off where the run fits without it (no forward repeated in the update's
-  backward: about a quarter less update time), else on.
+  backward: about a quarter less update time), else on for the fewest decoder layers that fit
+  (``model.checkpoint_layers``: the first ones; the others keep their activations), all where none do.
 - ``trainer.max_tokens_per_microbatch: auto``: the update's micro-batches as large as fit, in whole longest
   sequences (``max_prompt_len + max_new_tokens``) up to the rank's whole minibatch share: fewer, larger GEMMs.
 
@@ -16,6 +17,7 @@ is ``plan_memory`` itself, passed in by it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from fastrlhf.memory import components as C
@@ -33,9 +35,10 @@ def decides(config) -> bool:
     return config.model.gradient_checkpointing == "auto" or config.trainer.max_tokens_per_microbatch == "auto"
 
 
-def _with(config, checkpointing=None, tokens=None):
-    if checkpointing is not None:
-        config = replace(config, model=replace(config.model, gradient_checkpointing=checkpointing))
+def _with(config, checkpointing=None, tokens=None, layers=None):
+    if checkpointing is not None:  # ``layers``: model.checkpoint_layers (None: all)
+        config = replace(config, model=replace(config.model, gradient_checkpointing=checkpointing,
+                                               checkpoint_layers=layers if checkpointing else None))
     if tokens is not None:
         config = replace(config, trainer=replace(config.trainer, max_tokens_per_microbatch=tokens))
     return config
@@ -55,21 +58,46 @@ def plan_deciding(config, gpus: int, plan_of):
     if config.model.gradient_checkpointing == "auto":
         # Without tokens auto: at the configured micro-batch; with it: at the smallest efficient one.
         sequences = min(share, -(-EFFICIENT_MICRO_TOKENS // length))
-        probe = _with(config, False, sequences * length if tokens_auto else None)
-        without = plan_of(probe)
-        on = not without.fits
-        at = f" in micro-batches of {sequences * length:,} tokens" if tokens_auto else ""
-        reasons.append(f"{CHECKPOINTING} auto: " + (
-            f"on: without it the run needs {_gib(without.total)} of {_gib(without.budget)} GiB{at}" if on else
-            f"off: the run fits without it ({_gib(without.total)} of {_gib(without.budget)} GiB{at})"))
-        config = _with(config, checkpointing=on)
-        if not tokens_auto:
-            plan = without if not on else plan_of(config)
+        tokens = sequences * length if tokens_auto else None
+        without = plan_of(_with(config, False, tokens))
+        at = f" in micro-batches of {tokens:,} tokens" if tokens_auto else ""
+        if without.fits:
+            reasons.append(f"{CHECKPOINTING} auto: off: the run fits without it ({_gib(without.total)} of "
+                           f"{_gib(without.budget)} GiB{at})")
+            config, plan = _with(config, checkpointing=False), without
+        else:
+            layers, plan = _fewest_checkpointed(_with(config, True, tokens), without.layers, plan_of)
+            some = f" for the first {layers} of {without.layers} layers ({_gib(plan.total)} GiB)" if layers else ""
+            reasons.append(f"{CHECKPOINTING} auto: on{some}: without it the run needs {_gib(without.total)} of "
+                           f"{_gib(without.budget)} GiB{at}")
+            config = _with(config, checkpointing=True, layers=layers)
     if tokens_auto:
         plan, reason = _largest_micro_batch(config, length, share, plan_of)
         reasons.append(reason)
     plan.notes[:0] = reasons
     return plan
+
+
+def _fewest_checkpointed(config, layers: int, plan_of):
+    """``(checkpoint_layers, plan)``: the fewest checkpointed layers that fit (binary search: memory falls with each
+    one), None (all) where none do. At most all but the last layer: by the plan's count, the last layer's kept
+    activations weigh what its recompute would, so checkpointing it saves nothing."""
+    def plan_at(k: int):
+        return plan_of(_with(config, checkpointing=True, layers=k))
+
+    high = max(1, layers - 1)
+    best = plan_at(high)
+    if not best.fits or high == layers:
+        return None, plan_of(_with(config, checkpointing=True))
+    low = 0  # fits at high, not known below
+    while high - low > 1:
+        mid = (low + high) // 2
+        candidate = plan_at(mid)
+        if candidate.fits:
+            high, best = mid, candidate
+        else:
+            low = mid
+    return high, best
 
 
 def _largest_micro_batch(config, length: int, share: int, plan_of):
@@ -109,7 +137,7 @@ def resolve_auto_settings(config, plan):
         on = True if plan is None else plan.gradient_checkpointing
         notes.append(f"{CHECKPOINTING} auto: on: no plan" if plan is None else
                      next(n for n in plan.notes if n.startswith(CHECKPOINTING)))
-        config = _with(config, checkpointing=on)
+        config = _with(config, checkpointing=on, layers=None if plan is None else plan.checkpoint_layers)
     if config.trainer.max_tokens_per_microbatch == "auto":
         tokens = C.seq_len(config) if plan is None else plan.max_tokens_per_microbatch
         notes.append(f"{MICRO_TOKENS} auto: {tokens:,} (one sequence): no plan" if plan is None else
@@ -125,14 +153,20 @@ def agree_over_ranks(config, decided, max_over_ranks):
     decision of any: checkpointing on where one rank needs it, the fewest micro-batch tokens. ``max_over_ranks``:
     a list of floats -> their element-wise maximum over the ranks (one collective); the note says what changed
     where this rank's own decision did."""
-    checkpointing, tokens = decided.model.gradient_checkpointing, decided.trainer.max_tokens_per_microbatch
-    on, fewest = max_over_ranks([float(checkpointing is True), -float(tokens or 0)])
-    agreed = _with(decided, checkpointing=bool(on) if config.model.gradient_checkpointing == "auto" else None,
+    m, tokens = decided.model, decided.trainer.max_tokens_per_microbatch
+    checkpointed = 0.0 if m.gradient_checkpointing is not True else (
+        math.inf if m.checkpoint_layers is None else float(m.checkpoint_layers))
+    most, fewest = max_over_ranks([checkpointed, -float(tokens or 0)])
+    auto_checkpointing = config.model.gradient_checkpointing == "auto"
+    agreed = _with(decided, checkpointing=most > 0 if auto_checkpointing else None,
+                   layers=None if math.isinf(most) else int(most),
                    tokens=int(-fewest) if config.trainer.max_tokens_per_microbatch == "auto" else None)
     if agreed == decided:
         return decided, None
-    said = [f"{CHECKPOINTING} {'on' if agreed.model.gradient_checkpointing else 'off'}"] \
-        if config.model.gradient_checkpointing == "auto" else []
+    layers = agreed.model.checkpoint_layers
+    said = [f"{CHECKPOINTING} " + ("off" if not agreed.model.gradient_checkpointing else
+                                    "on" if layers is None else f"on for the first {layers} layers")] \
+        if auto_checkpointing else []
     said += [f"{MICRO_TOKENS} {agreed.trainer.max_tokens_per_microbatch:,}"] \
         if config.trainer.max_tokens_per_microbatch == "auto" else []
     return agreed, f"the ranks' plans decided differently; every rank runs the most cautious: {', '.join(said)}"

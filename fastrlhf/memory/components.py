@@ -162,14 +162,23 @@ def update_micro_batch(config, micro: int) -> tuple[int, int, int]:
     return tokens, mask, min(tokens, completion)
 
 
+def checkpointed_layers(model, layers: int) -> int:
+    """How many of the ``layers`` decoder layers recompute their forward in the backward: ``model.checkpoint_layers``
+    (the first ones; ``fastrlhf.modeling.loading.checkpoint_first_layers``), all of them, or none."""
+    if not model.gradient_checkpointing:
+        return 0
+    return layers if model.checkpoint_layers is None else min(model.checkpoint_layers, layers)
+
+
 def activations(config, shape: ModelShape, micro: int, a: int) -> int:
     tokens, mask, _ = update_micro_batch(config, micro)
     per_layer = shape.layer_activation_bytes_per_token(a)
     final_norm = 2 * (4 + a) * shape.hidden
-    if config.model.gradient_checkpointing:
-        per_token = shape.layers * a * shape.hidden + 2 * per_layer + final_norm
-    else:
-        per_token = (shape.layers + 1) * per_layer + final_norm
+    k = checkpointed_layers(config.model, shape.layers)
+    # A checkpointed layer keeps its input; the others keep everything, and the backward is done with them before
+    # it recomputes a layer: the peak is either the kept layers and the last one's backward, or the inputs and
+    # one recomputed layer with its backward.
+    per_token = k * a * shape.hidden + max(shape.layers - k + 1, 2 if k else 1) * per_layer + final_norm
     return tokens * per_token + mask
 
 

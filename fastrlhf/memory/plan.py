@@ -40,9 +40,8 @@ train`` run holds at its peak, by component, without loading a weight or importi
   ``max_prompt_len + max_new_tokens`` tokens, or ``trainer.max_tokens_per_microbatch`` tokens,
   see :func:`fastrlhf.memory.components.update_micro_batch`): per layer and token what autograd keeps
   (:meth:`~fastrlhf.memory.ModelShape.layer_activation_bytes_per_token`, ``12h + 10 heads d + 8I``
-  bytes in bf16), for every layer plus one layer's backward; with ``gradient_checkpointing`` only
-  each layer's input (``h`` activations) plus one layer recomputed and its backward; and the
-  ``[B, 1, T, T]`` attention mask.
+  bytes in bf16), for every layer plus one layer's backward; a checkpointed layer keeps only its input
+  (:func:`fastrlhf.memory.components.activations`); and the ``[B, 1, T, T]`` attention mask.
 - **fused loss**: one chunk of logits (the kernels' chunk sizing: ``loss_chunk_size``, or the
   tokens whose fp32 logits fill ``loss_chunk_bytes``, 64 MiB on a CPU, 1 GiB on a GPU capped at a
   quarter of what the other components leave) in the input dtype, plus the torch path's fp32
@@ -137,6 +136,8 @@ class MemoryPlan:
     host: dict[str, int] = field(default_factory=dict)  # offloaded to host memory (CUDA), per rank
     kv_cache_bytes: int = 0  # what the step's batch needs, :func:`kv_cache_bytes_for`
     gradient_checkpointing: bool = False  # what the plan counted (model.gradient_checkpointing; auto decided)
+    checkpoint_layers: int | None = None  # what it counted (model.checkpoint_layers), of the actor's ``layers``
+    layers: int = 0
     max_tokens_per_microbatch: int | None = None  # what it counted (trainer.max_tokens_per_microbatch; auto decided)
     notes: list[str] = field(default_factory=list)
     hints: dict[str, str] = field(default_factory=dict)  # component -> what would shrink it
@@ -195,10 +196,6 @@ def parse_bytes(text: str, unit: int = 1) -> int:
     power = "KMGT".index(prefix) + 1 if prefix else 0
     base = 1000 if suffix == "b" and prefix else 1024
     return int(number * base**power)
-
-
-def _floor2(x: float) -> float:
-    return math.floor(x * 100 + 1e-9) / 100
 
 
 def _resolved(config, device: str):
@@ -416,7 +413,7 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
         # memory, and (awake) its largest phase; asleep, vLLM never shares the GPU with a phase.
         others = 0 if sleeps else max(v for k, v in phase_totals.items() if k != "generation")
         trainer_peak = sum(trainer.values()) + others
-        util = max(0.0, _floor2((budget - trainer_peak - margin) / budget))
+        util = max(0.0, math.floor((budget - trainer_peak - margin) / budget * 100 + 1e-9) / 100)
         vllm_needs = sum(engine.values()) + phase_totals["generation"]
         if util * budget < vllm_needs:
             notes.append(f"vLLM needs {_gib(vllm_needs)} GiB (weights, KV cache, working memory) but the trainer "
@@ -431,6 +428,7 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
                       largest=largest, gpu_memory_utilization=util, device=device, gpus=gpus, margin=margin,
                       engine=kind, phases=phases, peak_phase=peak_phase, host=host, kv_cache_bytes=need_kv,
                       notes=notes, hints=hints, gradient_checkpointing=bool(m.gradient_checkpointing),
+                      checkpoint_layers=m.checkpoint_layers, layers=actor.layers,
                       max_tokens_per_microbatch=t.max_tokens_per_microbatch)
 
 

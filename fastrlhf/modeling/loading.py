@@ -22,6 +22,7 @@ __all__ = [
     "CausalLMWithValueHead",
     "load_value_model",
     "apply_lora",
+    "checkpoint_first_layers",
     "apply_liger_layers",
     "unwrap",
     "base_model",
@@ -59,7 +60,26 @@ def _finish(model, model_cfg, task_type: str):
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        if model_cfg.checkpoint_layers is not None:
+            checkpoint_first_layers(model, model_cfg.checkpoint_layers)
     return apply_lora(model, model_cfg, task_type)
+
+
+def checkpoint_first_layers(model, count: int) -> None:
+    """Under gradient checkpointing, only the first ``count`` decoder layers recompute their forward in the
+    backward; the later ones keep their activations. The later ones, because the backward is done with them (and
+    frees what they kept) before it recomputes any layer: the peak is the kept layers or one recomputed layer, not
+    both (``fastrlhf.memory.components.activations`` counts it so)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if count > len(layers):
+        from fastrlhf.config import ConfigError
+
+        raise ConfigError("model.checkpoint_layers", f"must be at most the model's {len(layers)} decoder layers, "
+                                                     f"got {count}")
+    for layer in layers[count:]:
+        layer.gradient_checkpointing = False
 
 
 @contextlib.contextmanager

@@ -96,6 +96,11 @@ def test_valid_grpo_config_has_defaults(paths):
         ({"algorithm": "dpo"}, "algorithm", "'grpo' | 'ppo'"),
         ({"deepspeed": {"offload_param": True}}, "deepspeed.offload_param", "zero_stage 3"),
         ({"model": {"lora_targets": "q_proj"}}, "model.lora_targets", "a list of a string"),
+        ({"model": {"checkpoint_layers": 4}}, "model.checkpoint_layers",
+         "needs gradient_checkpointing: true, got False"),
+        ({"model": {"gradient_checkpointing": "auto", "checkpoint_layers": 4}}, "model.checkpoint_layers",
+         "with auto the memory plan decides it: leave it null"),
+        ({"model": {"gradient_checkpointing": True, "checkpoint_layers": 0}}, "model.checkpoint_layers", "> 0"),
         ({"trainer": {"dual_clip": 0.5}}, "trainer.dual_clip", "> 1"),
         ({"trainer": {"filter_groups": True, "adv_estimator": "reinforce_plus_plus"}}, "trainer.filter_groups",
          "reinforce_plus_plus does not (use grpo, rloo or reinforce_plus_plus_baseline)"),
@@ -127,6 +132,15 @@ def test_impossible_train_configs_name_the_key(paths, sections, key, phrase):
     err = error_of(grpo(paths, **sections))
     assert err.key == key, str(err)
     assert str(err).startswith(f"{key}: ") and phrase in str(err), str(err)
+
+
+def test_checkpoint_layers_are_at_most_the_models_layers(paths):
+    with open(os.path.join(paths["model"], "config.json"), "w") as f:
+        f.write('{"model_type": "llama", "num_hidden_layers": 2}')
+    on = {"gradient_checkpointing": True}
+    assert parse_config(grpo(paths, model={**on, "checkpoint_layers": 2})).model.checkpoint_layers == 2
+    err = error_of(grpo(paths, model={**on, "checkpoint_layers": 3}))
+    assert str(err) == "model.checkpoint_layers: must be at most the model's 2 decoder layers, got 3"
 
 
 def test_ppo_with_critic_section_is_valid(paths):

@@ -2,6 +2,7 @@
 fits without it, the update's micro-batch tokens as large as fit, both together; the reasons in the plan's notes,
 the decided values in the config the trainer runs (said once), and the safe side without a plan."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -52,19 +53,48 @@ def test_auto_gradient_checkpointing_is_off_where_the_run_fits_without_it(config
     assert roomy.fits and not roomy.gradient_checkpointing and roomy.total == without.total
     assert roomy.notes[0].startswith("model.gradient_checkpointing auto: off: the run fits without it")
     assert resolve_auto_settings(config, roomy) == (with_(config, checkpointing=False), [roomy.notes[0]])
-    # A budget the run fits only with checkpointing (margin included): on.
+    # A budget the run fits only with checkpointing (margin included): on, for as few layers as fit.
     budget = budget_below(lambda b: plan_at(b, False))
-    assert plan_at(budget, True).fits
+    assert plan_at(budget, True).fits and not plan_at(budget, False).fits
     tight = plan_memory(config, 8, budget)
-    assert tight.gradient_checkpointing and tight.total == plan_at(budget, True).total
-    assert not plan_at(budget, False).fits
-    assert tight.notes[0].startswith("model.gradient_checkpointing auto: on: without it the run needs")
-    assert resolve_auto_settings(config, tight)[0].model.gradient_checkpointing is True
+    k = tight.checkpoint_layers
+    assert tight.gradient_checkpointing and tight.fits and 1 <= k < 28 == tight.layers
+    assert tight.total == plan_layers(config, budget, k).total and not plan_layers(config, budget, k - 1).fits
+    assert tight.notes[0].startswith(f"model.gradient_checkpointing auto: on for the first {k} of 28 layers (")
+    assert "without it the run needs" in tight.notes[0]
+    decided = resolve_auto_settings(config, tight)[0].model
+    assert decided.gradient_checkpointing is True and decided.checkpoint_layers == k
+    # Where no layout fits: on for every layer (checkpoint_layers null), and said so.
+    hopeless = plan_memory(config, 8, 8 * GiB)
+    assert not hopeless.fits and hopeless.gradient_checkpointing and hopeless.checkpoint_layers is None
+    assert hopeless.notes[0].startswith("model.gradient_checkpointing auto: on: without it the run needs")
+    assert resolve_auto_settings(config, hopeless)[0].model.checkpoint_layers is None
     decided, why = resolve_auto_settings(config, None)  # no plan: the safe side, and said
     assert decided.model.gradient_checkpointing is True and why == ["model.gradient_checkpointing auto: on: no plan"]
     fixed = with_(config, checkpointing=False)
     kept, why = resolve_auto_settings(fixed, tight)
     assert kept is fixed and why == []  # true or false: as written
+
+
+def plan_layers(config, budget, k):
+    """The plan with the first ``k`` decoder layers checkpointed (0: none)."""
+    model = replace(config.model, gradient_checkpointing=k > 0, checkpoint_layers=k or None)
+    return plan_memory(replace(config, model=model), 8, budget)
+
+
+def test_auto_checkpoints_the_fewest_layers_that_fit(config):
+    """Each checkpointed layer keeps only its input: the plan falls with every layer checkpointed, down to all but
+    the last (whose kept activations weigh what its recompute would). Between two layer counts' budgets, auto takes
+    the larger count, which is the fewest that fit; at a budget where the first 14 fit, 14."""
+    totals = [plan_layers(config, 80 * GiB, k).total for k in range(29)]
+    assert all(a > b for a, b in zip(totals[:27], totals[1:28], strict=True))
+    everything = replace(config.model, gradient_checkpointing=True)
+    assert totals[28] > totals[27] and totals[28] == plan_memory(replace(config, model=everything), 8, 80 * GiB).total
+    auto = with_(config, checkpointing="auto")
+    between = budget_below(lambda b: plan_layers(config, b, 14))
+    assert plan_layers(config, between, 15).fits
+    assert plan_memory(auto, 8, between).checkpoint_layers == 15
+    assert plan_memory(auto, 8, budget_below(lambda b: plan_layers(config, b, 15)) + (1 << 20)).checkpoint_layers == 15
 
 
 def test_auto_micro_batch_tokens_are_the_most_whole_sequences_that_fit(config):
@@ -116,12 +146,22 @@ def test_both_auto_keep_checkpointing_on_where_only_small_micro_batches_fit_with
     assert efficient <= most < SHARE and not plan_at(False, most + 1).fits
     decided, notes = resolve_auto_settings(config, plan)
     assert decided == with_(config, False, most * LENGTH) and notes == plan.notes[:2]
-    # A budget where only fewer sequences than that fit without it: on, and larger micro-batches with it.
+    # A budget where only fewer sequences than that fit without it: on, for the fewest layers with which the
+    # efficient micro-batch fits, and the most sequences that fit with them.
     budget = budget_below(lambda b: plan_at(False, efficient, b))
     assert plan_at(False, efficient - 1, budget).fits
     plan = plan_memory(config, 8, budget)
-    assert plan.gradient_checkpointing and plan.notes[0].startswith("model.gradient_checkpointing auto: on")
-    assert plan.max_tokens_per_microbatch > efficient * LENGTH and plan.fits
+    k = plan.checkpoint_layers
+    assert plan.gradient_checkpointing and plan.notes[0].startswith(f"model.gradient_checkpointing auto: on for the "
+                                                                    f"first {k} of 28 layers")
+    assert plan.max_tokens_per_microbatch >= efficient * LENGTH and plan.fits
+
+    def layers_at(k, sequences):
+        model = replace(config.model, gradient_checkpointing=k > 0, checkpoint_layers=k or None)
+        return plan_memory(with_(replace(config, model=model), tokens=sequences * LENGTH), 8, budget)
+
+    assert layers_at(k, efficient).fits and not layers_at(k - 1, efficient).fits
+    assert not layers_at(k, plan.max_tokens_per_microbatch // LENGTH + 1).fits
 
 
 def test_auto_micro_batch_tokens_need_grad_accum_1_and_the_train_command(tmp_path):
@@ -174,7 +214,10 @@ def test_every_rank_runs_the_most_cautious_decision_of_any(config, monkeypatch, 
 
     def with_a_rank_that_decided(other):
         """max over this rank and one that decided ``other``, as D.reduce_floats(..., "max") gives it."""
-        theirs = [float(other.model.gradient_checkpointing is True), -float(other.trainer.max_tokens_per_microbatch)]
+        m = other.model  # its checkpointed layers: none, some, every one
+        layers = 0.0 if m.gradient_checkpointing is not True else (
+            math.inf if m.checkpoint_layers is None else float(m.checkpoint_layers))
+        theirs = [layers, -float(other.trainer.max_tokens_per_microbatch)]
         return lambda mine: [max(a, b) for a, b in zip(mine, theirs, strict=True)]
 
     tighter = with_(roomy, checkpointing=True, tokens=3 * LENGTH)
@@ -183,6 +226,16 @@ def test_every_rank_runs_the_most_cautious_decision_of_any(config, monkeypatch, 
     assert note == ("the ranks' plans decided differently; every rank runs the most cautious: "
                     f"model.gradient_checkpointing on, trainer.max_tokens_per_microbatch {3 * LENGTH:,}")
     assert agree_over_ranks(both, tighter, with_a_rank_that_decided(roomy)) == (tighter, None)  # already cautious
+    # Some layers checkpointed: the most layers any rank checkpoints (every one counts as more than any number).
+    def some(k):
+        return replace(roomy, model=replace(roomy.model, gradient_checkpointing=True, checkpoint_layers=k))
+
+    agreed, note = agree_over_ranks(both, some(10), with_a_rank_that_decided(some(12)))
+    assert agreed == some(12) and "model.gradient_checkpointing on for the first 12 layers" in note
+    assert agree_over_ranks(both, some(12), with_a_rank_that_decided(some(10))) == (some(12), None)
+    assert agree_over_ranks(both, roomy, with_a_rank_that_decided(some(3)))[0] == some(3)
+    assert agree_over_ranks(both, some(27), with_a_rank_that_decided(with_(roomy, checkpointing=True)))[0] == \
+        with_(roomy, checkpointing=True)
     # A setting that was not auto stays as configured, whatever another rank decided.
     fixed = with_(config, checkpointing=False, tokens="auto", grad_accum=1)
     decided = resolve_auto_settings(fixed, plan_memory(fixed, 8, 80 * GiB))[0]
