@@ -390,3 +390,41 @@ def test_a_step_is_empty_only_when_no_rank_trains_a_token():
     expected = [(False, False, False, False), (True, True, False, True), (False, False, False, False),
                 (True, False, True, True)]
     assert result[0] == result[1] == (expected, 1)
+
+
+def test_a_step_that_stepped_no_minibatch_syncs_nothing():
+    """Every completion cut: the actor's weights are the engine's already, so no weight sync follows. With one
+    completion that ended, the two minibatches (of four: two epochs of two) that hold it step, and the sync
+    follows."""
+    from helpers.rl_case import PROMPTS, SCORES, FixedScorer, fixed_completions
+
+    from fastrlhf.rollout import RolloutEngine
+
+    class Engine(RolloutEngine):
+        def __init__(self, completions):
+            self.completions, self.calls = completions, []
+
+        def generate(self, prompt_token_ids, sampling):
+            self.calls.append("generate")
+            return copy.deepcopy(self.completions)
+
+        def sleep(self):
+            self.calls.append("sleep")
+
+        def update_weights(self, named_tensors):
+            self.calls.append("update_weights")
+            list(named_tensors)
+
+    hp = make_config(GRPO, mask_truncated_completions=True)
+    cut = fixed_completions(tiny_actor(), GRPO["temperature"])  # every one cut at the cap
+    one_ended = copy.deepcopy(cut)
+    one_ended[0][0].finish_reason = "stop"
+    for completions, steps, calls in ((cut, 0, ["generate", "sleep"]),
+                                      (one_ended, 2, ["generate", "sleep", "update_weights"])):
+        actor = tiny_actor()
+        engine = Engine(completions)
+        rl = RLStep(hp, actor, rollout=engine, scorer=FixedScorer(SCORES), reference=tiny_actor(seed=1).eval(),
+                    actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-2), pad_token_id=PAD)
+        metrics = rl(PROMPTS, None, step=1)
+        assert metrics["optimizer_steps"] == steps and metrics["empty_minibatches"] == 4 - steps, metrics
+        assert metrics["skipped"] == 0 and engine.calls == calls, metrics
