@@ -65,21 +65,18 @@ def _finish(model, model_cfg, task_type: str):
     return apply_lora(model, model_cfg, task_type)
 
 
-def checkpoint_first_layers(model, count: int) -> None:
+def checkpoint_first_layers(model, count: int) -> int:
     """Under gradient checkpointing, only the first ``count`` decoder layers recompute their forward in the
     backward; the later ones keep their activations. The later ones, because the backward is done with them (and
     frees what they kept) before it recomputes any layer: the peak is the kept layers or one recomputed layer, not
-    both (``fastrlhf.memory.components.activations`` counts it so)."""
+    both (``fastrlhf.memory.components.activations`` counts it so). Returns how many recompute: all of a model
+    with fewer layers (a PPO critic smaller than the actor; the config check refuses more than the actor's)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if count > len(layers):
-        from fastrlhf.config import ConfigError
-
-        raise ConfigError("model.checkpoint_layers", f"must be at most the model's {len(layers)} decoder layers, "
-                                                     f"got {count}")
     for layer in layers[count:]:
         layer.gradient_checkpointing = False
+    return min(count, len(layers))
 
 
 @contextlib.contextmanager
