@@ -7,29 +7,13 @@ import dataclasses
 
 import pytest
 import torch
+from helpers.allocations import allocated_peak
 from helpers.plan_cases import QWEN25_1_5B, QWEN25_7B, GiB, gpu_grpo, model_folder
 
 from fastrlhf.config import CriticConfig, RewardConfig, TrainConfig
 from fastrlhf.memory import components as C
 from fastrlhf.memory import read_shape
 from fastrlhf.memory.plan import plan_memory
-
-
-def allocated_peak(fn) -> int:
-    """The most bytes allocated at once while ``fn`` runs, over what was allocated before: the running sum
-    of the profiler's allocation (+) and free (-) events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-        del out
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    now = peak = 0
-    for e in events:
-        now += e.nbytes()
-        peak = max(peak, now)
-    return peak
 
 
 def forward_peak(dims: dict, dtype: torch.dtype, padded: bool, batch: int = 2, length: int = 256) -> tuple[int, int]:
