@@ -81,49 +81,54 @@ def token_loss_specs():
     (``policy_loss_triton.py``), which reads fp32 token vectors whatever the logits' dtype."""
     from fastrlhf.algorithms.logprobs import K3_CLAMP, LOG_RATIO_CLAMP
 
-    from .policy_loss_triton import BLOCK, KL_KIND_CODES, token_loss_kernels
+    from .policy_loss_triton import BLOCK, KL_KIND_CODES, POLICY_LOSS_CODES, token_loss_kernels
 
     kernel = token_loss_kernels().loss
     sig = {name: "*fp32" for name in ("lp_ptr", "ent_ptr", "old_ptr", "adv_ptr", "w_ptr", "ref_ptr", "grad_lp_ptr",
                                       "grad_ent_ptr", "sums_ptr")}
-    sig.update(n="i32", clip_low="fp32", clip_high="fp32", dual_clip="fp32", kl_coef="fp32", entropy_coef="fp32")
+    sig.update(n="i32", clip_low="fp32", clip_high="fp32", dual_clip="fp32", kl_coef="fp32", entropy_coef="fp32",
+               tau_pos="fp32", tau_neg="fp32")
     specs = []
-    for has_old, has_dual in ((True, False), (True, True), (False, False), (False, True)):
-        for has_ref, kind in [(False, 0)] + [(True, code) for code in KL_KIND_CODES.values()]:
-            constexprs = {"HAS_OLD": has_old, "HAS_REF": has_ref, "KL_KIND": kind, "HAS_DUAL": has_dual,
-                          "LOG_RATIO_MAX": LOG_RATIO_CLAMP, "K3_MAX": K3_CLAMP, "BLOCK": BLOCK}
-            label = f"token_loss[old={has_old}, ref={has_ref}, kl={kind}, dual={has_dual}]"
-            specs.append((label, kernel, sig, constexprs, 4))
+    vanilla = [(True, False), (True, True), (False, False), (False, True)]  # (old, dual): CISPO and SAPO no dual
+    for loss, code in POLICY_LOSS_CODES.items():
+        for has_old, has_dual in vanilla if loss == "vanilla" else vanilla[::2]:
+            for has_ref, kind in [(False, 0)] + [(True, code) for code in KL_KIND_CODES.values()]:
+                constexprs = {"HAS_OLD": has_old, "HAS_REF": has_ref, "KL_KIND": kind, "HAS_DUAL": has_dual,
+                              "LOSS_KIND": POLICY_LOSS_CODES[loss], "LOG_RATIO_MAX": LOG_RATIO_CLAMP,
+                              "K3_MAX": K3_CLAMP, "BLOCK": BLOCK}
+                label = f"token_loss[{loss}, old={has_old}, ref={has_ref}, kl={kind}, dual={has_dual}]"
+                specs.append((label, kernel, sig, constexprs, 4))
     return specs
 
 
 def row_loss_specs(logits_dtype: str, block_v: int, every_option: bool = False):
     """(label, kernel, signature, constexprs, num_warps) of the row kernel (``policy_loss_triton.py``: a chunk's
     statistics, loss and in-place gradient in one launch) for these logits: with and without its gradient pass,
-    at the options a GRPO/PPO update takes (old and reference logprobs, k3, no dual clip); ``every_option``
-    adds on-policy without a reference, dual clip, and each other KL kind (the loss math they switch is the
-    token kernel's, compiled in every variant there)."""
+    at the options a GRPO/PPO update takes (old and reference logprobs, k3, no dual clip), for each policy loss
+    the kernels cover; ``every_option`` adds on-policy without a reference, dual clip, and each other KL kind (the
+    loss math they switch is the token kernel's, compiled in every variant there)."""
     from fastrlhf.algorithms.logprobs import K3_CLAMP, LOG_RATIO_CLAMP
 
     from .logprob_entropy_triton import _num_warps
-    from .policy_loss_triton import KL_KIND_CODES, token_loss_kernels
+    from .policy_loss_triton import KL_KIND_CODES, POLICY_LOSS_CODES, token_loss_kernels
 
     ptr = _POINTER[logits_dtype]
     sig = {"logits_ptr": ptr, "stride_row": "i64", "labels_ptr": "*i64", "old_ptr": "*fp32", "adv_ptr": "*fp32",
            "w_ptr": "*fp32", "ref_ptr": "*fp32", "out_ptr": ptr, "stride_out_row": "i64", "sums_ptr": "*fp32",
            "V": "i32", "inv_temperature": "fp32", "clip_low": "fp32", "clip_high": "fp32", "dual_clip": "fp32",
-           "kl_coef": "fp32", "entropy_coef": "fp32"}
-    k3 = KL_KIND_CODES["k3"]
-    options = [(True, True, k3, False, True), (True, True, k3, False, False)]
+           "kl_coef": "fp32", "entropy_coef": "fp32", "tau_pos": "fp32", "tau_neg": "fp32"}
+    k3, vanilla = KL_KIND_CODES["k3"], POLICY_LOSS_CODES["vanilla"]
+    options = [(True, True, k3, False, True, vanilla), (True, True, k3, False, False, vanilla)]
+    options += [(True, True, k3, False, True, code) for loss, code in POLICY_LOSS_CODES.items() if loss != "vanilla"]
     if every_option:
-        options += [(False, False, 0, True, True)] + [
-            (True, True, code, False, True) for kind, code in KL_KIND_CODES.items() if kind != "k3"]
+        options += [(False, False, 0, True, True, vanilla)] + [
+            (True, True, code, False, True, vanilla) for kind, code in KL_KIND_CODES.items() if kind != "k3"]
     specs = []
-    for has_old, has_ref, kind, has_dual, need_grad in options:
+    for has_old, has_ref, kind, has_dual, need_grad, loss in options:
         constexprs = {"HAS_OLD": has_old, "HAS_REF": has_ref, "KL_KIND": kind, "HAS_DUAL": has_dual,
-                      "NEED_GRAD": need_grad, "LOG_RATIO_MAX": LOG_RATIO_CLAMP, "K3_MAX": K3_CLAMP,
-                      "BLOCK_V": block_v}
-        label = (f"rows[{logits_dtype}, old={has_old}, ref={has_ref}, kl={kind}, dual={has_dual}, "
+                      "LOSS_KIND": loss, "NEED_GRAD": need_grad, "LOG_RATIO_MAX": LOG_RATIO_CLAMP,
+                      "K3_MAX": K3_CLAMP, "BLOCK_V": block_v}
+        label = (f"rows[{logits_dtype}, loss={loss}, old={has_old}, ref={has_ref}, kl={kind}, dual={has_dual}, "
                  f"grad={need_grad}]")
         specs.append((label, token_loss_kernels().rows, sig, constexprs, _num_warps(block_v)))
     return specs

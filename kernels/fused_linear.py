@@ -3,8 +3,8 @@
 ``logits = hidden @ weight.T (+ bias)`` is only ever built ``chunk_size`` tokens at a time, into one
 reused ``[chunk_size, V]`` buffer of the input dtype. Per chunk the softmax statistics and the
 ``dlogits`` come from the shared primitives of ``logprob_entropy.py`` (Triton kernels or the
-in-place torch path; for the vanilla policy loss on Triton, one kernel does a chunk's statistics, loss
-and ``dlogits``: ``policy_loss_triton.triton_row_loss_and_grad``), ``dlogits`` overwrites the chunk's
+in-place torch path; for the vanilla, CISPO and SAPO policy losses on Triton, one kernel does a chunk's
+statistics, loss and ``dlogits``: ``policy_loss_triton.triton_row_loss_and_grad``), ``dlogits`` overwrites the chunk's
 logits in place, and the three GEMMs of the head run in the input dtype (bf16 inputs: bf16 GEMMs, fp32
 softmax math, like the peers).
 
@@ -142,10 +142,11 @@ def _loss_primitives(backend: str = "torch", policy_loss: str = "vanilla"):
 
 def _row_loss_function(backend: str, policy_loss: str):
     """The one-launch chunk step (``policy_loss_triton.triton_row_loss_and_grad``) where it applies (Triton, the
-    vanilla loss, :data:`~fastrlhf.kernels.fused_linear_chunks.PATHS` leaving it on), else None."""
-    if backend != "triton" or policy_loss != "vanilla" or not PATHS.one_pass_rows:
+    policy losses it covers, :data:`~fastrlhf.kernels.fused_linear_chunks.PATHS` leaving it on), else None."""
+    from .policy_loss_triton import POLICY_LOSS_CODES, triton_row_loss_and_grad
+
+    if backend != "triton" or policy_loss not in POLICY_LOSS_CODES or not PATHS.one_pass_rows:
         return None
-    from .policy_loss_triton import triton_row_loss_and_grad
 
     return triton_row_loss_and_grad
 

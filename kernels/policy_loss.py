@@ -3,7 +3,7 @@
 The loss is evaluated on per-token vectors by :func:`policy_loss_from_token_stats`, through
 ``fastrlhf.algorithms`` with autograd, which yields the loss together with its gradient in each
 token's logprob and entropy; the per-token math therefore has one home. On the Triton backend the
-vanilla loss runs the same math as one kernel (``policy_loss_triton.py``, tested against that
+vanilla, CISPO and SAPO losses run the same math as one kernel (``policy_loss_triton.py``, tested against that
 reference; :func:`token_loss_function` picks). Around it, no [N, V] tensor is created besides the
 gradient:
 
@@ -122,10 +122,13 @@ def policy_loss_from_token_stats(
 
 
 def token_loss_function(backend: str, policy_loss: str):
-    """The per-token loss of a chunk for ``backend``: on Triton, for the ``vanilla`` policy loss, the one-launch
-    kernel of ``policy_loss_triton.py`` (about a hundred small torch kernels fewer per chunk); otherwise
-    :func:`policy_loss_from_token_stats`, its reference. Both take and return the same."""
-    if backend == "triton" and policy_loss == "vanilla":
+    """The per-token loss of a chunk for ``backend``: on Triton, for the policy losses it covers (vanilla, CISPO,
+    SAPO: ``policy_loss_triton.POLICY_LOSS_CODES``), the one-launch kernel of ``policy_loss_triton.py`` (about a
+    hundred small torch kernels fewer per chunk); otherwise :func:`policy_loss_from_token_stats`, its reference.
+    Both take and return the same."""
+    from .policy_loss_triton import POLICY_LOSS_CODES
+
+    if backend == "triton" and policy_loss in POLICY_LOSS_CODES:
         from .policy_loss_triton import triton_policy_loss_from_token_stats
 
         return triton_policy_loss_from_token_stats

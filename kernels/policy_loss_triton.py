@@ -1,5 +1,6 @@
-"""The per-token policy loss in Triton: PPO's clipped surrogate (clip-higher, dual clip), the KL penalty (k1, abs,
-k2, k3) and the entropy bonus, with each token's gradient in its logprob and entropy and the loss and metric sums.
+"""The per-token policy loss in Triton: PPO's clipped surrogate (clip-higher, dual clip), CISPO or SAPO, the KL
+penalty (k1, abs, k2, k3) and the entropy bonus, with each token's gradient in its logprob and entropy and the loss
+and metric sums.
 Two kernels share that math (``policy_loss_triton_jit._token_loss_math``, one ``@triton.jit`` helper):
 
 * ``loss``: a block of tokens' logprobs and entropies in, their gradients and the block's sums out; one launch
@@ -15,8 +16,9 @@ Their reference is :func:`fastrlhf.kernels.policy_loss.policy_loss_from_token_st
 ``fastrlhf.algorithms``, where the formulas live) and, for ``rows``, the stats and gradient primitives of
 ``logprob_entropy.py``; the kernels do the same math, derivative by derivative. The derivatives follow autograd's
 conventions where a choice exists: ``clamp`` passes the gradient inside its bounds (inclusive),
-``maximum``/``minimum`` split it in halves at a tie, ``abs`` gives 0 at 0. Covers the ``vanilla`` policy loss;
-other registered losses take the reference (:func:`token_loss_function`). Built lazily (importing this module
+``maximum``/``minimum`` split it in halves at a tie, ``abs`` gives 0 at 0. Covers the ``vanilla``, ``cispo`` and
+``sapo`` policy losses (:data:`POLICY_LOSS_CODES`); other registered losses take the reference
+(:func:`token_loss_function`). Built lazily (importing this module
 never imports triton; the kernels themselves are in ``policy_loss_triton_jit.py``); ``_triton_aot.py``
 AOT-compiles every variant.
 """
@@ -33,11 +35,13 @@ from fastrlhf.algorithms.logprobs import _KL_ALIASES, K3_CLAMP, LOG_RATIO_CLAMP
 
 from ._checks import check_token_inputs
 
-__all__ = ["KL_KIND_CODES", "SUM_COLUMNS", "token_loss_kernels", "triton_policy_loss_from_token_stats",
-           "triton_row_loss_and_grad"]
+__all__ = ["KL_KIND_CODES", "POLICY_LOSS_CODES", "SUM_COLUMNS", "token_loss_kernels",
+           "triton_policy_loss_from_token_stats", "triton_row_loss_and_grad"]
 
 # KL kind -> the kernels' KL_KIND constexpr.
 KL_KIND_CODES = {kind: code for code, kind in enumerate(KL_KINDS)}
+# The registered policy losses the kernels compute (fastrlhf.algorithms.losses) -> their LOSS_KIND constexpr.
+POLICY_LOSS_CODES = {"vanilla": 0, "cispo": 1, "sapo": 2}
 # What each block (``loss``) or row (``rows``) writes, in this order: its loss, then the metric sums of
 # policy_loss.METRIC_SUM_KEYS.
 SUM_COLUMNS = ("loss", "clipped", "approx_kl", "entropy", "kl", "count")
@@ -53,18 +57,28 @@ def token_loss_kernels():
     return types.SimpleNamespace(loss=jit._token_loss_kernel, rows=jit._row_loss_kernel)
 
 
-def _check_loss_options(policy_loss, dual_clip, kl_kind, what, policy_loss_args=None) -> int:
-    """The kernels' options checked as the reference checks them; returns the KL kind's code."""
-    if policy_loss != "vanilla":
-        raise ValueError(f"{what} fuses the vanilla policy loss only, got {policy_loss!r}")
-    if policy_loss_args:
-        raise ValueError(f"the vanilla policy loss takes no options, got {sorted(policy_loss_args)}")
-    if dual_clip is not None and not dual_clip > 1.0:
+def _check_loss_options(policy_loss, dual_clip, kl_kind, what, policy_loss_args=None) -> dict:
+    """The kernels' options checked as the reference checks them; returns the launch's loss arguments (the KL
+    kind's and the loss's codes, SAPO's temperatures). The dual clip is vanilla's alone (the others ignore it)."""
+    from fastrlhf.algorithms.losses import policy_loss_options
+
+    if policy_loss not in POLICY_LOSS_CODES:
+        raise ValueError(f"{what} fuses the {', '.join(POLICY_LOSS_CODES)} policy losses, got {policy_loss!r}")
+    options = policy_loss_options(policy_loss)
+    unknown = sorted(set(policy_loss_args or {}) - set(options))
+    if unknown:
+        raise ValueError(f"the {policy_loss} policy loss takes {sorted(options) or 'no options'}, got {unknown}")
+    options.update(policy_loss_args or {})
+    if policy_loss == "vanilla" and dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
+    tau_pos, tau_neg = float(options.get("tau_pos", 1.0)), float(options.get("tau_neg", 1.0))
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"tau_pos and tau_neg must be > 0, got {options['tau_pos']} and {options['tau_neg']}")
     kind = _KL_ALIASES.get(kl_kind, kl_kind)
     if kind not in KL_KIND_CODES:
         raise ValueError(f"unknown KL kind {kl_kind!r}; expected one of {', '.join(KL_KINDS)}")
-    return KL_KIND_CODES[kind]
+    return dict(KL_KIND=KL_KIND_CODES[kind], LOSS_KIND=POLICY_LOSS_CODES[policy_loss],
+                HAS_DUAL=policy_loss == "vanilla" and dual_clip is not None, tau_pos=tau_pos, tau_neg=tau_neg)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -80,8 +94,8 @@ def triton_policy_loss_from_token_stats(logprobs, entropy, old_logprobs, advanta
                                         clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_kind="k3",
                                         entropy_coef=0.0, policy_loss="vanilla", policy_loss_args=None):
     """:func:`fastrlhf.kernels.policy_loss.policy_loss_from_token_stats` (same arguments, checks and results) in
-    one kernel launch and one sum; the ``vanilla`` policy loss only."""
-    kind = _check_loss_options(policy_loss, dual_clip, kl_kind, "the Triton token loss", policy_loss_args)
+    one kernel launch and one sum; the policy losses of :data:`POLICY_LOSS_CODES`."""
+    loss_kw = _check_loss_options(policy_loss, dual_clip, kl_kind, "the Triton token loss", policy_loss_args)
     check_token_inputs(logprobs, entropy, old_logprobs, advantages, weights, ref_logprobs, kl_coef)
     n, device = logprobs.numel(), logprobs.device
     grad_lp = torch.empty(n, dtype=torch.float32, device=device)
@@ -94,8 +108,8 @@ def triton_policy_loss_from_token_stats(logprobs, entropy, old_logprobs, advanta
             lp, _f32(entropy), lp if old_logprobs is None else _f32(old_logprobs), _f32(advantages), _f32(weights),
             lp if ref_logprobs is None else _f32(ref_logprobs), grad_lp, grad_ent, sums,
             n, float(clip_low), float(clip_high), float(dual_clip or 0.0), float(kl_coef), float(entropy_coef),
-            HAS_OLD=old_logprobs is not None, HAS_REF=ref_logprobs is not None, KL_KIND=kind,
-            HAS_DUAL=dual_clip is not None, LOG_RATIO_MAX=LOG_RATIO_CLAMP, K3_MAX=K3_CLAMP, BLOCK=BLOCK,
+            HAS_OLD=old_logprobs is not None, HAS_REF=ref_logprobs is not None, **loss_kw,
+            LOG_RATIO_MAX=LOG_RATIO_CLAMP, K3_MAX=K3_CLAMP, BLOCK=BLOCK,
         )
     loss, metric_sums = _loss_and_sums(sums)
     return loss, grad_lp, grad_ent, metric_sums
@@ -108,11 +122,11 @@ def triton_row_loss_and_grad(logits, labels, old_logprobs, advantages, weights, 
     :func:`fastrlhf.kernels.policy_loss.policy_loss_from_token_stats` returns them of the logits' logprobs and
     entropies, and, where ``out`` is given (``[n, V]``, the logits themselves for in place), ``dlogits`` written
     there as ``logprob_entropy_grad`` writes them from that loss's per-token gradients (the entropy's only where
-    ``entropy_coef`` is not 0). Labels are not checked here (the caller checks them once); the ``vanilla``
-    policy loss only."""
+    ``entropy_coef`` is not 0). Labels are not checked here (the caller checks them once); the policy losses of
+    :data:`POLICY_LOSS_CODES`."""
     from .logprob_entropy_triton import _num_warps, default_block_v
 
-    kind = _check_loss_options(policy_loss, dual_clip, kl_kind, "the Triton row loss", policy_loss_args)
+    loss_kw = _check_loss_options(policy_loss, dual_clip, kl_kind, "the Triton row loss", policy_loss_args)
     n, v = logits.shape
     if ref_logprobs is None and kl_coef != 0.0:
         raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")
@@ -126,8 +140,8 @@ def triton_row_loss_and_grad(logits, labels, old_logprobs, advantages, weights, 
             w if ref_logprobs is None else _f32(ref_logprobs), logits if out is None else out,
             logits.stride(0) if out is None else out.stride(0), sums,
             v, 1.0 / temperature, float(clip_low), float(clip_high), float(dual_clip or 0.0), float(kl_coef),
-            float(entropy_coef), HAS_OLD=old_logprobs is not None, HAS_REF=ref_logprobs is not None, KL_KIND=kind,
-            HAS_DUAL=dual_clip is not None, NEED_GRAD=out is not None, LOG_RATIO_MAX=LOG_RATIO_CLAMP,
-            K3_MAX=K3_CLAMP, BLOCK_V=block, num_warps=_num_warps(block),
+            float(entropy_coef), HAS_OLD=old_logprobs is not None, HAS_REF=ref_logprobs is not None, **loss_kw,
+            NEED_GRAD=out is not None, LOG_RATIO_MAX=LOG_RATIO_CLAMP, K3_MAX=K3_CLAMP, BLOCK_V=block,
+            num_warps=_num_warps(block),
         )
     return _loss_and_sums(sums)

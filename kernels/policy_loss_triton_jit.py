@@ -13,31 +13,43 @@ from .logprob_entropy_triton_jit import row_softmax_grad, row_softmax_stats
 
 
 @triton.jit
-def _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip, kl_coef, entropy_coef,
-                     HAS_REF: tl.constexpr, KL_KIND: tl.constexpr, HAS_DUAL: tl.constexpr,
+def _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip, kl_coef, entropy_coef, tau_pos, tau_neg,
+                     HAS_REF: tl.constexpr, KL_KIND: tl.constexpr, HAS_DUAL: tl.constexpr, LOSS_KIND: tl.constexpr,
                      LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr):
     """Per token (a block or a scalar): (loss, d loss / d lp, whether clipped, kl); d loss / d ent is
-    -entropy_coef. Inputs already sanitised: masked tokens hold 0."""
+    -entropy_coef. Inputs already sanitised: masked tokens hold 0. ``LOSS_KIND``: 0 vanilla, 1 CISPO, 2 SAPO."""
     # ratio = exp(clamp(lp - old)), d ratio / d lp = ratio inside the clamp, 0 outside
     x = lp - old
     ratio = tl.exp(tl.minimum(tl.maximum(x, -LOG_RATIO_MAX), LOG_RATIO_MAX))
     d_ratio = tl.where((x >= -LOG_RATIO_MAX) & (x <= LOG_RATIO_MAX), ratio, 0.0)
     lo = 1.0 - clip_low
     hi = 1.0 + clip_high
-    unclipped = -adv * ratio
-    clipped = -adv * tl.minimum(tl.maximum(ratio, lo), hi)
-    g_un = -adv
-    g_cl = tl.where((ratio >= lo) & (ratio <= hi), -adv, 0.0)
-    loss = tl.maximum(unclipped, clipped)
-    g = tl.where(unclipped > clipped, g_un, tl.where(clipped > unclipped, g_cl, 0.5 * (g_un + g_cl)))
-    is_clipped = clipped > unclipped
-    if HAS_DUAL:  # advantages < 0: min(loss, -A * c)
-        cap = -adv * dual_clip
-        g_cap = tl.where(loss < cap, g, tl.where(loss > cap, 0.0, 0.5 * g))
-        negative = adv < 0
-        loss = tl.where(negative, tl.minimum(loss, cap), loss)
-        g = tl.where(negative, g_cap, g)
-    g_lp = g * d_ratio
+    if LOSS_KIND == 1:  # CISPO: -sg(clamp(ratio)) * A * lp; the weight is detached, so the gradient is the weight's
+        weight = tl.minimum(tl.maximum(ratio, lo), hi)
+        loss = -adv * weight * lp
+        g_lp = -adv * weight
+        is_clipped = weight != ratio
+    elif LOSS_KIND == 2:  # SAPO: -A * 4/tau * sigmoid(tau (ratio - 1)), tau by the advantage's sign
+        tau = tl.where(adv > 0, tau_pos, tau_neg)
+        gate = tl.sigmoid(tau * (ratio - 1.0))
+        loss = -adv * gate * 4.0 / tau
+        g_lp = -adv * 4.0 * gate * (1.0 - gate) * d_ratio
+        is_clipped = ratio < 0.0  # never: no token is clipped
+    else:
+        unclipped = -adv * ratio
+        clipped = -adv * tl.minimum(tl.maximum(ratio, lo), hi)
+        g_un = -adv
+        g_cl = tl.where((ratio >= lo) & (ratio <= hi), -adv, 0.0)
+        loss = tl.maximum(unclipped, clipped)
+        g = tl.where(unclipped > clipped, g_un, tl.where(clipped > unclipped, g_cl, 0.5 * (g_un + g_cl)))
+        is_clipped = clipped > unclipped
+        if HAS_DUAL:  # advantages < 0: min(loss, -A * c)
+            cap = -adv * dual_clip
+            g_cap = tl.where(loss < cap, g, tl.where(loss > cap, 0.0, 0.5 * g))
+            negative = adv < 0
+            loss = tl.where(negative, tl.minimum(loss, cap), loss)
+            g = tl.where(negative, g_cap, g)
+        g_lp = g * d_ratio
     kl = tl.zeros_like(lp)
     if HAS_REF:
         diff = lp - ref
@@ -66,9 +78,9 @@ def _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip, kl_
 @triton.jit
 def _token_loss_kernel(
     lp_ptr, ent_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, grad_lp_ptr, grad_ent_ptr, sums_ptr,
-    n, clip_low, clip_high, dual_clip, kl_coef, entropy_coef,
+    n, clip_low, clip_high, dual_clip, kl_coef, entropy_coef, tau_pos, tau_neg,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_KIND: tl.constexpr, HAS_DUAL: tl.constexpr,
-    LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr, BLOCK: tl.constexpr,
+    LOSS_KIND: tl.constexpr, LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -88,8 +100,8 @@ def _token_loss_kernel(
     else:
         ref = lp
     loss, g_lp, is_clipped, kl = _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip,
-                                                  kl_coef, entropy_coef, HAS_REF, KL_KIND, HAS_DUAL,
-                                                  LOG_RATIO_MAX, K3_MAX)
+                                                  kl_coef, entropy_coef, tau_pos, tau_neg, HAS_REF, KL_KIND, HAS_DUAL,
+                                                  LOSS_KIND, LOG_RATIO_MAX, K3_MAX)
     tl.store(grad_lp_ptr + offs, tl.where(keep, w * g_lp, 0.0), mask=inside)
     tl.store(grad_ent_ptr + offs, tl.where(keep, -entropy_coef * w, 0.0), mask=inside)
     row = sums_ptr + pid * 6
@@ -104,9 +116,10 @@ def _token_loss_kernel(
 @triton.jit
 def _row_loss_kernel(
     logits_ptr, stride_row, labels_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, out_ptr, stride_out_row, sums_ptr,
-    V, inv_temperature, clip_low, clip_high, dual_clip, kl_coef, entropy_coef,
+    V, inv_temperature, clip_low, clip_high, dual_clip, kl_coef, entropy_coef, tau_pos, tau_neg,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_KIND: tl.constexpr, HAS_DUAL: tl.constexpr,
-    NEED_GRAD: tl.constexpr, LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOSS_KIND: tl.constexpr, NEED_GRAD: tl.constexpr, LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -127,8 +140,8 @@ def _row_loss_kernel(
         else:
             ref = lp
         loss, g_lp, is_clipped, kl = _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip,
-                                                      kl_coef, entropy_coef, HAS_REF, KL_KIND, HAS_DUAL,
-                                                      LOG_RATIO_MAX, K3_MAX)
+                                                      kl_coef, entropy_coef, tau_pos, tau_neg, HAS_REF, KL_KIND,
+                                                      HAS_DUAL, LOSS_KIND, LOG_RATIO_MAX, K3_MAX)
         tl.store(sums_row + 0, loss * w)
         tl.store(sums_row + 1, tl.where(is_clipped, 1.0, 0.0))
         tl.store(sums_row + 2, old - lp)

@@ -23,11 +23,12 @@ from helpers.paths import ROOT as CHECKOUT
 
 ROOT = Path(CHECKOUT)
 KERNEL_VARIANTS_PER_DTYPE_AND_BLOCK = 1 + 3 * 2  # stats + grad x (lp/ent switches) x (out dtype)
-# The per-token loss: (old logprobs or on-policy) x (dual clip or not) x (no reference, or each of 4 KL kinds).
-TOKEN_LOSS_VARIANTS = 2 * 2 * 5
-# The row kernel: with and without its gradient pass at every dtype and block, and once (bf16, the first
-# block) on-policy without a reference with dual clip, and each KL kind other than k3.
-ROW_LOSS_VARIANTS_PER_DTYPE_AND_BLOCK = 2
+# The per-token loss: (old logprobs or on-policy) x (dual clip or not) x (no reference, or each of 4 KL kinds) for
+# the vanilla loss; CISPO and SAPO, which take no dual clip, the same without it.
+TOKEN_LOSS_VARIANTS = 2 * 2 * 5 + 2 * (2 * 5)
+# The row kernel: with and without its gradient pass at every dtype and block, CISPO's and SAPO's with it, and once
+# (bf16, the first block) on-policy without a reference with dual clip, and each KL kind other than k3.
+ROW_LOSS_VARIANTS_PER_DTYPE_AND_BLOCK = 2 + 2
 ROW_LOSS_EXTRA_VARIANTS = 1 + 3
 
 

@@ -571,3 +571,32 @@ def test_fused_linear_policy_loss_row_kernel_without_grad(counted_rows):
     for k in metrics:
         torch.testing.assert_close(metrics[k], want_metrics[k], rtol=1e-6, atol=1e-6)
     assert counted_rows and not any(counted_rows)  # the row kernel ran, without its gradient pass
+
+
+@pytest.mark.parametrize("name,options", [("cispo", None), ("sapo", {"tau_pos": 0.7, "tau_neg": 1.4})])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cispo_and_sapo_through_the_head_match_the_float64_reference(backend, name, options):
+    """The other token-level losses from hidden states (on Triton the row kernel computes them, LOSS_KIND): loss,
+    metrics and the head's three gradients against autograd in float64 through materialised logits
+    (``fastrlhf.algorithms.actor_loss_per_token``), a masked row skipping a chunk, KL and entropy terms."""
+    hidden, weight, b, labels, d = make_inputs((2, 7), 16, 257, seed=3)
+    d["mask"][1] = 0.0
+    kw = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_kind="k3", entropy_coef=0.02, policy_loss=name,
+              policy_loss_args=options)
+    loss, metrics = fused_linear_policy_loss(hidden, weight, labels, d["old_logprobs"], d["advantages"], d["mask"],
+                                             ref_logprobs=d["ref_logprobs"], temperature=1.2, bias=b, chunk_size=7,
+                                             backend=backend, agg="seq-mean-token-mean", **kw)
+    got = grads_of(loss, leaves(hidden, weight, b))
+
+    rh, rw, rb = reference_copies(hidden, weight, b)
+    rd = dict(zip(d, reference_copies(*d.values()), strict=True))
+    lp, ent = ref_lp_ent(rh, rw, rb, labels, 1.2)
+    loss_mat, is_clipped, kl = A.actor_loss_per_token(lp, ent, rd["old_logprobs"], rd["advantages"], rd["mask"],
+                                                      rd["ref_logprobs"], **kw)
+    loss_ref = A.aggregate_loss(loss_mat, rd["mask"], "seq-mean-token-mean")
+    want = grads_of(loss_ref, leaves(rh, rw, rb))
+    torch.testing.assert_close(loss.double(), loss_ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["clipfrac"].double(), A.masked_mean(is_clipped.double(), rd["mask"]))
+    torch.testing.assert_close(metrics["kl"].double(), A.masked_mean(kl, rd["mask"]).detach(), rtol=1e-5, atol=1e-6)
+    for g, w, what in zip(got, want, leaf_names(hidden, weight, b), strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-6, msg=what)

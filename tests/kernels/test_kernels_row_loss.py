@@ -79,6 +79,18 @@ def test_row_kernel_equals_the_three_launches_for_every_option(on_policy, kl_kin
                      f"on_policy={on_policy} kl={kl_kind} dual={dual_clip} ent={entropy_coef}")
 
 
+@pytest.mark.parametrize("loss,options", [("cispo", None), ("sapo", {"tau_pos": 0.6, "tau_neg": 1.7})])
+@pytest.mark.parametrize("on_policy,kl_kind", [(False, "k3"), (True, None), (False, "k2")])
+def test_row_kernel_equals_the_three_launches_for_cispo_and_sapo(loss, options, on_policy, kl_kind):
+    x = chunk_inputs(7, 301, on_policy=on_policy, with_ref=kl_kind is not None, seed=6)
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=None, kl_coef=0.1 if kl_kind else 0.0, kl_kind=kl_kind or "k3",
+              entropy_coef=0.02, policy_loss=loss, policy_loss_args=options)
+    out = torch.full(x["logits"].shape, float("nan"))
+    got_loss, got_sums = triton_row_loss_and_grad(**x, temperature=0.9, out=out, block_v=64, **kw)
+    assert_same_step(got_loss, got_sums, out, *three_launches(x, 0.9, kw), torch.float32,
+                     f"{loss} on_policy={on_policy} kl={kl_kind}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v,block_v", [(301, 64), (4097, 1024), (50, None)])
 def test_row_kernel_in_place_across_blocks(dtype, v, block_v):

@@ -60,6 +60,32 @@ def test_token_loss_kernel_matches_the_reference(on_policy, kl_kind, dual_clip, 
                 f"on_policy={on_policy} kl={kl_kind} dual={dual_clip} ent={entropy_coef}")
 
 
+LOSS_CASES = list(itertools.product(
+    [("cispo", None), ("sapo", None), ("sapo", {"tau_pos": 0.6, "tau_neg": 1.7})],  # loss and its options
+    [False, True],  # on-policy
+    [None, "k3"],  # no reference, or k3
+    [0.0, 0.01],  # entropy coefficient
+))
+
+
+@pytest.mark.parametrize("loss,on_policy,kl_kind,entropy_coef", LOSS_CASES)
+def test_cispo_and_sapo_in_the_kernel_match_the_reference(loss, on_policy, kl_kind, entropy_coef):
+    """The other token-level losses the kernel computes (LOSS_KIND). A dual clip is vanilla's: the others ignore it,
+    unchecked, as the reference does; log-ratios past the clamp (spread 8) and exact ties included."""
+    x = token_inputs(BLOCK + 237, seed=5, spread=8.0, on_policy=on_policy, ties=True)
+    if kl_kind is None:
+        x["ref_logprobs"] = None
+    name, options = loss
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=0.5, kl_coef=0.1 if kl_kind else 0.0, kl_kind=kl_kind or "k3",
+              entropy_coef=entropy_coef, policy_loss=name, policy_loss_args=options)
+    got = triton_policy_loss_from_token_stats(**x, **kw)
+    assert_same(got, policy_loss_from_token_stats(**x, **kw), f"{loss} on_policy={on_policy} kl={kl_kind}")
+    if name == "sapo":
+        assert got[3]["clipped"] == 0  # a soft gate clips nothing
+    elif not on_policy:
+        assert got[3]["clipped"] > 0
+
+
 def test_log_ratios_past_the_clamp_and_a_reference_kl_without_its_coefficient():
     # |lp - old| up to ~60: the ratio's clamp (20) cuts the gradient there, as autograd's clamp does.
     x = token_inputs(300, seed=2, spread=25.0)
@@ -87,7 +113,8 @@ def test_every_token_masked_is_zero():
 
 def test_argument_errors_match_the_reference():
     x = token_inputs(8)
-    for bad in (dict(kl_kind="k4", kl_coef=0.1), dict(dual_clip=1.0), dict(kl_coef=0.1, ref_logprobs=None)):
+    for bad in (dict(kl_kind="k4", kl_coef=0.1), dict(dual_clip=1.0), dict(kl_coef=0.1, ref_logprobs=None),
+                dict(policy_loss="sapo", policy_loss_args={"tau_pos": 0.0})):
         with pytest.raises(ValueError) as theirs:
             policy_loss_from_token_stats(**{**x, **bad})
         with pytest.raises(ValueError) as ours:
@@ -95,7 +122,13 @@ def test_argument_errors_match_the_reference():
         assert str(ours.value) == str(theirs.value), bad
 
 
-def test_the_triton_backend_takes_the_kernel_for_the_vanilla_loss_only():
-    assert token_loss_function("triton", "vanilla") is triton_policy_loss_from_token_stats
-    assert token_loss_function("torch", "vanilla") is policy_loss_from_token_stats
-    assert token_loss_function("triton", "cispo") is policy_loss_from_token_stats
+def test_the_triton_backend_takes_the_kernel_for_the_losses_it_computes():
+    for name in ("vanilla", "cispo", "sapo"):
+        assert token_loss_function("triton", name) is triton_policy_loss_from_token_stats
+        assert token_loss_function("torch", name) is policy_loss_from_token_stats
+    assert token_loss_function("triton", "gspo") is policy_loss_from_token_stats  # whole sequences
+    x = token_inputs(8)
+    with pytest.raises(ValueError, match="fuses the vanilla, cispo, sapo policy losses, got 'gspo'"):
+        triton_policy_loss_from_token_stats(**x, policy_loss="gspo")
+    with pytest.raises(ValueError, match=r"the cispo policy loss takes no options, got \['tau_pos'\]"):
+        triton_policy_loss_from_token_stats(**x, policy_loss="cispo", policy_loss_args={"tau_pos": 1.0})
