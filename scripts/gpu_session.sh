@@ -25,10 +25,11 @@
 #   3. bash scripts/gpu_session.sh vllm-bench [CAP_S]      carry: .gpu-carry. The GRPO step with vLLM against
 #        the same step with HF generate alone (vLLM unpacked by call 2 on the same machine), in CAP_S: the
 #        device time left (about 240 s after calls 1 and 2 of a 15-minute session).
-#   4. bash scripts/gpu_session.sh trl [CAP_S]
+#   4. bash scripts/gpu_session.sh trl [CAP_S] [RUNS]
 #        carry: .gpu-carry  .trl-carry (scripts/gpu_trl_carry.sh), vLLM unpacked: the GRPO step
-#        with vLLM against TRL's colocated vLLM, with and without Liger, within CAP_S; then, where 200 s are
-#        left, the HF-engine race against TRL.
+#        with vLLM against TRL's colocated vLLM, with and without Liger (RUNS: others, comma-separated, e.g.
+#        fastrlhf_vllm,fastrlhf_vllm_shared,trl_vllm), within CAP_S; then, where 200 s are left, the HF-engine
+#        race against TRL.
 #   bash scripts/gpu_session.sh tests [CAP_S]      carry: .gpu-carry. tests/gpu without vLLM: kernels at
 #        V=151,936, the update's host reads, every command through the launcher, the plan against the peak.
 #   bash scripts/gpu_session.sh bench [CAP_S] [K]: the benchmarks that need neither vLLM nor TRL (-k K: some).
@@ -135,7 +136,7 @@ with_trl() {
   [ -d "$site/trl" ] || [ -f .trl-carry/trl-site.tar.xz ] \
     || { echo "no .trl-carry/trl-site.tar.xz: TRL's races are skipped"; return 0; }
   [ -d "$site/trl" ] || { mkdir -p "$site" && tar -xJf .trl-carry/trl-site.tar.xz -C "$site"; }
-  export PYTHONPATH=$PYTHONPATH:$site
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site  # unset where on_device.sh sets none (set -u)
   python3 -c "import trl, datasets, pyarrow; print('trl', trl.__version__, '| datasets', datasets.__version__)"
 }
 
@@ -181,7 +182,8 @@ case "$MODE" in
     DEADLINE=$(( $(date +%s) + ${2:-570} ))
     # The race's budget is the cap's, so that its runs (each given the time left) end before the cap: a call cut
     # by its cap writes no figures at all.
-    FASTRLHF_RACE_BUDGET_S=$(left 600) gpu_bench "$(left 600)" bench-vllm-vs-trl "vllm_vs_trl"
+    FASTRLHF_RACE_BUDGET_S=$(left 600) FASTRLHF_RACE_RUNS=${3:-} gpu_bench "$(left 600)" bench-vllm-vs-trl \
+      "vllm_vs_trl"
     if (( $(left 600) >= 200 )); then  # then the HF-engine race against TRL, where it fits
       gpu_bench "$(left 600)" bench-hf-vs-trl "grpo_step_vs_trl"
     fi

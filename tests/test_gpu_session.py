@@ -195,3 +195,8 @@ def test_the_trl_call_unpacks_trl_from_beside_gpu_carry(device, tmp_path):
         tar.add(tmp_path / "src" / "trl", arcname="trl")
     rc, log, calls = run("trl")
     assert (tmp_path / "trl" / "site-packages" / "trl" / "marker.py").exists() and "skipped" not in log, log
+    (race,) = [c for c in calls if "-k vllm_vs_trl" in c]
+    assert " runs=" not in race, calls  # the benchmark's own runs
+    rc, log, calls = run("trl", "400", "fastrlhf_vllm,fastrlhf_vllm_shared,trl_vllm")  # the runs named
+    (race,) = [c for c in calls if "-k vllm_vs_trl" in c]
+    assert "runs=fastrlhf_vllm,fastrlhf_vllm_shared,trl_vllm budget=" in race and rc == 0, (log, calls)

@@ -507,9 +507,10 @@ def run_child(race: str, params: dict, timeout_s: float = 600.0, device: str = "
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 
-def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf") -> dict:
+def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", shared: bool = False) -> dict:
     """``fastrlhf train`` through DeepSpeed's launcher on one device (``engine``: ``hf``, or ``vllm`` in the
-    trainer's process, asleep during the update on CUDA); the per-step figures of its metrics.jsonl. With
+    trainer's process, asleep during the update on CUDA); the per-step figures of its metrics.jsonl. ``shared``:
+    packed rows with each group's prompt once (``trainer.packing``, ``trainer.share_prompts``). With
     ``spec["profile"]`` (the races' default) one more step runs under ``trainer.profile_step``, left out of the
     figures: its stages' wall and device time and its largest kernels (``profile_stages``, ``profile_top``). A run
     that fails in that step keeps the figures of the steps before it."""
@@ -518,7 +519,8 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf") ->
     from fastrlhf.distributed import free_port
 
     profiled = spec["steps"] + 1 if spec.get("profile", True) else None
-    out_dir = os.path.join(work, "fastrlhf" if engine == "hf" else f"fastrlhf-{engine}")
+    name = ("fastrlhf" if engine == "hf" else f"fastrlhf-{engine}") + ("-shared" if shared else "")
+    out_dir = os.path.join(work, name)
     vllm = {"engine": "vllm", "sleep": spec["device"] == "cuda", "max_logprob_mismatch": None}
     raw = {
         "algorithm": "grpo", "output_dir": out_dir, "seed": 0,
@@ -530,7 +532,8 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf") ->
         "trainer": {"max_steps": profiled or spec["steps"], "profile_step": profiled,
                     "prompts_per_step": spec["prompts"],
                     "minibatch_size": spec["prompts"] * spec["n"], "grad_accum": spec["grad_accum"], "lr": 1e-6,
-                    "agg": AGG, **LOSS, "save_final": False, "log_every": 1},
+                    "agg": AGG, **LOSS, "save_final": False, "log_every": 1,
+                    **({"packing": True, "share_prompts": True} if shared else {})},
         "deepspeed": {"zero_stage": 2},
     }
     path = out_dir + ".yaml"
@@ -722,6 +725,20 @@ def grpo_vs_trl(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 
 ENGINE_TARGETS = dict(vllm_over_hf_min=5.0, speedup_vs_trl_vllm_min=1.5, memory_vs_trl_vllm_max=0.8, sync_ms_max=100.0,
                       mismatch_max=0.02)
 ENGINE_RUNS = ("fastrlhf_vllm", "fastrlhf_hf", "trl_vllm", "trl_vllm_liger")
+# Asked for by name only: fastrlhf with vLLM on packed rows that hold each group's prompt once.
+SHARED_RUN = "fastrlhf_vllm_shared"
+
+
+def _engine_targets_met(out: dict, run: str) -> bool:
+    """Whether fastrlhf's ``run`` meets every target of :data:`ENGINE_TARGETS` (the speed-up over HF generate is
+    the default layout's)."""
+    t, step, memory = ENGINE_TARGETS, out.get(f"{run}_step_s"), out.get(f"{run}_device_peak_gib")
+    trl_step, trl_memory = out.get("trl_vllm_step_s"), out.get("trl_vllm_device_peak_gib")
+    return bool(step and memory and trl_step and trl_memory and out.get("vllm_over_hf", 0) >= t["vllm_over_hf_min"]
+                and trl_step / step >= t["speedup_vs_trl_vllm_min"]
+                and memory / trl_memory <= t["memory_vs_trl_vllm_max"]
+                and out.get(f"{run}_sync_ms", 1e9) <= t["sync_ms_max"]
+                and out.get(f"{run}_mismatch", 1e9) <= t["mismatch_max"])
 
 
 def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 8, n: int = 8, prompt_len: int = 128,
@@ -733,7 +750,9 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
     size, token limits and batch. Per run: s/step (median after ``warmup``), generated tokens/s (over the
     generation), trained tokens/s (prompt and completion tokens over the update), the device's peak memory above
     idle (:class:`DevicePeak`), and for fastrlhf with vLLM the sync's ms and GB/s and the logprob mismatch. A run
-    whose package is missing, or that would start after ``budget_s``, is skipped with the reason."""
+    whose package is missing, or that would start after ``budget_s``, is skipped with the reason. ``runs`` may add
+    :data:`SHARED_RUN` (each group's prompt once): its ratios against TRL as ``shared_*``, and ``targets_met``
+    where either layout meets every target."""
 
     started, work = time.perf_counter(), tempfile.mkdtemp(prefix="bench-gpu-engines-")
     try:
@@ -742,7 +761,7 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
         out = dict(shape=shape, prompts=prompts, n=n, prompt_len=prompt_len, new_tokens=new_tokens, steps=steps,
                    warmup_steps=warmup, **LOSS, **ENGINE_TARGETS, **saved)
         needs = {"fastrlhf_vllm": ("vllm",), "fastrlhf_hf": (), "trl_vllm": ("trl", "vllm"),
-                 "trl_vllm_liger": ("trl", "vllm", "liger_kernel")}
+                 "trl_vllm_liger": ("trl", "vllm", "liger_kernel"), SHARED_RUN: ("vllm",)}
         for name in runs:
             if skipped := _cannot_start(needs[name], started, budget_s, MIN_RUN_S):
                 out[f"{name}_skipped"] = skipped
@@ -751,7 +770,7 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
             run_s = min(timeout_s, budget_s - (time.perf_counter() - started))
             try:
                 if name.startswith("fastrlhf"):
-                    r = run_fastrlhf(spec, work, run_s, engine=name.split("_")[1])
+                    r = run_fastrlhf(spec, work, run_s, engine=name.split("_")[1], shared=name == SHARED_RUN)
                 else:
                     with DevicePeak(device) as peak:
                         r = run_child("trl_grpo", dict(spec=dict(spec, vllm=True, liger=name.endswith("liger"))),
@@ -763,14 +782,11 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
             _run_figures(out, name, r, warmup, ("device_peak_gib", "peak_gib", "liger_flag", *PROFILE_KEYS))
         _ratio(out, "vllm_over_hf", "fastrlhf_hf_step_s", "fastrlhf_vllm_step_s")
         for other in ("trl_vllm", "trl_vllm_liger"):
-            _ratio(out, f"speedup_vs_{other}", f"{other}_step_s", "fastrlhf_vllm_step_s")
-            _ratio(out, f"memory_vs_{other}", "fastrlhf_vllm_device_peak_gib", f"{other}_device_peak_gib")
-        t = ENGINE_TARGETS
-        out["targets_met"] = bool(out.get("vllm_over_hf", 0) >= t["vllm_over_hf_min"]
-                                  and out.get("speedup_vs_trl_vllm", 0) >= t["speedup_vs_trl_vllm_min"]
-                                  and out.get("memory_vs_trl_vllm", 1e9) <= t["memory_vs_trl_vllm_max"]
-                                  and out.get("fastrlhf_vllm_sync_ms", 1e9) <= t["sync_ms_max"]
-                                  and out.get("fastrlhf_vllm_mismatch", 1e9) <= t["mismatch_max"])
+            for prefix, run in (("", "fastrlhf_vllm"), ("shared_", SHARED_RUN)):
+                _ratio(out, f"{prefix}speedup_vs_{other}", f"{other}_step_s", f"{run}_step_s")
+                _ratio(out, f"{prefix}memory_vs_{other}", f"{run}_device_peak_gib", f"{other}_device_peak_gib")
+        _ratio(out, "shared_over_padded", "fastrlhf_vllm_step_s", f"{SHARED_RUN}_step_s")
+        out["targets_met"] = _engine_targets_met(out, "fastrlhf_vllm") or _engine_targets_met(out, SHARED_RUN)
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)

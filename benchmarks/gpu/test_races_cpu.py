@@ -131,7 +131,7 @@ def test_the_engine_race_gives_each_run_the_time_left_and_keeps_the_others_figur
     monkeypatch.setattr(races, "_grpo_setup", lambda work, *a: ({"device": "cpu"}, {}))
     given = {}
 
-    def fake_run(spec, work, timeout_s, engine="hf"):
+    def fake_run(spec, work, timeout_s, engine="hf", shared=False):
         given[engine] = timeout_s
         clock[0] += 100.0  # each run takes 100 s
         if engine == "hf":
@@ -148,6 +148,45 @@ def test_the_engine_race_gives_each_run_the_time_left_and_keeps_the_others_figur
     assert stages == {"generate": 1.0, "score": 0.3, "train": 0.6, "sync": 0.1}, r  # where the step's time goes
     assert "30 s of the race's 230 s left" in r["fastrlhf_vllm_skipped"], r  # below MIN_RUN_S: not begun
     assert "vllm_over_hf" not in r and r["targets_met"] is False, r
+
+
+def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_the_targets(monkeypatch):
+    """``fastrlhf_vllm_shared`` (named in ``runs`` only) trains packed rows with each group's prompt once: its own
+    figures and ratios against TRL (``shared_*``), and ``targets_met`` where it meets every target although the
+    default layout does not (stand-in runs and figures)."""
+    monkeypatch.setattr(races, "_grpo_setup", lambda work, *a: ({"device": "cpu"}, {}))
+    layouts = []
+
+    def step(step_s):
+        return {"step_s": step_s, "tokens": 10, "generate_s": 1.0, "score_s": 0.3, "trained_tokens": 20,
+                "train_s": 0.6, "sync_s": 0.05, "sync_bytes": 3e9, "mismatch": 0.01}
+
+    def fake_run(spec, work, timeout_s, engine="hf", shared=False):
+        layouts.append((engine, shared))
+        return {"steps": [step({("vllm", False): 2.4, ("vllm", True): 1.9, ("hf", False): 12.5}[engine, shared])] * 2,
+                "device_peak_gib": 36.0 if shared else 40.0}
+
+    monkeypatch.setattr(races, "run_fastrlhf", fake_run)
+    monkeypatch.setattr(races, "run_child", lambda *a: {"steps": [step(2.9)] * 2})
+    monkeypatch.setattr(races, "_cannot_start", lambda *a: None)
+
+    class Peak:  # TRL's device peak, as DevicePeak measures it
+        gib = 48.0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(races, "DevicePeak", lambda device: Peak())
+    r = races.grpo_engines(device="cpu", runs=("fastrlhf_vllm", races.SHARED_RUN, "fastrlhf_hf", "trl_vllm"),
+                           warmup=0)
+    assert layouts == [("vllm", False), ("vllm", True), ("hf", False)], layouts
+    assert r["fastrlhf_vllm_shared_step_s"] == 1.9 and r["shared_over_padded"] == round(2.4 / 1.9, 4), r
+    assert r["speedup_vs_trl_vllm"] == round(2.9 / 2.4, 4) and r["shared_speedup_vs_trl_vllm"] == round(2.9 / 1.9, 4)
+    assert r["shared_memory_vs_trl_vllm"] == round(36.0 / 48.0, 4) and r["memory_vs_trl_vllm"] == round(40 / 48, 4)
+    assert r["targets_met"] is True, r  # the shared layout: 1.53x, 0.75x, 50 ms, 0.01; the default misses 1.5x
 
 
 def test_a_run_that_fails_in_its_profiled_step_keeps_the_steps_before(monkeypatch, tmp_path):
