@@ -90,15 +90,20 @@ def _fewest_checkpointed(config, layers: int, plan_of):
     best = plan_at(high)
     if not best.fits or high == layers:
         return None, plan_of(_with(config, checkpointing=True))
-    low = 0  # fits at high, not known below
-    while high - low > 1:
-        mid = (low + high) // 2
+    return _bisect(high, 0, plan_at, best)  # 0 layers (off) does not fit: the caller asked
+
+
+def _bisect(fits: int, fails: int, plan_at, best):
+    """``(value, plan)``: the value next to the boundary between ``fits`` (whose plan ``best`` fits) and ``fails``
+    (whose does not), on the fitting side; either may be the larger."""
+    while abs(fails - fits) > 1:
+        mid = (fits + fails) // 2
         candidate = plan_at(mid)
         if candidate.fits:
-            high, best = mid, candidate
+            fits, best = mid, candidate
         else:
-            low = mid
-    return high, best
+            fails = mid
+    return fits, best
 
 
 def _largest_micro_batch(config, length: int, share: int, plan_of):
@@ -109,16 +114,8 @@ def _largest_micro_batch(config, length: int, share: int, plan_of):
 
     low, best = 1, plan_at(1)
     if best.fits and share > 1:
-        top, high = plan_at(share), share
-        if top.fits:
-            low, best = share, top
-        while high - low > 1 and best is not top:
-            mid = (low + high) // 2
-            candidate = plan_at(mid)
-            if candidate.fits:
-                low, best = mid, candidate
-            else:
-                high = mid
+        top = plan_at(share)
+        low, best = (share, top) if top.fits else _bisect(1, share, plan_at, best)
     if not best.fits:
         why = f"{length:,} (one sequence; even that needs {_gib(best.total)} of {_gib(best.budget)} GiB)"
     elif low == share:
