@@ -145,17 +145,21 @@ class ModelShape:
         ``5 a s`` for the attention scores), here for HF's Llama/Qwen2 layer with SDPA, whose fused
         attention keeps no scores, in activation dtype of ``a`` bytes:
 
-        - each RMSNorm: its fp32 input (4h; the input itself in fp32) and its output (a h): ``2 x (4 + a) h``;
+        - each RMSNorm: its fp32 input (4h; the input itself in fp32), its normalized values cast back
+          (a h, which the product with its weight keeps for the weight's gradient) and that product, its
+          output (a h, the projections' input): ``2 x (4 + 2a) h``;
         - attention: q after RoPE, k and v (expanded to all heads: with a padding mask HF's SDPA
           path repeats the kv heads), the attention output and its contiguous copy for o_proj:
           ``5 a heads d``;
         - SwiGLU MLP: gate, SiLU(gate), up and their product for down_proj: ``4 a I``.
 
-        In bf16 that is ``12h + 10 heads d + 8I`` bytes: 68.7h for Qwen2.5-1.5B (I = 5.8h),
-        where a GPT layer with a 4h MLP has 34h.
+        In bf16 that is ``16h + 10 heads d + 8I`` bytes: 72.7h for Qwen2.5-1.5B (I = 5.8h),
+        where a GPT layer with a 4h MLP has 34h. Read from the autograd graph of HF's Llama layer on a CPU
+        (``benchmarks/results/history/2026-11-28-checkpoint-layers-cpu.md``): the norms as counted here; the
+        CPU's flash kernel keeps its output in the layout o_proj reads, so no copy there (a heads d fewer).
         """
         a = dtype_bytes
-        return 2 * (4 + a) * self.hidden + 5 * a * self.q_dim + 4 * a * self.intermediate
+        return 2 * (4 + 2 * a) * self.hidden + 5 * a * self.q_dim + 4 * a * self.intermediate
 
 
 def _read_json(folder: str, key: str) -> dict:

@@ -39,7 +39,7 @@ train`` run holds at its peak, by component, without loading a weight or importi
 - **activations** of one update micro-batch (``micro_batch_size`` sequences of
   ``max_prompt_len + max_new_tokens`` tokens, or ``trainer.max_tokens_per_microbatch`` tokens,
   see :func:`fastrlhf.memory.components.update_micro_batch`): per layer and token what autograd keeps
-  (:meth:`~fastrlhf.memory.ModelShape.layer_activation_bytes_per_token`, ``12h + 10 heads d + 8I``
+  (:meth:`~fastrlhf.memory.ModelShape.layer_activation_bytes_per_token`, ``16h + 10 heads d + 8I``
   bytes in bf16), for every layer plus one layer's backward; a checkpointed layer keeps only its input
   (:func:`fastrlhf.memory.components.activations`); and the ``[B, 1, T, T]`` attention mask.
 - **fused loss**: one chunk of logits (the kernels' chunk sizing: ``loss_chunk_size``, or the

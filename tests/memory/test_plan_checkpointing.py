@@ -51,7 +51,8 @@ def test_each_checkpointed_layer_saves_what_the_plan_counts(tmp_path):
     assert all(abs(s / saved[0] - 1) < 0.01 for s in saved[:-1]) and abs(saved[-1]) < 0.05 * saved[0], saved
     plans = [planned_activations(str(tmp_path), k) for k in range(LAYERS + 1)]
     planned = [a - b for a, b in zip(plans, plans[1:], strict=False)]
-    # The plan: each layer's activations less its input (within 10% of the measured saving), and the last layer
-    # checkpointed costs its input more (auto never checkpoints it).
-    assert len(set(planned[:-1])) == 1 and abs(planned[0] / saved[0] - 1) < 0.1, (planned, saved)
+    # The plan: each layer's activations less its input, never under the measured saving and within 10% over it
+    # (it counts a copy of the attention's output for o_proj, which the CPU's flash kernel does not make), and
+    # the last layer checkpointed costs its input more (auto never checkpoints it).
+    assert len(set(planned[:-1])) == 1 and 1.0 <= planned[0] / saved[0] < 1.1, (planned, saved)
     assert -0.1 * planned[0] < planned[-1] < 0, planned
