@@ -507,10 +507,12 @@ def run_child(race: str, params: dict, timeout_s: float = 600.0, device: str = "
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 
-def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", shared: bool = False) -> dict:
+def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", shared: bool = False,
+                 liger: bool = False) -> dict:
     """``fastrlhf train`` through DeepSpeed's launcher on one device (``engine``: ``hf``, or ``vllm`` in the
     trainer's process, asleep during the update on CUDA); the per-step figures of its metrics.jsonl. ``shared``:
-    packed rows with each group's prompt once (``trainer.packing``, ``trainer.share_prompts``). With
+    packed rows with each group's prompt once (``trainer.packing``, ``trainer.share_prompts``); ``liger``:
+    Liger-Kernel's RMSNorm, SwiGLU and rotary kernels in the actor and reference (``model.liger_kernels``). With
     ``spec["profile"]`` (the races' default) one more step runs under ``trainer.profile_step``, left out of the
     figures: its stages' wall and device time and its largest kernels (``profile_stages``, ``profile_top``). A run
     that fails in that step keeps the figures of the steps before it."""
@@ -519,12 +521,14 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", sh
     from fastrlhf.distributed import free_port
 
     profiled = spec["steps"] + 1 if spec.get("profile", True) else None
-    name = ("fastrlhf" if engine == "hf" else f"fastrlhf-{engine}") + ("-shared" if shared else "")
+    name = ("fastrlhf" if engine == "hf" else f"fastrlhf-{engine}") + ("-shared" if shared else "") + (
+        "-liger" if liger else "")
     out_dir = os.path.join(work, name)
     vllm = {"engine": "vllm", "sleep": spec["device"] == "cuda", "max_logprob_mismatch": None}
     raw = {
         "algorithm": "grpo", "output_dir": out_dir, "seed": 0,
-        "model": {"path": spec["model_dir"], "dtype": "auto", "gradient_checkpointing": True},
+        "model": {"path": spec["model_dir"], "dtype": "auto", "gradient_checkpointing": True,
+                  **({"liger_kernels": True} if liger else {})},
         "reward": {"function": "benchmarks.e2e_common:even_fraction_reward"},
         "data": {"prompts": spec["prompts_file"], "max_prompt_len": spec["prompt_len"]},
         "rollout": {"engine": "hf", "n": spec["n"], "temperature": 1.0, "max_new_tokens": spec["new_tokens"],
@@ -725,8 +729,33 @@ def grpo_vs_trl(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int = 
 ENGINE_TARGETS = dict(vllm_over_hf_min=5.0, speedup_vs_trl_vllm_min=1.5, memory_vs_trl_vllm_max=0.8, sync_ms_max=100.0,
                       mismatch_max=0.02)
 ENGINE_RUNS = ("fastrlhf_vllm", "fastrlhf_hf", "trl_vllm", "trl_vllm_liger")
-# Asked for by name only: fastrlhf with vLLM on packed rows that hold each group's prompt once.
+# Asked for by name only: fastrlhf with vLLM on packed rows that hold each group's prompt once. Any fastrlhf run may
+# add ``_shared`` and ``_liger`` (model.liger_kernels) to its name: fastrlhf_<engine>[_shared][_liger].
 SHARED_RUN = "fastrlhf_vllm_shared"
+FASTRLHF_OPTIONS = ("shared", "liger")
+
+
+def _fastrlhf_run(name: str) -> tuple[str, dict] | None:
+    """``(engine, options)`` of a fastrlhf run's name, None for another trainer's; an unknown part is an error."""
+    if not name.startswith("fastrlhf_"):
+        return None
+    engine, *options = name.split("_")[1:]
+    if engine not in ("vllm", "hf") or any(o not in FASTRLHF_OPTIONS for o in options) or len(set(options)) < len(
+            options):
+        raise ValueError(f"unknown run {name!r}: fastrlhf_<vllm|hf>[_shared][_liger], trl_vllm or trl_vllm_liger")
+    return engine, {o: o in options for o in FASTRLHF_OPTIONS}
+
+
+def _run_needs(name: str) -> tuple[str, ...]:
+    """The packages a run of :func:`grpo_engines` imports."""
+    fastrlhf = _fastrlhf_run(name)
+    if fastrlhf is not None:
+        engine, options = fastrlhf
+        return ("vllm",) * (engine == "vllm") + ("liger_kernel",) * options["liger"]
+    needs = {"trl_vllm": ("trl", "vllm"), "trl_vllm_liger": ("trl", "vllm", "liger_kernel")}
+    if name not in needs:
+        raise ValueError(f"unknown run {name!r}: fastrlhf_<vllm|hf>[_shared][_liger], trl_vllm or trl_vllm_liger")
+    return needs[name]
 
 
 def _engine_targets_met(out: dict, run: str) -> bool:
@@ -751,17 +780,17 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
     generation), trained tokens/s (prompt and completion tokens over the update), the device's peak memory above
     idle (:class:`DevicePeak`), and for fastrlhf with vLLM the sync's ms and GB/s and the logprob mismatch. A run
     whose package is missing, or that would start after ``budget_s``, is skipped with the reason. ``runs`` may add
-    :data:`SHARED_RUN` (each group's prompt once): its ratios against TRL as ``shared_*``, and ``targets_met``
-    where either layout meets every target."""
+    fastrlhf's options to a run's name (:func:`_fastrlhf_run`), e.g. :data:`SHARED_RUN` (each group's prompt
+    once): each such vLLM run's ratios against TRL carry its options as a prefix (``shared_speedup_vs_trl_vllm``),
+    and ``targets_met`` holds where any fastrlhf vLLM run meets every target."""
 
+    needs = {name: _run_needs(name) for name in runs}  # an unknown name fails before anything starts
     started, work = time.perf_counter(), tempfile.mkdtemp(prefix="bench-gpu-engines-")
     try:
         spec, saved = _grpo_setup(work, device, shape, prompts, n, prompt_len, new_tokens, grad_accum, steps,
                                   timeout_s)
         out = dict(shape=shape, prompts=prompts, n=n, prompt_len=prompt_len, new_tokens=new_tokens, steps=steps,
                    warmup_steps=warmup, **LOSS, **ENGINE_TARGETS, **saved)
-        needs = {"fastrlhf_vllm": ("vllm",), "fastrlhf_hf": (), "trl_vllm": ("trl", "vllm"),
-                 "trl_vllm_liger": ("trl", "vllm", "liger_kernel"), SHARED_RUN: ("vllm",)}
         for name in runs:
             if skipped := _cannot_start(needs[name], started, budget_s, MIN_RUN_S):
                 out[f"{name}_skipped"] = skipped
@@ -769,8 +798,8 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
             # The time left, so that a slow or hung run still leaves the race its figures (a device call's cap).
             run_s = min(timeout_s, budget_s - (time.perf_counter() - started))
             try:
-                if name.startswith("fastrlhf"):
-                    r = run_fastrlhf(spec, work, run_s, engine=name.split("_")[1], shared=name == SHARED_RUN)
+                if (fastrlhf := _fastrlhf_run(name)) is not None:
+                    r = run_fastrlhf(spec, work, run_s, engine=fastrlhf[0], **fastrlhf[1])
                 else:
                     with DevicePeak(device) as peak:
                         r = run_child("trl_grpo", dict(spec=dict(spec, vllm=True, liger=name.endswith("liger"))),
@@ -781,12 +810,14 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
                 continue
             _run_figures(out, name, r, warmup, ("device_peak_gib", "peak_gib", "liger_flag", *PROFILE_KEYS))
         _ratio(out, "vllm_over_hf", "fastrlhf_hf_step_s", "fastrlhf_vllm_step_s")
+        ours = ["fastrlhf_vllm"] + [r for r in runs if r.startswith("fastrlhf_vllm_")]
         for other in ("trl_vllm", "trl_vllm_liger"):
-            for prefix, run in (("", "fastrlhf_vllm"), ("shared_", SHARED_RUN)):
+            for run in ours:
+                prefix = run[len("fastrlhf_vllm_"):] + "_" if run != "fastrlhf_vllm" else ""
                 _ratio(out, f"{prefix}speedup_vs_{other}", f"{other}_step_s", f"{run}_step_s")
                 _ratio(out, f"{prefix}memory_vs_{other}", f"{run}_device_peak_gib", f"{other}_device_peak_gib")
         _ratio(out, "shared_over_padded", "fastrlhf_vllm_step_s", f"{SHARED_RUN}_step_s")
-        out["targets_met"] = _engine_targets_met(out, "fastrlhf_vllm") or _engine_targets_met(out, SHARED_RUN)
+        out["targets_met"] = any(_engine_targets_met(out, run) for run in ours)
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -31,12 +31,13 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    the trainer's process (asleep during the update), 8 prompts x 8 completions of 128 + 256 tokens, against the
    same steps with HF ``generate`` (target: >= 5x), and against TRL's colocated vLLM with sleep mode, without and
    with Liger (targets: >= 1.5x, <= 0.8x its device memory); the sync of the 1.5B model (<= 100 ms) and the
-   logprob mismatch (<= 0.02 per token). ``FASTRLHF_RACE_RUNS`` may add ``fastrlhf_vllm_shared``: fastrlhf on
-   packed rows that hold each group's prompt once (``trainer.share_prompts``), raced beside the default layout
-   (``shared_*`` ratios; ``targets_met`` where either meets every target). Each fastrlhf run of these GRPO races
-   (3. and 5.) runs one more step under
-   ``trainer.profile_step``, left out of its figures: each stage's wall and device time and the largest kernels
-   (``*_profile_stages``, ``*_profile_top``), where the step's time goes. Each fits one device call (vLLM is
+   logprob mismatch (<= 0.02 per token). ``FASTRLHF_RACE_RUNS`` may name fastrlhf runs with options,
+   ``fastrlhf_vllm[_shared][_liger]``: on packed rows that hold each group's prompt once
+   (``trainer.share_prompts``), with Liger-Kernel's layer kernels (``model.liger_kernels``), raced beside the
+   default (``shared_*``, ``liger_*`` ratios; ``targets_met`` where any of them meets every target). Each
+   fastrlhf run of these GRPO races (3. and 5.) runs one more step under ``trainer.profile_step``, left out of its
+   figures: each stage's wall and device time and the largest kernels (``*_profile_stages``, ``*_profile_top``),
+   where the step's time goes. Each fits one device call (vLLM is
    unpacked by the second call of scripts/gpu_session.sh; skipped where it is missing).
 
 Targets are reported (``targets_met``); a miss fails only with ``FASTRLHF_BENCH_STRICT=1``.
@@ -102,7 +103,7 @@ def test_grpo_step_vllm_vs_trl(gpu_benchmark):
     for module in ("vllm", "trl"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed (the gpu and gpu-bench extras)")
-    # FASTRLHF_RACE_RUNS may name others, e.g. fastrlhf_vllm_shared (each group's prompt once) instead of TRL + Liger.
+    # FASTRLHF_RACE_RUNS may name others, e.g. fastrlhf_vllm_shared (each group's prompt once), fastrlhf_vllm_liger.
     runs = (os.environ.get("FASTRLHF_RACE_RUNS") or "fastrlhf_vllm,trl_vllm,trl_vllm_liger").split(",")
     _race(gpu_benchmark, "grpo_engines", dict(device="cuda", runs=runs, **_budget()), timeout_s=570)
 

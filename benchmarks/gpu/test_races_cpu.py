@@ -134,7 +134,7 @@ def test_the_engine_race_gives_each_run_the_time_left_and_keeps_the_others_figur
     monkeypatch.setattr(races, "_grpo_setup", lambda work, *a: ({"device": "cpu"}, {}))
     given = {}
 
-    def fake_run(spec, work, timeout_s, engine="hf", shared=False):
+    def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False):
         given[engine] = timeout_s
         clock[0] += 100.0  # each run takes 100 s
         if engine == "hf":
@@ -164,7 +164,7 @@ def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_t
         return {"step_s": step_s, "tokens": 10, "generate_s": 1.0, "score_s": 0.3, "trained_tokens": 20,
                 "train_s": 0.6, "sync_s": 0.05, "sync_bytes": 3e9, "mismatch": 0.01}
 
-    def fake_run(spec, work, timeout_s, engine="hf", shared=False):
+    def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False):
         layouts.append((engine, shared))
         return {"steps": [step({("vllm", False): 2.4, ("vllm", True): 1.9, ("hf", False): 12.5}[engine, shared])] * 2,
                 "device_peak_gib": 36.0 if shared else 40.0}
@@ -190,6 +190,19 @@ def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_t
     assert r["speedup_vs_trl_vllm"] == round(2.9 / 2.4, 4) and r["shared_speedup_vs_trl_vllm"] == round(2.9 / 1.9, 4)
     assert r["shared_memory_vs_trl_vllm"] == round(36.0 / 48.0, 4) and r["memory_vs_trl_vllm"] == round(40 / 48, 4)
     assert r["targets_met"] is True, r  # the shared layout: 1.53x, 0.75x, 50 ms, 0.01; the default misses 1.5x
+
+
+def test_fastrlhf_runs_are_named_by_engine_and_options():
+    """``fastrlhf_<vllm|hf>[_shared][_liger]``: what each run needs installed and passes to ``fastrlhf train``; a
+    name the race does not know fails before any run starts."""
+    assert races._fastrlhf_run("fastrlhf_vllm_shared_liger") == ("vllm", {"shared": True, "liger": True})
+    assert races._fastrlhf_run("fastrlhf_hf") == ("hf", {"shared": False, "liger": False})
+    assert races._fastrlhf_run("trl_vllm") is None
+    assert races._run_needs("fastrlhf_vllm_liger") == ("vllm", "liger_kernel") and races._run_needs("fastrlhf_hf") == ()
+    assert races._run_needs("trl_vllm_liger") == ("trl", "vllm", "liger_kernel")
+    for bad in ("fastrlhf_vllm_fast", "fastrlhf_tgi", "fastrlhf_vllm_shared_shared", "trl_hf"):
+        with pytest.raises(ValueError, match="unknown run"):
+            races.grpo_engines(device="cpu", runs=("fastrlhf_hf", bad))
 
 
 def test_a_run_that_fails_in_its_profiled_step_keeps_the_steps_before(monkeypatch, tmp_path):
