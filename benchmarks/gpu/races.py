@@ -733,6 +733,11 @@ ENGINE_RUNS = ("fastrlhf_vllm", "fastrlhf_hf", "trl_vllm", "trl_vllm_liger")
 # add ``_shared`` and ``_liger`` (model.liger_kernels) to its name: fastrlhf_<engine>[_shared][_liger].
 SHARED_RUN = "fastrlhf_vllm_shared"
 FASTRLHF_OPTIONS = ("shared", "liger")
+TRL_RUNS = {"trl_vllm": ("trl", "vllm"), "trl_vllm_liger": ("trl", "vllm", "liger_kernel")}  # -> what each imports
+
+
+def _unknown_run(name: str) -> ValueError:
+    return ValueError(f"unknown run {name!r}: fastrlhf_<vllm|hf>[_shared][_liger], {' or '.join(TRL_RUNS)}")
 
 
 def _fastrlhf_run(name: str) -> tuple[str, dict] | None:
@@ -740,9 +745,8 @@ def _fastrlhf_run(name: str) -> tuple[str, dict] | None:
     if not name.startswith("fastrlhf_"):
         return None
     engine, *options = name.split("_")[1:]
-    if engine not in ("vllm", "hf") or any(o not in FASTRLHF_OPTIONS for o in options) or len(set(options)) < len(
-            options):
-        raise ValueError(f"unknown run {name!r}: fastrlhf_<vllm|hf>[_shared][_liger], trl_vllm or trl_vllm_liger")
+    if engine not in ("vllm", "hf") or not set(options) <= set(FASTRLHF_OPTIONS) or len(set(options)) < len(options):
+        raise _unknown_run(name)
     return engine, {o: o in options for o in FASTRLHF_OPTIONS}
 
 
@@ -752,10 +756,9 @@ def _run_needs(name: str) -> tuple[str, ...]:
     if fastrlhf is not None:
         engine, options = fastrlhf
         return ("vllm",) * (engine == "vllm") + ("liger_kernel",) * options["liger"]
-    needs = {"trl_vllm": ("trl", "vllm"), "trl_vllm_liger": ("trl", "vllm", "liger_kernel")}
-    if name not in needs:
-        raise ValueError(f"unknown run {name!r}: fastrlhf_<vllm|hf>[_shared][_liger], trl_vllm or trl_vllm_liger")
-    return needs[name]
+    if name not in TRL_RUNS:
+        raise _unknown_run(name)
+    return TRL_RUNS[name]
 
 
 def _engine_targets_met(out: dict, run: str) -> bool:

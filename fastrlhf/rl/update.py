@@ -173,8 +173,9 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
     aborted = False
     for minibatch in order:
         mini = exp.select(minibatch.rows)
-        mini = replace(mini, loss_weights=aggregation_weights(mini.trained_mask, agg))
-        learner.guard.note_trained(mini.trained_mask.sum())
+        trained = mini.trained_mask  # a product where rows are left out: made once
+        mini = replace(mini, loss_weights=aggregation_weights(trained, agg))
+        learner.guard.note_trained(trained.sum())
         device_sums: dict[str, torch.Tensor] = {}
         mini_tokens = 0.0
         for index, group in enumerate(minibatch.groups):
