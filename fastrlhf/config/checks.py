@@ -80,7 +80,7 @@ def _check_model(m: ModelConfig, base: str, key: str = "model"):
             raise ConfigError(f"{key}.checkpoint_layers", "needs gradient_checkpointing: true" + (
                 " (with auto the memory plan decides it: leave it null)" if m.gradient_checkpointing == "auto" else
                 f", got {m.gradient_checkpointing}"))
-        layers = hf_config.get("num_hidden_layers")  # as the memory plan reads it (fastrlhf.memory.read_shape)
+        layers = hf_config.get("num_hidden_layers", (hf_config.get("text_config") or {}).get("num_hidden_layers"))
         if isinstance(layers, int) and m.checkpoint_layers > layers:
             raise ConfigError(f"{key}.checkpoint_layers", f"must be at most the model's {layers} decoder layers, "
                                                           f"got {m.checkpoint_layers}")
