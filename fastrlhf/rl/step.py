@@ -32,7 +32,10 @@ sync_bytes, skipped (this step) and skipped_steps (total), rank_tokens and rank_
 prompt + completion tokens of a rank's batch, mean and largest: every collective waits for the largest;
 ``trainer.balance_ranks`` deals the prompts so that they stay close). Memory, the largest rank's
 (``fastrlhf plan`` predicts them): on CUDA memory/<stage>_gib (the most torch allocated during
-generate, score, train, sync), memory/peak_reserved_gib (the caching allocator's peak) and
+generate, score, train, sync), memory/<stage>_reserved_gib and memory/peak_reserved_gib (the caching
+allocator's, per stage and the largest), on the first step memory/setup_peak_allocated_gib,
+memory/setup_peak_reserved_gib and memory/setup_cached_gib (the models' and engines' set-up, whose cache is
+emptied before the first step) and
 memory/context_gib (what the device holds beyond it: CUDA context, NCCL, other libraries); on a CPU
 memory/peak_rss_gib.
 """
@@ -124,6 +127,8 @@ class RLStep:
         self._reference_pages = None  # found at the first reference pass (fastrlhf.cpu.file_pages)
         self.pad_token_id, self.rollout_shares_actor = int(pad_token_id), rollout_shares_actor
         self.device = torch.device(device)
+        # The set-up's allocator figures (step_metrics.setup_memory), logged with the first step's metrics.
+        self.setup_memory: dict[str, float] = {}
         if t.kl_coef != 0.0 and reference is None and not hasattr(unwrap(self.actor.module), "disable_adapter"):
             raise ValueError("kl_coef != 0 needs a reference model (reference.path) or a LoRA actor")
         # trainer.kl_target: the coefficient each step uses is the controller's (restored with it on --resume)
@@ -183,7 +188,9 @@ class RLStep:
             actor_moved = inputs_ok and not self.warming_critic(step) and train.get("optimizer_steps", 0) > 0
             needed = actor_moved or getattr(self.rollout, "needs_sync", False)
             sync = self.sync(clock) if needed else {"sync_bytes": 0.0}
-        local = {**prep, **train, **sync, **clock.memory(), **(sampled.metrics if sampled else {})}
+        local = {**prep, **train, **sync, **clock.memory(), **(sampled.metrics if sampled else {}),
+                 **self.setup_memory}
+        self.setup_memory = {}
         generated = sampled.generated_tokens if sampled else None
         metrics = reduce_step_metrics(exp, local, clock.times, step, skipped=skipped, world=self.world,
                                       skipped_total=self.guard.skipped_total, generated=generated)

@@ -66,8 +66,8 @@ def logprob_mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
 
 class StepClock:
     """``with clock("name"):`` adds the block's wall time to ``clock.times["name"]``; on CUDA it also
-    keeps the most memory torch allocated in each of the step's stages (allocator counters: no device
-    read).
+    keeps the most memory torch allocated, and the caching allocator reserved, in each of the step's stages
+    (allocator counters: no device read).
 
     ``uncounted()``: bytes those counters hold that the device does not (a rollout engine's sleeping pool,
     :meth:`fastrlhf.rollout.base.RolloutEngine.asleep_bytes`). A stage's peak leaves out the least of them at
@@ -79,7 +79,7 @@ class StepClock:
         self.device = device if device is not None and device.type == "cuda" else None
         self.uncounted = uncounted
         self.allocated: dict[str, int] = {}
-        self.reserved = 0
+        self.reserved: dict[str, int] = {}
         self._uncounted_at_start: dict[str, int] = {}
 
     @contextlib.contextmanager
@@ -97,7 +97,8 @@ class StepClock:
                 left_out = min(self._uncounted_at_start.pop(name), self.uncounted())
                 self.allocated[name] = max(self.allocated.get(name, 0),
                                            torch.cuda.max_memory_allocated(self.device) - left_out)
-                self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device) - left_out)
+                self.reserved[name] = max(self.reserved.get(name, 0),
+                                          torch.cuda.max_memory_reserved(self.device) - left_out)
 
     def restart_peak(self, name: str) -> None:
         """Stage ``name``'s peak counts from here. The sync calls it once it has freed the update's cached
@@ -117,5 +118,23 @@ class StepClock:
         free, total = torch.cuda.mem_get_info(self.device)
         held_by_allocator = torch.cuda.memory_reserved(self.device) - self.uncounted()
         return {**{f"memory/{name}_gib": n / gib for name, n in self.allocated.items()},
-                "memory/peak_reserved_gib": self.reserved / gib,
+                # Which stage the allocator's peak comes from: a stage's caching can outlast it (its blocks stay
+                # reserved until emptied), so a later stage's figure is at least the cache it inherited.
+                **{f"memory/{name}_reserved_gib": n / gib for name, n in self.reserved.items()},
+                "memory/peak_reserved_gib": max(self.reserved.values(), default=0) / gib,
                 "memory/context_gib": (total - free - held_by_allocator) / gib}
+
+
+def setup_memory(device: torch.device) -> dict[str, float]:
+    """What building the models and engines took of the caching allocator (its peaks so far), read once before the
+    first step, which then starts from an emptied cache: blocks that only the set-up used (DeepSpeed's flattening
+    and optimizer-state initialisation) would otherwise stay reserved for the whole run and read as the step's
+    peak. Empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    gib = 2.0**30
+    out = {"memory/setup_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+           "memory/setup_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
+           "memory/setup_cached_gib": (torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)) / gib}
+    torch.cuda.empty_cache()
+    return out

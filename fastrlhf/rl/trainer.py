@@ -138,6 +138,7 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     from fastrlhf.modeling import load_causal_lm, load_value_model, use_attention
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep, forward_micro_batch_size, micro_batch_size
+    from fastrlhf.rl.step_metrics import setup_memory
 
     t, ds = config.trainer, config.deepspeed
     apply_matmul_precision(config)
@@ -201,6 +202,7 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
                   rollout_shares_actor=shares, device=device, guard=guard, episodes=episodes)
     if step.kl_control is not None:
         stateful["kl_control"] = step.kl_control
+    step.setup_memory = setup_memory(device)
     return step, stateful
 
 

@@ -32,6 +32,7 @@ from helpers.launch import run_group
 from helpers.proof import model_dtype, model_shape
 
 from fastrlhf.distributed import free_port
+from fastrlhf.rl.step_metrics import STAGES
 
 GiB = 2.0**30
 # The plan may be under the measured peak by 5% at most (an under-estimate ends in an out-of-memory
@@ -293,11 +294,16 @@ def test_plan_against_the_measured_peak(proof, name):
         reserved = max(r["memory/peak_reserved_gib"] for r in records)
         context = records[-1]["memory/context_gib"] - here
         measured = (reserved + context) * GiB
-        stages = {k[len("memory/"):-len("_gib")]: max(r[k] for r in records) for k in records[-1]
-                  if k.startswith("memory/") and k not in ("memory/peak_reserved_gib", "memory/context_gib")}
+        def per_stage(suffix):
+            return ", ".join(f"{stage} {max(r.get(key, 0.0) for r in records):.2f}" for stage in STAGES
+                             if (key := f"memory/{stage}{suffix}") in records[-1])
+
+        setup = ", ".join(f"{k[len('memory/setup_'):-len('_gib')]} {v:.2f}" for k, v in records[0].items()
+                          if k.startswith("memory/setup_"))
+        # Where the allocator's peak comes from (a stage, or the set-up's cache): read on the next GPU run.
         detail = (f"measured: allocator peak {reserved:.2f} GiB + context {context:.2f} GiB (the device's used "
                   f"memory beyond the allocator, less this test process's {here:.2f}); most allocated per "
-                  "stage: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+                  f"stage: {per_stage('_gib')}; reserved per stage: {per_stage('_reserved_gib')}; set-up: {setup}")
         low, high = GPU_BOUNDS
     else:
         plan = plan_memory(config, 1, 16 * 2**30, "cpu")

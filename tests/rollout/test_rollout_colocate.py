@@ -12,7 +12,7 @@ from helpers.rl_case import GRPO, PAD, PROMPTS, changed, make_config, tiny_actor
 import fastrlhf.rl.step as step_module
 from fastrlhf.engine.guards import StepFailed
 from fastrlhf.rl.step import RLStep
-from fastrlhf.rl.step_metrics import StepClock
+from fastrlhf.rl.step_metrics import StepClock, setup_memory
 from fastrlhf.rollout import HFEngine
 from fastrlhf.rollout.vllm_adapter import llm_kwargs
 
@@ -143,6 +143,8 @@ class FakeCudaCounters:
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak_allocated)
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.peak_reserved)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved())
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated())
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: setattr(self, "cached", 0))
         monkeypatch.setattr(torch.cuda, "mem_get_info",
                             lambda device=None: (total - self.on_device() - self.context, total))
         monkeypatch.setattr(step_module, "empty_device_cache", lambda device: setattr(self, "cached", 0))
@@ -194,7 +196,38 @@ def test_step_memory_leaves_out_the_sleeping_engines_pool_that_torchs_counters_s
                       # Not the 34 (24 + the update's cached 10) that the sync's counters read before it freed
                       # the cache and woke the weights.
                       "memory/peak_reserved_gib": 30.0,
+                      # The allocator's per stage, by the same rule: the train stage's is the step's peak.
+                      "memory/generate_reserved_gib": 26.0, "memory/score_reserved_gib": 20.0,
+                      "memory/train_reserved_gib": 30.0, "memory/sync_reserved_gib": 25.0,
                       "memory/context_gib": 1.0}, memory
+
+
+def test_what_the_set_up_cached_is_reported_once_and_not_counted_as_the_steps_peak(monkeypatch):
+    """On an H100 the GRPO run with HF generate read the same allocator peak (37.64 GiB) before and after its step
+    lost 3 GiB of allocations, with no empty_cache anywhere in that run: blocks the set-up freed (DeepSpeed's
+    flattening and optimizer-state initialisation) stayed reserved for the whole run. The trainer reads the
+    set-up's figures once, then empties the cache; the first step logs them, and its stages no longer start
+    from the set-up's cache."""
+    counters = FakeCudaCounters(held=20 * GiB, pool=4 * GiB, context=1 * GiB)
+    rl, _, _ = _colocated_step(lambda model, log: SleepPoolEngine(model, log, counters), monkeypatch, [])
+    counters.install(monkeypatch)
+    monkeypatch.setattr(step_module, "StepClock", lambda device, **kw: StepClock(torch.device("cuda"), **kw))
+    counters.transient(9 * GiB)  # the set-up's largest temporary, freed and cached
+    rl.setup_memory = setup_memory(torch.device("cuda"))
+    assert counters.cached == 0
+    update = rl.update
+    monkeypatch.setattr(rl, "update", lambda exp, step: counters.transient(10 * GiB) or update(exp, step))
+    first, second = (rl(PROMPTS, None, step=step) for step in (1, 2))
+    assert {k: first[k] for k in first if k.startswith("memory/setup")} == {
+        "memory/setup_peak_allocated_gib": 33.0, "memory/setup_peak_reserved_gib": 33.0,
+        "memory/setup_cached_gib": 9.0}
+    assert not any(k.startswith("memory/setup") for k in second)
+    # Without the emptying, generation started from 33 GiB reserved and the peak read 33, not the update's 30.
+    assert first["memory/generate_reserved_gib"] == 26.0 and first["memory/peak_reserved_gib"] == 30.0, first
+
+
+def test_set_up_memory_is_read_on_cuda_only():
+    assert setup_memory(torch.device("cpu")) == {}
 
 
 def test_the_context_of_a_step_that_ends_with_the_engine_asleep_leaves_the_pool_out(monkeypatch):
