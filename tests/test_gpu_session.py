@@ -46,7 +46,9 @@ def device(tmp_path):
     shutil.copy(os.path.join(ROOT, "scripts", "gpu_session.sh"), root / "scripts")
     stubs = tmp_path / "stubs"
     _exe(stubs / "python3", PYTHON_STUB)
-    _exe(stubs / "nvidia-smi", "#!/usr/bin/env bash\necho 'NVIDIA H100 80GB HBM3, 81559 MiB, 580.0'\n")
+    # nvidia-smi: the device's line, or for --query-compute-apps the pids in STUB_GPU_PIDS (one per line)
+    _exe(stubs / "nvidia-smi", "#!/usr/bin/env bash\ncase \"$*\" in *compute-apps*) echo \"${STUB_GPU_PIDS:-}\" | tr ',' '\\n' ;;"
+                               " *) echo 'NVIDIA H100 80GB HBM3, 81559 MiB, 580.0' ;; esac\n")
     (root / ".gpu-carry").mkdir()
     (root / ".gpu-carry" / "on_device.sh").write_text(f"export PATH={stubs}:$PATH\n")
     _exe(root / ".vllm-carry" / "unpack.sh", UNPACK_STUB)
@@ -167,6 +169,23 @@ def test_a_call_past_its_cap_is_stopped_and_said(device):
     _, run = device
     rc, log, _ = run("bench", "1", STUB_SLEEP="5")
     assert "bench-gpu exit 124 after" in log, log
+
+
+def test_what_a_cut_command_left_on_the_gpu_is_killed(device):
+    """The launcher's ranks outlive the pytest that timeout kills: their memory would be the next call's."""
+    _, run = device
+    rank = subprocess.Popen(["sleep", "60"])  # a rank still holding the GPU
+    try:
+        rc, log, _ = run("bench", "1", STUB_SLEEP="5", STUB_GPU_PIDS=str(rank.pid))
+        assert f"killing {rank.pid}" in log and rank.wait(timeout=10) == -9, log
+        other = subprocess.Popen(["sleep", "60"])
+        try:  # a command that ends in time leaves the GPU's processes alone
+            rc, log, _ = run("bench", "30", STUB_GPU_PIDS=str(other.pid))
+            assert "killing" not in log and other.poll() is None, log
+        finally:
+            other.kill()
+    finally:
+        rank.kill()
 
 
 def test_an_unknown_call_says_which_there_are(device):
