@@ -47,8 +47,9 @@ def device(tmp_path):
     stubs = tmp_path / "stubs"
     _exe(stubs / "python3", PYTHON_STUB)
     # nvidia-smi: the device's line, or for --query-compute-apps the pids in STUB_GPU_PIDS (one per line)
-    _exe(stubs / "nvidia-smi", "#!/usr/bin/env bash\ncase \"$*\" in *compute-apps*) echo \"${STUB_GPU_PIDS:-}\" | tr ',' '\\n' ;;"
-                               " *) echo 'NVIDIA H100 80GB HBM3, 81559 MiB, 580.0' ;; esac\n")
+    _exe(stubs / "nvidia-smi", "#!/usr/bin/env bash\ncase \"$*\" in\n"
+                               "  *compute-apps*) echo \"${STUB_GPU_PIDS:-}\" | tr ',' '\\n' ;;\n"
+                               "  *) echo 'NVIDIA H100 80GB HBM3, 81559 MiB, 580.0' ;;\nesac\n")
     (root / ".gpu-carry").mkdir()
     (root / ".gpu-carry" / "on_device.sh").write_text(f"export PATH={stubs}:$PATH\n")
     _exe(root / ".vllm-carry" / "unpack.sh", UNPACK_STUB)
