@@ -17,8 +17,8 @@ import argparse
 import json
 import sys
 
-__all__ = ["TARGET_CAPABILITIES", "compile_for_target", "kernel_specs", "row_loss_specs", "token_loss_specs",
-           "compile_all"]
+__all__ = ["TARGET_CAPABILITIES", "compile_for_target", "grad_cast_specs", "kernel_specs", "row_loss_specs",
+           "token_loss_specs", "compile_all"]
 
 TARGET_CAPABILITIES = (80, 90)
 
@@ -134,6 +134,16 @@ def row_loss_specs(logits_dtype: str, block_v: int, every_option: bool = False):
     return specs
 
 
+def grad_cast_specs():
+    """(label, kernel, signature, constexprs, num_warps) of the fused head's last backward pass
+    (``grad_cast_triton.py``): fp32 sums scaled and written in each low-precision weight dtype."""
+    from .grad_cast_triton import BLOCK, NUM_WARPS, scale_cast_kernel
+
+    return [(f"scale_cast[float32->{dtype}]", scale_cast_kernel(),
+             {"src_ptr": "*fp32", "scale_ptr": "*fp32", "dst_ptr": _POINTER[dtype], "n": "i64"}, {"BLOCK": BLOCK},
+             NUM_WARPS) for dtype in ("bfloat16", "float16")]
+
+
 def compile_all(
     capabilities=TARGET_CAPABILITIES,
     logits_dtypes=("float32", "bfloat16", "float16"),
@@ -150,7 +160,7 @@ def compile_all(
     # The row kernel's every option once: in bf16 (what GPU runs take) at the first block size.
     every_option_at = ("bfloat16" if "bfloat16" in logits_dtypes else logits_dtypes[0], block_sizes[0])
     for capability in capabilities:
-        for label, fn, sig, constexprs, warps in token_loss_specs():
+        for label, fn, sig, constexprs, warps in token_loss_specs() + grad_cast_specs():
             results.append({"kernel": label, "sm": capability, "block_v": None, "triton": triton.__version__,
                             **compile_for_target(fn, sig, constexprs, capability, warps)})
         for dtype in logits_dtypes:

@@ -376,7 +376,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         del buf, softmax_bufs
         # Cast later, with grad_output: one pass over the fp32 accumulators instead of a cast now and a scale then.
         ctx.head_grads = grads.finish(hidden.dtype, weight.dtype, cast=False) if grads.any else (None, None, None)
-        ctx.grad_dtypes = (hidden.dtype, weight.dtype, weight.dtype)
+        ctx.grad_dtypes, ctx.backend = (hidden.dtype, weight.dtype, weight.dtype), backend
         metric_values = tuple(sums[k] for k in metric_keys)
         ctx.mark_non_differentiable(*metric_values)
         return (loss,) + metric_values
@@ -393,8 +393,8 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         # accumulators scaled and cast in one pass. The loss is usually backpropagated with grad_output == 1,
         # which the CPU checks for free (elsewhere that read would wait for the device).
         scale = None if on_cpu(grad_output) and float(grad_output) == 1.0 else grad_output
-        return tuple(scale_and_cast(g, scale, dtype) for g, dtype in zip(grads, ctx.grad_dtypes, strict=True)) + (
-            None,) * 10
+        return tuple(scale_and_cast(g, scale, dtype, ctx.backend)
+                     for g, dtype in zip(grads, ctx.grad_dtypes, strict=True)) + (None,) * 10
 
 
 def fused_linear_policy_loss(

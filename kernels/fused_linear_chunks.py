@@ -21,10 +21,12 @@ class FusedLinearPaths:
     ``gemm_fp32_sum``: ``grad_weight`` summed in fp32 by the GEMM itself, with the longer chunks that spares
     (CUDA, bf16/fp16 heads; :func:`accumulates_in_gemm`). ``one_pass_rows``: each chunk's statistics, loss and
     ``dlogits`` in one Triton launch (the vanilla policy loss; ``policy_loss_triton.triton_row_loss_and_grad``)
-    instead of the stats, token-loss and gradient launches."""
+    instead of the stats, token-loss and gradient launches. ``cast_kernel``: the backward's scale and cast of the
+    fp32 sums by the Triton backend's own kernel (``grad_cast_triton.py``) instead of torch's ``mul``."""
 
     gemm_fp32_sum: bool = True
     one_pass_rows: bool = True
+    cast_kernel: bool = True
 
 
 PATHS = FusedLinearPaths()
@@ -174,15 +176,23 @@ class _HeadGrads:
         return self.grad_hidden, grad_weight, grad_bias
 
 
-def scale_and_cast(grad: torch.Tensor | None, grad_output: torch.Tensor | None, dtype: torch.dtype):
+def scale_and_cast(grad: torch.Tensor | None, grad_output: torch.Tensor | None, dtype: torch.dtype,
+                   backend: str = "torch"):
     """``grad * grad_output`` in ``dtype``: one pass over an fp32 accumulator (read fp32, write ``dtype``), or in
-    place where ``grad`` already has the dtype. ``grad_output`` None: the cast alone."""
+    place where ``grad`` already has the dtype. ``grad_output`` None: the cast alone. The Triton backend makes the
+    fp32-to-bf16/fp16 pass with its own vectorized kernel (``grad_cast_triton.py``: torch's casting kernel runs it
+    at about half the copy rate on an H100); the products are the same."""
     if grad is None:
         return None
     if grad_output is None:
         return grad.to(dtype)
     if grad.dtype == dtype:
         return grad.mul_(grad_output.to(dtype))
+    if backend == "triton" and PATHS.cast_kernel:
+        from .grad_cast_triton import scale_cast, takes
+
+        if takes(grad, dtype):
+            return scale_cast(grad, grad_output, dtype)
     return torch.mul(grad, grad_output, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
 
 

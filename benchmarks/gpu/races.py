@@ -170,12 +170,14 @@ def _fused_step(x: dict, device, **paths: bool):
     return step
 
 
-# Issue #43's steps, each timed before and after in the same call: "fused_no_rows" runs a chunk's softmax
+# Issue #43's steps, each timed before and after in the same call: "fused_torch_cast" scales and casts the fp32
+# grad_weight sum with torch's mul instead of the Triton cast kernel; "fused_no_rows" runs a chunk's softmax
 # passes as three launches (stats, token loss, gradient) instead of the one-pass row kernel; "fused_before"
 # also sums grad_weight through a bf16 scratch (with the shorter chunks that memory allows) instead of in the
-# GEMM: the kernel as it was before both.
-BEFORE_PATHS = {"fused_no_rows": dict(one_pass_rows=False),
-                "fused_before": dict(one_pass_rows=False, gemm_fp32_sum=False)}
+# GEMM: the kernel as it was before all three.
+BEFORE_PATHS = {"fused_torch_cast": dict(cast_kernel=False),
+                "fused_no_rows": dict(one_pass_rows=False),
+                "fused_before": dict(one_pass_rows=False, gemm_fp32_sum=False, cast_kernel=False)}
 
 
 def naive_loss(x: dict):
@@ -293,6 +295,7 @@ def lm_head_race(device: str = "cuda", dtype: str = "bfloat16", batch: int = 16,
     _ratio(out, "fused_over_naive_peak", "fused_peak_mib", "naive_peak_mib")
     _ratio(out, "liger_over_fused", "liger_time_ms", "fused_time_ms")
     _ratio(out, "before_over_fused", "fused_before_time_ms", "fused_time_ms")
+    _ratio(out, "torch_cast_over_fused", "fused_torch_cast_time_ms", "fused_time_ms")  # the cast kernel's gain
     _ratio(out, "no_rows_over_fused", "fused_no_rows_time_ms", "fused_time_ms")  # the row kernel's gain
     _ratio(out, "before_over_no_rows", "fused_before_time_ms", "fused_no_rows_time_ms")  # the GEMM's fp32 sum's
     fused = out.get("fused_loss")

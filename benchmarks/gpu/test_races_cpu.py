@@ -24,13 +24,14 @@ def test_lm_head_race_in_a_child():
     # Through run_child, as the GPU benchmark calls it.
     r = races.run_child("lm_head", dict(device="cpu", dtype="float32", repeats=2, **TINY_HEAD), timeout_s=120,
                         device="cpu")
-    for name in ("fused", "naive", "gemms", "fused_no_rows", "fused_before"):
+    for name in ("fused", "naive", "gemms", "fused_torch_cast", "fused_no_rows", "fused_before"):
         assert r[f"{name}_time_ms"] > 0 and len(r[f"{name}_times_ms"]) == 2, r
     assert r["tokens"] == 32 and 0 < r["masked_fraction"] < 0.5, r
     assert r["naive_loss_rel_diff"] < 1e-5 and r["fused_over_gemms"] > 0, r
     # issue #43's before and after: the same loss, timed side by side, and the profile of each
     assert r["fused_no_rows_loss_rel_diff"] < 1e-6 and r["fused_before_loss_rel_diff"] < 1e-6, r
     assert r["before_over_fused"] > 0 and r["no_rows_over_fused"] > 0 and r["before_over_no_rows"] > 0, r
+    assert r["fused_torch_cast_loss_rel_diff"] < 1e-6 and r["torch_cast_over_fused"] > 0, r
     _check_profile(r, "fused_")
     _check_profile(r, "fused_before_")
     if importlib.util.find_spec("liger_kernel") is None:

@@ -134,3 +134,25 @@ def reference_loss(logits, d, temperature):
                                         clip_high=LOSS["clip_high"], dual_clip=None, kl_coef=LOSS["kl_coef"],
                                         kl_kind=LOSS["kl_kind"], entropy_coef=LOSS["entropy_coef"])
     return A.aggregate_loss(loss, d["mask"].double(), "token-mean")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_grad_cast_at_the_head_shape(where, dtype):
+    """The fused head's last backward pass (kernels/grad_cast_triton.py) on grad_weight's [V, H] fp32 sum: on CUDA
+    the compiled kernel writes torch's mul bit for bit, rounded to nearest even; on the CPU the interpreter
+    (whose bf16 conversion truncates) is checked within one ulp by tests/kernels/test_kernels_grad_cast.py, and
+    here in fp16 exactly and in bf16 to bf16's precision."""
+    from fastrlhf.kernels.fused_linear_chunks import scale_and_cast
+    from fastrlhf.kernels.grad_cast_triton import scale_cast
+
+    h = sizes(where)[1]
+    g = torch.Generator().manual_seed(0)
+    acc = (torch.randn(V, h, generator=g) * 1e-3).to(where)
+    acc[0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+    grad_output = torch.tensor(-0.75, device=where)
+    got = scale_cast(acc, grad_output, dtype)
+    want = scale_and_cast(acc.clone(), grad_output, dtype)  # torch's mul into a `dtype` out: the reference
+    if where == "cuda" or dtype == torch.float16:
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=0, equal_nan=True)

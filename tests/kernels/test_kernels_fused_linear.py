@@ -600,3 +600,20 @@ def test_cispo_and_sapo_through_the_head_match_the_float64_reference(backend, na
     torch.testing.assert_close(metrics["kl"].double(), A.masked_mean(kl, rd["mask"]).detach(), rtol=1e-5, atol=1e-6)
     for g, w, what in zip(got, want, leaf_names(hidden, weight, b), strict=True):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-6, msg=what)
+
+
+@pytest.mark.parametrize("cast_kernel", [True, False])
+def test_policy_loss_triton_backend_scales_and_casts_the_fp32_sums_with_its_kernel(monkeypatch, cast_kernel):
+    """The backward's last pass on the Triton backend (kernels/grad_cast_triton.py), where grad_output is not a
+    1 the CPU can read for free: grad_weight's and grad_bias's fp32 sums of a bf16 head. The gradients stay
+    within the fp64 reference's bounds either way; ``cast_kernel=False`` is torch's mul, the path it replaced."""
+    from fastrlhf.kernels import grad_cast_triton
+
+    calls = []
+    original = grad_cast_triton.scale_cast
+    monkeypatch.setattr(grad_cast_triton, "scale_cast",
+                        lambda g, s, d: calls.append(tuple(g.shape)) or original(g, s, d))
+    with fused_linear_paths(cast_kernel=cast_kernel):
+        check_policy_loss("triton", shape=(3, 7), v=301, chunk_size=8, dtype=torch.bfloat16, grad_scale=-1.5,
+                          kl_coef=0.1)
+    assert sorted(calls) == ([(301,), (301, 16)] if cast_kernel else []), calls
