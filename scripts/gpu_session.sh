@@ -49,6 +49,9 @@ VSITE=${VSITE:-/tmp/vsite}
 VPARTS=${VPARTS:-/tmp/vparts}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session-$MODE.log") 2>&1
+# The races' profiled steps' timelines (benchmarks/gpu/races.py), kept outside $OUT and brought back as one archive
+# at the end: a device call brings back 8 files at most.
+export FASTRLHF_RACE_TRACES=${FASTRLHF_RACE_TRACES:-/tmp/gpu-traces-$MODE}
 case "$MODE" in tests|vllm|vllm-bench|trl|bench) ;; *) echo "usage: $0 tests|vllm|vllm-bench|trl|bench [caps...]"; exit 2 ;; esac
 # shellcheck disable=SC1091
 source .gpu-carry/on_device.sh || { echo "on_device.sh failed"; exit 1; }
@@ -206,5 +209,8 @@ case "$MODE" in
     gpu_bench "${2:-570}" bench-gpu "${3:-not vllm and not trl}"
     ;;
 esac
+if [ -n "$(ls -A "$FASTRLHF_RACE_TRACES" 2>/dev/null)" ]; then
+  tar czf "$OUT/traces-$MODE.tgz" -C "$FASTRLHF_RACE_TRACES" . && echo "timelines: traces-$MODE.tgz"
+fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 echo "== done $(date -u +%T)"

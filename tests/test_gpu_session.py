@@ -19,7 +19,12 @@ echo "$*${FASTRLHF_RACE_RUNS:+ runs=$FASTRLHF_RACE_RUNS}${FASTRLHF_RACE_BUDGET_S
 case "$*" in
   *"-c "*) echo "stub: $*" ;;
   *"${STUB_FAIL:-no such call}"*) echo "1 failed"; exit 1 ;;
-  *) [ -n "${STUB_SLEEP:-}" ] && sleep "$STUB_SLEEP"; echo "1 passed" ;;
+  *) [ -n "${STUB_SLEEP:-}" ] && sleep "$STUB_SLEEP"
+     # a race keeps its profiled step's timeline where the script asks
+     case "$*" in
+       *benchmarks/gpu*) mkdir -p "$FASTRLHF_RACE_TRACES" && echo t > "$FASTRLHF_RACE_TRACES/run.trace" ;;
+     esac
+     echo "1 passed" ;;
 esac
 """
 UNPACK_STUB = """#!/usr/bin/env bash
@@ -60,7 +65,8 @@ def device(tmp_path):
         result = subprocess.run(["bash", "scripts/gpu_session.sh", *args], cwd=root, capture_output=True, text=True,
                                 timeout=60, env={**os.environ, "OUT": str(out), "VSITE": str(tmp_path / "vsite"),
                                                  "VPARTS": str(tmp_path / "vparts"),
-                                                 "TRL_SITE": str(tmp_path / "trl" / "site-packages"), **env})
+                                                 "TRL_SITE": str(tmp_path / "trl" / "site-packages"),
+                                                 "FASTRLHF_RACE_TRACES": str(tmp_path / "traces"), **env})
         calls = (out / "calls.txt").read_text().splitlines() if (out / "calls.txt").exists() else []
         calls = [c for c in calls if not c.startswith("-c ")]
         return result.returncode, result.stdout + result.stderr, calls
@@ -164,6 +170,16 @@ def test_failed_vllm_tests_are_followed_by_the_engine_alone_then_the_race(device
     rc, log, calls = run("vllm", STUB_FAIL="tests/gpu")
     assert [c.split()[0] for c in calls] == ["unpack", "-m", ".gpu-carry/vllm_smoke.py", "-m"], calls
     assert "test-gpu-vllm exit 1" in log and "-k vllm_vs_hf" in calls[-1], log
+
+
+def test_the_races_timelines_come_back_as_one_archive(device, tmp_path):
+    import tarfile
+
+    _, run = device
+    rc, log, _ = run("bench", "30", "lm_head")
+    assert rc == 0 and "timelines: traces-bench.tgz" in log, log
+    with tarfile.open(tmp_path / "out" / "traces-bench.tgz") as tar:
+        assert "./run.trace" in tar.getnames()
 
 
 def test_a_call_past_its_cap_is_stopped_and_said(device):

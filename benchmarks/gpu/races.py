@@ -568,7 +568,7 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", sh
         with open(profile_file) as f:
             p = json.load(f)
         profile = dict(profile_stages=p["stages"], profile_top=p["profile_top"],
-                       profile_gemm_share=p["profile_gemm_share"])
+                       profile_gemm_share=p["profile_gemm_share"], **_keep_trace(profile_file, name))
     elif profiled:
         profile = dict(profile_error=str(failed)[-1500:] if failed else "no profile written")
     steps = [dict(step_s=r.get("wall_time", r["step_time"]), tokens=r["generated_tokens"],
@@ -582,6 +582,26 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", sh
     contexts = [s["context_gib"] for s in steps if s["context_gib"] is not None]
     return dict(steps=steps, peak_gib=max(peaks) if peaks else None, context_gib=max(contexts) if contexts else None,
                 device_peak_gib=device_peak.gib, **profile)
+
+
+TRACE_KEEP_MAX_BYTES = 12 << 20  # a device call brings back files of 16 MiB at most
+
+
+def _keep_trace(profile_file: str, name: str) -> dict:
+    """The profiled step's timeline (``.trace.json.gz`` beside its summary) copied to ``$FASTRLHF_RACE_TRACES``
+    (scripts/gpu_session.sh sets it), since the race's work folder is deleted: where a step's host time goes (a
+    stage far under 1 busy) is read there, not in the kernel table. Returns ``profile_trace`` (its name, or why
+    it was not kept)."""
+    keep = os.environ.get("FASTRLHF_RACE_TRACES")
+    trace = profile_file.removesuffix(".json") + ".trace.json.gz"
+    if not keep or not os.path.exists(trace):
+        return {}
+    if os.path.getsize(trace) > TRACE_KEEP_MAX_BYTES:
+        return {"profile_trace": f"not kept: {os.path.getsize(trace) >> 20} MiB"}
+    os.makedirs(keep, exist_ok=True)
+    kept = f"{name}-{os.path.basename(trace)}"
+    shutil.copy(trace, os.path.join(keep, kept))
+    return {"profile_trace": kept}
 
 
 class DevicePeak:
@@ -867,7 +887,7 @@ def _write_prompts(spec: dict, vocab: int) -> None:
 
 
 # What run_fastrlhf reads from its profiled step (trainer.profile_step).
-PROFILE_KEYS = ("profile_stages", "profile_top", "profile_gemm_share", "profile_error")
+PROFILE_KEYS = ("profile_stages", "profile_top", "profile_gemm_share", "profile_error", "profile_trace")
 
 
 def _run_figures(out: dict, name: str, r: dict, warmup: int, keys) -> None:

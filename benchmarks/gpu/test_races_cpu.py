@@ -226,3 +226,31 @@ def test_a_run_that_fails_in_its_profiled_step_keeps_the_steps_before(monkeypatc
     monkeypatch.setattr(races, "_run", lambda *a: fake_run(*a, last=2))
     with pytest.raises(RuntimeError, match="broke in step 2"):
         races.run_fastrlhf(spec, str(tmp_path), 60)
+
+
+def test_the_profiled_steps_timeline_is_kept_where_the_session_script_asks(monkeypatch, tmp_path):
+    """The race's work folder goes with it; the timeline of the profiled step (where a stage's host time goes) is
+    copied to $FASTRLHF_RACE_TRACES, unless too large for a device call to bring back."""
+    spec = dict(device="cpu", model_dir="m", prompts_file="p", prompt_len=8, n=4, new_tokens=8, prompts=2,
+                grad_accum=2, steps=1)
+
+    def fake_run(cmd, env, timeout_s, trace_bytes=100):
+        out = tmp_path / "fastrlhf"
+        (out / "profile").mkdir(parents=True, exist_ok=True)
+        row = {"step": 1, "step_time": 1.0, "wall_time": 1.0, "generated_tokens": 8, "time/generate": 0.5,
+               "time/score": 0.1, "time/train": 0.3, "time/sync": 0.0, "rank_tokens": 16}
+        (out / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+        (out / "profile" / "step-2-rank-0.json").write_text(
+            json.dumps({"stages": {}, "profile_top": [], "profile_gemm_share": 0.5}))
+        (out / "profile" / "step-2-rank-0.trace.json.gz").write_bytes(b"x" * trace_bytes)
+        return ""
+
+    monkeypatch.setattr(races, "_run", fake_run)
+    assert "profile_trace" not in races.run_fastrlhf(spec, str(tmp_path), 60)  # not asked: nothing copied
+    keep = tmp_path / "traces"
+    monkeypatch.setenv("FASTRLHF_RACE_TRACES", str(keep))
+    r = races.run_fastrlhf(spec, str(tmp_path), 60)
+    assert r["profile_trace"] == "fastrlhf-step-2-rank-0.trace.json.gz", r
+    assert (keep / r["profile_trace"]).stat().st_size == 100
+    monkeypatch.setattr(races, "TRACE_KEEP_MAX_BYTES", 50)
+    assert races.run_fastrlhf(spec, str(tmp_path), 60)["profile_trace"] == "not kept: 0 MiB"
