@@ -5,7 +5,8 @@ torch's ``mul`` of an fp32 tensor into a bf16 ``out`` takes its casting elementw
 took 2.45 ms for the 7B head's sum (3.27 GB moved, about half the copy rate; 2026-11-28 profile in
 ``benchmarks/results/history/2026-11-28-h100-session.md``). This kernel reads each fp32 value once, multiplies it by
 the one ``grad_output`` value it loads from the device (no host read) and stores the product rounded once, as
-torch's ``mul`` does: the two agree bit for bit. The kernel lives in ``grad_cast_triton_jit.py``;
+torch's ``mul`` does: on a GPU the two agree bit for bit (TRITON_INTERPRET's bf16 conversion truncates, so under
+the interpreter bf16 is within one ulp). The kernel lives in ``grad_cast_triton_jit.py``;
 ``_triton_aot.py`` compiles it for sm_80 and sm_90.
 """
 

@@ -130,6 +130,7 @@ def setup_memory(device: torch.device) -> dict[str, float]:
     first step, which then starts from an emptied cache: blocks that only the set-up used (DeepSpeed's flattening
     and optimizer-state initialisation) would otherwise stay reserved for the whole run and read as the step's
     peak. Empty off CUDA."""
+    device = torch.device(device)
     if device.type != "cuda":
         return {}
     gib = 2.0**30
