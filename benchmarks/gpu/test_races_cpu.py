@@ -32,6 +32,9 @@ def test_lm_head_race_in_a_child():
     assert r["fused_no_rows_loss_rel_diff"] < 1e-6 and r["fused_before_loss_rel_diff"] < 1e-6, r
     assert r["before_over_fused"] > 0 and r["no_rows_over_fused"] > 0 and r["before_over_no_rows"] > 0, r
     assert r["fused_torch_cast_loss_rel_diff"] < 1e-6 and r["torch_cast_over_fused"] > 0, r
+    # fewer, longer chunks than the budget's, timed beside it: the same loss
+    assert r["fused_2_chunks_loss_rel_diff"] < 1e-5 and r["fused_over_2_chunks"] > 0, r
+    assert r["fused_3_chunks_loss_rel_diff"] < 1e-5 and r["fused_over_3_chunks"] > 0, r
     _check_profile(r, "fused_")
     _check_profile(r, "fused_before_")
     if importlib.util.find_spec("liger_kernel") is None:
