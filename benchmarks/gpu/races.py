@@ -24,6 +24,7 @@ import functools
 import gc
 import inspect
 import json
+import math
 import os
 import shutil
 import statistics
@@ -364,8 +365,8 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                    liger_kernels: bool = False, profile: bool = True, checkpoint_layers: int | None = None) -> dict:
     """One GRPO step's update (``RLStep.update``: every micro-batch's forward + backward and the optimizer
     step) as the trainer builds it (tests/gpu/test_update_syncs.py): ZeRO-2, bf16 with fp32 master weights,
-    gradient checkpointing, a reference model (KL in the loss), the HF engine sharing the actor. One
-    generation (full-length completions: EOS ignored), then ``updates`` steps on those completions, each
+    gradient checkpointing, a reference model (KL in the loss), the HF engine sharing the actor (which
+    generates nothing here). Full-length completions of random tokens, then ``updates`` steps on them, each
     timed around ``update`` only; the first is the warm-up (Triton compiles, DeepSpeed's buffers).
 
     MFU = 6 x params x trained tokens / update time / the measured GEMM rate, trained tokens being every real
@@ -375,8 +376,6 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     checkpointed with ``checkpoint_layers``; as MFU without it). With ``profile``, one more update's time by
     kernel (:func:`profile_kernels`): what it spends outside the GEMMs.
     ``liger_kernels``: the actor and reference with Liger-Kernel's RMSNorm, SwiGLU and rotary kernels."""
-    from dataclasses import replace
-
     from benchmarks.e2e_common import even_fraction_reward
     from fastrlhf import distributed as D
     from fastrlhf.config import (
@@ -391,6 +390,7 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep
     from fastrlhf.rollout.hf_engine import HFEngine
+    from fastrlhf.rollout.sampling import Completion
 
     D.init_distributed(timeout_s=120)
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
@@ -428,9 +428,11 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                      guard=guard)
     g = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(3, model["vocab_size"], (prompts, prompt_len), generator=g).tolist()
-    t0 = time.perf_counter()
-    completions = step.rollout.generate(prompt_ids, replace(step.sampling(1), ignore_eos=True))
-    generate_s = time.perf_counter() - t0
+    # Full-length completions of random tokens, as a random-init model samples them (EOS never): the update's
+    # cost does not depend on which tokens they are, and HF generate took 8-15 s of each variant's device time.
+    uniform = -math.log(model["vocab_size"])
+    completions = [[Completion(torch.randint(3, model["vocab_size"], (new_tokens,), generator=g).tolist(),
+                               [uniform] * new_tokens, "length") for _ in range(n)] for _ in prompt_ids]
     metrics = [step(prompt_ids, None, step=i + 1, completions=completions) for i in range(updates)]
     measured = timed[1:] if len(timed) > 1 else timed
     update_s = statistics.median(t["seconds"] for t in measured)
@@ -447,8 +449,7 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                model_tflops=round(model_tflops, 2), mfu=round(model_tflops / gemm, 4),
                mfu_with_recompute=round(model_tflops * (6 + 2 * recomputed) / 6 / gemm, 4),
                mfu_target=0.45, gradient_checkpointing=gradient_checkpointing, liger_kernels=liger_kernels,
-               checkpoint_layers=checkpoint_layers,
-               generate_s=round(generate_s, 2), skipped_steps=sum(m.get("skipped", 0) for m in metrics))
+               checkpoint_layers=checkpoint_layers, skipped_steps=sum(m.get("skipped", 0) for m in metrics))
     for key, name in (("memory/train_gib", "update_peak_allocated_gib"), ("memory/peak_reserved_gib",
                                                                          "step_peak_reserved_gib")):
         if key in metrics[-1]:  # CUDA only
