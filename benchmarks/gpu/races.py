@@ -386,6 +386,7 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
         TrainConfig,
         TrainerConfig,
     )
+    from fastrlhf.memory.components import checkpointed_layers
     from fastrlhf.modeling.tiny import count_parameters
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep
@@ -440,7 +441,7 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     gemm = gemm_tflops(dev, gemm_size, torch_dtype)
     model_tflops = 6 * params * tokens / update_s / 1e12
     layers = actor.config.num_hidden_layers  # the share of the forward that the backward repeats
-    recomputed = 0.0 if not gradient_checkpointing else min(checkpoint_layers or layers, layers) / layers
+    recomputed = checkpointed_layers(config.model, layers) / layers
     out = dict(shape=shape, params=params, sequences=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                micro_batch=batch // grad_accum, optimizer_steps=metrics[-1].get("optimizer_steps"),
                trained_tokens=tokens, completion_tokens=measured[-1]["completion_tokens"],
