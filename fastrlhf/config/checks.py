@@ -88,11 +88,17 @@ def _check_model(m: ModelConfig, base: str, key: str = "model"):
         raise ConfigError(f"{key}.lora_targets", "must name at least one module when lora_r > 0")
     if not 0.0 <= m.lora_dropout < 1.0:
         raise ConfigError(f"{key}.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
+    if m.compile and m.liger_kernels:
+        raise ConfigError(f"{key}.compile", f"cannot be combined with {key}.liger_kernels (both replace the "
+                                            "layers' norm, rotary and SwiGLU kernels): set one of them")
 
 
 def _check_deepspeed(ds: DeepSpeedConfig, model: ModelConfig):
     if ds.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("deepspeed.zero_stage", f"must be 0, 1, 2 or 3, got {ds.zero_stage}")
+    if model.compile and ds.zero_stage == 3:
+        raise ConfigError("model.compile", "needs deepspeed.zero_stage 0, 1 or 2 (ZeRO-3 gathers each layer's "
+                                           "parameters in hooks the compiled layer would trace), got 3")
     if ds.offload_param and ds.zero_stage != 3:
         raise ConfigError("deepspeed.offload_param", f"needs deepspeed.zero_stage 3, got {ds.zero_stage}")
     if ds.offload_optimizer and ds.zero_stage == 0:

@@ -54,6 +54,9 @@ class ModelConfig:
     # (not its loss: the LM head is fastrlhf's fused kernel). Off by default until measured here
     # (fastrlhf.modeling.loading.apply_liger_layers)
     liger_kernels: bool = False
+    # true: torch.compile each decoder layer (Inductor fuses the norms, rotary, SwiGLU and residual adds, forward
+    # and backward); DeepSpeed ZeRO 0-2. Off by default until measured on a GPU (fastrlhf.modeling.compile)
+    compile: bool = False
 
 
 @dataclass(frozen=True)

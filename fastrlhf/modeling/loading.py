@@ -146,6 +146,16 @@ def apply_liger_layers(model) -> None:
     apply(model=model, **{k: v for k, v in LIGER_LAYERS.items() if k in takes})
 
 
+def _fuse_layers(model, model_cfg) -> None:
+    """``model.liger_kernels`` or ``model.compile`` (one of them: the config check)."""
+    if model_cfg.liger_kernels:
+        apply_liger_layers(model)
+    if model_cfg.compile:
+        from fastrlhf.modeling.compile import compile_layers
+
+        compile_layers(model)
+
+
 def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True, zero3_config: dict | None = None,
                    dtype: str | None = None):
     """``AutoModelForCausalLM`` from ``path`` (default ``model_cfg.path``); LoRA applied only if trainable.
@@ -158,8 +168,7 @@ def load_causal_lm(model_cfg, path: str | None = None, trainable: bool = True, z
     with zero3_loading(zero3_config):
         model = AutoModelForCausalLM.from_pretrained(path or model_cfg.path,
                                                      dtype=torch_dtype(dtype or model_cfg.dtype))
-    if model_cfg.liger_kernels:
-        apply_liger_layers(model)
+    _fuse_layers(model, model_cfg)
     if not trainable:
         return model.eval().requires_grad_(False)
     return _finish(model.train(), model_cfg, "CAUSAL_LM")
@@ -176,8 +185,7 @@ def load_sequence_classifier(model_cfg, num_labels: int, path: str | None = None
     if model.config.pad_token_id is None:
         # The classifier pools the last non-pad token; without a pad id it refuses batches larger than 1.
         model.config.pad_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else 0
-    if model_cfg.liger_kernels:
-        apply_liger_layers(model)
+    _fuse_layers(model, model_cfg)
     if not trainable:
         return model.eval().requires_grad_(False)
     return _finish(model.train(), model_cfg, "SEQ_CLS")

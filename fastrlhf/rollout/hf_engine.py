@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from fastrlhf.engine.device import to_device
+from fastrlhf.modeling.compile import eager_layers
 from fastrlhf.rollout.base import (
     RolloutEngine,
     cut_at_stop_strings,
@@ -163,7 +164,8 @@ class HFEngine(RolloutEngine):
         self.model.generation_config = GenerationConfig()
         self.model.eval()
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode(), \
+                    eager_layers(self.model):
                 seed = sampling.seed if not seeds else int(seeds[0])  # one stream draws for the whole batch
                 if seed is not None:
                     torch.manual_seed(seed)

@@ -249,6 +249,8 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(NAME, packed_attention)
+    # Never traced by torch.compile (model.compile: fastrlhf.modeling.compile): its host data would make every
+    # micro-batch a recompile. FlexAttention, compiled on its own, still is.
+    AttentionInterface.register(NAME, torch.compiler.disable(packed_attention))
     AttentionMaskInterface.register(NAME, _mask)
     return NAME

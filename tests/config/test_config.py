@@ -503,3 +503,15 @@ def test_liger_kernels_are_refused_where_they_cannot_run(paths, monkeypatch):
     with pytest.raises(ConfigError, match="model.liger_kernels: needs the liger-kernel package"):
         parse_config(raw, "train", on_gpu=True)
     assert parse_config(grpo(paths), "train", on_gpu=False).model.liger_kernels is False
+
+
+def test_compile_is_refused_with_zero3_and_with_liger(paths):
+    compiled = {"path": paths["model"], "compile": True}
+    assert parse_config(grpo(paths, model=compiled), "train", on_gpu=False).model.compile is True
+    assert parse_config(grpo(paths), "train", on_gpu=False).model.compile is False
+    with pytest.raises(ConfigError, match=r"^model.compile: needs deepspeed.zero_stage 0, 1 or 2 .*got 3$"):
+        parse_config(grpo(paths, model=compiled, deepspeed={"zero_stage": 3}), "train", on_gpu=False)
+    with pytest.raises(ConfigError, match=r"^model.compile: needs deepspeed.zero_stage"):
+        parse_config(sft_raw(paths) | {"model": compiled, "deepspeed": {"zero_stage": 3}}, "sft", on_gpu=False)
+    with pytest.raises(ConfigError, match=r"^model.compile: cannot be combined with model.liger_kernels"):
+        parse_config(grpo(paths, model={**compiled, "liger_kernels": True}), "train", on_gpu=True)

@@ -1,0 +1,63 @@
+"""``model.compile``: torch.compile of each decoder layer (regional compilation), as TorchTitan compiles its blocks.
+
+Why the layers and not the model: every layer runs the same code, so one compiled graph (per grad mode and input
+kind) serves all of them, the compile takes seconds instead of minutes, and the module tree, the parameter names
+(weight sync, checkpoints, ZeRO) and the LM head (fastrlhf's fused kernel, outside the layers) stay as they are.
+Inductor fuses what eager PyTorch runs as separate kernels: RMSNorm, rotary, SwiGLU, the residual adds and
+their backward, fewer launches and fewer passes over the activations.
+
+What stays eager, and why:
+- the attention of packed rows (``fastrlhf.sequences.packed_attention``): it takes host data (sequence bounds,
+  segments) that the compiler would specialise on, one recompile per micro-batch. Compiling around it costs one
+  graph break per layer; FlexAttention inside it is still compiled on its own.
+- generation with a KV cache (:func:`eager_layers`, HF ``generate``): the cache's per-layer index would make every
+  layer a recompile.
+
+Shapes are dynamic from the first call (``dynamic=True``): micro-batches of any length reuse the graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["BACKEND", "compile_layers", "compiled_layers", "decoder_layers", "eager_layers"]
+
+# torch.compile's backend; tests on a CPU swap in "aot_eager" (the same graphs and autograd, without code
+# generation) where Inductor's C++ compile would only cost time.
+BACKEND = "inductor"
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers model (any head, PEFT-wrapped or not): the modules that gradient
+    checkpointing wraps (``GradientCheckpointingLayer``)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """Compile each decoder layer of ``model`` in place (``nn.Module.compile``); returns how many. Raises
+    ValueError for a model without any (nothing would be compiled)."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"model.compile: {type(model).__name__} has no transformers decoder layers to compile")
+    for layer in layers:
+        layer.compile(backend=BACKEND, dynamic=True)
+    return len(layers)
+
+
+def compiled_layers(model: torch.nn.Module) -> int:
+    """How many of ``model``'s modules run compiled."""
+    return sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+@contextlib.contextmanager
+def eager_layers(model: torch.nn.Module):
+    """Run compiled layers eagerly inside the block (HF ``generate``: see the module docstring); nothing otherwise."""
+    if not compiled_layers(model):
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"):
+        yield
