@@ -332,11 +332,13 @@ def _ratio(out: dict, key: str, num: str, den: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ race 2
 def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batch: int, grad_accum: int,
-                 gradient_checkpointing: bool = True, liger_kernels: bool = False, checkpoint_layers=None):
+                 gradient_checkpointing: bool = True, liger_kernels: bool = False, checkpoint_layers=None,
+                 compiled: bool = False):
     """``(engine, reference, guard)`` as ``fastrlhf train`` builds them for GRPO: the actor from random init in a
     ZeRO-2 engine (bf16 with fp32 master weights on a GPU), gradient checkpointing (unless told otherwise; of the
     first ``checkpoint_layers`` layers where given), its frozen reference; with ``liger_kernels``, both with
-    Liger-Kernel's layers (``model.liger_kernels``)."""
+    Liger-Kernel's layers (``model.liger_kernels``); with ``compiled``, both with each decoder layer torch.compiled
+    (``model.compile``)."""
     from fastrlhf.config import DeepSpeedConfig
     from fastrlhf.engine.deepspeed import build_train_engine
     from fastrlhf.engine.guards import StepGuard
@@ -348,6 +350,11 @@ def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batc
     if liger_kernels:
         apply_liger_layers(actor)
         apply_liger_layers(reference)
+    if compiled:
+        from fastrlhf.modeling.compile import compile_layers
+
+        compile_layers(actor)
+        compile_layers(reference)
     if gradient_checkpointing:
         actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as modeling.py
         if checkpoint_layers is not None:
@@ -362,7 +369,8 @@ def actor_engine(dev, torch_dtype, model: dict, seed: int, lr: float, micro_batc
 def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16", prompts: int = 8,
                    n: int = 8, prompt_len: int = 128, new_tokens: int = 256, grad_accum: int = 2, updates: int = 4,
                    gemm_size: int = 8192, seed: int = 0, gradient_checkpointing: bool = True,
-                   liger_kernels: bool = False, profile: bool = True, checkpoint_layers: int | None = None) -> dict:
+                   liger_kernels: bool = False, profile: bool = True, checkpoint_layers: int | None = None,
+                   compiled: bool = False) -> dict:
     """One GRPO step's update (``RLStep.update``: every micro-batch's forward + backward and the optimizer
     step) as the trainer builds it (tests/gpu/test_update_syncs.py): ZeRO-2, bf16 with fp32 master weights,
     gradient checkpointing, a reference model (KL in the loss), the HF engine sharing the actor (which
@@ -375,7 +383,8 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     counts the forward that gradient checkpointing repeats (8 x params x tokens, or 6 + 2 x the share of layers
     checkpointed with ``checkpoint_layers``; as MFU without it). With ``profile``, one more update's time by
     kernel (:func:`profile_kernels`): what it spends outside the GEMMs.
-    ``liger_kernels``: the actor and reference with Liger-Kernel's RMSNorm, SwiGLU and rotary kernels."""
+    ``liger_kernels``: the actor and reference with Liger-Kernel's RMSNorm, SwiGLU and rotary kernels; ``compiled``:
+    with each decoder layer torch.compiled (``model.compile``; the warm-up update compiles)."""
     from benchmarks.e2e_common import even_fraction_reward
     from fastrlhf import distributed as D
     from fastrlhf.config import (
@@ -402,12 +411,12 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                             clip_low=LOSS["clip_low"], clip_high=LOSS["clip_high"], agg=AGG)
     config = TrainConfig(output_dir="unused",
                          model=ModelConfig(path="unused", gradient_checkpointing=gradient_checkpointing,
-                                           checkpoint_layers=checkpoint_layers),
+                                           checkpoint_layers=checkpoint_layers, compile=compiled),
                          data=DataConfig(prompts="unused"), trainer=trainer, algorithm="grpo", seed=seed,
                          rollout=RolloutConfig(n=n, max_new_tokens=new_tokens, max_logprob_mismatch=None),
                          reward=RewardConfig(function="target_token"))
     engine, reference, guard = actor_engine(dev, torch_dtype, model, seed, 1e-6, batch // grad_accum, grad_accum,
-                                            gradient_checkpointing, liger_kernels, checkpoint_layers)
+                                            gradient_checkpointing, liger_kernels, checkpoint_layers, compiled)
     actor, params = engine.module, count_parameters(engine.module)
     timed: list[dict] = []
     step_exp: list = []  # the last update's experience, profiled again at the end
@@ -450,7 +459,8 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                model_tflops=round(model_tflops, 2), mfu=round(model_tflops / gemm, 4),
                mfu_with_recompute=round(model_tflops * (6 + 2 * recomputed) / 6 / gemm, 4),
                mfu_target=0.45, gradient_checkpointing=gradient_checkpointing, liger_kernels=liger_kernels,
-               checkpoint_layers=checkpoint_layers, skipped_steps=sum(m.get("skipped", 0) for m in metrics))
+               checkpoint_layers=checkpoint_layers, compiled=compiled,
+               skipped_steps=sum(m.get("skipped", 0) for m in metrics))
     for key, name in (("memory/train_gib", "update_peak_allocated_gib"), ("memory/peak_reserved_gib",
                                                                          "step_peak_reserved_gib")):
         if key in metrics[-1]:  # CUDA only
@@ -528,11 +538,12 @@ def run_child(race: str, params: dict, timeout_s: float = 600.0, device: str = "
 
 
 def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", shared: bool = False,
-                 liger: bool = False) -> dict:
+                 liger: bool = False, compile: bool = False) -> dict:
     """``fastrlhf train`` through DeepSpeed's launcher on one device (``engine``: ``hf``, or ``vllm`` in the
     trainer's process, asleep during the update on CUDA); the per-step figures of its metrics.jsonl. ``shared``:
     packed rows with each group's prompt once (``trainer.packing``, ``trainer.share_prompts``); ``liger``:
-    Liger-Kernel's RMSNorm, SwiGLU and rotary kernels in the actor and reference (``model.liger_kernels``). With
+    Liger-Kernel's RMSNorm, SwiGLU and rotary kernels in the actor and reference (``model.liger_kernels``);
+    ``compile``: their decoder layers torch.compiled (``model.compile``; the first step compiles). With
     ``spec["profile"]`` (the races' default) one more step runs under ``trainer.profile_step``, left out of the
     figures: its stages' wall and device time and its largest kernels (``profile_stages``, ``profile_top``). A run
     that fails in that step keeps the figures of the steps before it."""
@@ -542,13 +553,13 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", sh
 
     profiled = spec["steps"] + 1 if spec.get("profile", True) else None
     name = ("fastrlhf" if engine == "hf" else f"fastrlhf-{engine}") + ("-shared" if shared else "") + (
-        "-liger" if liger else "")
+        "-liger" if liger else "") + ("-compile" if compile else "")
     out_dir = os.path.join(work, name)
     vllm = {"engine": "vllm", "sleep": spec["device"] == "cuda", "max_logprob_mismatch": None}
     raw = {
         "algorithm": "grpo", "output_dir": out_dir, "seed": 0,
         "model": {"path": spec["model_dir"], "dtype": "auto", "gradient_checkpointing": True,
-                  **({"liger_kernels": True} if liger else {})},
+                  **({"liger_kernels": True} if liger else {}), **({"compile": True} if compile else {})},
         "reward": {"function": "benchmarks.e2e_common:even_fraction_reward"},
         "data": {"prompts": spec["prompts_file"], "max_prompt_len": spec["prompt_len"]},
         "rollout": {"engine": "hf", "n": spec["n"], "temperature": 1.0, "max_new_tokens": spec["new_tokens"],
@@ -770,14 +781,16 @@ ENGINE_TARGETS = dict(vllm_over_hf_min=5.0, speedup_vs_trl_vllm_min=1.5, memory_
                       mismatch_max=0.02)
 ENGINE_RUNS = ("fastrlhf_vllm", "fastrlhf_hf", "trl_vllm", "trl_vllm_liger")
 # Asked for by name only: fastrlhf with vLLM on packed rows that hold each group's prompt once. Any fastrlhf run may
-# add ``_shared`` and ``_liger`` (model.liger_kernels) to its name: fastrlhf_<engine>[_shared][_liger].
+# add ``_shared``, ``_liger`` (model.liger_kernels) and ``_compile`` (model.compile) to its name:
+# fastrlhf_<engine>[_shared][_liger][_compile].
 SHARED_RUN = "fastrlhf_vllm_shared"
-FASTRLHF_OPTIONS = ("shared", "liger")
+FASTRLHF_OPTIONS = ("shared", "liger", "compile")
 TRL_RUNS = {"trl_vllm": ("trl", "vllm"), "trl_vllm_liger": ("trl", "vllm", "liger_kernel")}  # -> what each imports
 
 
 def _unknown_run(name: str) -> ValueError:
-    return ValueError(f"unknown run {name!r}: fastrlhf_<vllm|hf>[_shared][_liger], {' or '.join(TRL_RUNS)}")
+    return ValueError(f"unknown run {name!r}: fastrlhf_<vllm|hf>[_shared][_liger][_compile], "
+                      f"{' or '.join(TRL_RUNS)}")
 
 
 def _fastrlhf_run(name: str) -> tuple[str, dict] | None:

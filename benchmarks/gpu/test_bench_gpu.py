@@ -17,7 +17,8 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    gradient checkpointing (2 micro-batches; and of the first 14 of the 28 layers only, ``model.checkpoint_layers``)
    and without it (4 micro-batches: the activations of 2 would not fit 80 GB), each with the update's time by
    kernel (``profile_top``: what it spends outside the GEMMs); and without it with Liger-Kernel's RMSNorm,
-   SwiGLU and rotary kernels (``model.liger_kernels``), beside the run without them.
+   SwiGLU and rotary kernels (``model.liger_kernels``), and with its decoder layers torch.compiled instead
+   (``model.compile``), beside the run without either.
 3. ``test_grpo_step_vs_trl``: s/step and peak reserved memory of ``fastrlhf train`` (HF engine) and TRL's
    GRPOTrainer (without and with Liger: TRL 1.16 has no ``use_liger_loss``, its ``use_liger_kernel`` swaps in
    Liger's layer kernels and keeps TRL's own fused LM head), 16 prompts x 8 completions of 128 tokens.
@@ -68,15 +69,17 @@ def test_lm_head_7b(gpu_benchmark):
     _race(gpu_benchmark, "lm_head", dict(device="cuda", **LM_HEAD_7B), timeout_s=300)
 
 
-@pytest.mark.parametrize("checkpointing,liger,layers", [(True, False, None), (True, False, 14), (False, False, None),
-                                                        (False, True, None)],
-                         ids=["checkpointing", "checkpointing-14-of-28", "no-checkpointing", "no-checkpointing-liger"])
-def test_rl_update_1_5b(gpu_benchmark, checkpointing, liger, layers):
+@pytest.mark.parametrize("checkpointing,liger,layers,compiled",
+                         [(True, False, None, False), (True, False, 14, False), (False, False, None, False),
+                          (False, True, None, False), (False, False, None, True)],
+                         ids=["checkpointing", "checkpointing-14-of-28", "no-checkpointing", "no-checkpointing-liger",
+                              "no-checkpointing-compiled"])
+def test_rl_update_1_5b(gpu_benchmark, checkpointing, liger, layers, compiled):
     if liger and importlib.util.find_spec("liger_kernel") is None:
         pytest.skip("liger-kernel is not installed (the gpu-bench extra)")
     _race(gpu_benchmark, "rl_update", dict(device="cuda", shape="qwen2-1.5b", gradient_checkpointing=checkpointing,
                                            grad_accum=2 if checkpointing else 4, liger_kernels=liger,
-                                           checkpoint_layers=layers), timeout_s=300)
+                                           checkpoint_layers=layers, compiled=compiled), timeout_s=300)
 
 
 def test_grpo_step_vs_trl(gpu_benchmark):

@@ -82,6 +82,25 @@ def test_rl_update_race_hands_actor_and_reference_to_liger(monkeypatch):
     assert handed == [(True, True, False), (False, True, False)]
 
 
+def test_rl_update_race_compiles_the_layers_of_actor_and_reference(monkeypatch):
+    """``compiled=True``: every decoder layer of the actor and of its reference runs torch.compiled
+    (``model.compile``; ``aot_eager`` here, Inductor on the GPU), and the figures say so."""
+    from fastrlhf.modeling import compile as C
+
+    monkeypatch.setattr(C, "BACKEND", "aot_eager")
+    compiled = []
+    real = C.compile_layers
+    monkeypatch.setattr(C, "compile_layers", lambda model: compiled.append((model.training, real(model))))
+    torch._dynamo.reset()
+    try:
+        r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8,
+                                 new_tokens=8, grad_accum=2, updates=2, gemm_size=128, compiled=True, profile=False)
+    finally:
+        torch._dynamo.reset()
+    assert r["compiled"] and r["mfu"] > 0 and r["skipped_steps"] == 0, r
+    assert compiled == [(True, 2), (False, 2)]  # the actor (training), then the reference: both tiny layers
+
+
 def _check_profile(r: dict, prefix: str) -> None:
     """The time by kernel of one profiled call: rows by descending time, shares of a positive whole, GEMMs in it."""
     top = r[f"{prefix}profile_top"]
@@ -138,7 +157,7 @@ def test_the_engine_race_gives_each_run_the_time_left_and_keeps_the_others_figur
     monkeypatch.setattr(races, "_grpo_setup", lambda work, *a: ({"device": "cpu"}, {}))
     given = {}
 
-    def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False):
+    def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False, compile=False):
         given[engine] = timeout_s
         clock[0] += 100.0  # each run takes 100 s
         if engine == "hf":
@@ -168,7 +187,7 @@ def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_t
         return {"step_s": step_s, "tokens": 10, "generate_s": 1.0, "score_s": 0.3, "trained_tokens": 20,
                 "train_s": 0.6, "sync_s": 0.05, "sync_bytes": 3e9, "mismatch": 0.01}
 
-    def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False):
+    def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False, compile=False):
         layouts.append((engine, shared))
         return {"steps": [step({("vllm", False): 2.4, ("vllm", True): 1.9, ("hf", False): 12.5}[engine, shared])] * 2,
                 "device_peak_gib": 36.0 if shared else 40.0}
@@ -197,10 +216,13 @@ def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_t
 
 
 def test_fastrlhf_runs_are_named_by_engine_and_options():
-    """``fastrlhf_<vllm|hf>[_shared][_liger]``: what each run needs installed and passes to ``fastrlhf train``; a
-    name the race does not know fails before any run starts."""
-    assert races._fastrlhf_run("fastrlhf_vllm_shared_liger") == ("vllm", {"shared": True, "liger": True})
-    assert races._fastrlhf_run("fastrlhf_hf") == ("hf", {"shared": False, "liger": False})
+    """``fastrlhf_<vllm|hf>[_shared][_liger][_compile]``: what each run needs installed and passes to ``fastrlhf
+    train``; a name the race does not know fails before any run starts."""
+    assert races._fastrlhf_run("fastrlhf_vllm_shared_liger") == ("vllm", {"shared": True, "liger": True,
+                                                                          "compile": False})
+    assert races._fastrlhf_run("fastrlhf_hf") == ("hf", {"shared": False, "liger": False, "compile": False})
+    assert races._fastrlhf_run("fastrlhf_vllm_compile") == ("vllm", {"shared": False, "liger": False, "compile": True})
+    assert races._run_needs("fastrlhf_vllm_compile") == ("vllm",)
     assert races._fastrlhf_run("trl_vllm") is None
     assert races._run_needs("fastrlhf_vllm_liger") == ("vllm", "liger_kernel") and races._run_needs("fastrlhf_hf") == ()
     assert races._run_needs("trl_vllm_liger") == ("trl", "vllm", "liger_kernel")
