@@ -13,7 +13,10 @@ What stays eager, and why:
 - generation with a KV cache (:func:`eager_layers`, HF ``generate``): the cache's per-layer index would make every
   layer a recompile.
 
-Shapes are dynamic from the first call (``dynamic=True``): micro-batches of any length reuse the graphs.
+Shapes are compiled dynamic (``dynamic=True``). Where a layer's code still fixes a size on the first call, the
+second size compiles the dynamic graph that every later one reuses: an RL step's variants (training, the
+checkpointed recompute, no-grad passes, the frozen reference) are all compiled within its first two steps, far
+under torch's recompile limit (tests/modeling/test_compile_layers.py).
 """
 
 from __future__ import annotations
