@@ -28,16 +28,16 @@
 #   4. bash scripts/gpu_session.sh trl [CAP_S] [RUNS]
 #        carry: .gpu-carry  .trl-carry (scripts/gpu_trl_carry.sh), vLLM unpacked: the GRPO step
 #        with vLLM against TRL's colocated vLLM, with and without Liger (RUNS: others, comma-separated, e.g.
-#        fastrlhf_vllm,fastrlhf_vllm_shared,trl_vllm; fastrlhf_vllm[_shared][_liger]), within CAP_S; then, where
-#        200 s are left, the HF-engine race against TRL.
+#        fastrlhf_vllm,fastrlhf_vllm_shared,trl_vllm; fastrlhf_vllm[_shared][_liger][_compile]), within CAP_S;
+#        then, where 200 s are left, the HF-engine race against TRL.
 #   bash scripts/gpu_session.sh tests [CAP_S]      carry: .gpu-carry. tests/gpu without vLLM: kernels at
 #        V=151,936, the update's host reads, every command through the launcher, the plan against the peak.
 #   bash scripts/gpu_session.sh bench [CAP_S] [K]: the benchmarks that need neither vLLM nor TRL (-k K: some).
 #        Like `tests`, it keeps a vLLM part it carries (.vllm-carry/part-aa and unpack.sh beside .gpu-carry: 53 MiB),
 #        so that it can be a session's first call and the `vllm` call after it carries part-ab only.
 #        Issue #43's before and after in one call: K="lm_head or rl_update" (the fused loss with and without
-#        the row kernel and the GEMM's fp32 sum, each profiled; the 1.5B update with and without checkpointing
-#        and with Liger's layer kernels).
+#        the row kernel and the GEMM's fp32 sum, each profiled; the 1.5B update with and without checkpointing,
+#        with Liger's layer kernels and with the layers torch.compiled: model.compile).
 #
 # 15 minutes of device time hold the machine's start (about 30 s on an H200) and about two of these calls:
 # take them in the order of the lowest-numbered open issue that needs them.
