@@ -30,8 +30,9 @@
 #        with vLLM against TRL's colocated vLLM, with and without Liger (RUNS: others, comma-separated, e.g.
 #        fastrlhf_vllm,fastrlhf_vllm_shared,trl_vllm; fastrlhf_vllm[_shared][_liger][_compile]), within CAP_S;
 #        then, where 200 s are left, the HF-engine race against TRL.
-#   bash scripts/gpu_session.sh tests [CAP_S]      carry: .gpu-carry. tests/gpu without vLLM: kernels at
-#        V=151,936, the update's host reads, every command through the launcher, the plan against the peak.
+#   bash scripts/gpu_session.sh tests [CAP_S] [K]  carry: .gpu-carry. tests/gpu without vLLM: kernels at
+#        V=151,936, the update's host reads, every command through the launcher, the plan against the peak,
+#        model.compile (-k K: some of them, e.g. "update_syncs or compile or at_scale").
 #   bash scripts/gpu_session.sh bench [CAP_S] [K]: the benchmarks that need neither vLLM nor TRL (-k K: some).
 #        Like `tests`, it keeps a vLLM part it carries (.vllm-carry/part-aa and unpack.sh beside .gpu-carry: 53 MiB),
 #        so that it can be a session's first call and the `vllm` call after it carries part-ab only.
@@ -159,7 +160,7 @@ with_trl() {
 case "$MODE" in
   tests)
     keep_vllm_parts
-    gpu_tests "${2:-560}" test-gpu "not vllm"
+    gpu_tests "${2:-560}" test-gpu "not vllm${3:+ and ($3)}"
     ;;
   vllm)
     if ! with_vllm; then

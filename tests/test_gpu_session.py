@@ -81,6 +81,10 @@ def test_the_first_call_runs_the_proof_without_vllm(device):
     (pytest_call,) = [c for c in calls if "pytest" in c]
     assert "-m gpu tests/gpu" in pytest_call and "-k not vllm" in pytest_call, pytest_call
     assert "unpack" not in calls and "test-gpu exit 0" in log
+    # A K picks some of them, still without vLLM's
+    rc, log, calls = run("tests", "200", "update_syncs or compile")
+    (pytest_call,) = [c for c in calls if "pytest" in c]
+    assert rc == 0 and "-k not vllm and (update_syncs or compile)" in pytest_call, pytest_call
 
 
 def test_vllm_is_unpacked_only_once_both_parts_arrived_then_its_tests_run(device):
