@@ -183,3 +183,23 @@ def test_rl_steps_compile_their_layers_once(dynamo, layout):
     assert max(float((want[name] - p).abs().max()) for name, p in start.items()) > 1e-3  # the steps trained
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_packed_attention_is_never_traced_and_what_it_compiles_still_compiles(dynamo):
+    """The registered packed attention is out of Dynamo's reach, and a torch.compile'd function it calls (the flex
+    backend's FlexAttention on CUDA) still compiles there: once, for inputs of any size, as in a plain run."""
+    from torch._dynamo.testing import CompileCounter
+    from transformers import AttentionInterface
+
+    from fastrlhf.sequences import packed_attention as PA
+
+    registered = AttentionInterface()[PA.register()]
+    assert registered is not PA.packed_attention and getattr(registered, "_torchdynamo_disable", False)
+    inner, outer = CompileCounter(), CompileCounter()
+    compiled_inner = torch.compile(lambda x: torch.sin(x) * 2, backend=inner, dynamic=True)
+    attention = torch.compiler.disable(lambda x, rows: compiled_inner(x[: rows.bounds[-1]]).sum() + x.sum())
+    layer = torch.compile(lambda x, rows: (torch.cos(x) + 1) * attention(torch.cos(x) + 1, rows), backend=outer,
+                          dynamic=True)
+    for n in (3, 4, 5, 6):  # host data passed through the layer as the trainer passes it: in a PackedRows
+        layer(torch.randn(8), PA.PackedRows(list(range(n)), None, torch.arange(n)))
+    assert inner.frame_count == 1 and outer.frame_count == 2  # the layer: before and after the attention
