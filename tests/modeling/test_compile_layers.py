@@ -103,8 +103,8 @@ def test_the_loader_compiles_what_model_compile_asks_for(dynamo, tmp_path):
 
 def rl_steps(compiled: bool, layout: str, steps: int, graphs_after: list):
     """GRPO steps with HF generate sharing the actor (prompts of new lengths each step, so new widths and packed
-    rows), gradient checkpointing, a frozen reference; the actor's parameters after them. ``graphs_after``
-    collects Dynamo's count of compiled graphs after each step."""
+    rows; shared: each group's prompt once, per-segment sdpa), gradient checkpointing, a frozen reference; the
+    actor's parameters after them. ``graphs_after`` collects Dynamo's count of compiled graphs after each step."""
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep
     from fastrlhf.rollout.hf_engine import HFEngine
@@ -166,7 +166,7 @@ def test_packed_rows_of_any_number_of_sequences_reuse_the_graphs(dynamo):
     assert not fell_back(dynamo)
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
 def test_rl_steps_compile_their_layers_once(dynamo, layout):
     """After two steps every variant a step needs is compiled (train, the checkpointed recompute, no-grad passes,
     the frozen reference; static then dynamic shapes): later steps of other lengths add no graph, none runs
