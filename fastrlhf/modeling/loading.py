@@ -71,9 +71,9 @@ def checkpoint_first_layers(model, count: int) -> int:
     frees what they kept) before it recomputes any layer: the peak is the kept layers or one recomputed layer, not
     both (``fastrlhf.memory.components.activations`` counts it so). Returns how many recompute: all of a model
     with fewer layers (a PPO critic smaller than the actor; the config check refuses more than the actor's)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
+    from fastrlhf.modeling.compile import decoder_layers
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     for layer in layers[count:]:
         layer.gradient_checkpointing = False
     return min(count, len(layers))
