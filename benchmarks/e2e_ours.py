@@ -38,7 +38,7 @@ def main(spec: dict) -> dict:
     import fastrlhf.modeling
     import fastrlhf.rl.step as step_module
     from fastrlhf.config import parse_config
-    from fastrlhf.rl import trainer
+    from fastrlhf.rl import rollout_setup, trainer
 
     fastrlhf.engine.loop.save_checkpoint = lambda *a, **k: None
     fastrlhf.modeling.export_hf = lambda *a, **k: None
@@ -66,7 +66,7 @@ def main(spec: dict) -> dict:
     step_module.RLStep.logprobs_and_values = timed_prepare
 
     engine_kind = {}
-    original_build = trainer._build_rollout
+    original_build = rollout_setup.build_rollout
 
     def build_rollout(config, module, num_params, device, *args, **kwargs):
         engine, shares = original_build(config, module, num_params, device, *args, **kwargs)
@@ -74,7 +74,7 @@ def main(spec: dict) -> dict:
         engine_kind["num_params"] = num_params
         return engine, shares
 
-    trainer._build_rollout = build_rollout
+    rollout_setup.build_rollout = build_rollout
 
     batch = spec["prompts_per_step"] * spec["n"]
     reward = REWARDS[spec["model"]]

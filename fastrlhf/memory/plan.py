@@ -329,7 +329,7 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     # The rollout engine's own memory (vLLM on CUDA: the share gpu_memory_utilization gives it).
     seqs, need_kv = C.sequences(config, gpus), kv_cache_bytes_for(config, gpus, device, actor)
     tp = ro.tensor_parallel_size if kind == "vllm" else 1
-    # As trainer._build_rollout decides: an in-process CPU vLLM reads the actor's whole embedding.
+    # As rl.rollout_setup.build_rollout decides: an in-process CPU vLLM reads the actor's whole embedding.
     shares_embedding = (kind == "vllm" and device == "cpu" and tp == 1 and ds.zero_stage < 3 and not lora
                         and rollout_bytes == w)
     engine = {"rollout weights": 0 if shares_actor else C.rollout_weights(actor, kind, rollout_bytes, device, tp,

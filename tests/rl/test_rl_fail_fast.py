@@ -126,12 +126,12 @@ def test_engine_auto_falls_back_to_hf_where_vllm_cannot_run_the_model(root, monk
     import fastrlhf.rollout as rollout
     from fastrlhf.config import load_config
     from fastrlhf.modeling.tiny import make_tiny_llama
-    from fastrlhf.rl import trainer
+    from fastrlhf.rl import rollout_setup
 
     config = load_config(_config(root, "auto16", model={"path": str(root / "model16")}, rollout={"engine": "auto"}),
                          "train")
     monkeypatch.setattr(rollout, "choose_engine_kind", lambda num_params, device: "vllm")  # as for a big model
-    engine, shares = trainer._build_rollout(config, make_tiny_llama(vocab_size=64, hidden_size=32, num_heads=2,
+    engine, shares = rollout_setup.build_rollout(config, make_tiny_llama(vocab_size=64, hidden_size=32, num_heads=2,
                                                                     head_dim=16), 10**9, "cpu")
     assert engine.kind == "hf" and shares
     assert "rollout.engine auto: using the HF engine, model head size 16" in capsys.readouterr().out
@@ -152,7 +152,7 @@ def test_cpu_vllm_engine_is_handed_the_actors_own_embedding(root, monkeypatch, c
     from fastrlhf.config import load_config
     from fastrlhf.cpu.probe import cpu_probe
     from fastrlhf.modeling.tiny import make_tiny_llama
-    from fastrlhf.rl import trainer
+    from fastrlhf.rl import rollout_setup
 
     calls = []
 
@@ -170,7 +170,7 @@ def test_cpu_vllm_engine_is_handed_the_actors_own_embedding(root, monkeypatch, c
                 **{k: v for k, v in sections.items() if k != "rollout"}}
     config = load_config(_config(root, "share_embedding", **sections), "train")
     actor = make_tiny_llama(vocab_size=64, hidden_size=32, num_heads=2)
-    engine, shares_actor = trainer._build_rollout(config, actor, 10**9, "cpu")
+    engine, shares_actor = rollout_setup.build_rollout(config, actor, 10**9, "cpu")
     assert isinstance(engine, RecordingEngine) and not shares_actor
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout: vllm")]
     assert said == [f"rollout: vllm; {cpu_probe().summary()}"]

@@ -269,16 +269,16 @@ def test_an_engine_generating_with_other_weights_stops_the_run_before_training_o
 
 def test_auto_utilization_is_what_the_trainers_models_leave_free_less_a_margin(monkeypatch):
     from fastrlhf.config import ConfigError, RolloutConfig
-    from fastrlhf.rl import trainer
+    from fastrlhf.rl import rollout_setup
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (30 * gib, 80 * gib))
-    assert trainer._gpu_memory_utilization(RolloutConfig()) == 0.27  # 30/80 free, less 0.10
-    assert trainer._gpu_memory_utilization(RolloutConfig(gpu_memory_utilization=0.6)) == 0.6  # as given
+    assert rollout_setup.gpu_memory_utilization(RolloutConfig()) == 0.27  # 30/80 free, less 0.10
+    assert rollout_setup.gpu_memory_utilization(RolloutConfig(gpu_memory_utilization=0.6)) == 0.6  # as given
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * gib, 80 * gib))
     with pytest.raises(ConfigError, match="only 10.0 of 80.0 GiB are free"):
-        trainer._gpu_memory_utilization(RolloutConfig())
+        rollout_setup.gpu_memory_utilization(RolloutConfig())
 
 
 class EchoEngine:
@@ -321,7 +321,7 @@ def test_a_run_that_cannot_fit_its_gpus_stops_at_launch_with_the_plans_line(tmp_
     import fastrlhf.config.precision as precision
     import fastrlhf.memory.plan as plan_module
     from fastrlhf.memory.plan import PlanError
-    from fastrlhf.rl import trainer
+    from fastrlhf.rl import rollout_setup, trainer
 
     config = gpu_grpo(model_folder(tmp_path / "qwen", QWEN25_1_5B), zero_stage=2)
     monkeypatch.setattr(precision, "gpu_available", lambda: True)  # as on a GPU node
@@ -336,7 +336,7 @@ def test_a_run_that_cannot_fit_its_gpus_stops_at_launch_with_the_plans_line(tmp_
     # auto takes the lower of what is free at engine start (less 10%) and what the plan leaves.
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (79 * 2**30, 80 * 2**30))
-    auto = trainer._gpu_memory_utilization(config.rollout.__class__(gpu_memory_utilization="auto"), plan)
+    auto = rollout_setup.gpu_memory_utilization(config.rollout.__class__(gpu_memory_utilization="auto"), plan)
     assert auto == min(plan.gpu_memory_utilization, 0.88)
     # On a CPU the budget moves with whatever else runs: the plan only warns.
     monkeypatch.setattr(precision, "gpu_available", lambda: False)
@@ -351,7 +351,7 @@ def test_on_cuda_the_engine_gets_the_kv_cache_the_plan_counts(tmp_path, monkeypa
     import fastrlhf.config.precision as precision
     import fastrlhf.memory.plan as plan_module
     import fastrlhf.rollout as rollout_module
-    from fastrlhf.rl import trainer
+    from fastrlhf.rl import rollout_setup, trainer
 
     made = []
 
@@ -366,8 +366,8 @@ def test_on_cuda_the_engine_gets_the_kv_cache_the_plan_counts(tmp_path, monkeypa
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60 * 2**30, 80 * 2**30))
     monkeypatch.setattr(rollout_module, "VLLMEngine", Recorder)
-    trainer._build_rollout(config, None, 1_500_000_000, torch.device("cuda", 0), plan=plan)
-    trainer._build_rollout(config, None, 1_500_000_000, torch.device("cuda", 0), plan=None)
+    rollout_setup.build_rollout(config, None, 1_500_000_000, torch.device("cuda", 0), plan=plan)
+    rollout_setup.build_rollout(config, None, 1_500_000_000, torch.device("cuda", 0), plan=None)
     assert made[0]["kv_cache_bytes"] == plan.kv_cache_bytes > 0 and made[0]["sleep"] is True
     assert made[1]["kv_cache_bytes"] is None  # no plan: the utilization sizes it
     assert llm_kwargs("m", on_cuda=True, gpu_memory_utilization=made[0]["gpu_memory_utilization"],
