@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dry-run", action="store_true",
                        help="validate the config, print it with every auto setting resolved for this machine, exit")
         p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    from fastrlhf.memory.plan import PLAN_HELP, add_arguments  # no torch: plans answer before anything heavy loads
+    # No torch: plans answer before anything heavy loads.
+    from fastrlhf.memory.plan_command import PLAN_HELP, add_arguments
 
     add_arguments(sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP))
     return parser
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "plan":
-        from fastrlhf.memory.plan import main as plan
+        from fastrlhf.memory.plan_command import main as plan
 
         return plan(args)
 

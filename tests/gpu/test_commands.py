@@ -282,7 +282,8 @@ def test_rl_trains_with_vllm(proof, name):
 @pytest.mark.parametrize("name", ["grpo", "ppo", "grpo-vllm"])
 def test_plan_against_the_measured_peak(proof, name):
     """With vLLM the plan counts the engine's weights and KV cache as well."""
-    from fastrlhf.memory.plan import load_plan_config, plan_memory
+    from fastrlhf.memory.plan import plan_memory
+    from fastrlhf.memory.plan_command import load_plan_config
 
     _, where, _ = proof
     if "vllm" in name:

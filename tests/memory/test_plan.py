@@ -493,7 +493,7 @@ def tiny_run(tmp_path_factory):
 
 
 def measure(root, name, raw):
-    from fastrlhf.memory.plan import load_plan_config
+    from fastrlhf.memory.plan_command import load_plan_config
 
     raw = {"output_dir": str(root / name), "model": {"path": str(root / "model"), "dtype": "float32"},
            "reward": {"function": "length"},

@@ -166,7 +166,7 @@ def test_both_auto_keep_checkpointing_on_where_only_small_micro_batches_fit_with
 
 def test_auto_micro_batch_tokens_need_grad_accum_1_and_the_train_command(tmp_path):
     from fastrlhf.config import load_config
-    from fastrlhf.memory.plan import _config_json_only, load_plan_config
+    from fastrlhf.memory.plan_command import _config_json_only, load_plan_config
 
     path = tmp_path / "run.yaml"
     model = model_folder(tmp_path / "m", QWEN25_1_5B)
