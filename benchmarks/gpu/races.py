@@ -545,8 +545,9 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", sh
     Liger-Kernel's RMSNorm, SwiGLU and rotary kernels in the actor and reference (``model.liger_kernels``);
     ``compile``: their decoder layers torch.compiled (``model.compile``; the first step compiles). With
     ``spec["profile"]`` (the races' default) one more step runs under ``trainer.profile_step``, left out of the
-    figures: its stages' wall and device time and its largest kernels (``profile_stages``, ``profile_top``). A run
-    that fails in that step keeps the figures of the steps before it."""
+    figures: its stages' wall and device time, what the host did in each, what it compiled and its largest kernels
+    (``profile_stages``, ``profile_host``, ``profile_compiles``, ``profile_top``). A run that fails in that step
+    keeps the figures of the steps before it."""
     import yaml
 
     from fastrlhf.distributed import free_port
@@ -595,8 +596,9 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", sh
     if profiled and os.path.exists(profile_file):
         with open(profile_file) as f:
             p = json.load(f)
-        profile = dict(profile_stages=p["stages"], profile_top=p["profile_top"],
-                       profile_gemm_share=p["profile_gemm_share"], **_keep_trace(profile_file, name))
+        profile = dict(profile_stages=p["stages"], profile_host=p["host"], profile_compiles=p["compiles"],
+                       profile_top=p["profile_top"], profile_gemm_share=p["profile_gemm_share"],
+                       **_keep_trace(profile_file, name))
     elif profiled:
         profile = dict(profile_error=str(failed)[-1500:] if failed else "no profile written")
     steps = [dict(step_s=r.get("wall_time", r["step_time"]), tokens=r["generated_tokens"],
@@ -917,7 +919,8 @@ def _write_prompts(spec: dict, vocab: int) -> None:
 
 
 # What run_fastrlhf reads from its profiled step (trainer.profile_step).
-PROFILE_KEYS = ("profile_stages", "profile_top", "profile_gemm_share", "profile_error", "profile_trace")
+PROFILE_KEYS = ("profile_stages", "profile_host", "profile_compiles", "profile_top", "profile_gemm_share",
+                "profile_error", "profile_trace")
 
 
 def _run_figures(out: dict, name: str, r: dict, warmup: int, keys) -> None:

@@ -144,6 +144,8 @@ def test_grpo_engines():
     assert r["fastrlhf_vllm_sync_ms"] > 0 and r["fastrlhf_vllm_sync_gb_per_s"] > 0, r  # its own copy, synced
     assert "fastrlhf_hf_sync_ms" not in r, r  # the HF engine generates with the actor's weights: no sync
     assert {"generate", "score", "train", "sync"} <= r["fastrlhf_vllm_profile_stages"].keys(), r  # profiled
+    assert r["fastrlhf_vllm_profile_host"]["train"]["ops"] > 0, r  # what the host did in each stage
+    assert r["fastrlhf_vllm_profile_compiles"]["in_step"]["past_recompile_limit"] == 0, r
     assert 0 <= r["fastrlhf_vllm_mismatch"] < 1e-3 and r["vllm_over_hf"] > 0, r
     assert "fastrlhf_vllm_device_peak_gib" not in r and r["targets_met"] is False, r  # no device memory on a CPU
 
@@ -266,7 +268,7 @@ def test_the_profiled_steps_timeline_is_kept_where_the_session_script_asks(monke
                "time/score": 0.1, "time/train": 0.3, "time/sync": 0.0, "rank_tokens": 16}
         (out / "metrics.jsonl").write_text(json.dumps(row) + "\n")
         (out / "profile" / "step-2-rank-0.json").write_text(
-            json.dumps({"stages": {}, "profile_top": [], "profile_gemm_share": 0.5}))
+            json.dumps({"stages": {}, "host": {}, "compiles": {}, "profile_top": [], "profile_gemm_share": 0.5}))
         (out / "profile" / "step-2-rank-0.trace.json.gz").write_bytes(b"x" * trace_bytes)
         return ""
 

@@ -6,6 +6,12 @@ Each rank writes ``output_dir/profile/step-N-rank-R.json``:
   :class:`fastrlhf.rl.step_metrics.StepClock` marks ``fastrlhf:<stage>``): its wall time and, on CUDA, the
   device time of the kernels it launched, and their ratio (``busy``). A stage far under 1 waits on the host
   (Python, launches, host reads), one near 1 on its kernels;
+- ``host``: per stage, what the host did in it: ``ops`` (top-level torch ops, each a kernel or more on a GPU),
+  ``launches`` (CUDA kernel launches) and ``syncs`` with ``sync_wait_ms`` (the host waiting on the device:
+  stream, event and device synchronizations, blocking copies). A stage that is not busy yet waits little on its
+  syncs spends its time in the host's own work, and ``ops`` says how much of it there is;
+- ``compiles``: torch.compile's work during the step (Dynamo frames compiled, graphs, and frames run eagerly past
+  the recompile limit) and since the process started: a step that compiles is not a steady step;
 - ``profile_top``: the largest kernels by device time (CUDA), or ops by CPU time (elsewhere), with their calls
   and share; ``profile_gemm_share``: the GEMMs' share of the whole;
 
@@ -51,6 +57,52 @@ def summarize_kernels(prof, cuda: bool, top: int = 10) -> dict:
                 profile_of="CUDA kernels (device time)" if cuda else "CPU ops (self time)")
 
 
+# CUDA runtime and driver calls, as the profiler names them on the host's timeline.
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                        "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
+
+
+def _host_side(prof) -> dict:
+    """Per ``fastrlhf:<stage>`` range: the top-level torch ops, kernel launches and synchronizations the host made
+    in it, and the milliseconds it waited in those (a nested stage counts in its parent too)."""
+    import torch
+
+    events = [e for e in prof.events() if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA]
+    stages = [(e.name[len(STAGE_PREFIX):], e.time_range.start, e.time_range.end)
+              for e in events if e.name.startswith(STAGE_PREFIX)]
+    out = {name: dict(ops=0, launches=0, syncs=0, sync_wait_ms=0.0) for name, _, _ in stages}
+    for e in events:
+        if e.name in LAUNCH_CALLS:
+            kind = "launches"
+        elif e.name in SYNC_CALLS:
+            kind = "syncs"
+        elif e.name.startswith("aten::") and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
+            kind = "ops"
+        else:
+            continue
+        t = e.time_range.start
+        for name, start, end in stages:
+            if start <= t < end:
+                out[name][kind] += 1
+                if kind == "syncs":
+                    out[name]["sync_wait_ms"] += (e.time_range.end - e.time_range.start) / 1e3
+    return {name: {**c, "sync_wait_ms": round(c["sync_wait_ms"], 3)} for name, c in out.items()}
+
+
+def _compile_counts() -> dict:
+    """torch.compile's counters so far in this process (zeros where Dynamo never loaded)."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return dict(frames=0, graphs=0, past_recompile_limit=0)
+    from torch._dynamo.utils import counters
+
+    fell_back = sum(n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason.lower())
+    return dict(frames=int(counters["frames"]["total"]), graphs=int(counters["stats"]["unique_graphs"]),
+                past_recompile_limit=fell_back)
+
+
 def _stages(prof, cuda: bool) -> dict:
     """Each ``fastrlhf:<stage>`` range's wall time and the device time of the kernels launched inside it."""
     import torch
@@ -79,6 +131,7 @@ def profile_step(config, step: int, rank: int = 0):
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    before = _compile_counts()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         yield
         if cuda:
@@ -87,7 +140,9 @@ def profile_step(config, step: int, rank: int = 0):
     os.makedirs(folder, exist_ok=True)
     stem = os.path.join(folder, f"step-{step}-rank-{rank}")
     summary = dict(step=step, rank=rank, device=torch.cuda.get_device_name() if cuda else "cpu",
-                   stages=_stages(prof, cuda), **summarize_kernels(prof, cuda, top=20))
+                   stages=_stages(prof, cuda), host=_host_side(prof), **summarize_kernels(prof, cuda, top=20))
+    total = _compile_counts()
+    summary["compiles"] = dict(in_step={k: total[k] - before[k] for k in total}, in_process=total)
     with open(stem + ".json", "w") as f:
         json.dump(summary, f, indent=1)
     prof.export_chrome_trace(stem + ".trace.json.gz")  # torch gzips a path ending in .gz

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+from types import SimpleNamespace
 
 from helpers.rl_case import GRPO, PROMPTS, fixed_completions, guarded_step, make_config
 
+from fastrlhf.engine import step_profile
 from fastrlhf.engine.step_profile import profile_step
 
 
@@ -46,3 +48,50 @@ def test_the_named_step_is_profiled_by_stage(tmp_path):
 def test_other_steps_are_not_profiled(tmp_path):
     assert not _profiled(tmp_path, 7).exists()
 
+
+
+def test_each_stage_says_what_the_host_did_in_it(tmp_path):
+    summary = json.loads((_profiled(tmp_path, 2) / "step-2-rank-0.json").read_text())
+    host = summary["host"]
+    assert host.keys() == summary["stages"].keys(), host
+    assert all(h["launches"] == h["syncs"] == 0 and h["sync_wait_ms"] == 0 for h in host.values()), host  # no CUDA
+    # completions given: the generate stage may hold no op
+    assert all(host[stage]["ops"] > 0 for stage in ("score", "reward", "train")), host
+    assert host["reward"]["ops"] <= host["score"]["ops"]  # nested in it
+    assert summary["compiles"]["in_step"] == dict(frames=0, graphs=0, past_recompile_limit=0), summary["compiles"]
+
+
+class _Event:
+    def __init__(self, name, start, end, parent=None):
+        self.name, self.cpu_parent, self.device_type = name, parent, None
+        self.time_range = SimpleNamespace(start=start, end=end)
+
+
+def test_syncs_and_launches_are_counted_in_the_stage_they_happen_in():
+    """A GPU profile's host timeline, as the profiler names its calls: a sync's wait is counted where it starts,
+    an op nested in another op is not counted again."""
+    train = _Event("fastrlhf:train", 0, 100)
+    mm = _Event("aten::mm", 10, 20)
+    events = [_Event("fastrlhf:score", 100, 200), train, mm, _Event("aten::empty", 11, 12, parent=mm),
+              _Event("cudaLaunchKernel", 13, 14, parent=mm), _Event("cudaStreamSynchronize", 50, 90),
+              _Event("aten::item", 120, 130), _Event("cudaMemcpy", 121, 129), _Event("cudaMemcpyAsync", 150, 151)]
+    got = step_profile._host_side(SimpleNamespace(events=lambda: events))
+    assert got == {"train": dict(ops=1, launches=1, syncs=1, sync_wait_ms=0.04),
+                   "score": dict(ops=1, launches=0, syncs=1, sync_wait_ms=0.008)}, got
+
+
+def test_a_step_that_compiles_says_so(tmp_path):
+    """The profiled step's torch.compile work (a first call compiles; the same call again does not), so that a
+    slow profiled step that was compiling is not read as a steady one."""
+    import torch
+
+    config = SimpleNamespace(output_dir=str(tmp_path), trainer=SimpleNamespace(profile_step=1))
+    f = torch.compile(lambda x: torch.sin(x) + 1, backend="eager")
+    compiles = []
+    for _ in range(2):
+        with profile_step(config, 1):
+            f(torch.ones(3))
+        compiles.append(json.loads((tmp_path / "profile" / "step-1-rank-0.json").read_text())["compiles"])
+    assert compiles[0]["in_step"]["frames"] >= 1 and compiles[0]["in_step"]["graphs"] == 1, compiles
+    assert compiles[1]["in_step"] == dict(frames=0, graphs=0, past_recompile_limit=0), compiles
+    assert compiles[1]["in_process"]["graphs"] >= 1, compiles
