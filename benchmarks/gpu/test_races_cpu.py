@@ -129,6 +129,17 @@ def test_layouts_race():
     assert r["backend"] == r["shared_backend"] == "sdpa", r  # the CPU's choice
     assert all(r[f"{name}_s"] > 0 and r[f"{name}_skipped"] == 0 for name in ("padded", "packed", "shared")), r
     assert r["packed_vs_padded"] > 0 and r["shared_vs_padded"] > 0, r
+    assert r["shared_train_s"] > 0 and r["shared_score_s"] > 0 and "targets_met" in r, r
+
+
+def test_layouts_race_at_the_grpo_races_shape_is_a_diagnosis():
+    """Every completion at its full length, as the GRPO races' random-init model gives them, and no target."""
+    from benchmarks.gpu.layouts import GRPO_RACE_SHAPE
+
+    small = dict(GRPO_RACE_SHAPE, prompts=2, n=4, prompt_range=(8, 8), max_new=16, max_tokens=96)
+    r = races.layouts_race(device="cpu", shape="tiny", dtype="float32", steps=2, **small)
+    assert r["real_tokens"] == 2 * (8 * 4 + 4 * 16), r
+    assert "targets_met" not in r and all(r[f"{name}_train_s"] > 0 for name in ("padded", "packed", "shared")), r
 
 
 def test_grpo_engines():
