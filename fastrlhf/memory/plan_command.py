@@ -69,4 +69,3 @@ def main(args) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     return 0
-
