@@ -670,7 +670,8 @@ def trl_grpo(spec: dict) -> dict:
     over the generation batch), AdamW at a constant learning rate, clip-norm 1.0, gradient checkpointing,
     HF generate, and one generation and one optimizer step per step: ``steps_per_generation`` =
     ``gradient_accumulation_steps`` micro-batches of fastrlhf's size, ``num_iterations`` 1 (no old-logprob
-    pass, as fastrlhf skips it on-policy). A callback times each optimizer step (= one GRPO step)."""
+    pass, as fastrlhf skips it on-policy). A callback times each optimizer step (= one GRPO step), and
+    :func:`time_trl_stages` its generation, scoring and weight sync, named as fastrlhf's stages are."""
     import dataclasses
 
     import trl
@@ -717,23 +718,71 @@ def trl_grpo(spec: dict) -> dict:
     steps: list[dict] = []
     device = torch.device("cuda" if cuda else "cpu")
 
+    stages: dict = {}
+
     class Timer(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
             sync(device)
+            stages.clear()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
             sync(device)
-            steps.append({"step_s": time.perf_counter() - self.t0})
+            step_s = time.perf_counter() - self.t0
+            steps.append({"step_s": step_s, **trl_step_stages(stages, step_s)})
 
     dataset = Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
     trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Timer()])
+    time_trl_stages(trainer, device, stages)
     trainer.train()
     return dict(steps=steps, trl_version=trl.__version__, ignored_args=sorted(set(wanted) - fields),
                 liger_flag=next((k for k in ("use_liger_loss", "use_liger_kernel") if wanted.get(k)), None),
                 peak_gib=torch.cuda.max_memory_reserved() / GIB if cuda else None,
                 weights_dtype=str(next(trainer.model.parameters()).dtype))
+
+
+def time_trl_stages(trainer, device: torch.device, seconds: dict) -> dict:
+    """Times the parts of a TRL ``GRPOTrainer`` step into ``seconds`` (each call adds to its key; the caller clears it
+    each step): the whole generation and scoring (``gen_and_score``), and inside it the generation (vLLM's
+    ``generate``, or HF generate's turn) and vLLM's weight sync (``sync``). Each timed call starts and ends with a
+    device synchronize, as the step's own timer does. A method this TRL lacks is left as it is. Returns ``seconds``."""
+    def timed(owner, method: str, key: str) -> None:
+        fn = getattr(owner, method, None)
+        if fn is None:
+            return
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            sync(device)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync(device)
+                seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, method, wrapper)
+
+    timed(trainer, "_generate_and_score_completions", "gen_and_score")
+    engine = getattr(trainer, "vllm_generation", None)
+    if engine is not None:
+        timed(engine, "generate", "generate")
+        timed(engine, "sync_weights", "sync")
+    else:
+        timed(trainer, "_generate_single_turn", "generate")
+    return seconds
+
+
+def trl_step_stages(seconds: dict, step_s: float) -> dict:
+    """One TRL step's ``generate_s``, ``score_s`` (rewards, reference and old logprobs: the rest of generation and
+    scoring), ``train_s`` (the rest of the step) and ``sync_s``, as fastrlhf's metrics name its stages; nothing where
+    the step did not generate through a timed method."""
+    if "gen_and_score" not in seconds or "generate" not in seconds:
+        return {}
+    generate, sync_s = seconds["generate"], seconds.get("sync", 0.0)
+    return dict(generate_s=generate, score_s=seconds["gen_and_score"] - generate - sync_s,
+                train_s=step_s - seconds["gen_and_score"], sync_s=sync_s)
 
 
 GRPO_TARGETS = dict(speedup_min=1.5, memory_ratio_max=0.6)
@@ -935,13 +984,14 @@ def _run_figures(out: dict, name: str, r: dict, warmup: int, keys) -> None:
 
     out[f"{name}_step_s"] = round(median("step_s"), 3)
     out[f"{name}_steps_s"] = [round(s["step_s"], 3) for s in r["steps"]]
-    if "generate_s" in steps[0]:  # fastrlhf's metrics
+    if median("tokens") is not None:  # fastrlhf's metrics
         out[f"{name}_generated_tokens_per_s"] = round(median("tokens") / median("generate_s"), 1)
         out[f"{name}_trained_tokens_per_s"] = round(median("trained_tokens") / median("train_s"), 1)
-        # Where the step's time goes: what a faster engine can win against what it shares with the other run.
-        for stage in ("generate", "score", "train", "sync"):
-            if median(f"{stage}_s") is not None:
-                out[f"{name}_{stage}_s"] = round(median(f"{stage}_s"), 3)
+    # Where the step's time goes (fastrlhf's metrics; TRL's timed methods): what a faster engine can win against
+    # what it shares with the other run.
+    for stage in ("generate", "score", "train", "sync"):
+        if median(f"{stage}_s") is not None:
+            out[f"{name}_{stage}_s"] = round(median(f"{stage}_s"), 3)
     if median("sync_bytes"):
         out[f"{name}_sync_ms"] = round(median("sync_s") * 1e3, 2)
         out[f"{name}_sync_gb_per_s"] = round(median("sync_bytes") / 1e9 / median("sync_s"), 2)

@@ -121,6 +121,48 @@ def test_grpo_vs_trl():
         assert "not installed" in r["trl_skipped"], r
     else:
         assert len(r["trl_steps_s"]) == 2 and r["speedup_vs_trl"] > 0 and r["trl_version"], r
+        assert r["trl_generate_s"] > 0 and r["trl_score_s"] > 0 and r["trl_train_s"] > 0, r  # its stages, timed
+
+
+def test_trls_step_is_split_into_the_stages_fastrlhf_names(monkeypatch):
+    """TRL's GRPO step timed by its methods (stand-ins with a fake clock, since CI has no TRL): generation and weight
+    sync inside its generation-and-scoring, scoring the rest of that, training the rest of the step."""
+    clock = [0.0]
+    monkeypatch.setattr(races.time, "perf_counter", lambda: clock[0])
+
+    class VLLMGeneration:
+        def sync_weights(self):
+            clock[0] += 1.0
+
+        def generate(self, prompts):
+            clock[0] += 10.0
+            return prompts
+
+    class Trainer:
+        vllm_generation = VLLMGeneration()
+
+        def _generate_and_score_completions(self, prompts):
+            self.vllm_generation.sync_weights()
+            out = self.vllm_generation.generate(prompts)
+            clock[0] += 3.0  # rewards, reference logprobs
+            return out
+
+    seconds = races.time_trl_stages(trainer := Trainer(), torch.device("cpu"), {})
+    assert trainer._generate_and_score_completions(["p"]) == ["p"]  # what TRL's methods return, unchanged
+    assert races.trl_step_stages(seconds, 20.0) == dict(generate_s=10.0, score_s=3.0, train_s=6.0, sync_s=1.0)
+    assert races.trl_step_stages({}, 20.0) == {}  # a step that generated nothing
+
+    class HFTrainer:  # HF generate: its turn is the generation, no sync
+        def _generate_single_turn(self):
+            clock[0] += 4.0
+
+        def _generate_and_score_completions(self):
+            self._generate_single_turn()
+            clock[0] += 2.0
+
+    seconds = races.time_trl_stages(trainer := HFTrainer(), torch.device("cpu"), {})
+    trainer._generate_and_score_completions()
+    assert races.trl_step_stages(seconds, 7.0) == dict(generate_s=4.0, score_s=2.0, train_s=1.0, sync_s=0.0)
 
 
 def test_layouts_race():
