@@ -38,8 +38,10 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    (``trainer.share_prompts``), with Liger-Kernel's layer kernels (``model.liger_kernels``), raced beside the
    default (``shared_*``, ``liger_*`` ratios; ``targets_met`` where any of them meets every target). Each
    fastrlhf run of these GRPO races (3. and 5.) runs one more step under ``trainer.profile_step``, left out of its
-   figures: each stage's wall and device time and the largest kernels (``*_profile_stages``, ``*_profile_top``),
-   where the step's time goes. Each fits one device call (vLLM is
+   figures: each stage's wall and device time, what the host did in it, what it compiled and the largest kernels
+   (``*_profile_stages``, ``*_profile_host``, ``*_profile_compiles``, ``*_profile_top``), where the step's time goes.
+   TRL's steps are split into the same stages by timing its methods (``trl*_generate_s``, ``_score_s``,
+   ``_train_s``, ``_sync_s``). Each fits one device call (vLLM is
    unpacked by the second call of scripts/gpu_session.sh; skipped where it is missing).
 
 Targets are reported (``targets_met``); a miss fails only with ``FASTRLHF_BENCH_STRICT=1``.
