@@ -97,7 +97,6 @@ def race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16
         out[f"{name}_s"] = round(statistics.median(m["time/score"] + m["time/train"] for m in measured), 4)
         for key in ("score", "train"):
             out[f"{name}_{key}_s"] = round(statistics.median(m[f"time/{key}"] for m in measured), 4)
-        for key in ("score", "train"):
             if f"memory/{key}_gib" in runs[-1]:  # CUDA only
                 out[f"{name}_{key}_peak_gib"] = round(max(m[f"memory/{key}_gib"] for m in runs), 2)
         out[f"{name}_skipped"] = sum(m["skipped"] for m in runs)
