@@ -94,13 +94,14 @@ def _compile_counts() -> dict:
     """torch.compile's counters so far in this process (zeros where Dynamo never loaded)."""
     import sys
 
+    from fastrlhf.modeling.compile import past_recompile_limit
+
     if "torch._dynamo" not in sys.modules:
         return dict(frames=0, graphs=0, past_recompile_limit=0)
     from torch._dynamo.utils import counters
 
-    fell_back = sum(n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason.lower())
     return dict(frames=int(counters["frames"]["total"]), graphs=int(counters["stats"]["unique_graphs"]),
-                past_recompile_limit=fell_back)
+                past_recompile_limit=sum(past_recompile_limit().values()))
 
 
 def _stages(prof, cuda: bool) -> dict:

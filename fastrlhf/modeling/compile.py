@@ -25,7 +25,7 @@ import contextlib
 
 import torch
 
-__all__ = ["BACKEND", "compile_layers", "compiled_layers", "decoder_layers", "eager_layers"]
+__all__ = ["BACKEND", "compile_layers", "compiled_layers", "decoder_layers", "eager_layers", "past_recompile_limit"]
 
 # torch.compile's backend; tests on a CPU swap in "aot_eager" (the same graphs and autograd, without code
 # generation) where Inductor's C++ compile would only cost time.
@@ -64,3 +64,21 @@ def eager_layers(model: torch.nn.Module):
         return
     with torch.compiler.set_stance("force_eager"):
         yield
+
+
+def past_recompile_limit() -> dict[str, int]:
+    """Dynamo's reasons for running a frame eagerly past torch's recompile limit in this process so far (the first
+    line of each) and how often each came: empty where nothing recompiled without end, or Dynamo never loaded. The
+    one place that reads them, for the tests and ``trainer.profile_step``."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import counters
+
+    found: dict[str, int] = {}
+    for reason, n in counters["unimplemented"].items():
+        if "recompile limit" in reason.lower():
+            first = reason.splitlines()[0]
+            found[first] = found.get(first, 0) + n
+    return found
