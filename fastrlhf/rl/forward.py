@@ -17,6 +17,8 @@ A loss micro-batch carries its share of its minibatch's aggregation weights (``E
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from dataclasses import replace
 
 import torch
@@ -114,21 +116,22 @@ class MicroBatch:
         """``[b, T]`` rows of per-token ``values`` (``[b, T']`` padded or ``[M]`` packed)."""
         return self.layout.put(values) if self.packed else pad_response(values, self.width)
 
-    def model_inputs(self, attention: str | None = None) -> dict:
-        """``input_ids``, ``attention_mask``, ``position_ids`` of the forward pass (packed: no mask, so
+    def model_inputs(self, model=None) -> dict:
+        """``input_ids``, ``attention_mask``, ``position_ids`` of ``model``'s forward pass (packed: no mask, so
         transformers reads the position restarts as sequence boundaries).
 
         A packed row's mask is its block mask (:meth:`fastrlhf.sequences.packing.PackedLayout.model_kwargs`). For a
-        padded micro-batch on sdpa (``attention``: the model's attention implementation) the mask comes
-        built, ``[b, 1, L, L]`` on the device from what the host knows: transformers would otherwise read
-        the device to decide whether it needs one (``_ignore_causal_mask_sdpa``), a stall per forward on
-        a GPU, and then build the same mask. Without padding it needs neither mask nor positions."""
+        padded micro-batch on sdpa the mask comes built, ``[b, 1, L, L]`` on the device from what the host
+        knows: transformers would otherwise read the device to decide whether it needs one
+        (``_ignore_causal_mask_sdpa``), a stall per forward on a GPU, and then build the same mask. Without
+        padding it needs no positions, and its mask is :func:`mask_without_padding`'s."""
         if self.packed:
             return dict(input_ids=self.layout.pack_padded(self.exp.input_ids), **self.layout.model_kwargs())
         e = self.exp
         if all(p == e.prompt_width for p in e.prompt_lens) and all(n == e.response_width for n in e.completion_lens):
-            return dict(input_ids=e.input_ids, attention_mask=None, position_ids=None)
-        mask = padded_causal_mask(e.attention_mask) if attention in SDPA_ATTENTIONS else e.attention_mask
+            return dict(input_ids=e.input_ids, attention_mask=mask_without_padding(model, e.input_ids),
+                        position_ids=None)
+        mask = padded_causal_mask(e.attention_mask) if attention_of(model) in SDPA_ATTENTIONS else e.attention_mask
         return dict(input_ids=e.input_ids, attention_mask=mask, position_ids=e.position_ids)
 
     def at_response(self, per_position: torch.Tensor) -> torch.Tensor:
@@ -156,6 +159,45 @@ def attention_of(model) -> str | None:
     m = _hf_model(model)
     config = getattr(m, "config", None) or getattr(getattr(m, "lm", None), "config", None)
     return getattr(config, "_attn_implementation", None)
+
+
+def mask_without_padding(model, input_ids: torch.Tensor):
+    """The ``attention_mask`` argument of ``model``'s forward on rows with no padding (``input_ids``).
+
+    Given none, transformers makes up positions and reads the device to look for packed sequences in them
+    (``masking_utils.find_packed_sequence_indices``): a stall per forward on a GPU. On sdpa, a decoder that takes
+    its masks prepared, per layer type (Qwen2's, for ``generate``), gets None for its full-attention layers, which
+    sdpa runs as causal with its fastest kernels; other models on sdpa (Llama's) get the causal mask, built on the
+    device from nothing read (sdpa's masked kernel). Other attentions (eager and flex are causal only through
+    their mask; fastrlhf_packed reads a row's bounds from its positions) are left to transformers.
+    """
+    attention = attention_of(model)
+    if attention not in SDPA_ATTENTIONS:
+        return None
+    decoder = _decoder_of(model)
+    if attention == "sdpa" and set(getattr(decoder.config, "layer_types", None) or ["full_attention"]) \
+            == {"full_attention"} and _takes_prepared_masks(type(decoder)):
+        return {"full_attention": None}
+    return padded_causal_mask(torch.ones_like(input_ids))
+
+
+def _decoder_of(model) -> torch.nn.Module:
+    """The transformers decoder (``*Model``) that ``model`` (a causal LM, classifier, value-head wrapper) runs."""
+    m = _hf_model(model)
+    if hasattr(m, "lm") and not hasattr(m, "config"):  # fastrlhf.modeling.CausalLMWithValueHead
+        m = _hf_model(m.lm)
+    return getattr(m, "base_model", m)
+
+
+@functools.cache
+def _takes_prepared_masks(decoder_class: type) -> bool:
+    """Whether a transformers decoder's forward takes a ``{layer type: mask}`` dict as its ``attention_mask``
+    (58 architectures in transformers 5.19, Qwen2 and Qwen3 among them; not Llama): transformers declares it
+    nowhere but in the forward's code."""
+    try:
+        return "causal_mask_mapping := attention_mask, dict" in inspect.getsource(decoder_class.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def packing_mode(trainer) -> bool | str:
@@ -198,7 +240,7 @@ def response_hidden(model, mb: Experience | MicroBatch) -> torch.Tensor:
     padded batch (an Experience), ``[M, H]`` of a packed micro-batch."""
     mb = mb if isinstance(mb, MicroBatch) else MicroBatch(mb, packed=False)
     body, _ = body_and_head(model)
-    return mb.at_response(_decoder_hidden(body, mb.model_inputs(attention_of(body))))
+    return mb.at_response(_decoder_hidden(body, mb.model_inputs(body)))
 
 
 def _fused_kernels():
@@ -331,8 +373,6 @@ def critic_loss(critic, mb: Experience, config):
 
 
 def _accepts(model, name: str) -> bool:
-    import inspect
-
     params = inspect.signature(unwrap(model).forward).parameters
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
@@ -370,7 +410,7 @@ def _per_token_outputs(model, input_ids, attention_mask, position_ids, **packed)
 
 
 def _response_values(critic, mb: MicroBatch) -> torch.Tensor:
-    inputs = mb.model_inputs(attention_of(critic))
+    inputs = mb.model_inputs(critic)
     return mb.at_response(_per_token_outputs(critic, **inputs))
 
 
@@ -424,7 +464,7 @@ def reward_model_scores(reward_model, exp: Experience, kind: str = "classifier",
     out = torch.zeros(exp.batch_size, dtype=torch.float32, device=exp.input_ids.device)
     with torch.no_grad():
         for rows, mb in micro_batches(exp, groups, micro_batch, packed):
-            inputs = mb.model_inputs(attention_of(m))
+            inputs = mb.model_inputs(m)
             if kind == "value_head":
                 values = _per_token_outputs(m, **inputs)
                 _scatter_rows(out, rows, mb.at_last_token(values))

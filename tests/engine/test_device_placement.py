@@ -238,3 +238,43 @@ def test_a_packed_rows_attention_arguments_live_on_the_device_and_read_nothing(g
         moved = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
                  mask.q_num_blocks, mask.q_indices, kwargs["fastrlhf_rows"].cu, kwargs["position_ids"])
         assert all(isinstance(t, DeviceTensor) for t in moved)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-critic"])
+def test_micro_batches_without_padding_read_nothing(arch):
+    """Prompts of one length and completions that all run to the token limit make micro-batches with no
+    padding. Given neither a mask nor positions, transformers would read the device to look for packed
+    sequences in the positions it makes up (``find_packed_sequence_indices``): a stall per forward on a GPU,
+    and an error under ``torch.cuda.set_sync_debug_mode("error")``. The score stage and the update read only
+    what they name, in every forward: the actor's, the reference's, the critic's."""
+    from fastrlhf.modeling.tiny import make_tiny_qwen2
+    from fastrlhf.rollout import Completion
+
+    config = rl_config("ppo" if arch.endswith("critic") else "grpo")
+    make = (lambda seed: tiny_lm(seed=seed)) if arch == "llama" else \
+        (lambda seed: make_tiny_qwen2(seed=seed, vocab_size=VOCAB, hidden_size=32, num_heads=2))
+    actor, reference = make(0), make(0)
+    critic = CausalLMWithValueHead(make(5)) if arch.endswith("critic") else None
+    for model in (actor, reference, critic.lm if critic is not None else None):
+        if model is not None:
+            use_attention(model, False, False, GPU_ATTENTION)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (4,), generator=g).tolist() for _ in range(3)]
+    completions = [[Completion(torch.randint(3, VOCAB, (5,), generator=g).tolist(), [0.0] * 5, "length")
+                    for _ in range(4)] for _ in prompts]
+    with OtherDevice() as dev:
+        actor, reference = dev.move(actor.train()), dev.move(reference.eval())
+        critic = dev.move(critic.train()) if critic is not None else None
+        step = RecordedStep(dev, config, actor, HFEngine(actor), RewardScorer("length"), reference=reference,
+                            critic=critic, actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3),
+                            critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-3) if critic else None,
+                            pad_token_id=0, rollout_shares_actor=True, device=dev.device, guard=StepGuard())
+        before = len(dev.reads)
+        metrics = step(prompts, None, step=1, completions=completions)
+        unnamed = [(op, where) for name, op, where in dev.reads[before:] if name is None]
+    assert metrics["skipped"] == 0 and metrics["optimizer_steps"] > 0, metrics
+    # Outside the update the step reads what its metrics need; a forward pass reads nothing.
+    in_forwards = [(op, where) for op, where in unnamed if where.startswith(("rl/forward.py", "modeling/"))]
+    assert in_forwards == [], in_forwards
+    steps = int(metrics["optimizer_steps"]) * (2 if critic is not None else 1)
+    assert [name for name, _, _ in step.update_reads] == ["the optimizer step's skip decision and metrics"] * steps

@@ -33,6 +33,7 @@ from fastrlhf.modeling import use_attention
 from fastrlhf.modeling.tiny import make_qwen2_on
 from fastrlhf.rl.rewards import RewardScorer
 from fastrlhf.rl.step import RLStep
+from fastrlhf.rollout import Completion
 from fastrlhf.rollout.hf_engine import HFEngine
 
 DECISION = "the optimizer step's skip decision and metrics"
@@ -65,13 +66,14 @@ class CheckedStep(RLStep):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
+# unpadded: prompts of one length, completions all at the token limit (fastrlhf.rl.forward.mask_without_padding)
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared", "unpadded"])
 def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
     D.init_distributed(timeout_s=120)
     device = torch.device(where, torch.cuda.current_device()) if where == "cuda" else torch.device("cpu")
     shape, dtype = model_shape(where), model_dtype(where)
     n, prompts_per_step = 4, 4
-    packing, shared = layout != "padded", layout == "shared"
+    packing, shared = layout in ("packed", "shared"), layout == "shared"
     trainer = TrainerConfig(max_steps=1, prompts_per_step=prompts_per_step, minibatch_size=8, grad_accum=2,
                             ppo_epochs=1, kl_coef=0.01, packing=packing, share_prompts=shared, lr=1e-6)  # 2 steps
     config = TrainConfig(output_dir="unused", model=ModelConfig(path="unused", gradient_checkpointing=True),
@@ -91,10 +93,16 @@ def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
     step = CheckedStep(config, engine, HFEngine(engine.module), scorer, reference=reference,
                        pad_token_id=0, rollout_shares_actor=True, device=engine.device, guard=guard)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, shape["vocab_size"], (int(length),), generator=g).tolist()
-               for length in torch.randint(8, 48, (prompts_per_step,), generator=g)]
+    lengths = torch.randint(8, 48, (prompts_per_step,), generator=g)
+    lengths = [24] * prompts_per_step if layout == "unpadded" else lengths
+    prompts = [torch.randint(3, shape["vocab_size"], (int(length),), generator=g).tolist() for length in lengths]
+    completions = None
+    if layout == "unpadded":
+        new = config.rollout.max_new_tokens
+        completions = [[Completion(torch.randint(3, shape["vocab_size"], (new,), generator=g).tolist(), [0.0] * new,
+                                   "length") for _ in range(n)] for _ in prompts]
     for n_step in (1, 2):  # DeepSpeed's engines change behaviour from their third optimizer step (timers)
-        metrics = step(prompts, None, step=n_step)
+        metrics = step(prompts, None, step=n_step, completions=completions)
         assert metrics["skipped"] == 0 and metrics["optimizer_steps"] == 2, metrics
         assert step.update_reads == [DECISION] * 2, (n_step, step.update_reads)
         assert metrics["grad_norm"] > 0 and metrics["policy_loss"] == metrics["policy_loss"], metrics
