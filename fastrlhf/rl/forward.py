@@ -17,7 +17,6 @@ A loss micro-batch carries its share of its minibatch's aggregation weights (``E
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from dataclasses import replace
 
@@ -37,13 +36,14 @@ from fastrlhf.algorithms import (
 from fastrlhf.engine.device import to_device
 from fastrlhf.modeling.tied_gradient import tied_gradient_handoff
 from fastrlhf.rl.experience import Experience, pad_response
-from fastrlhf.sequences.packing import padded_causal_mask
+from fastrlhf.sequences.masks import forward_mask
 
 __all__ = [
     "MicroBatch",
     "body_and_head",
     "classifier_body_and_head",
     "critic_loss",
+    "attention_mask_for",
     "attention_of",
     "micro_batches",
     "policy_loss_from_model",
@@ -120,19 +120,17 @@ class MicroBatch:
         """``input_ids``, ``attention_mask``, ``position_ids`` of ``model``'s forward pass (packed: no mask, so
         transformers reads the position restarts as sequence boundaries).
 
-        A packed row's mask is its block mask (:meth:`fastrlhf.sequences.packing.PackedLayout.model_kwargs`). For a
-        padded micro-batch on sdpa the mask comes built, ``[b, 1, L, L]`` on the device from what the host
-        knows: transformers would otherwise read the device to decide whether it needs one
-        (``_ignore_causal_mask_sdpa``), a stall per forward on a GPU, and then build the same mask. Without
-        padding it needs no positions, and its mask is :func:`mask_without_padding`'s."""
+        A packed row's mask is its block mask (:meth:`fastrlhf.sequences.packing.PackedLayout.model_kwargs`); a
+        padded micro-batch's is built on the device (:func:`attention_mask_for`), and without padding it needs
+        no positions."""
         if self.packed:
             return dict(input_ids=self.layout.pack_padded(self.exp.input_ids), **self.layout.model_kwargs())
         e = self.exp
         if all(p == e.prompt_width for p in e.prompt_lens) and all(n == e.response_width for n in e.completion_lens):
-            return dict(input_ids=e.input_ids, attention_mask=mask_without_padding(model, e.input_ids),
+            return dict(input_ids=e.input_ids, attention_mask=attention_mask_for(model, e.attention_mask, False),
                         position_ids=None)
-        mask = padded_causal_mask(e.attention_mask) if attention_of(model) in SDPA_ATTENTIONS else e.attention_mask
-        return dict(input_ids=e.input_ids, attention_mask=mask, position_ids=e.position_ids)
+        return dict(input_ids=e.input_ids, attention_mask=attention_mask_for(model, e.attention_mask),
+                    position_ids=e.position_ids)
 
     def at_response(self, per_position: torch.Tensor) -> torch.Tensor:
         """Outputs ``[b, L, ...]`` of every position -> those that predict the completion tokens:
@@ -150,10 +148,6 @@ class MicroBatch:
         return per_position[torch.arange(mask.shape[0], device=mask.device), last]
 
 
-# Attention implementations whose padded batches run torch's sdpa with the mask they are given.
-SDPA_ATTENTIONS = ("sdpa", "fastrlhf_packed")
-
-
 def attention_of(model) -> str | None:
     """The attention implementation transformers runs ``model`` (a critic's ``lm``) with."""
     m = _hf_model(model)
@@ -161,24 +155,11 @@ def attention_of(model) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
-def mask_without_padding(model, input_ids: torch.Tensor):
-    """The ``attention_mask`` argument of ``model``'s forward on rows with no padding (``input_ids``).
-
-    Given none, transformers makes up positions and reads the device to look for packed sequences in them
-    (``masking_utils.find_packed_sequence_indices``): a stall per forward on a GPU. On sdpa, a decoder that takes
-    its masks prepared, per layer type (Qwen2's, for ``generate``), gets None for its full-attention layers, which
-    sdpa runs as causal with its fastest kernels; other models on sdpa (Llama's) get the causal mask, built on the
-    device from nothing read (sdpa's masked kernel). Other attentions (eager and flex are causal only through
-    their mask; fastrlhf_packed reads a row's bounds from its positions) are left to transformers.
-    """
-    attention = attention_of(model)
-    if attention not in SDPA_ATTENTIONS:
-        return None
-    decoder = _decoder_of(model)
-    if attention == "sdpa" and set(getattr(decoder.config, "layer_types", None) or ["full_attention"]) \
-            == {"full_attention"} and _takes_prepared_masks(type(decoder)):
-        return {"full_attention": None}
-    return padded_causal_mask(torch.ones_like(input_ids))
+def attention_mask_for(model, attention_mask: torch.Tensor, padded: bool = True):
+    """The ``attention_mask`` argument of ``model``'s forward (a causal LM, classifier or value-head critic) on rows
+    laid out as ``attention_mask`` (``[B, L]``): :func:`fastrlhf.sequences.masks.forward_mask`, built so that
+    transformers does not read the device to find it."""
+    return forward_mask(_decoder_of(model), attention_of(model), attention_mask, padded)
 
 
 def _decoder_of(model) -> torch.nn.Module:
@@ -187,17 +168,6 @@ def _decoder_of(model) -> torch.nn.Module:
     if hasattr(m, "lm") and not hasattr(m, "config"):  # fastrlhf.modeling.CausalLMWithValueHead
         m = _hf_model(m.lm)
     return getattr(m, "base_model", m)
-
-
-@functools.cache
-def _takes_prepared_masks(decoder_class: type) -> bool:
-    """Whether a transformers decoder's forward takes a ``{layer type: mask}`` dict as its ``attention_mask``
-    (58 architectures in transformers 5.19, Qwen2 and Qwen3 among them; not Llama): transformers declares it
-    nowhere but in the forward's code."""
-    try:
-        return "causal_mask_mapping := attention_mask, dict" in inspect.getsource(decoder_class.forward)
-    except (OSError, TypeError):
-        return False
 
 
 def packing_mode(trainer) -> bool | str:

@@ -15,10 +15,9 @@ a micro-batch should cost what its real tokens cost.
   largest count over the ranks (one collective for all the minibatches of a step) and
   :func:`split_to_count` splits a rank's largest micro-batches until it has that many.
 * :class:`PackedLayout` puts the sequences of a micro-batch end to end in one row, positions
-  restarting at 0 for each: ``input_ids`` / ``position_ids`` ``[1, N]`` with no attention mask.
-  Transformers reads the restarts as sequence boundaries: sdpa and eager attention get a
-  block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``) and flash-attention
-  its variable-length kernel, so no token attends across a boundary and no padding is computed.
+  restarting at 0 for each: ``input_ids`` / ``position_ids`` ``[1, N]``, with the row's block mask and
+  bounds built on the host (:meth:`PackedLayout.model_kwargs`) for the ``fastrlhf_packed`` attention
+  (``fastrlhf.sequences.packed_attention``), so no token attends across a boundary and no padding is computed.
   The layout also holds the indices that take the ``[M]`` completion tokens out of the packed row
   (the hidden states that predict them, their place in ``[B, T]`` tensors) and put results back.
 
@@ -43,7 +42,6 @@ __all__ = [
     "fixed_count_groups",
     "group_cost",
     "micro_batch_plan",
-    "padded_causal_mask",
     "split_to_count",
     "token_budget_groups",
 ]
@@ -192,16 +190,6 @@ def micro_batch_plan(parts_of: Sequence[Sequence[Sequence[int]]], micro_batch: i
     plans = [token_budget_groups(parts, max_tokens, packed, rows_per_item, keys)
              for parts, keys in zip(parts_of, keys_of, strict=True)]
     return agree_group_counts(plans, parts_of)
-
-
-def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, L, L]`` bool (True: attend) of right- or left-padded rows: causal, padding keys masked.
-    A padding query attends to itself, so that no row is empty (its output is never read)."""
-    length = attention_mask.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
-    eye = torch.eye(length, dtype=torch.bool, device=attention_mask.device)
-    return (causal & attention_mask.bool()[:, None, None, :]) | eye
-
 
 
 @dataclass

@@ -35,15 +35,14 @@ def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False
     """``[S, num_labels]`` fp32 logits of each sequence at its last token. ``packed``: all sequences in
     one row (``fastrlhf.sequences.packing.PackedLayout``), the model's body run on it and its score head on each
     sequence's last hidden state; otherwise right-padded, through the model's own forward."""
-    from fastrlhf.rl.forward import SDPA_ATTENTIONS, _check_segments, attention_of, classifier_body_and_head
-    from fastrlhf.sequences.packing import PackedLayout, padded_causal_mask
+    from fastrlhf.rl.forward import _check_segments, attention_mask_for, classifier_body_and_head
+    from fastrlhf.sequences.packing import PackedLayout
 
     device = model_device(engine)
     if not packed:
         input_ids, attention_mask = to_device(pad_batch(sequences, pad_id), device)
-        # On sdpa the mask comes built, not found by a device read (see fastrlhf.rl.forward.MicroBatch).
-        mask = padded_causal_mask(attention_mask) if attention_of(engine) in SDPA_ATTENTIONS else attention_mask
-        return engine(input_ids=input_ids, attention_mask=mask).logits.float()
+        # The mask comes built, not found by a device read (fastrlhf.sequences.masks).
+        return engine(input_ids=input_ids, attention_mask=attention_mask_for(engine, attention_mask)).logits.float()
 
     model = base_model(unwrap(engine))
     layout = PackedLayout.build([len(s) for s in sequences], [0] * len(sequences), device=device)

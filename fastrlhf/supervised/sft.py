@@ -38,13 +38,11 @@ def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=No
     ``[B, T, vocab]`` logits never exist; under ZeRO-3 the head weight is a partition, so the
     model's own forward (whose hooks gather it) is used instead.
     """
-    from fastrlhf.rl.forward import SDPA_ATTENTIONS, attention_of
-    from fastrlhf.sequences.packing import padded_causal_mask
+    from fastrlhf.rl.forward import attention_mask_for
 
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     labels = input_ids[:, 1:]
-    if attention_of(engine) in SDPA_ATTENTIONS:  # built here, not found by a device read (rl/forward.MicroBatch)
-        attention_mask = padded_causal_mask(attention_mask)
+    attention_mask = attention_mask_for(engine, attention_mask)  # built here, not found by a device read
     if use_fused:
         from fastrlhf.kernels import fused_linear_logprob_entropy
 

@@ -66,7 +66,7 @@ class CheckedStep(RLStep):
 
 
 @pytest.mark.slow
-# unpadded: prompts of one length, completions all at the token limit (fastrlhf.rl.forward.mask_without_padding)
+# unpadded: prompts of one length, completions all at the token limit (fastrlhf.sequences.masks)
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared", "unpadded"])
 def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
     D.init_distributed(timeout_s=120)

@@ -371,31 +371,3 @@ def test_a_packed_row_refuses_a_model_on_another_attention():
     use_attention(plain, True, share_prompts=True)
     shared, _ = sequence_logprobs(plain, exp, packed="shared")
     close(shared, sequence_logprobs(plain, exp)[0], "logprobs")
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_a_micro_batch_without_padding_is_causal_through_the_mask_it_is_given(family):
-    """Rows without padding get a mask that transformers need not find by reading the device
-    (``fastrlhf.rl.forward.mask_without_padding``): Qwen2 on sdpa None per layer type (sdpa's causal kernels),
-    Llama on sdpa the causal mask built on the device; eager is left to transformers. Each gives the logits of the
-    model's own forward."""
-    from fastrlhf.rl.forward import mask_without_padding
-
-    ids = torch.randint(3, VOCAB, (3, 11), generator=torch.Generator().manual_seed(4))
-    for attention in ("sdpa", "eager"):
-        model = make(family, attn_implementation=attention)
-        decoder = model.get_decoder()
-        mask = mask_without_padding(model, ids)
-        if attention == "eager":
-            assert mask is None
-        elif family == "qwen2":
-            assert mask == {"full_attention": None}
-        else:
-            assert mask.shape == (3, 1, 11, 11) and torch.equal(mask[0, 0], torch.ones(11, 11, dtype=torch.bool).tril())
-        with torch.no_grad():
-            want = decoder(input_ids=ids).last_hidden_state
-            torch.testing.assert_close(decoder(input_ids=ids, attention_mask=mask).last_hidden_state, want,
-                                       rtol=1e-6, atol=1e-6)
-    # A value-head critic is read through to its decoder.
-    critic = CausalLMWithValueHead(make(family))
-    assert isinstance(mask_without_padding(critic, ids), dict if family == "qwen2" else torch.Tensor)
