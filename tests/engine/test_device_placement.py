@@ -246,8 +246,10 @@ def test_micro_batches_without_padding_read_nothing(arch):
     padding. Given neither a mask nor positions, transformers would read the device to look for packed
     sequences in the positions it makes up (``find_packed_sequence_indices``): a stall per forward on a GPU,
     and an error under ``torch.cuda.set_sync_debug_mode("error")``. The score stage and the update read only
-    what they name, in every forward: the actor's, the reference's, the critic's."""
-    from fastrlhf.modeling.tiny import make_tiny_qwen2
+    what they name, in every forward: the actor's, the reference's, the critic's, the reward model's."""
+    from transformers import Qwen2ForSequenceClassification
+
+    from fastrlhf.modeling.tiny import make_tiny_qwen2, tiny_qwen2_config
     from fastrlhf.rollout import Completion
 
     config = rl_config("ppo" if arch.endswith("critic") else "grpo")
@@ -255,9 +257,9 @@ def test_micro_batches_without_padding_read_nothing(arch):
         (lambda seed: make_tiny_qwen2(seed=seed, vocab_size=VOCAB, hidden_size=32, num_heads=2))
     actor, reference = make(0), make(0)
     critic = CausalLMWithValueHead(make(5)) if arch.endswith("critic") else None
-    for model in (actor, reference, critic.lm if critic is not None else None):
-        if model is not None:
-            use_attention(model, False, False, GPU_ATTENTION)
+    torch.manual_seed(4)
+    scorer_model = tiny_classifier(1) if arch == "llama" else Qwen2ForSequenceClassification(
+        tiny_qwen2_config(vocab_size=VOCAB, hidden_size=32, num_heads=2, num_labels=1, pad_token_id=0))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (4,), generator=g).tolist() for _ in range(3)]
     completions = [[Completion(torch.randint(3, VOCAB, (5,), generator=g).tolist(), [0.0] * 5, "length")
@@ -265,7 +267,8 @@ def test_micro_batches_without_padding_read_nothing(arch):
     with OtherDevice() as dev:
         actor, reference = dev.move(actor.train()), dev.move(reference.eval())
         critic = dev.move(critic.train()) if critic is not None else None
-        step = RecordedStep(dev, config, actor, HFEngine(actor), RewardScorer("length"), reference=reference,
+        scorer = RewardScorer(reward_model=dev.move(scorer_model).eval().requires_grad_(False), micro_batch=4)
+        step = RecordedStep(dev, config, actor, HFEngine(actor), scorer, reference=reference,
                             critic=critic, actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3),
                             critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-3) if critic else None,
                             pad_token_id=0, rollout_shares_actor=True, device=dev.device, guard=StepGuard())
