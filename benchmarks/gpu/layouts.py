@@ -99,6 +99,8 @@ def race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16
             out[f"{name}_{key}_s"] = round(statistics.median(m[f"time/{key}"] for m in measured), 4)
             if f"memory/{key}_gib" in runs[-1]:  # CUDA only
                 out[f"{name}_{key}_peak_gib"] = round(max(m[f"memory/{key}_gib"] for m in runs), 2)
+                for churn in ("alloc_retries", "cuda_mallocs"):  # the allocator's, over the measured steps
+                    out[f"{name}_{key}_{churn}"] = int(sum(m.get(f"memory/{key}_{churn}", 0) for m in measured))
         out[f"{name}_skipped"] = sum(m["skipped"] for m in runs)
         del step
     out["packed_vs_padded"] = round(out["padded_s"] / out["packed_s"], 3)

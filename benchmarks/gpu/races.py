@@ -607,7 +607,9 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", sh
                   sync_bytes=r.get("sync_bytes", 0.0), trained_tokens=r["rank_tokens"],
                   mismatch=r.get("logprob_mismatch_mean"),
                   peak_gib=r.get("memory/peak_reserved_gib"), context_gib=r.get("memory/context_gib"),
-                  peak_rss_gib=r.get("memory/peak_rss_gib")) for r in rows]
+                  peak_rss_gib=r.get("memory/peak_rss_gib"),
+                  allocator={k[len("memory/"):]: v for k, v in r.items() if k.endswith(ALLOCATOR_SUFFIXES)})
+             for r in rows]
     peaks = [s["peak_gib"] for s in steps if s["peak_gib"] is not None]
     contexts = [s["context_gib"] for s in steps if s["context_gib"] is not None]
     return dict(steps=steps, peak_gib=max(peaks) if peaks else None, context_gib=max(contexts) if contexts else None,
@@ -967,6 +969,8 @@ def _write_prompts(spec: dict, vocab: int) -> None:
             f.write(json.dumps({"prompt_ids": ids, "prompt": " ".join(f"t{i}" for i in ids)}) + "\n")
 
 
+# The allocator's churn per stage in fastrlhf's step metrics (memory/<stage>_alloc_retries, _cuda_mallocs).
+ALLOCATOR_SUFFIXES = ("_alloc_retries", "_cuda_mallocs")
 # What run_fastrlhf reads from its profiled step (trainer.profile_step).
 PROFILE_KEYS = ("profile_stages", "profile_host", "profile_compiles", "profile_top", "profile_gemm_share",
                 "profile_error", "profile_trace")
@@ -997,6 +1001,12 @@ def _run_figures(out: dict, name: str, r: dict, warmup: int, keys) -> None:
         out[f"{name}_sync_gb_per_s"] = round(median("sync_bytes") / 1e9 / median("sync_s"), 2)
     if median("mismatch") is not None:
         out[f"{name}_mismatch"] = round(median("mismatch"), 5)
+    churn = {}  # summed over the measured steps: a retry synchronizes the device and empties the cache
+    for s in steps:
+        for key, n in (s.get("allocator") or {}).items():
+            churn[key] = churn.get(key, 0) + int(n)
+    if churn:
+        out[f"{name}_allocator"] = churn
     for key in keys:
         if r.get(key) is not None:
             out[f"{name}_{key}"] = round(r[key], 2) if isinstance(r[key], float) else r[key]

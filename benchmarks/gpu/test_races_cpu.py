@@ -334,3 +334,27 @@ def test_the_profiled_steps_timeline_is_kept_where_the_session_script_asks(monke
     assert (keep / r["profile_trace"]).stat().st_size == 100
     monkeypatch.setattr(races, "TRACE_KEEP_MAX_BYTES", 50)
     assert races.run_fastrlhf(spec, str(tmp_path), 60)["profile_trace"] == "not kept: 0 MiB"
+
+
+def test_the_allocators_churn_per_stage_reaches_the_races_figures(monkeypatch, tmp_path):
+    """fastrlhf's step metrics count, per stage, the allocator's retries (each synchronizes the device and empties
+    its cache) and cudaMalloc calls; a race sums them over its measured steps, for the run's figures."""
+    spec = dict(device="cpu", model_dir="m", prompts_file="p", prompt_len=8, n=4, new_tokens=8, prompts=2,
+                grad_accum=2, steps=3, profile=False)
+
+    def fake_run(cmd, env, timeout_s):
+        out = tmp_path / "fastrlhf"
+        out.mkdir(exist_ok=True)
+        rows = [{"step": s, "step_time": 1.0, "wall_time": 1.0, "generated_tokens": 8, "time/generate": 0.5,
+                 "time/score": 0.1, "time/train": 0.3, "time/sync": 0.0, "rank_tokens": 16,
+                 "memory/train_alloc_retries": float(s), "memory/train_cuda_mallocs": 2.0,
+                 "memory/train_reserved_gib": 30.0} for s in (1, 2, 3)]
+        (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return ""
+
+    monkeypatch.setattr(races, "_run", fake_run)
+    r = races.run_fastrlhf(spec, str(tmp_path), 60)
+    assert r["steps"][0]["allocator"] == {"train_alloc_retries": 1.0, "train_cuda_mallocs": 2.0}, r["steps"][0]
+    out = {}
+    races._run_figures(out, "fastrlhf_vllm", r, warmup=1, keys=())
+    assert out["fastrlhf_vllm_allocator"] == {"train_alloc_retries": 5, "train_cuda_mallocs": 4}, out

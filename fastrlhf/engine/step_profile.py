@@ -8,8 +8,10 @@ Each rank writes ``output_dir/profile/step-N-rank-R.json``:
   (Python, launches, host reads), one near 1 on its kernels;
 - ``host``: per stage, what the host did in it: ``ops`` (top-level torch ops, each a kernel or more on a GPU),
   ``launches`` (CUDA kernel launches) and ``syncs`` with ``sync_wait_ms`` (the host waiting on the device:
-  stream, event and device synchronizations, blocking copies). A stage that is not busy yet waits little on its
-  syncs spends its time in the host's own work, and ``ops`` says how much of it there is;
+  stream, event and device synchronizations, blocking copies), ``allocs`` with ``alloc_ms`` (the caching allocator
+  calling the driver: cudaMalloc, cudaFree, expandable segments' mappings). A stage that is not busy yet waits
+  little on its syncs and allocations spends its time in the host's own work, and ``ops`` says how much of it
+  there is;
 - ``compiles``: torch.compile's work during the step (Dynamo frames compiled, graphs, and frames run eagerly past
   the recompile limit) and since the process started: a step that compiles is not a steady step;
 - ``profile_top``: the largest kernels by device time (CUDA), or ops by CPU time (elsewhere), with their calls
@@ -61,6 +63,10 @@ def summarize_kernels(prof, cuda: bool, top: int = 10) -> dict:
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                         "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
+# The caching allocator reaching the driver: new segments (cudaMalloc, or expandable segments' mappings) and
+# releases (cudaFree waits for the device).
+ALLOC_CALLS = frozenset({"cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemUnmap", "cuMemRelease",
+                         "cuMemSetAccess", "cuMemAddressReserve", "cuMemAddressFree"})
 
 
 def _host_side(prof) -> dict:
@@ -71,12 +77,15 @@ def _host_side(prof) -> dict:
     events = [e for e in prof.events() if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA]
     stages = [(e.name[len(STAGE_PREFIX):], e.time_range.start, e.time_range.end)
               for e in events if e.name.startswith(STAGE_PREFIX)]
-    out = {name: dict(ops=0, launches=0, syncs=0, sync_wait_ms=0.0) for name, _, _ in stages}
+    out = {name: dict(ops=0, launches=0, syncs=0, sync_wait_ms=0.0, allocs=0, alloc_ms=0.0) for name, _, _ in stages}
+    waits = {"syncs": "sync_wait_ms", "allocs": "alloc_ms"}
     for e in events:
         if e.name in LAUNCH_CALLS:
             kind = "launches"
         elif e.name in SYNC_CALLS:
             kind = "syncs"
+        elif e.name in ALLOC_CALLS:
+            kind = "allocs"
         elif e.name.startswith("aten::") and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
             kind = "ops"
         else:
@@ -85,9 +94,9 @@ def _host_side(prof) -> dict:
         for name, start, end in stages:
             if start <= t < end:
                 out[name][kind] += 1
-                if kind == "syncs":
-                    out[name]["sync_wait_ms"] += (e.time_range.end - e.time_range.start) / 1e3
-    return {name: {**c, "sync_wait_ms": round(c["sync_wait_ms"], 3)} for name, c in out.items()}
+                if kind in waits:
+                    out[name][waits[kind]] += (e.time_range.end - e.time_range.start) / 1e3
+    return {name: {**c, **{w: round(c[w], 3) for w in waits.values()}} for name, c in out.items()}
 
 
 def _compile_counts() -> dict:

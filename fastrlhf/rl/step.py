@@ -33,7 +33,9 @@ prompt + completion tokens of a rank's batch, mean and largest: every collective
 ``trainer.balance_ranks`` deals the prompts so that they stay close). Memory, the largest rank's
 (``fastrlhf plan`` predicts them): on CUDA memory/<stage>_gib (the most torch allocated during
 generate, score, train, sync), memory/<stage>_reserved_gib and memory/peak_reserved_gib (the caching
-allocator's, per stage and the largest), on the first step memory/setup_peak_allocated_gib,
+allocator's, per stage and the largest), memory/<stage>_alloc_retries and memory/<stage>_cuda_mallocs (how often
+the allocator failed an allocation, synchronized the device, freed its cache and retried; its cudaMalloc calls),
+on the first step memory/setup_peak_allocated_gib,
 memory/setup_peak_reserved_gib and memory/setup_cached_gib (the models' and engines' set-up, whose cache is
 emptied before the first step) and
 memory/context_gib (what the device holds beyond it: CUDA context, NCCL, other libraries); on a CPU

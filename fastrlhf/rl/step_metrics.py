@@ -64,10 +64,15 @@ def logprob_mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
             "logprob_mismatch_max": float(diff.max()) if diff.numel() else 0.0}
 
 
+# The caching allocator's counters a stage's churn is read from: retries (an allocation that failed, so the
+# allocator synchronized the device, freed its cached blocks and tried again) and cudaMalloc calls.
+ALLOCATOR_COUNTS = {"alloc_retries": "num_alloc_retries", "cuda_mallocs": "num_device_alloc"}
+
+
 class StepClock:
     """``with clock("name"):`` adds the block's wall time to ``clock.times["name"]``; on CUDA it also
-    keeps the most memory torch allocated, and the caching allocator reserved, in each of the step's stages
-    (allocator counters: no device read).
+    keeps the most memory torch allocated, and the caching allocator reserved, in each of the step's stages,
+    and how often the allocator retried or called cudaMalloc in each (allocator counters: no device read).
 
     ``uncounted()``: bytes those counters hold that the device does not (a rollout engine's sleeping pool,
     :meth:`fastrlhf.rollout.base.RolloutEngine.asleep_bytes`). A stage's peak leaves out the least of them at
@@ -80,6 +85,7 @@ class StepClock:
         self.uncounted = uncounted
         self.allocated: dict[str, int] = {}
         self.reserved: dict[str, int] = {}
+        self.churn: dict[str, dict[str, int]] = {}
         self._uncounted_at_start: dict[str, int] = {}
 
     @contextlib.contextmanager
@@ -87,6 +93,7 @@ class StepClock:
         tracked = self.device is not None and name in STAGES
         if tracked:
             self.restart_peak(name)
+            counts = self._allocator_counts()
         start = time.perf_counter()
         try:
             with torch.profiler.record_function(STAGE_PREFIX + name):  # trainer.profile_step's stages
@@ -94,11 +101,18 @@ class StepClock:
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
             if tracked:
+                churn = self.churn.setdefault(name, dict.fromkeys(ALLOCATOR_COUNTS, 0))
+                for key, n in self._allocator_counts().items():
+                    churn[key] += n - counts[key]
                 left_out = min(self._uncounted_at_start.pop(name), self.uncounted())
                 self.allocated[name] = max(self.allocated.get(name, 0),
                                            torch.cuda.max_memory_allocated(self.device) - left_out)
                 self.reserved[name] = max(self.reserved.get(name, 0),
                                           torch.cuda.max_memory_reserved(self.device) - left_out)
+
+    def _allocator_counts(self) -> dict[str, int]:
+        stats = torch.cuda.memory_stats(self.device)
+        return {key: int(stats.get(name, 0)) for key, name in ALLOCATOR_COUNTS.items()}
 
     def restart_peak(self, name: str) -> None:
         """Stage ``name``'s peak counts from here. The sync calls it once it has freed the update's cached
@@ -122,6 +136,8 @@ class StepClock:
                 # reserved until emptied), so a later stage's figure is at least the cache it inherited.
                 **{f"memory/{name}_reserved_gib": n / gib for name, n in self.reserved.items()},
                 "memory/peak_reserved_gib": max(self.reserved.values(), default=0) / gib,
+                # Allocator churn: a retry synchronizes the device and frees the cache; a cudaMalloc costs the host.
+                **{f"memory/{name}_{key}": float(n) for name, c in self.churn.items() for key, n in c.items()},
                 "memory/context_gib": (total - free - held_by_allocator) / gib}
 
 

@@ -54,7 +54,7 @@ def test_each_stage_says_what_the_host_did_in_it(tmp_path):
     summary = json.loads((_profiled(tmp_path, 2) / "step-2-rank-0.json").read_text())
     host = summary["host"]
     assert host.keys() == summary["stages"].keys(), host
-    assert all(h["launches"] == h["syncs"] == 0 and h["sync_wait_ms"] == 0 for h in host.values()), host  # no CUDA
+    assert all(h["launches"] == h["syncs"] == h["allocs"] == 0 and h["sync_wait_ms"] == 0 for h in host.values()), host
     # completions given: the generate stage may hold no op
     assert all(host[stage]["ops"] > 0 for stage in ("score", "reward", "train")), host
     assert host["reward"]["ops"] <= host["score"]["ops"]  # nested in it
@@ -67,17 +67,18 @@ class _Event:
         self.time_range = SimpleNamespace(start=start, end=end)
 
 
-def test_syncs_and_launches_are_counted_in_the_stage_they_happen_in():
-    """A GPU profile's host timeline, as the profiler names its calls: a sync's wait is counted where it starts,
-    an op nested in another op is not counted again."""
+def test_syncs_launches_and_allocations_are_counted_in_the_stage_they_happen_in():
+    """A GPU profile's host timeline, as the profiler names its calls: a sync's wait, and an allocation's, is
+    counted where it starts, an op nested in another op is not counted again."""
     train = _Event("fastrlhf:train", 0, 100)
     mm = _Event("aten::mm", 10, 20)
     events = [_Event("fastrlhf:score", 100, 200), train, mm, _Event("aten::empty", 11, 12, parent=mm),
               _Event("cudaLaunchKernel", 13, 14, parent=mm), _Event("cudaStreamSynchronize", 50, 90),
+              _Event("cudaMalloc", 15, 18, parent=mm), _Event("cudaFree", 91, 99),
               _Event("aten::item", 120, 130), _Event("cudaMemcpy", 121, 129), _Event("cudaMemcpyAsync", 150, 151)]
     got = step_profile._host_side(SimpleNamespace(events=lambda: events))
-    assert got == {"train": dict(ops=1, launches=1, syncs=1, sync_wait_ms=0.04),
-                   "score": dict(ops=1, launches=0, syncs=1, sync_wait_ms=0.008)}, got
+    assert got == {"train": dict(ops=1, launches=1, syncs=1, sync_wait_ms=0.04, allocs=2, alloc_ms=0.011),
+                   "score": dict(ops=1, launches=0, syncs=1, sync_wait_ms=0.008, allocs=0, alloc_ms=0.0)}, got
 
 
 def test_a_step_that_compiles_says_so(tmp_path):

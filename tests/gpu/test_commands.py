@@ -304,7 +304,8 @@ def test_plan_against_the_measured_peak(proof, name):
         # Where the allocator's peak comes from (a stage, or the set-up's cache): read on the next GPU run.
         detail = (f"measured: allocator peak {reserved:.2f} GiB + context {context:.2f} GiB (the device's used "
                   f"memory beyond the allocator, less this test process's {here:.2f}); most allocated per "
-                  f"stage: {per_stage('_gib')}; reserved per stage: {per_stage('_reserved_gib')}; set-up: {setup}")
+                  f"stage: {per_stage('_gib')}; reserved per stage: {per_stage('_reserved_gib')}; allocator retries "
+                  f"per stage: {per_stage('_alloc_retries')}; set-up: {setup}")
         low, high = GPU_BOUNDS
     else:
         plan = plan_memory(config, 1, 16 * 2**30, "cpu")

@@ -115,6 +115,7 @@ class FakeCudaCounters:
     def __init__(self, held, pool, context):
         self.held, self.pool, self.context = held, pool, context
         self.extra = self.cached = 0
+        self.mallocs = 0  # the allocator's cudaMalloc calls: a transient larger than the cache takes a new segment
         self.asleep = False
         self.peak_allocated, self.peak_reserved = self.allocated(), self.reserved()
 
@@ -128,6 +129,7 @@ class FakeCudaCounters:
         return self.reserved() - (self.pool if self.asleep else 0)
 
     def transient(self, nbytes):  # a stage's working memory: allocated, freed, its block kept in the cache
+        self.mallocs += nbytes > self.cached
         self.extra += nbytes
         self.peak_allocated = max(self.peak_allocated, self.allocated())
         self.peak_reserved = max(self.peak_reserved, self.reserved())
@@ -145,6 +147,8 @@ class FakeCudaCounters:
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved())
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated())
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: setattr(self, "cached", 0))
+        monkeypatch.setattr(torch.cuda, "memory_stats",
+                            lambda device=None: {"num_alloc_retries": 0, "num_device_alloc": self.mallocs})
         monkeypatch.setattr(torch.cuda, "mem_get_info",
                             lambda device=None: (total - self.on_device() - self.context, total))
         monkeypatch.setattr(step_module, "empty_device_cache", lambda device: setattr(self, "cached", 0))
@@ -199,6 +203,11 @@ def test_step_memory_leaves_out_the_sleeping_engines_pool_that_torchs_counters_s
                       # The allocator's per stage, by the same rule: the train stage's is the step's peak.
                       "memory/generate_reserved_gib": 26.0, "memory/score_reserved_gib": 20.0,
                       "memory/train_reserved_gib": 30.0, "memory/sync_reserved_gib": 25.0,
+                      # A new segment where a stage's working memory outgrew the cache it found: generation's 2 GiB,
+                      # the update's 10 (more than the 2 cached), the sync's 1 GiB bucket (after the emptying).
+                      "memory/generate_cuda_mallocs": 1.0, "memory/score_cuda_mallocs": 0.0,
+                      "memory/train_cuda_mallocs": 1.0, "memory/sync_cuda_mallocs": 1.0,
+                      **{f"memory/{stage}_alloc_retries": 0.0 for stage in ("generate", "score", "train", "sync")},
                       "memory/context_gib": 1.0}, memory
 
 
