@@ -6,7 +6,9 @@ reused ``[chunk_size, V]`` buffer of the input dtype. Per chunk the softmax stat
 in-place torch path; for the vanilla, CISPO and SAPO policy losses on Triton, one kernel does a chunk's
 statistics, loss and ``dlogits``: ``policy_loss_triton.triton_row_loss_and_grad``), ``dlogits`` overwrites the chunk's
 logits in place, and the three GEMMs of the head run in the input dtype (bf16 inputs: bf16 GEMMs, fp32
-softmax math, like the peers).
+softmax math, like the peers). ``fp32_logits=True`` keeps a bf16 head's logits as the GEMM's fp32 sums instead
+of rounding them to bf16 (ScaleRL's fp32 head, vLLM's ``head_dtype: float32``); their gradient is rounded to bf16
+once, for the head's two backward GEMMs.
 
 Two ops, two gradient strategies:
 
@@ -72,6 +74,7 @@ from .fused_linear_chunks import (
     _logits_into,
     _SoftmaxBuffers,
     accumulates_in_gemm,
+    logits_dtype,
     scale_and_cast,
 )
 
@@ -234,17 +237,18 @@ def _flat_token_tensor(name: str, t: torch.Tensor | None, shape: torch.Size) -> 
 
 class _FusedLinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, backend):
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, backend, fp32_logits):
         n, vocab = hidden.shape[0], weight.shape[0]
         rows = min(chunk_size, n)
         stats, _ = _primitives()
-        softmax_bufs = _SoftmaxBuffers(backend, rows, vocab, hidden.dtype, hidden.device, temperature)
+        dtype = logits_dtype(hidden, fp32_logits)
+        softmax_bufs = _SoftmaxBuffers(backend, rows, vocab, dtype, hidden.device, temperature)
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs)
         # Per-row shift and lse relative to it: backward rebuilds log p from these exactly.
         shift = torch.empty_like(logprobs)
         lse = torch.empty_like(logprobs)
-        buf = torch.empty(rows, vocab, dtype=hidden.dtype, device=hidden.device)
+        buf = torch.empty(rows, vocab, dtype=dtype, device=hidden.device)
         for start, stop in _chunks(n, chunk_size):
             logits = _logits_into(buf[: stop - start], hidden[start:stop], weight, bias)
             logprobs[start:stop], entropy[start:stop], lse[start:stop] = stats(
@@ -252,7 +256,7 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
                 **softmax_bufs.stats_kwargs(logits),
             )
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy, shift)
-        ctx.temperature, ctx.chunk_size, ctx.backend = temperature, chunk_size, backend
+        ctx.temperature, ctx.chunk_size, ctx.backend, ctx.logits_dtype = temperature, chunk_size, backend, dtype
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
@@ -261,14 +265,14 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         hidden, weight, bias, labels, lse, entropy, shift = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         if grad_logprobs is None and grad_entropy is None:
-            return (None,) * 7
+            return (None,) * 8
         n, vocab = hidden.shape[0], weight.shape[0]
         rows = min(ctx.chunk_size, n)
         _, grad = _primitives()
         grads = _HeadGrads(hidden, weight, bias, need_hidden, need_weight, need_bias and bias is not None)
-        softmax_bufs = _SoftmaxBuffers(ctx.backend, rows, vocab, hidden.dtype, hidden.device, ctx.temperature,
+        softmax_bufs = _SoftmaxBuffers(ctx.backend, rows, vocab, ctx.logits_dtype, hidden.device, ctx.temperature,
                                        with_products=False)
-        buf = torch.empty(rows, vocab, dtype=hidden.dtype, device=hidden.device)
+        buf = torch.empty(rows, vocab, dtype=ctx.logits_dtype, device=hidden.device)
         for start, stop in _chunks(n, ctx.chunk_size):
             h = hidden[start:stop]
             logits = _logits_into(buf[: stop - start], h, weight, bias)
@@ -281,7 +285,7 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
             grads.add_chunk(start, stop, h, dlogits)
         del buf, softmax_bufs
         grad_hidden, grad_weight, grad_bias = grads.finish(hidden.dtype, weight.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def fused_linear_logprob_entropy(
@@ -294,6 +298,7 @@ def fused_linear_logprob_entropy(
     backend: str = "auto",
     *,
     chunk_bytes: int | None = None,
+    fp32_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token fp32 ``(logprobs, entropy)`` of ``softmax((hidden @ weight.T + bias) / T)`` at ``labels``.
 
@@ -301,7 +306,9 @@ def fused_linear_logprob_entropy(
     ``[V]`` or None. Differentiable in hidden, weight and bias; the logits exist only
     ``chunk_size`` tokens at a time (default: :func:`default_chunk_size` of ``chunk_bytes``, itself
     by default the device's budget). Backward recomputes each chunk's logits once. Equal to
-    ``logprobs_from_logits`` / ``entropy_from_logits`` of the materialised logits.
+    ``logprobs_from_logits`` / ``entropy_from_logits`` of the materialised logits: of the inputs' dtype, or with
+    ``fp32_logits`` the GEMM's fp32 sums of bf16/fp16 inputs (``logits_dtype``; the chunk then takes twice the
+    bytes, and its gradient is rounded to the weight's dtype for the head's GEMMs).
     """
     backend = resolve_backend(backend, hidden)
     flat_hidden, flat_labels, chunk_size = _flatten_inputs(hidden, weight, labels, bias, temperature, chunk_size,
@@ -315,7 +322,7 @@ def fused_linear_logprob_entropy(
             return empty + anchor, empty + anchor
         return empty, empty.clone()
     logprobs, entropy = _FusedLinearLogprobEntropy.apply(
-        flat_hidden, weight, bias, flat_labels, float(temperature), chunk_size, backend
+        flat_hidden, weight, bias, flat_labels, float(temperature), chunk_size, backend, bool(fp32_logits)
     )
     return logprobs.view(labels.shape), entropy.view(labels.shape)
 
@@ -328,7 +335,7 @@ def fused_linear_logprob_entropy(
 class _FusedLinearPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, old_logprobs, advantages, weights, ref_logprobs, loss_kwargs,
-                temperature, chunk_size, backend, grad_enabled):
+                temperature, chunk_size, backend, grad_enabled, fp32_logits):
         loss_fn, _, metric_keys = _loss_primitives(backend, loss_kwargs["policy_loss"])
         rows_fn = _row_loss_function(backend, loss_kwargs["policy_loss"])
         n, vocab = hidden.shape[0], weight.shape[0]
@@ -336,7 +343,8 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         grads = _HeadGrads(hidden, weight, bias, need_hidden, need_weight, need_bias and bias is not None)
         stats, grad = _primitives()
-        softmax_bufs = _SoftmaxBuffers(backend, rows, vocab, hidden.dtype, hidden.device, temperature)
+        dtype = logits_dtype(hidden, fp32_logits)
+        softmax_bufs = _SoftmaxBuffers(backend, rows, vocab, dtype, hidden.device, temperature)
         shift_buf = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         with_entropy_grad = loss_kwargs["entropy_coef"] != 0.0
 
@@ -344,7 +352,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
 
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         sums = {k: torch.zeros((), dtype=torch.float32, device=hidden.device) for k in metric_keys}
-        buf = torch.empty(rows, vocab, dtype=hidden.dtype, device=hidden.device)
+        buf = torch.empty(rows, vocab, dtype=dtype, device=hidden.device)
         for index, (start, stop) in enumerate(_chunks(n, chunk_size)):
             if not chunk_has_tokens[index]:
                 # Every token masked: no loss, no metric, zero gradient; skip the GEMMs.
@@ -394,7 +402,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         # which the CPU checks for free (elsewhere that read would wait for the device).
         scale = None if on_cpu(grad_output) and float(grad_output) == 1.0 else grad_output
         return tuple(scale_and_cast(g, scale, dtype, ctx.backend)
-                     for g, dtype in zip(grads, ctx.grad_dtypes, strict=True)) + (None,) * 10
+                     for g, dtype in zip(grads, ctx.grad_dtypes, strict=True)) + (None,) * 11
 
 
 def fused_linear_policy_loss(
@@ -421,6 +429,7 @@ def fused_linear_policy_loss(
     policy_loss: str = "vanilla",
     weights: torch.Tensor | None = None,
     policy_loss_args: dict | None = None,
+    fp32_logits: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's loss (a registered token-level policy loss, with its options ``policy_loss_args``, + KL
     penalty - entropy bonus) from hidden states and the LM head.
@@ -440,7 +449,7 @@ def fused_linear_policy_loss(
     same pass); so backward can run once per call (not with ``retain_graph`` twice), and a call made
     with grad enabled holds ``grad_weight`` (fp32 ``[V, H]``) until then.
 
-    Chunking as in :func:`fused_linear_logprob_entropy`: ``chunk_size`` tokens, else
+    Chunking and ``fp32_logits`` as in :func:`fused_linear_logprob_entropy`: ``chunk_size`` tokens, else
     :func:`default_chunk_size` of ``chunk_bytes`` (default: the device's budget).
 
     ``weights`` (labels' shape): the per-token aggregation weights, precomputed, instead of
@@ -471,5 +480,6 @@ def fused_linear_policy_loss(
     loss, *sums = _FusedLinearPolicyLoss.apply(
         flat_hidden, weight, bias, flat_labels, flat["old_logprobs"], flat["advantages"], weights,
         flat["ref_logprobs"], loss_kwargs, float(temperature), chunk_size, backend, torch.is_grad_enabled(),
+        bool(fp32_logits),
     )
     return loss, finalize_metrics(dict(zip(metric_keys, sums, strict=True)))

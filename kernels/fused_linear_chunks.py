@@ -149,8 +149,17 @@ class _HeadGrads:
         )
         self.grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
         self.any = need_hidden or need_weight or need_bias
+        self._dlogits_low: torch.Tensor | None = None  # fp32 logits' gradient in the weight's dtype, for the GEMMs
 
     def add_chunk(self, start, stop, hidden_chunk, dlogits):
+        """The head's gradients of one chunk from its ``dlogits`` (the weight's dtype, or fp32 logits' fp32
+        gradient, rounded here once to the weight's dtype for the GEMMs, as the in-place path rounds it)."""
+        if self.grad_bias is not None:
+            self.grad_bias.add_(dlogits.sum(0, dtype=torch.float32))
+        if dlogits.dtype != self.weight.dtype:
+            if self._dlogits_low is None:  # the first chunk is the largest
+                self._dlogits_low = torch.empty(dlogits.shape, dtype=self.weight.dtype, device=dlogits.device)
+            dlogits = self._dlogits_low[: dlogits.shape[0]].copy_(dlogits)
         if self.grad_hidden is not None:
             torch.mm(dlogits, self.weight, out=self.grad_hidden[start:stop])
         if self.grad_weight is not None:
@@ -161,13 +170,11 @@ class _HeadGrads:
             else:
                 self.grad_weight.add_(torch.mm(dlogits.t(), hidden_chunk, out=self._weight_scratch))
             self._weight_written = True
-        if self.grad_bias is not None:
-            self.grad_bias.add_(dlogits.sum(0, dtype=torch.float32))
 
     def finish(self, hidden_dtype, weight_dtype, cast=True):
         """Drop scratch; returns the (hidden, weight, bias) grads, the fp32 accumulators cast to the weight's
         dtype unless ``cast=False`` (then :func:`scale_and_cast` does it later, with ``grad_output``, in one pass)."""
-        self._weight_scratch = None
+        self._weight_scratch = self._dlogits_low = None
         if self._fp32_gemm and not self._weight_written:  # no chunk ran (all masked): nothing overwrote it
             self.grad_weight.zero_()
         grad_weight, grad_bias = self.grad_weight, self.grad_bias
@@ -196,7 +203,17 @@ def scale_and_cast(grad: torch.Tensor | None, grad_output: torch.Tensor | None, 
     return torch.mul(grad, grad_output, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
 
 
+def logits_dtype(hidden: torch.Tensor, fp32_logits: bool) -> torch.dtype:
+    """The dtype of a chunk's logits: the inputs' (bf16 GEMMs round them to bf16, as the peers' heads do), or with
+    ``fp32_logits`` fp32, summed and kept in fp32 by the GEMM itself (``model.fp32_logits``: the trainer's side of
+    vLLM's ``head_dtype: float32``)."""
+    return torch.float32 if fp32_logits else hidden.dtype
+
+
 def _logits_into(buf, hidden_chunk, weight, bias):
+    if buf.dtype != hidden_chunk.dtype:  # fp32 logits of bf16/fp16 operands: exact products, fp32 sums
+        mm_fp32_out(hidden_chunk, weight.t(), buf, accumulate=False)
+        return buf if bias is None else buf.add_(bias)
     if bias is None:
         return torch.mm(hidden_chunk, weight.t(), out=buf)
     return torch.addmm(bias, hidden_chunk, weight.t(), out=buf)

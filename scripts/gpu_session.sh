@@ -28,7 +28,7 @@
 #   4. bash scripts/gpu_session.sh trl [CAP_S] [RUNS]
 #        carry: .gpu-carry  .trl-carry (scripts/gpu_trl_carry.sh), vLLM unpacked: the GRPO step
 #        with vLLM against TRL's colocated vLLM, with and without Liger (RUNS: others, comma-separated, e.g.
-#        fastrlhf_vllm,fastrlhf_vllm_shared,trl_vllm; fastrlhf_vllm[_shared][_liger][_compile]), within CAP_S;
+#        fastrlhf_vllm,fastrlhf_vllm_shared,trl_vllm; fastrlhf_vllm[_shared][_liger][_compile][_fp32]), within CAP_S;
 #        then, where 200 s are left, the HF-engine race against TRL.
 #   bash scripts/gpu_session.sh tests [CAP_S] [K]  carry: .gpu-carry. tests/gpu without vLLM: kernels at
 #        V=151,936, the update's host reads, every command through the launcher, the plan against the peak,

@@ -155,9 +155,9 @@ def _clear_grads(x: dict) -> None:
     x["hidden"].grad = x["weight"].grad = None
 
 
-def _fused_step(x: dict, device, chunks: int | None = None, **paths: bool):
+def _fused_step(x: dict, device, chunks: int | None = None, fp32_logits: bool = False, **paths: bool):
     """fastrlhf's fused step; ``paths`` turns its faster paths off (``fused_linear_chunks.fused_linear_paths``);
-    ``chunks``: that many equal chunks instead of the budget's."""
+    ``chunks``: that many equal chunks instead of the budget's; ``fp32_logits``: ``model.fp32_logits``'s cost."""
     from fastrlhf.kernels import fused_linear_policy_loss
     from fastrlhf.kernels.fused_linear_chunks import fused_linear_paths
 
@@ -171,7 +171,7 @@ def _fused_step(x: dict, device, chunks: int | None = None, **paths: bool):
         with fused_linear_paths(**paths):
             loss, _ = fused_linear_policy_loss(x["hidden"], x["weight"], x["labels"], x["old"], x["adv_tok"],
                                                x["mask"], ref_logprobs=x["ref"], agg=AGG, chunk_size=chunk_size,
-                                               **LOSS)
+                                               fp32_logits=fp32_logits, **LOSS)
         loss.backward()
         _clear_grads(x)
         return loss.detach()
@@ -262,7 +262,8 @@ def _gemms_step(x: dict, device):
 CHUNK_VARIANTS = {"fused_3_chunks": 3, "fused_2_chunks": 2}
 LM_HEAD_CONTENDERS = {"fused": _fused_step, "naive": _naive_step, "liger": _liger_step, "gemms": _gemms_step,
                       **{name: functools.partial(_fused_step, **paths) for name, paths in BEFORE_PATHS.items()},
-                      **{name: functools.partial(_fused_step, chunks=n) for name, n in CHUNK_VARIANTS.items()}}
+                      **{name: functools.partial(_fused_step, chunks=n) for name, n in CHUNK_VARIANTS.items()},
+                      "fused_fp32_logits": functools.partial(_fused_step, fp32_logits=True)}
 LM_HEAD_TARGETS = dict(fused_over_gemms_max=1.10, fused_over_naive_peak_max=0.2, liger_over_fused_min=5.0)
 
 
@@ -314,8 +315,9 @@ def lm_head_race(device: str = "cuda", dtype: str = "bfloat16", batch: int = 16,
         _ratio(out, f"fused_over_{name.removeprefix('fused_')}", "fused_time_ms", f"{name}_time_ms")
     _ratio(out, "no_rows_over_fused", "fused_no_rows_time_ms", "fused_time_ms")  # the row kernel's gain
     _ratio(out, "before_over_no_rows", "fused_before_time_ms", "fused_no_rows_time_ms")  # the GEMM's fp32 sum's
+    _ratio(out, "fp32_logits_over_fused", "fused_fp32_logits_time_ms", "fused_time_ms")  # model.fp32_logits' cost
     fused = out.get("fused_loss")
-    for name in ("naive", "liger", *BEFORE_PATHS, *CHUNK_VARIANTS):  # the same loss, not eight
+    for name in ("naive", "liger", *BEFORE_PATHS, *CHUNK_VARIANTS, "fused_fp32_logits"):  # the same loss, not nine
         if fused is not None and f"{name}_loss" in out:
             out[f"{name}_loss_rel_diff"] = abs(out[f"{name}_loss"] - fused) / max(abs(fused), 1e-12)
     out.update(LM_HEAD_TARGETS)
@@ -538,12 +540,13 @@ def run_child(race: str, params: dict, timeout_s: float = 600.0, device: str = "
 
 
 def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", shared: bool = False,
-                 liger: bool = False, compile: bool = False) -> dict:
+                 liger: bool = False, compile: bool = False, fp32: bool = False) -> dict:
     """``fastrlhf train`` through DeepSpeed's launcher on one device (``engine``: ``hf``, or ``vllm`` in the
     trainer's process, asleep during the update on CUDA); the per-step figures of its metrics.jsonl. ``shared``:
     packed rows with each group's prompt once (``trainer.packing``, ``trainer.share_prompts``); ``liger``:
     Liger-Kernel's RMSNorm, SwiGLU and rotary kernels in the actor and reference (``model.liger_kernels``);
-    ``compile``: their decoder layers torch.compiled (``model.compile``; the first step compiles). With
+    ``compile``: their decoder layers torch.compiled (``model.compile``; the first step compiles); ``fp32``: the LM
+    head's logits in fp32 in the trainer and the engine (``model.fp32_logits``). With
     ``spec["profile"]`` (the races' default) one more step runs under ``trainer.profile_step``, left out of the
     figures: its stages' wall and device time, what the host did in each, what it compiled and its largest kernels
     (``profile_stages``, ``profile_host``, ``profile_compiles``, ``profile_top``). A run that fails in that step
@@ -554,13 +557,14 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", sh
 
     profiled = spec["steps"] + 1 if spec.get("profile", True) else None
     name = ("fastrlhf" if engine == "hf" else f"fastrlhf-{engine}") + ("-shared" if shared else "") + (
-        "-liger" if liger else "") + ("-compile" if compile else "")
+        "-liger" if liger else "") + ("-compile" if compile else "") + ("-fp32" if fp32 else "")
     out_dir = os.path.join(work, name)
     vllm = {"engine": "vllm", "sleep": spec["device"] == "cuda", "max_logprob_mismatch": None}
     raw = {
         "algorithm": "grpo", "output_dir": out_dir, "seed": 0,
         "model": {"path": spec["model_dir"], "dtype": "auto", "gradient_checkpointing": True,
-                  **({"liger_kernels": True} if liger else {}), **({"compile": True} if compile else {})},
+                  **({"liger_kernels": True} if liger else {}), **({"compile": True} if compile else {}),
+                  **({"fp32_logits": True} if fp32 else {})},
         "reward": {"function": "benchmarks.e2e_common:even_fraction_reward"},
         "data": {"prompts": spec["prompts_file"], "max_prompt_len": spec["prompt_len"]},
         "rollout": {"engine": "hf", "n": spec["n"], "temperature": 1.0, "max_new_tokens": spec["new_tokens"],
@@ -834,15 +838,15 @@ ENGINE_TARGETS = dict(vllm_over_hf_min=5.0, speedup_vs_trl_vllm_min=1.5, memory_
                       mismatch_max=0.02)
 ENGINE_RUNS = ("fastrlhf_vllm", "fastrlhf_hf", "trl_vllm", "trl_vllm_liger")
 # Asked for by name only: fastrlhf with vLLM on packed rows that hold each group's prompt once. Any fastrlhf run may
-# add ``_shared``, ``_liger`` (model.liger_kernels) and ``_compile`` (model.compile) to its name:
-# fastrlhf_<engine>[_shared][_liger][_compile].
+# add ``_shared``, ``_liger`` (model.liger_kernels), ``_compile`` (model.compile) and ``_fp32`` (model.fp32_logits:
+# the head's logits in fp32 in trainer and engine) to its name: fastrlhf_<engine>[_shared][_liger][_compile][_fp32].
 SHARED_RUN = "fastrlhf_vllm_shared"
-FASTRLHF_OPTIONS = ("shared", "liger", "compile")
+FASTRLHF_OPTIONS = ("shared", "liger", "compile", "fp32")
 TRL_RUNS = {"trl_vllm": ("trl", "vllm"), "trl_vllm_liger": ("trl", "vllm", "liger_kernel")}  # -> what each imports
 
 
 def _unknown_run(name: str) -> ValueError:
-    return ValueError(f"unknown run {name!r}: fastrlhf_<vllm|hf>[_shared][_liger][_compile], "
+    return ValueError(f"unknown run {name!r}: fastrlhf_<vllm|hf>[_shared][_liger][_compile][_fp32], "
                       f"{' or '.join(TRL_RUNS)}")
 
 

@@ -9,7 +9,8 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    after, side by side: fused with the three softmax launches per chunk instead of the row kernel
    (``fused_no_rows``) and, besides, with grad_weight summed through a bf16 scratch (``fused_before``). Then the
    CUDA time by kernel of one fused step after and before (``fused_profile_top``, ``fused_before_profile_top``:
-   the ten largest; issue #43's first step).
+   the ten largest; issue #43's first step). And what ``model.fp32_logits`` costs: the fused step with the
+   chunk's logits in fp32 (``fused_fp32_logits``, ``fp32_logits_over_fused``).
 2. ``test_rl_update_1_5b``: ``RLStep.update`` of the 1.5B Qwen2 on 64 x (128 + 256) tokens: trained tokens/s
    and MFU = 6 x params x tokens / time / the bf16 GEMM rate measured in the same process (every real
    token, prompt and completion, runs forward and backward; the LM head only on completion positions, so

@@ -35,6 +35,8 @@ def test_lm_head_race_in_a_child():
     # fewer, longer chunks than the budget's, timed beside it: the same loss
     assert r["fused_2_chunks_loss_rel_diff"] < 1e-5 and r["fused_over_2_chunks"] > 0, r
     assert r["fused_3_chunks_loss_rel_diff"] < 1e-5 and r["fused_over_3_chunks"] > 0, r
+    # model.fp32_logits' cost beside it (an fp32 head here: the same logits)
+    assert r["fused_fp32_logits_loss_rel_diff"] < 1e-6 and r["fp32_logits_over_fused"] > 0, r
     _check_profile(r, "fused_")
     _check_profile(r, "fused_before_")
     if importlib.util.find_spec("liger_kernel") is None:
@@ -271,12 +273,15 @@ def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_t
 
 
 def test_fastrlhf_runs_are_named_by_engine_and_options():
-    """``fastrlhf_<vllm|hf>[_shared][_liger][_compile]``: what each run needs installed and passes to ``fastrlhf
+    """``fastrlhf_<vllm|hf>[_shared][_liger][_compile][_fp32]``: what each run needs installed and passes to ``fastrlhf
     train``; a name the race does not know fails before any run starts."""
     assert races._fastrlhf_run("fastrlhf_vllm_shared_liger") == ("vllm", {"shared": True, "liger": True,
-                                                                          "compile": False})
-    assert races._fastrlhf_run("fastrlhf_hf") == ("hf", {"shared": False, "liger": False, "compile": False})
-    assert races._fastrlhf_run("fastrlhf_vllm_compile") == ("vllm", {"shared": False, "liger": False, "compile": True})
+                                                                          "compile": False, "fp32": False})
+    assert races._fastrlhf_run("fastrlhf_hf") == ("hf", {"shared": False, "liger": False, "compile": False,
+                                                         "fp32": False})
+    assert races._fastrlhf_run("fastrlhf_vllm_compile") == ("vllm", {"shared": False, "liger": False, "compile": True,
+                                                                     "fp32": False})
+    assert races._fastrlhf_run("fastrlhf_vllm_fp32")[1]["fp32"] is True
     assert races._run_needs("fastrlhf_vllm_compile") == ("vllm",)
     assert races._fastrlhf_run("trl_vllm") is None
     assert races._run_needs("fastrlhf_vllm_liger") == ("vllm", "liger_kernel") and races._run_needs("fastrlhf_hf") == ()

@@ -93,6 +93,12 @@ def _check_model(m: ModelConfig, base: str, key: str = "model"):
                                             "layers' norm, rotary and SwiGLU kernels): set one of them")
 
 
+def _check_fp32_logits(model: ModelConfig, trainer) -> None:
+    if model.fp32_logits and not trainer.fused_loss:
+        raise ConfigError("model.fp32_logits", "needs trainer.fused_loss: true (the fused kernels make the fp32 "
+                                               "logits; the debugging path takes the model's own)")
+
+
 def _check_deepspeed(ds: DeepSpeedConfig, model: ModelConfig):
     if ds.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("deepspeed.zero_stage", f"must be 0, 1, 2 or 3, got {ds.zero_stage}")
@@ -142,6 +148,7 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
 
 def _validate_train(c: TrainConfig, base: str):
     _check_model(c.model, base)
+    _check_fp32_logits(c.model, c.trainer)
     _check_model_folder(c.reference.path, "reference.path", base)
     _check_path(c.data.prompts, "data.prompts", base)
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
@@ -382,6 +389,9 @@ def _check_group_size(estimator: str, n: int) -> None:
 
 def _validate_sft(c: SFTConfig, base: str):
     _check_model(c.model, base)
+    if c.model.fp32_logits:
+        raise ConfigError("model.fp32_logits", "matches the RL trainer's logprobs to its rollout engine's; sft has "
+                                               "no engine: set it false")
     _no_auto_checkpointing(c.model)
     _no_auto_micro_tokens(c.trainer)
     _check_path(c.data.path, "data.path", base)
@@ -393,6 +403,8 @@ def _validate_sft(c: SFTConfig, base: str):
 
 def _validate_rm(c: RMConfig, base: str):
     _check_model(c.model, base)
+    if c.model.fp32_logits:
+        raise ConfigError("model.fp32_logits", "a reward model has a score head, no LM head: set it false")
     _no_auto_checkpointing(c.model)
     _no_auto_micro_tokens(c.trainer)
     _check_path(c.data.path, "data.path", base)

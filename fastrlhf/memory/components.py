@@ -234,14 +234,20 @@ def fused_loss(config, shape: ModelShape, micro: int, w: int, device: str, free:
     in_gemm = device == "cuda"
     chunk = chunk_tokens(config, tokens, vocab, device, free, scratch if in_gemm else 0)
     head_grad = vocab * h * 4 + (0 if in_gemm else scratch) if head_trained else 0
-    return _chunk_buffers(config, chunk, vocab, w, device) + head_grad + tokens * h * w
+    return _chunk_buffers(config, chunk, vocab, w, device, trained=True) + head_grad + tokens * h * w
 
 
-def _chunk_buffers(config, chunk: int, vocab: int, w: int, device: str) -> int:
-    if device == "cpu":  # the torch path: logits, fp32 probabilities, and p * z for bf16 or T != 1
-        extra = 4 if (w != 4 or config.rollout.temperature != 1.0) else 0
-        return chunk * vocab * (w + 4 + extra)
-    return chunk * vocab * w  # Triton: the logits chunk alone, dlogits written in place
+def _chunk_buffers(config, chunk: int, vocab: int, w: int, device: str, trained: bool = False) -> int:
+    """A chunk's buffers: its logits (fp32 with ``model.fp32_logits``, whose gradient then takes a copy of the
+    weight's dtype for the head's GEMMs where the chunk is ``trained``) and, on the CPU's torch path, fp32
+    probabilities and p * z."""
+    fp32 = getattr(config.model, "fp32_logits", False) and w != 4
+    logits = 4 if fp32 else w
+    low_copy = w if fp32 and trained else 0
+    if device == "cpu":  # the torch path: logits, fp32 probabilities, and p * z for bf16 logits or T != 1
+        extra = 4 if (logits != 4 or config.rollout.temperature != 1.0) else 0
+        return chunk * vocab * (logits + 4 + extra + low_copy)
+    return chunk * vocab * (logits + low_copy)  # Triton: the logits chunk alone, dlogits written in place
 
 
 def recomputes_old_logprobs(config) -> bool:

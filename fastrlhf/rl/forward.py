@@ -219,23 +219,24 @@ def _fused_kernels():
     return fused_linear_logprob_entropy, fused_linear_policy_loss
 
 
-def _logprob_head_fn(head, temperature, chunk_size, chunk_bytes):
+def _logprob_head_fn(head, temperature, chunk_size, chunk_bytes, fp32_logits=False):
     fused_lp, _ = _fused_kernels()
 
     def head_fn(hidden, labels):
         return fused_lp(hidden, head.weight, labels, bias=head.bias, temperature=temperature, chunk_size=chunk_size,
-                        chunk_bytes=chunk_bytes)
+                        chunk_bytes=chunk_bytes, fp32_logits=fp32_logits)
 
     return head_fn
 
 
-def _token_logprobs(model, mb: MicroBatch, temperature, chunk_size, chunk_bytes, fused):
-    """Per-token ``(logprobs, entropy)`` of a micro-batch's completion tokens (``mb.tokens`` shape)."""
+def _token_logprobs(model, mb: MicroBatch, temperature, chunk_size, chunk_bytes, fused, fp32_logits=False):
+    """Per-token ``(logprobs, entropy)`` of a micro-batch's completion tokens (``mb.tokens`` shape); ``fp32_logits``
+    (``model.fp32_logits``, the fused kernels only): of a bf16 head's fp32 logits."""
     hidden = response_hidden(model, mb)
     labels = mb.tokens(mb.exp.labels)
     _, head = body_and_head(model)
     if fused:
-        with _head_forward(head, _logprob_head_fn(head, temperature, chunk_size, chunk_bytes)):
+        with _head_forward(head, _logprob_head_fn(head, temperature, chunk_size, chunk_bytes, fp32_logits)):
             return head(hidden, labels)
     logits = head(hidden)
     return logprobs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
@@ -244,11 +245,12 @@ def _token_logprobs(model, mb: MicroBatch, temperature, chunk_size, chunk_bytes,
 def sequence_logprobs(model, exp: Experience, temperature: float = 1.0, micro_batch: int | None = None,
                       chunk_size: int | None = None, fused: bool = True,
                       chunk_bytes: int | None = None, groups: list[list[int]] | None = None,
-                      packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      packed: bool = False, fp32_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(logprobs, entropy)`` ``[B, T]`` of the completion tokens, without gradients.
 
     0 at masked positions. ``groups``: the rows of each micro-batch (``fastrlhf.sequences.packing``), else
-    ``micro_batch`` sequences at a time; ``packed``: each micro-batch's sequences in one row.
+    ``micro_batch`` sequences at a time; ``packed``: each micro-batch's sequences in one row; ``fp32_logits``:
+    of the head's fp32 logits (``model.fp32_logits``).
     """
     B, T = exp.batch_size, exp.response_width
     device = exp.response_mask.device
@@ -256,7 +258,7 @@ def sequence_logprobs(model, exp: Experience, temperature: float = 1.0, micro_ba
     ent_out = torch.zeros_like(lp_out)
     with torch.no_grad():
         for rows, mb in micro_batches(exp, groups, micro_batch, packed):
-            lp, ent = _token_logprobs(model, mb, temperature, chunk_size, chunk_bytes, fused)
+            lp, ent = _token_logprobs(model, mb, temperature, chunk_size, chunk_bytes, fused, fp32_logits)
             keep = mb.tokens(mb.exp.response_mask) > 0
             _scatter_rows(lp_out, rows, mb.rows(torch.where(keep, lp.float(), 0.0)))
             _scatter_rows(ent_out, rows, mb.rows(torch.where(keep, ent.float(), 0.0)))
@@ -307,7 +309,7 @@ def policy_loss_from_model(model, mb: Experience, config):
                 return fused_loss(h, head_weight(), labels, old, adv, mask, ref_logprobs=ref_lp[0] if ref_lp else None,
                                   temperature=temperature, agg=cfg.agg, bias=head.bias,
                                   chunk_size=cfg.loss_chunk_size, chunk_bytes=cfg.loss_chunk_bytes, weights=weights,
-                                  **terms)
+                                  fp32_logits=config.model.fp32_logits, **terms)
 
             args = (hidden,) + tuple(view.tokens(t) for t in (e.labels, e.old_logprobs, advantages, e.response_mask,
                                                               e.loss_weights))
@@ -316,7 +318,8 @@ def policy_loss_from_model(model, mb: Experience, config):
                 return head(*args)
     # A sequence-level loss (per-token logprobs from the fused kernel, then autograd), or
     # trainer.fused_loss: false (for debugging: the same math on materialised logits).
-    lp, ent = _token_logprobs(model, view, temperature, cfg.loss_chunk_size, cfg.loss_chunk_bytes, cfg.fused_loss)
+    lp, ent = _token_logprobs(model, view, temperature, cfg.loss_chunk_size, cfg.loss_chunk_bytes, cfg.fused_loss,
+                              config.model.fp32_logits)
     tokens = view.tokens if token_level else (lambda t: t)
     if not token_level and view.packed:
         lp, ent = view.rows(lp), view.rows(ent)

@@ -44,9 +44,11 @@ def build_rollout(config, actor_module, num_params: int, device, tokenizer=None,
     if kind == "hf":
         if ds.zero_stage < 3:
             # Same module, same weights: generation sees every update at once, no sync needed.
-            return HFEngine(actor_module, max_model_len=max_len, tokenizer=tokenizer), True
+            return HFEngine(actor_module, max_model_len=max_len, tokenizer=tokenizer,
+                            fp32_logits=config.model.fp32_logits), True
         rollout_model = load_causal_lm(config.model, trainable=False, dtype=ro.dtype).to(device)
-        return HFEngine(rollout_model, max_model_len=max_len, tokenizer=tokenizer), False
+        return HFEngine(rollout_model, max_model_len=max_len, tokenizer=tokenizer,
+                        fp32_logits=config.model.fp32_logits), False
     on_cuda = getattr(device, "type", str(device)) == "cuda"
     tp = ro.tensor_parallel_size
     kv_cache_bytes = ro.kv_cache_bytes
@@ -58,7 +60,7 @@ def build_rollout(config, actor_module, num_params: int, device, tokenizer=None,
                         seed=config.seed + D.rank() // tp, tokenizer=tokenizer,
                         gpu_memory_utilization=gpu_memory_utilization(ro, plan) if on_cuda else None,
                         sleep=ro.sleep and on_cuda, tensor_parallel_size=ro.tensor_parallel_size,
-                        enforce_eager=ro.enforce_eager is True)
+                        enforce_eager=ro.enforce_eager is True, fp32_logits=config.model.fp32_logits)
     if not on_cuda and D.is_main():  # what the weight syncs do on this CPU, once
         from fastrlhf.engine.platform import cpu_tools
 

@@ -297,7 +297,7 @@ class RLStep:
         micro = forward_micro_batch_size(self.config, self.world)
         lp_kwargs = dict(temperature=self.config.rollout.temperature, micro_batch=micro,
                          chunk_size=t.loss_chunk_size, fused=t.fused_loss, chunk_bytes=t.loss_chunk_bytes,
-                         packed=packing_mode(t))
+                         packed=packing_mode(t), fp32_logits=self.config.model.fp32_logits)
         groups = self.forward_groups(exp, micro)
         metrics = {}
         if not skips_old_logprobs(self.config):

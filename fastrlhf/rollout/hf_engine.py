@@ -6,12 +6,14 @@ The default on CPU for small models (vLLM's per-step overhead dominates there, s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
 
 from fastrlhf.engine.device import to_device
 from fastrlhf.modeling.compile import eager_layers
+from fastrlhf.modeling.fp32_logits import fp32_logits_head
 from fastrlhf.rollout.base import (
     RolloutEngine,
     cut_at_stop_strings,
@@ -96,7 +98,11 @@ class HFEngine(RolloutEngine):
 
     kind = "hf"
 
-    def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, eos_token_id=None, tokenizer=None):
+    def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, eos_token_id=None, tokenizer=None,
+                 fp32_logits: bool = False):
+        """``fp32_logits`` (``model.fp32_logits``): the head's logits as its GEMM's fp32 sums while generating
+        (``fastrlhf.modeling.fp32_logits``), as the trainer's fused kernels make them."""
+        self.fp32_logits = fp32_logits
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "generate"):
             raise ValueError(
@@ -165,7 +171,8 @@ class HFEngine(RolloutEngine):
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode(), \
-                    eager_layers(self.model):
+                    eager_layers(self.model), \
+                    fp32_logits_head(self.model) if self.fp32_logits else contextlib.nullcontext():
                 seed = sampling.seed if not seeds else int(seeds[0])  # one stream draws for the whole batch
                 if seed is not None:
                     torch.manual_seed(seed)

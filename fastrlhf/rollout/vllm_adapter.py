@@ -66,6 +66,7 @@ def llm_kwargs(
     sleep: bool = False,
     tensor_parallel_size: int = 1,
     enforce_eager: bool | None = None,
+    fp32_logits: bool = False,
 ) -> dict:
     """The ``vllm.LLM`` arguments for this device, checked; separate from ``make_llm`` so that the CUDA
     branch is tested on machines without a GPU.
@@ -75,7 +76,8 @@ def llm_kwargs(
     where given (what the memory plan counts: the step's batch), else whatever the share leaves, which
     would take every free byte; CUDA graphs unless ``enforce_eager``; sleep mode and tensor parallelism on
     request. CPU: the KV cache is ``kv_cache_bytes`` (vLLM-CPU otherwise takes a share of RAM), eager, no
-    sleep mode (it needs CUDA's allocator), one rank per engine.
+    sleep mode (it needs CUDA's allocator), one rank per engine. ``fp32_logits`` (``model.fp32_logits``): the
+    head's logits in fp32 (vLLM's ``head_dtype``, since 0.26: one GEMM writing fp32 on CUDA, as the trainer's).
     """
     kwargs = dict(
         model=model_path,
@@ -91,6 +93,8 @@ def llm_kwargs(
     )
     if distributed_executor_backend is not None:
         kwargs["distributed_executor_backend"] = distributed_executor_backend
+    if fp32_logits:
+        kwargs["hf_overrides"] = {"head_dtype": "float32"}
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
     if on_cuda:

@@ -150,6 +150,7 @@ class VLLMEngine(RolloutEngine):
         sleep: bool = False,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
+        fp32_logits: bool = False,
     ):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
             # In-process: no engine-core process to spawn and start, weight reloads can take a lazy
@@ -191,7 +192,7 @@ class VLLMEngine(RolloutEngine):
             distributed_executor_backend="external_launcher" if under_launcher else None,
             enable_prefix_caching=enable_prefix_caching, on_cuda=on_cuda, kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, sleep=sleep, tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager)
+            enforce_eager=enforce_eager, fp32_logits=fp32_logits)
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode"))
         # [prompt tokens served from the prefix cache, prompt tokens] over every generate (an episode's history)
         self.prefix_cache_counts = [0, 0]

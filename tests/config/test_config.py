@@ -515,3 +515,15 @@ def test_compile_is_refused_with_zero3_and_with_liger(paths):
         parse_config(sft_raw(paths) | {"model": compiled, "deepspeed": {"zero_stage": 3}}, "sft", on_gpu=False)
     with pytest.raises(ConfigError, match=r"^model.compile: cannot be combined with model.liger_kernels"):
         parse_config(grpo(paths, model={**compiled, "liger_kernels": True}), "train", on_gpu=True)
+
+
+def test_fp32_logits_need_the_fused_loss_and_an_rl_run(paths):
+    fp32 = {"path": paths["model"], "fp32_logits": True}
+    assert parse_config(grpo(paths, model=fp32), "train", on_gpu=False).model.fp32_logits is True
+    assert parse_config(grpo(paths), "train", on_gpu=False).model.fp32_logits is False
+    with pytest.raises(ConfigError, match=r"^model.fp32_logits: needs trainer.fused_loss: true"):
+        parse_config(grpo(paths, model=fp32, trainer={"max_steps": 1, "fused_loss": False}), "train", on_gpu=False)
+    with pytest.raises(ConfigError, match=r"^model.fp32_logits: .*sft has no engine"):
+        parse_config(sft_raw(paths) | {"model": fp32}, "sft", on_gpu=False)
+    with pytest.raises(ConfigError, match=r"^model.fp32_logits: a reward model has a score head"):
+        parse_config(sft_raw(paths) | {"model": fp32}, "rm", on_gpu=False)

@@ -120,14 +120,14 @@ def assert_grads_within(got, want, names, hidden, weight, dlogits, num_chunks, s
 
 
 def check_logprob_entropy(shape, h, v, backend, dtype=torch.float32, bias=True, temperature=1.0, chunk_size=4,
-                          weight_grad=True, hidden_grad=True, seed=0):
+                          weight_grad=True, hidden_grad=True, seed=0, fp32_logits=False):
     hidden, weight, b, labels, _ = make_inputs(shape, h, v, dtype, bias, seed, weight_grad, hidden_grad)
     g = torch.Generator().manual_seed(seed + 1)
     g_lp, g_ent = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     inputs = leaves(hidden, weight, b)
 
     lp, ent = fused_linear_logprob_entropy(hidden, weight, labels, bias=b, temperature=temperature,
-                                           chunk_size=chunk_size, backend=backend)
+                                           chunk_size=chunk_size, backend=backend, fp32_logits=fp32_logits)
     assert lp.shape == ent.shape == labels.shape and lp.dtype == ent.dtype == torch.float32
     got = grads_of((lp * g_lp).sum() + (ent * g_ent).sum(), inputs)
 
@@ -215,7 +215,7 @@ LOSS_DEFAULTS = dict(clip_low=0.2, clip_high=0.28, dual_clip=None, kl_coef=0.0, 
 
 def check_policy_loss(backend, shape=(3, 7), h=16, v=300, dtype=torch.float32, bias=True, temperature=1.0,
                       chunk_size=4, seed=0, grad_scale=1.0, mask_edit=None, weight_grad=True, on_policy=False,
-                      **loss_kw):
+                      fp32_logits=False, **loss_kw):
     kw = dict(LOSS_DEFAULTS, **loss_kw)
     hidden, weight, b, labels, d = make_inputs(shape, h, v, dtype, bias, seed, weight_grad)
     if mask_edit is not None:
@@ -225,7 +225,7 @@ def check_policy_loss(backend, shape=(3, 7), h=16, v=300, dtype=torch.float32, b
     loss, metrics = fused_linear_policy_loss(
         hidden, weight, labels, None if on_policy else d["old_logprobs"], d["advantages"], d["mask"],
         ref_logprobs=d["ref_logprobs"],
-        temperature=temperature, bias=b, chunk_size=chunk_size, backend=backend, **kw,
+        temperature=temperature, bias=b, chunk_size=chunk_size, backend=backend, fp32_logits=fp32_logits, **kw,
     )
     assert loss.shape == () and loss.dtype == torch.float32
     got = grads_of(loss * grad_scale, inputs)
@@ -617,3 +617,55 @@ def test_policy_loss_triton_backend_scales_and_casts_the_fp32_sums_with_its_kern
         check_policy_loss("triton", shape=(3, 7), v=301, chunk_size=8, dtype=torch.bfloat16, grad_scale=-1.5,
                           kl_coef=0.1)
     assert sorted(calls) == ([(301,), (301, 16)] if cast_kernel else []), calls
+
+
+# ----------------------------------------------------------------------------------------------
+# fp32 logits of a bf16 head (model.fp32_logits: the trainer's side of vLLM's head_dtype float32)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk_size", [12, 5, 3])  # 1, 3 and 4 chunks of 12 tokens
+def test_fp32_logits_of_a_bf16_head_within_the_reference_bounds(backend, chunk_size):
+    """Both ops with fp32 logits of bf16 inputs, forward and backward, against the float64 reference (the bounds of
+    bf16 logits hold a fortiori), masked rows and a fully masked chunk included."""
+    check_logprob_entropy((2, 6), 16, 257, backend, dtype=torch.bfloat16, temperature=0.9, chunk_size=chunk_size,
+                          fp32_logits=True)
+
+    def edit(mask):
+        mask[0, :3] = 0.0
+
+    check_policy_loss(backend, shape=(2, 6), v=257, dtype=torch.bfloat16, chunk_size=chunk_size, mask_edit=edit,
+                      kl_coef=0.1, entropy_coef=0.01, fp32_logits=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_logits_are_the_gemms_fp32_sums_not_their_bf16_rounding(backend):
+    """The logprobs equal those of fp32 logits of the same bf16 values (products exact, fp32 sums) to fp32
+    rounding, while bf16 logits differ from them by bf16 rounding: an option that changed nothing would fail."""
+    hidden, weight, b, labels, _ = make_inputs((24,), 32, 301, dtype=torch.bfloat16, seed=5)
+    hidden = (hidden * 4).detach()  # logits of a few units: bf16 rounds them by ~1e-2
+    with torch.no_grad():
+        fp32_ref = A.logprobs_from_logits(hidden.float() @ weight.float().t() + b.float(), labels)
+        got = {fp32: fused_linear_logprob_entropy(hidden, weight, labels, bias=b, chunk_size=7, backend=backend,
+                                                  fp32_logits=fp32)[0] for fp32 in (False, True)}
+    fp32_error, bf16_error = ((got[f] - fp32_ref).abs().max().item() for f in (True, False))
+    assert fp32_error < 1e-4 < bf16_error, (fp32_error, bf16_error)
+
+
+def test_fp32_logits_keep_a_minus_inf_bias_entry_and_fp32_heads_unchanged():
+    hidden, weight, b, labels, _ = make_inputs((7,), 8, 20, dtype=torch.bfloat16)
+    with torch.no_grad():
+        b[3] = float("-inf")
+    labels[labels == 3] = 4
+    lp, ent = fused_linear_logprob_entropy(hidden, weight, labels, bias=b, chunk_size=3, backend="torch",
+                                           fp32_logits=True)
+    got = grads_of((lp + ent).sum(), [hidden, weight, b])
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and all(torch.isfinite(g).all() for g in got[:2])
+    assert got[2][3] == 0  # the banned token's bias gets no gradient
+    # An fp32 head's logits are fp32 already: the option changes nothing there.
+    hidden, weight, b, labels, _ = make_inputs((7,), 8, 20)
+    with torch.no_grad():
+        plain, flagged = (fused_linear_logprob_entropy(hidden, weight, labels, bias=b, chunk_size=3, backend="torch",
+                                                       fp32_logits=f)[0] for f in (False, True))
+    assert torch.equal(plain, flagged)

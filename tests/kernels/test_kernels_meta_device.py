@@ -137,6 +137,22 @@ def test_fused_linear_logprob_entropy_meta_device_forward_backward(dtype, temper
     assert_grads_meta(hidden, weight, b)
 
 
+def test_fp32_logits_of_a_bf16_head_meta_device_forward_backward(monkeypatch):
+    """``fp32_logits``: the fp32-output GEMM (meta has CUDA's, so its branch runs here), the fp32 chunk and its
+    gradient rounded to bf16 for the head's GEMMs, in both ops: no host read."""
+    gemms = count_calls(monkeypatch, fl_module, "_logits_into")
+    hidden, weight, b, labels = meta_head((3, 10), 16, 257, torch.bfloat16)
+    lp, ent = fused_linear_logprob_entropy(hidden, weight, labels, bias=b, chunk_size=7, backend="torch",
+                                           fp32_logits=True)
+    (lp.sum() + ent.sum()).backward()
+    assert_grads_meta(hidden, weight, b)
+    hidden, weight, b, labels = meta_head((4, 10), 16, 300, torch.bfloat16)
+    loss, _ = run_policy_loss(hidden, weight, b, labels, chunk_size=8, fp32_logits=True)
+    loss.backward()
+    assert_grads_meta(hidden, weight, b)
+    assert len(gemms) == 5 + 5 + 5  # forward and recompute of 5 chunks, then the loss's 5
+
+
 def test_fused_linear_logprob_entropy_meta_device_one_output_used():
     hidden, weight, _, labels = meta_head((20,), 8, 50, torch.bfloat16, bias=False)
     _, ent = fused_linear_logprob_entropy(hidden, weight, labels, chunk_size=6, backend="torch")

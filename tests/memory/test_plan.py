@@ -595,3 +595,16 @@ def test_token_budget_sizes_the_update_micro_batch(tmp_path):
     small_budget = dataclasses.replace(by_count, trainer=dataclasses.replace(
         by_count.trainer, max_tokens_per_microbatch=100, packing=True))
     assert C.update_micro_batch(small_budget, 32)[0] == length
+
+
+def test_fp32_logits_count_their_chunk_in_fp32_and_the_gradients_bf16_copy(tmp_path):
+    """``model.fp32_logits``: the fused loss's chunk holds fp32 logits (4 bytes, not bf16's 2) and, trained, their
+    gradient's bf16 copy for the head's GEMMs; the same chunks (the budget counts fp32 logits either way)."""
+    from dataclasses import replace
+
+    h, V, chunk = 1536, 151936, 2048  # as in test_qwen2_5_1_5b_zero2_on_8x80
+    config = gpu_grpo(model_folder(tmp_path / "m", QWEN25_1_5B), zero_stage=2)
+    plain = plan_memory(config, 8, 80 * GiB, "cuda").components
+    fp32 = plan_memory(replace(config, model=replace(config.model, fp32_logits=True)), 8, 80 * GiB, "cuda").components
+    assert fp32["fused loss"] - plain["fused loss"] == chunk * V * (4 + 2 - 2)
+    assert plain["fused loss"] == chunk * V * 2 + V * h * 4 + 8 * 1024 * h * 2

@@ -493,6 +493,34 @@ def test_loss_chunk_bytes_reaches_every_fused_head_call(monkeypatch):
     assert len(budgets) >= 3 and set(budgets) == {4 * 96 * 8}, budgets  # old, ref, loss
 
 
+def test_fp32_logits_reach_every_fused_head_call(monkeypatch):
+    """model.fp32_logits: the old and reference logprobs, the mismatch probe and the loss all take the head's fp32
+    logits, so that the ratio and the KL compare logprobs of one kind."""
+    import fastrlhf.kernels.fused_linear as fused_linear
+
+    calls = []
+    for name in ("fused_linear_logprob_entropy", "fused_linear_policy_loss"):
+        real = getattr(fused_linear, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, kwargs.get("fp32_logits")))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(fused_linear, name, spy)
+        monkeypatch.setattr(f"fastrlhf.kernels.{name}", spy)
+    actor = tiny_actor().to(torch.bfloat16)
+    hp = make_config(algorithm="grpo", n=N, prompts_per_step=3, minibatch_size=12, kl_coef=0.1,
+                     old_logprobs="recompute")
+    hp = dataclasses.replace(hp, model=dataclasses.replace(hp.model, fp32_logits=True))
+    rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=tiny_actor().to(torch.bfloat16).eval(),
+                actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3), pad_token_id=PAD,
+                rollout_shares_actor=True)
+    metrics = rl(PROMPTS, None, 1, completions=fixed_completions(actor, 1.0))
+    assert metrics["skipped"] == 0 and math.isfinite(metrics["policy_loss"]), metrics
+    assert {name for name, _ in calls} == {"fused_linear_logprob_entropy", "fused_linear_policy_loss"}, calls
+    assert all(fp32 is True for _, fp32 in calls), calls
+
+
 def test_lora_actor_uses_disabled_adapter_as_reference():
     from peft import LoraConfig, get_peft_model
 

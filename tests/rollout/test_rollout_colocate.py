@@ -38,6 +38,14 @@ def test_cuda_kwargs_carry_utilization_sleep_tp_and_cuda_graphs():
         llm_kwargs("m", on_cuda=True, **BASE)
 
 
+def test_fp32_logits_ask_vllm_for_its_fp32_head():
+    """model.fp32_logits: vLLM's head_dtype (vLLM 0.26+: one GEMM writing fp32 on CUDA), on both devices."""
+    for on_cuda, extra in ((True, dict(gpu_memory_utilization=0.5)), (False, dict(kv_cache_bytes=1 << 20))):
+        assert llm_kwargs("m", on_cuda=on_cuda, fp32_logits=True, **extra, **BASE)["hf_overrides"] == {
+            "head_dtype": "float32"}
+        assert "hf_overrides" not in llm_kwargs("m", on_cuda=on_cuda, **extra, **BASE)
+
+
 def test_cpu_kwargs_size_the_kv_cache_and_refuse_what_needs_cuda():
     kwargs = llm_kwargs("m", on_cuda=False, kv_cache_bytes=64 << 20, gpu_memory_utilization=0.3, **BASE)
     assert kwargs["kv_cache_memory_bytes"] == 64 << 20 and kwargs["enforce_eager"] is True
