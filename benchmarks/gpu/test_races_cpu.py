@@ -214,7 +214,7 @@ def test_the_engine_race_gives_each_run_the_time_left_and_keeps_the_others_figur
     monkeypatch.setattr(races, "_grpo_setup", lambda work, *a: ({"device": "cpu"}, {}))
     given = {}
 
-    def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False, compile=False):
+    def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False, compile=False, fp32=False):
         given[engine] = timeout_s
         clock[0] += 100.0  # each run takes 100 s
         if engine == "hf":
@@ -244,7 +244,7 @@ def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_t
         return {"step_s": step_s, "tokens": 10, "generate_s": 1.0, "score_s": 0.3, "trained_tokens": 20,
                 "train_s": 0.6, "sync_s": 0.05, "sync_bytes": 3e9, "mismatch": 0.01}
 
-    def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False, compile=False):
+    def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False, compile=False, fp32=False):
         layouts.append((engine, shared))
         return {"steps": [step({("vllm", False): 2.4, ("vllm", True): 1.9, ("hf", False): 12.5}[engine, shared])] * 2,
                 "device_peak_gib": 36.0 if shared else 40.0}
