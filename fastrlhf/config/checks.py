@@ -93,6 +93,12 @@ def _check_model(m: ModelConfig, base: str, key: str = "model"):
                                             "layers' norm, rotary and SwiGLU kernels): set one of them")
 
 
+def _check_lora_head(model: ModelConfig, trainer) -> None:
+    if model.lora_r > 0 and "lm_head" in model.lora_targets and trainer.fused_loss:
+        raise ConfigError("model.lora_targets", "lm_head: the fused kernels read the head's weight, not an "
+                                                "adapter's; leave it out or set trainer.fused_loss: false")
+
+
 def _check_fp32_logits(model: ModelConfig, trainer) -> None:
     if model.fp32_logits and not trainer.fused_loss:
         raise ConfigError("model.fp32_logits", "needs trainer.fused_loss: true (the fused kernels make the fp32 "
@@ -149,6 +155,7 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
 def _validate_train(c: TrainConfig, base: str):
     _check_model(c.model, base)
     _check_fp32_logits(c.model, c.trainer)
+    _check_lora_head(c.model, c.trainer)
     _check_model_folder(c.reference.path, "reference.path", base)
     _check_path(c.data.prompts, "data.prompts", base)
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
@@ -389,6 +396,7 @@ def _check_group_size(estimator: str, n: int) -> None:
 
 def _validate_sft(c: SFTConfig, base: str):
     _check_model(c.model, base)
+    _check_lora_head(c.model, c.trainer)
     if c.model.fp32_logits:
         raise ConfigError("model.fp32_logits", "matches the RL trainer's logprobs to its rollout engine's; sft has "
                                                "no engine: set it false")

@@ -80,6 +80,15 @@ def body_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     return body, head
 
 
+def fused_head(head: torch.nn.Module) -> torch.nn.Module:
+    """``head`` as the fused kernels take it: they read its ``weight`` and ``bias``, so an adapter's wrapper (LoRA on
+    ``lm_head``), whose delta they would skip, is refused."""
+    if hasattr(head, "base_layer"):
+        raise ValueError(f"the fused kernels read the LM head's weight, not its adapter's ({type(head).__name__}): "
+                         "leave lm_head out of model.lora_targets or set trainer.fused_loss: false")
+    return head
+
+
 @contextlib.contextmanager
 def _head_forward(head: torch.nn.Module, fn):
     """Run ``head(...)`` as ``fn(...)`` (the module's hooks still fire: ZeRO-3 gathers its weight)."""
@@ -236,7 +245,7 @@ def _token_logprobs(model, mb: MicroBatch, temperature, chunk_size, chunk_bytes,
     labels = mb.tokens(mb.exp.labels)
     _, head = body_and_head(model)
     if fused:
-        with _head_forward(head, _logprob_head_fn(head, temperature, chunk_size, chunk_bytes, fp32_logits)):
+        with _head_forward(fused_head(head), _logprob_head_fn(head, temperature, chunk_size, chunk_bytes, fp32_logits)):
             return head(hidden, labels)
     logits = head(hidden)
     return logprobs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
@@ -299,7 +308,7 @@ def policy_loss_from_model(model, mb: Experience, config):
                  policy_loss_args=dict(cfg.policy_loss_args) or None)
     token_level = get_policy_loss(cfg.policy_loss).token_level
     if cfg.fused_loss and token_level:
-        _, head = body_and_head(model)
+        head = fused_head(body_and_head(model)[1])
         _, fused_loss = _fused_kernels()
         # A tied embedding and LM head get one [V, H] gradient, not two summed (fastrlhf.modeling.tied_gradient).
         with tied_gradient_handoff(_hf_model(model).get_input_embeddings(), head) as head_weight:

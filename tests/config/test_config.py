@@ -527,3 +527,16 @@ def test_fp32_logits_need_the_fused_loss_and_an_rl_run(paths):
         parse_config(sft_raw(paths) | {"model": fp32}, "sft", on_gpu=False)
     with pytest.raises(ConfigError, match=r"^model.fp32_logits: a reward model has a score head"):
         parse_config(sft_raw(paths) | {"model": fp32}, "rm", on_gpu=False)
+
+
+def test_lora_on_the_lm_head_is_refused_with_the_fused_kernels(paths):
+    """The fused kernels read the head's weight: an adapter on lm_head would be skipped, its logprobs off by nats
+    (tests/rl/test_rl_step.py shows it)."""
+    lora = {"path": paths["model"], "lora_r": 4, "lora_targets": ["q_proj", "lm_head"]}
+    with pytest.raises(ConfigError, match=r"^model.lora_targets: lm_head: the fused kernels read"):
+        parse_config(grpo(paths, model=lora), "train", on_gpu=False)
+    with pytest.raises(ConfigError, match=r"^model.lora_targets: lm_head"):
+        parse_config(sft_raw(paths) | {"model": lora}, "sft", on_gpu=False)
+    unfused = parse_config(grpo(paths, model=lora, trainer={"max_steps": 1, "fused_loss": False}), "train",
+                           on_gpu=False)
+    assert "lm_head" in unfused.model.lora_targets

@@ -521,6 +521,31 @@ def test_fp32_logits_reach_every_fused_head_call(monkeypatch):
     assert all(fp32 is True for _, fp32 in calls), calls
 
 
+def test_an_adapter_on_the_lm_head_is_refused_by_the_fused_kernels_not_skipped():
+    """LoRA on lm_head: the unfused path applies the adapter; the fused kernels read the head's weight and would skip
+    it (4.6 nats apart on this tiny model before they refused it), so they refuse it."""
+    from fastrlhf.config import ModelConfig
+    from fastrlhf.modeling.loading import apply_lora
+    from fastrlhf.modeling.tiny import make_tiny_llama
+    from fastrlhf.rl.forward import sequence_logprobs
+
+    actor = apply_lora(make_tiny_llama(seed=0, vocab_size=96, hidden_size=32, num_layers=2, num_heads=1,
+                                       tie_word_embeddings=False),
+                       ModelConfig(path="unused", lora_r=4, lora_targets=["q_proj", "lm_head"]))
+    for name, p in actor.named_parameters():
+        if "lora_B" in name:  # a trained adapter (PEFT starts B at zero)
+            torch.nn.init.normal_(p, std=0.5)
+    exp = build_experience([[5, 6, 7], [8, 9]], [[Completion([10, 11, 12], [0.0] * 3, "stop")],
+                                                 [Completion([13, 14], [0.0] * 2, "stop")]], PAD)
+    with torch.no_grad():
+        base = actor.get_base_model().lm_head.base_layer(torch.ones(1, 32))
+        assert not torch.allclose(actor.get_base_model().lm_head(torch.ones(1, 32)), base)  # the adapter counts
+    unfused, _ = sequence_logprobs(actor, exp, fused=False)
+    assert torch.isfinite(unfused).all()
+    with pytest.raises(ValueError, match="the fused kernels read the LM head's weight, not its adapter's"):
+        sequence_logprobs(actor, exp, fused=True)
+
+
 def test_lora_actor_uses_disabled_adapter_as_reference():
     from peft import LoraConfig, get_peft_model
 
