@@ -241,7 +241,7 @@ def _chunk_buffers(config, chunk: int, vocab: int, w: int, device: str, trained:
     """A chunk's buffers: its logits (fp32 with ``model.fp32_logits``, whose gradient then takes a copy of the
     weight's dtype for the head's GEMMs where the chunk is ``trained``) and, on the CPU's torch path, fp32
     probabilities and p * z."""
-    fp32 = getattr(config.model, "fp32_logits", False) and w != 4
+    fp32 = config.model.fp32_logits and w != 4
     logits = 4 if fp32 else w
     low_copy = w if fp32 and trained else 0
     if device == "cpu":  # the torch path: logits, fp32 probabilities, and p * z for bf16 logits or T != 1

@@ -22,7 +22,7 @@ __all__ = ["fp32_logits_head"]
 def fp32_logits_head(model: torch.nn.Module):
     """Within the block, ``model``'s output embedding (its LM head) returns fp32 logits of its bf16/fp16 weight:
     one GEMM that writes fp32 (``out_dtype``) on CUDA, exact fp32 copies elsewhere. An fp32 head is left as it is."""
-    from fastrlhf.kernels.fused_linear_chunks import mm_fp32_out
+    from fastrlhf.kernels.fused_linear_chunks import _logits_into
 
     head = model.get_output_embeddings()
     if head is None or head.weight.dtype == torch.float32:
@@ -32,13 +32,10 @@ def fp32_logits_head(model: torch.nn.Module):
         raise ValueError(f"model.fp32_logits: the LM head is a {type(head).__name__}, not a plain Linear; set "
                          "model.fp32_logits: false or keep the head out of model.lora_targets")
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # the fused kernels' fp32 chunk, for the whole input
         flat = hidden.reshape(-1, hidden.shape[-1])
         logits = torch.empty(flat.shape[0], head.weight.shape[0], dtype=torch.float32, device=hidden.device)
-        mm_fp32_out(flat, head.weight.t(), logits, accumulate=False)
-        if head.bias is not None:
-            logits.add_(head.bias)
-        return logits.view(*hidden.shape[:-1], -1)
+        return _logits_into(logits, flat, head.weight, head.bias).view(*hidden.shape[:-1], -1)
 
     head.forward = forward
     try:
