@@ -59,7 +59,7 @@ class ModelConfig:
     compile: bool = False
     # true: a bf16/fp16 LM head's logits kept as its GEMM's fp32 sums, not rounded to bf16: in the fused kernels
     # (needs trainer.fused_loss) and in the rollout engine (vLLM's head_dtype: float32; HF generate's head), as
-    # ScaleRL's fp32 head, so that trainer and engine logprobs agree more closely (fastrlhf.modeling.fp32_logits)
+    # ScaleRL's fp32 head, so that trainer and engine logprobs agree more closely (fastrlhf.modeling.heads)
     fp32_logits: bool = False
 
 

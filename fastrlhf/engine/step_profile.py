@@ -99,20 +99,6 @@ def _host_side(prof) -> dict:
     return {name: {**c, **{w: round(c[w], 3) for w in waits.values()}} for name, c in out.items()}
 
 
-def _compile_counts() -> dict:
-    """torch.compile's counters so far in this process (zeros where Dynamo never loaded)."""
-    import sys
-
-    from fastrlhf.modeling.compile import past_recompile_limit
-
-    if "torch._dynamo" not in sys.modules:
-        return dict(frames=0, graphs=0, past_recompile_limit=0)
-    from torch._dynamo.utils import counters
-
-    return dict(frames=int(counters["frames"]["total"]), graphs=int(counters["stats"]["unique_graphs"]),
-                past_recompile_limit=sum(past_recompile_limit().values()))
-
-
 def _stages(prof, cuda: bool) -> dict:
     """Each ``fastrlhf:<stage>`` range's wall time and the device time of the kernels launched inside it."""
     import torch
@@ -141,7 +127,9 @@ def profile_step(config, step: int, rank: int = 0):
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    before = _compile_counts()
+    from fastrlhf.modeling.compile import compile_counts
+
+    before = compile_counts()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         yield
         if cuda:
@@ -151,7 +139,7 @@ def profile_step(config, step: int, rank: int = 0):
     stem = os.path.join(folder, f"step-{step}-rank-{rank}")
     summary = dict(step=step, rank=rank, device=torch.cuda.get_device_name() if cuda else "cpu",
                    stages=_stages(prof, cuda), host=_host_side(prof), **summarize_kernels(prof, cuda, top=20))
-    total = _compile_counts()
+    total = compile_counts()
     summary["compiles"] = dict(in_step={k: total[k] - before[k] for k in total}, in_process=total)
     with open(stem + ".json", "w") as f:
         json.dump(summary, f, indent=1)

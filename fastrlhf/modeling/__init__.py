@@ -1,10 +1,9 @@
 """Models: Hugging Face checkpoints loaded for training or inference (``loading``: dtype, LoRA, ZeRO-3
 partitioned loading, the attention of packed rows, the critic's value head, the final export), the decoder
 layers torch.compiled (``compile``: ``model.compile``), the tied embedding / LM head gradient (``tied_gradient``),
-the head's fp32 logits in HF generate (``fp32_logits``: ``model.fp32_logits``)
-and models made locally (``tiny``: tiny ones for
-tests and the demo, Qwen2.5-1.5B's shape for the GPU proof; ``tiny_chat``: a Qwen2-shaped chat model with a
-tokenizer trained here, ``python -m fastrlhf.modeling.tiny_chat OUT``).
+the LM head run by the fused kernels, or with fp32 logits in HF generate (``heads``), and models made locally
+(``tiny``: tiny ones for tests and the demo, Qwen2.5-1.5B's shape for the GPU proof; ``tiny_chat``: a Qwen2-shaped
+chat model with a tokenizer trained here, ``python -m fastrlhf.modeling.tiny_chat OUT``).
 
 Imports ``fastrlhf.config`` and ``fastrlhf.sequences``; DeepSpeed only to load under ZeRO-3.
 """

@@ -25,7 +25,8 @@ import contextlib
 
 import torch
 
-__all__ = ["BACKEND", "compile_layers", "compiled_layers", "decoder_layers", "eager_layers", "past_recompile_limit"]
+__all__ = ["BACKEND", "compile_layers", "compiled_layers", "decoder_layers", "compile_counts", "eager_layers",
+           "past_recompile_limit"]
 
 # torch.compile's backend; tests on a CPU swap in "aot_eager" (the same graphs and autograd, without code
 # generation) where Inductor's C++ compile would only cost time.
@@ -66,19 +67,34 @@ def eager_layers(model: torch.nn.Module):
         yield
 
 
-def past_recompile_limit() -> dict[str, int]:
-    """Dynamo's reasons for running a frame eagerly past torch's recompile limit in this process so far (the first
-    line of each) and how often each came: empty where nothing recompiled without end, or Dynamo never loaded. The
-    one place that reads them, for the tests and ``trainer.profile_step``."""
+def _dynamo_counters():
+    """Dynamo's counters, or None where Dynamo never loaded (nothing was compiled: nothing to import for it)."""
     import sys
 
     if "torch._dynamo" not in sys.modules:
-        return {}
+        return None
     from torch._dynamo.utils import counters
 
+    return counters
+
+
+def past_recompile_limit() -> dict[str, int]:
+    """Dynamo's reasons for running a frame eagerly past torch's recompile limit in this process so far (the first
+    line of each) and how often each came: empty where nothing recompiled without end, or Dynamo never loaded."""
+    counters = _dynamo_counters()
     found: dict[str, int] = {}
-    for reason, n in counters["unimplemented"].items():
+    for reason, n in (counters["unimplemented"].items() if counters is not None else ()):
         if "recompile limit" in reason.lower():
             first = reason.splitlines()[0]
             found[first] = found.get(first, 0) + n
     return found
+
+
+def compile_counts() -> dict[str, int]:
+    """torch.compile's work in this process so far: Dynamo frames compiled, graphs, and frames run eagerly past the
+    recompile limit (zeros where Dynamo never loaded); ``trainer.profile_step`` reports them per step."""
+    counters = _dynamo_counters()
+    if counters is None:
+        return dict(frames=0, graphs=0, past_recompile_limit=0)
+    return dict(frames=int(counters["frames"]["total"]), graphs=int(counters["stats"]["unique_graphs"]),
+                past_recompile_limit=sum(past_recompile_limit().values()))

@@ -16,7 +16,6 @@ A loss micro-batch carries its share of its minibatch's aggregation weights (``E
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from dataclasses import replace
 
@@ -34,6 +33,7 @@ from fastrlhf.algorithms import (
     value_loss,
 )
 from fastrlhf.engine.device import to_device
+from fastrlhf.modeling.heads import fused_logprob_head, head_forward, linear_head
 from fastrlhf.modeling.tied_gradient import tied_gradient_handoff
 from fastrlhf.rl.experience import Experience, pad_response
 from fastrlhf.sequences.masks import forward_mask
@@ -45,6 +45,7 @@ __all__ = [
     "critic_loss",
     "attention_mask_for",
     "attention_of",
+    "check_segments",
     "micro_batches",
     "policy_loss_from_model",
     "reward_model_scores",
@@ -78,25 +79,6 @@ def body_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     if head is None or body is None:
         raise ValueError(f"{type(m).__name__} is not a causal LM with a decoder body and an LM head")
     return body, head
-
-
-def fused_head(head: torch.nn.Module) -> torch.nn.Module:
-    """``head`` as the fused kernels take it: they read its ``weight`` and ``bias``, so an adapter's wrapper (LoRA on
-    ``lm_head``), whose delta they would skip, is refused."""
-    if hasattr(head, "base_layer"):
-        raise ValueError(f"the fused kernels read the LM head's weight, not its adapter's ({type(head).__name__}): "
-                         "leave lm_head out of model.lora_targets or set trainer.fused_loss: false")
-    return head
-
-
-@contextlib.contextmanager
-def _head_forward(head: torch.nn.Module, fn):
-    """Run ``head(...)`` as ``fn(...)`` (the module's hooks still fire: ZeRO-3 gathers its weight)."""
-    head.forward = fn
-    try:
-        yield
-    finally:
-        del head.forward
 
 
 class MicroBatch:
@@ -200,7 +182,7 @@ def _scatter_rows(out: torch.Tensor, rows: list[int], values: torch.Tensor) -> N
     out[to_device(torch.tensor(rows, dtype=torch.long), out.device)] = values.to(out.dtype)
 
 
-def _check_segments(model, inputs: dict) -> None:
+def check_segments(model, inputs: dict) -> None:
     """A packed row is read by one attention only (its block mask and bounds); any other would misread it."""
     if "fastrlhf_rows" in inputs:
         from fastrlhf.sequences.packed_attention import check_model
@@ -210,7 +192,7 @@ def _check_segments(model, inputs: dict) -> None:
 
 
 def _decoder_hidden(body, inputs: dict) -> torch.Tensor:
-    _check_segments(body, inputs)
+    check_segments(body, inputs)
     return body(**inputs, use_cache=False).last_hidden_state
 
 
@@ -222,22 +204,6 @@ def response_hidden(model, mb: Experience | MicroBatch) -> torch.Tensor:
     return mb.at_response(_decoder_hidden(body, mb.model_inputs(body)))
 
 
-def _fused_kernels():
-    from fastrlhf.kernels import fused_linear_logprob_entropy, fused_linear_policy_loss
-
-    return fused_linear_logprob_entropy, fused_linear_policy_loss
-
-
-def _logprob_head_fn(head, temperature, chunk_size, chunk_bytes, fp32_logits=False):
-    fused_lp, _ = _fused_kernels()
-
-    def head_fn(hidden, labels):
-        return fused_lp(hidden, head.weight, labels, bias=head.bias, temperature=temperature, chunk_size=chunk_size,
-                        chunk_bytes=chunk_bytes, fp32_logits=fp32_logits)
-
-    return head_fn
-
-
 def _token_logprobs(model, mb: MicroBatch, temperature, chunk_size, chunk_bytes, fused, fp32_logits=False):
     """Per-token ``(logprobs, entropy)`` of a micro-batch's completion tokens (``mb.tokens`` shape); ``fp32_logits``
     (``model.fp32_logits``, the fused kernels only): of a bf16 head's fp32 logits."""
@@ -245,7 +211,7 @@ def _token_logprobs(model, mb: MicroBatch, temperature, chunk_size, chunk_bytes,
     labels = mb.tokens(mb.exp.labels)
     _, head = body_and_head(model)
     if fused:
-        with _head_forward(fused_head(head), _logprob_head_fn(head, temperature, chunk_size, chunk_bytes, fp32_logits)):
+        with fused_logprob_head(head, temperature, chunk_size, chunk_bytes, fp32_logits):
             return head(hidden, labels)
     logits = head(hidden)
     return logprobs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
@@ -308,22 +274,23 @@ def policy_loss_from_model(model, mb: Experience, config):
                  policy_loss_args=dict(cfg.policy_loss_args) or None)
     token_level = get_policy_loss(cfg.policy_loss).token_level
     if cfg.fused_loss and token_level:
-        head = fused_head(body_and_head(model)[1])
-        _, fused_loss = _fused_kernels()
+        from fastrlhf.kernels import fused_linear_policy_loss
+
+        head = linear_head(body_and_head(model)[1], "trainer.fused_loss")
         # A tied embedding and LM head get one [V, H] gradient, not two summed (fastrlhf.modeling.tied_gradient).
         with tied_gradient_handoff(_hf_model(model).get_input_embeddings(), head) as head_weight:
             hidden = response_hidden(model, view)
 
             def head_fn(h, labels, old, adv, mask, weights, *ref_lp):
-                return fused_loss(h, head_weight(), labels, old, adv, mask, ref_logprobs=ref_lp[0] if ref_lp else None,
-                                  temperature=temperature, agg=cfg.agg, bias=head.bias,
-                                  chunk_size=cfg.loss_chunk_size, chunk_bytes=cfg.loss_chunk_bytes, weights=weights,
-                                  fp32_logits=config.model.fp32_logits, **terms)
+                return fused_linear_policy_loss(
+                    h, head_weight(), labels, old, adv, mask, ref_logprobs=ref_lp[0] if ref_lp else None,
+                    temperature=temperature, agg=cfg.agg, bias=head.bias, chunk_size=cfg.loss_chunk_size,
+                    chunk_bytes=cfg.loss_chunk_bytes, weights=weights, fp32_logits=config.model.fp32_logits, **terms)
 
             args = (hidden,) + tuple(view.tokens(t) for t in (e.labels, e.old_logprobs, advantages, e.response_mask,
                                                               e.loss_weights))
             args += (view.tokens(ref),) if ref is not None else ()
-            with _head_forward(head, head_fn):
+            with head_forward(head, head_fn):
                 return head(*args)
     # A sequence-level loss (per-token logprobs from the fused kernel, then autograd), or
     # trainer.fused_loss: false (for debugging: the same math on materialised logits).
@@ -364,7 +331,7 @@ def _per_token_outputs(model, input_ids, attention_mask, position_ids, **packed)
     as ``attention_mask``, positions restarting per sequence; ``packed``: the row's bounds, passed to a
     forward that takes ``**kwargs``)."""
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask)
-    _check_segments(model, packed)
+    check_segments(model, packed)
     if packed and _accepts(model, "fastrlhf_rows"):  # any **kwargs forward
         kwargs.update(packed)
     elif "fastrlhf_rows" in packed:

@@ -13,7 +13,7 @@ import torch
 
 from fastrlhf.engine.device import to_device
 from fastrlhf.modeling.compile import eager_layers
-from fastrlhf.modeling.fp32_logits import fp32_logits_head
+from fastrlhf.modeling.heads import fp32_logits_head
 from fastrlhf.rollout.base import (
     RolloutEngine,
     cut_at_stop_strings,
@@ -101,7 +101,7 @@ class HFEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, eos_token_id=None, tokenizer=None,
                  fp32_logits: bool = False):
         """``fp32_logits`` (``model.fp32_logits``): the head's logits as its GEMM's fp32 sums while generating
-        (``fastrlhf.modeling.fp32_logits``), as the trainer's fused kernels make them."""
+        (``fastrlhf.modeling.heads``), as the trainer's fused kernels make them."""
         self.fp32_logits = fp32_logits
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "generate"):

@@ -35,7 +35,7 @@ def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False
     """``[S, num_labels]`` fp32 logits of each sequence at its last token. ``packed``: all sequences in
     one row (``fastrlhf.sequences.packing.PackedLayout``), the model's body run on it and its score head on each
     sequence's last hidden state; otherwise right-padded, through the model's own forward."""
-    from fastrlhf.rl.forward import _check_segments, attention_mask_for, classifier_body_and_head
+    from fastrlhf.rl.forward import attention_mask_for, check_segments, classifier_body_and_head
     from fastrlhf.sequences.packing import PackedLayout
 
     device = model_device(engine)
@@ -48,7 +48,7 @@ def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False
     layout = PackedLayout.build([len(s) for s in sequences], [0] * len(sequences), device=device)
     input_ids = to_device(torch.tensor([t for s in sequences for t in s], dtype=torch.long)[None], device)
     body, head = classifier_body_and_head(model)
-    _check_segments(body, inputs := layout.model_kwargs())
+    check_segments(body, inputs := layout.model_kwargs())
     hidden = body(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
     return head(hidden[0, layout.last_index]).float()
 

@@ -38,7 +38,8 @@ def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=No
     ``[B, T, vocab]`` logits never exist; under ZeRO-3 the head weight is a partition, so the
     model's own forward (whose hooks gather it) is used instead.
     """
-    from fastrlhf.rl.forward import attention_mask_for, fused_head
+    from fastrlhf.modeling.heads import linear_head
+    from fastrlhf.rl.forward import attention_mask_for
 
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     labels = input_ids[:, 1:]
@@ -49,7 +50,7 @@ def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=No
         model = base_model(unwrap(engine))
         hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                      use_cache=False).last_hidden_state
-        head = fused_head(model.get_output_embeddings())
+        head = linear_head(model.get_output_embeddings(), "trainer.fused_loss")
         logprobs, _ = fused_linear_logprob_entropy(hidden[:, :-1], head.weight, labels, bias=head.bias,
                                                    chunk_size=chunk_size, chunk_bytes=chunk_bytes)
         return logprobs
@@ -87,7 +88,8 @@ def packed_response_logprobs(engine, examples: list[SFTExample], use_fused: bool
     (``fastrlhf.sequences.packing.PackedLayout``: positions restart per example, no padding, no attention
     across examples). The LM head runs on the ``[M, H]`` hidden states that predict response tokens,
     called as a module (so under ZeRO-3 its weight is gathered for the fused kernel too)."""
-    from fastrlhf.rl.forward import _check_segments, _head_forward, _logprob_head_fn, body_and_head, fused_head
+    from fastrlhf.modeling.heads import fused_logprob_head
+    from fastrlhf.rl.forward import body_and_head, check_segments
     from fastrlhf.sequences.packing import PackedLayout
 
     device = model_device(engine)
@@ -96,11 +98,11 @@ def packed_response_logprobs(engine, examples: list[SFTExample], use_fused: bool
     input_ids, labels = to_device((torch.tensor([t for c, r in split for t in c + r], dtype=torch.long)[None],
                                    torch.tensor([t for _, r in split for t in r], dtype=torch.long)), device)
     body, head = body_and_head(engine)
-    _check_segments(body, inputs := layout.model_kwargs())
+    check_segments(body, inputs := layout.model_kwargs())
     hidden = body(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
     hidden = hidden[0, layout.hidden_index]
     if use_fused:
-        with _head_forward(fused_head(head), _logprob_head_fn(head, 1.0, chunk_size, chunk_bytes)):
+        with fused_logprob_head(head, chunk_size=chunk_size, chunk_bytes=chunk_bytes):
             return head(hidden, labels)[0]
     return logprobs_from_logits(head(hidden), labels)
 
