@@ -89,10 +89,18 @@ def test_skipping_the_prefix_cache_reset_would_serve_stale_kv(models, vllm_engin
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_vllm_sampled_logprobs_match_trainer_recomputation(models, vllm_engine, temperature):
+def test_vllm_sampled_logprobs_match_trainer_recomputation(models, vllm_engine, temperature, monkeypatch):
+    from vllm.logprobs import FlatLogprobs
+
+    from fastrlhf.rollout import vllm_adapter
+
+    containers, read = [], vllm_adapter.sampled_logprobs
+    monkeypatch.setattr(vllm_adapter, "sampled_logprobs",
+                        lambda ids, lps: containers.append(type(lps)) or read(ids, lps))
     first = models["first"][1]
     sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=16, seed=3)
     results = vllm_engine.generate(PROMPTS[:3], sampling)
+    assert containers == [FlatLogprobs] * 6  # one flat list per sample, no dict or Logprob object per token
     worst = 0.0
     for prompt, samples in zip(PROMPTS[:3], results, strict=True):
         for c in samples:
@@ -102,6 +110,22 @@ def test_vllm_sampled_logprobs_match_trainer_recomputation(models, vllm_engine, 
             recomputed = logprobs_from_logits(logits, torch.tensor(c.token_ids), temperature)
             worst = max(worst, (recomputed - torch.tensor(c.logprobs)).abs().max().item())
     assert worst <= 1e-4
+
+
+def test_sampled_logprobs_read_the_flat_container_and_the_dicts_alike():
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from fastrlhf.rollout.vllm_adapter import sampled_logprobs
+
+    ids = [5, 9, 5]
+    dicts = [{t: Logprob(logprob=-0.5 * (i + 1), rank=1)} for i, t in enumerate(ids)]
+    flat = FlatLogprobs()
+    flat.extend(dicts)
+    assert sampled_logprobs(ids, flat) == sampled_logprobs(ids, dicts) == [-0.5, -1.0, -1.5]
+    top2 = [{t: Logprob(-0.5, 2), 7: Logprob(-0.1, 1)} for t in ids]  # logprobs=1: the top token beside it
+    wide = FlatLogprobs()
+    wide.extend(top2)
+    assert sampled_logprobs(ids, wide) == sampled_logprobs(ids, top2) == [-0.5] * 3
 
 
 def test_hf_sampled_logprobs_match_trainer_recomputation(models):
