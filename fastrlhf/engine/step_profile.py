@@ -99,19 +99,43 @@ def _host_side(prof) -> dict:
     return {name: {**c, **{w: round(c[w], 3) for w in waits.values()}} for name, c in out.items()}
 
 
-def _stages(prof, cuda: bool) -> dict:
-    """Each ``fastrlhf:<stage>`` range's wall time and the device time of the kernels launched inside it."""
+def _is_range(e) -> bool:
+    """A range's span (``record_function``, the profiler's step) rather than an op or a kernel: on the device's
+    timeline too, where it lasts as long as its kernels."""
+    return bool(getattr(e, "is_user_annotation", False)) or e.name.startswith((STAGE_PREFIX, "ProfilerStep"))
+
+
+def _stages(events, cuda: bool) -> dict:
+    """Each ``fastrlhf:<stage>`` range's calls and wall time and, on CUDA, the device time of the kernels launched
+    inside it. A kernel belongs to the stage in which the host launched it: the time of the op it is linked to (its
+    correlation id), on any thread (the backward's ops run on autograd's thread, outside the range's own children),
+    or its own start where it is linked to none (a CUDA graph's replay, say)."""
     import torch
 
+    cpu = [e for e in events if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA]
+    ranges = [(e.name[len(STAGE_PREFIX):], e.time_range.start, e.time_range.end)
+              for e in cpu if e.name.startswith(STAGE_PREFIX)]
     out: dict = {}
-    for e in prof.key_averages():
-        if not e.key.startswith(STAGE_PREFIX) or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            continue
-        wall = e.cpu_time_total / 1e3
-        device = getattr(e, "device_time_total", 0.0) / 1e3 if cuda else None
-        out[e.key[len(STAGE_PREFIX):]] = dict(calls=int(e.count), wall_ms=round(wall, 3),
-                                               device_ms=None if device is None else round(device, 3),
-                                               busy=None if device is None or wall <= 0 else round(device / wall, 4))
+    for name, start, end in ranges:
+        row = out.setdefault(name, dict(calls=0, wall_ms=0.0, device_ms=0.0 if cuda else None, busy=None))
+        row["calls"] += 1
+        row["wall_ms"] += (end - start) / 1e3
+    if cuda:
+        # The ops' own ids (a runtime call, linked to its op, numbers from another counter)
+        launched_at = {e.id: e.time_range.start for e in cpu if not getattr(e, "linked_correlation_id", 0)}
+        for k in events:
+            if getattr(k, "device_type", None) != torch.autograd.DeviceType.CUDA or _is_range(k):
+                continue
+            linked = getattr(k, "linked_correlation_id", 0)
+            t = launched_at.get(linked, k.time_range.start) if linked else k.time_range.start
+            for name, start, end in ranges:
+                if start <= t < end:
+                    out[name]["device_ms"] += (k.time_range.end - k.time_range.start) / 1e3
+    for row in out.values():
+        row["wall_ms"] = round(row["wall_ms"], 3)
+        if cuda:
+            row["busy"] = round(row["device_ms"] / row["wall_ms"], 4) if row["wall_ms"] > 0 else None
+            row["device_ms"] = round(row["device_ms"], 3)
     return out
 
 
@@ -138,7 +162,7 @@ def profile_step(config, step: int, rank: int = 0):
     os.makedirs(folder, exist_ok=True)
     stem = os.path.join(folder, f"step-{step}-rank-{rank}")
     summary = dict(step=step, rank=rank, device=torch.cuda.get_device_name() if cuda else "cpu",
-                   stages=_stages(prof, cuda), host=_host_side(prof), **summarize_kernels(prof, cuda, top=20))
+                   stages=_stages(prof.events(), cuda), host=_host_side(prof), **summarize_kernels(prof, cuda, top=20))
     total = compile_counts()
     summary["compiles"] = dict(in_step={k: total[k] - before[k] for k in total}, in_process=total)
     with open(stem + ".json", "w") as f:
