@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import types
@@ -140,6 +141,9 @@ def _build(cls, raw, prefix: str):
             dotted = _join(prefix, str(key))
             if dotted in RENAMED_KEYS:
                 raise ConfigError(dotted, f"was renamed to {RENAMED_KEYS[dotted]}; use that key instead")
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.75)
+            if close:  # a typo: name the key it most likely is
+                raise ConfigError(dotted, f"unknown key; did you mean {_join(prefix, close[0])}?")
             known = ", ".join(sorted(fields))
             raise ConfigError(dotted, f"unknown key (known keys here: {known})")
     kwargs = {}

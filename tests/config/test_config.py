@@ -490,8 +490,10 @@ def test_wandb_mode_project_and_run_name(paths, command):
                                                           "'online', got 'cloud'")
     assert str(error_of(raw(wandb_project="p"), command)) == ("trainer.wandb_project: needs trainer.wandb (offline or "
                                                               "online), which is off")
-    err = str(error_of(raw(wandb_projekt="p"), command))
-    assert err.startswith("trainer.wandb_projekt: unknown key (known keys here: ")
+    assert str(error_of(raw(wandb_projekt="p"), command)) == ("trainer.wandb_projekt: unknown key; did you mean "
+                                                              "trainer.wandb_project?")  # a typo
+    err = str(error_of(raw(wandb_host="p"), command))
+    assert err.startswith("trainer.wandb_host: unknown key (known keys here: ")  # nothing close: every key named
     assert "wandb, wandb_project, wandb_run_name" in err
 
 
