@@ -146,7 +146,7 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue  # blank lines (a trailing newline, spacing) are not examples
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # a cut line's error at its own end, not the next line's
             except json.JSONDecodeError as exc:
                 yield f"{name}:{lineno}", _BadLine(f"invalid JSON ({exc.msg} at column {exc.colno})")
                 continue

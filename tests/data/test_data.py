@@ -31,6 +31,14 @@ def test_prompts_ok(tmp_path):
     assert examples[0].meta == {"answer": 3} and examples[1].meta == {}
 
 
+def test_a_cut_line_is_reported_at_its_own_end(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 2,\r\n')
+    with pytest.raises(DataError) as info:
+        load_prompts(str(path), max_prompt_len=8, vocab_size=50)
+    assert info.value.problems == ["prompts.jsonl:2: invalid JSON (Expecting value at column 22)"]
+
+
 def test_all_bad_lines_reported_with_numbers(tmp_path):
     lines = [
         {"prompt_ids": [1, 2]},             # 1 ok
