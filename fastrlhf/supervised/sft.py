@@ -38,22 +38,19 @@ def response_logprobs(engine, batch: dict, use_fused: bool = True, chunk_size=No
     ``[B, T, vocab]`` logits never exist; under ZeRO-3 the head weight is a partition, so the
     model's own forward (whose hooks gather it) is used instead.
     """
-    from fastrlhf.modeling.heads import linear_head
+    from fastrlhf.modeling.heads import fused_logprob_head
     from fastrlhf.rl.forward import attention_mask_for
 
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     labels = input_ids[:, 1:]
     attention_mask = attention_mask_for(engine, attention_mask)  # built here, not found by a device read
     if use_fused:
-        from fastrlhf.kernels import fused_linear_logprob_entropy
-
         model = base_model(unwrap(engine))
         hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                      use_cache=False).last_hidden_state
-        head = linear_head(model.get_output_embeddings(), "trainer.fused_loss")
-        logprobs, _ = fused_linear_logprob_entropy(hidden[:, :-1], head.weight, labels, bias=head.bias,
-                                                   chunk_size=chunk_size, chunk_bytes=chunk_bytes)
-        return logprobs
+        head = model.get_output_embeddings()
+        with fused_logprob_head(head, chunk_size=chunk_size, chunk_bytes=chunk_bytes):
+            return head(hidden[:, :-1], labels)[0]
     return logprobs_from_logits(engine(input_ids=input_ids, attention_mask=attention_mask,
                                        use_cache=False).logits[:, :-1], labels)
 
