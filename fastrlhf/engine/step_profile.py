@@ -69,14 +69,24 @@ ALLOC_CALLS = frozenset({"cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "c
                          "cuMemSetAccess", "cuMemAddressReserve", "cuMemAddressFree"})
 
 
-def _host_side(prof) -> dict:
-    """Per ``fastrlhf:<stage>`` range: the top-level torch ops, kernel launches and synchronizations the host made
-    in it, and the milliseconds it waited in those (a nested stage counts in its parent too)."""
+def _on_device(e) -> bool:
+    """A device timeline's event (a kernel, a copy, a range's span there), not the host's."""
     import torch
 
-    events = [e for e in prof.events() if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA]
-    stages = [(e.name[len(STAGE_PREFIX):], e.time_range.start, e.time_range.end)
-              for e in events if e.name.startswith(STAGE_PREFIX)]
+    return getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+
+
+def _host_events_and_stages(events) -> tuple[list, list[tuple[str, float, float]]]:
+    """A profile's host events, and its ``fastrlhf:<stage>`` ranges among them as ``(stage, start, end)``."""
+    host = [e for e in events if not _on_device(e)]
+    return host, [(e.name[len(STAGE_PREFIX):], e.time_range.start, e.time_range.end)
+                  for e in host if e.name.startswith(STAGE_PREFIX)]
+
+
+def _host_side(events) -> dict:
+    """Per ``fastrlhf:<stage>`` range: the top-level torch ops, kernel launches and synchronizations the host made
+    in it, and the milliseconds it waited in those (a nested stage counts in its parent too)."""
+    events, stages = _host_events_and_stages(events)
     out = {name: dict(ops=0, launches=0, syncs=0, sync_wait_ms=0.0, allocs=0, alloc_ms=0.0) for name, _, _ in stages}
     waits = {"syncs": "sync_wait_ms", "allocs": "alloc_ms"}
     for e in events:
@@ -110,11 +120,7 @@ def _stages(events, cuda: bool) -> dict:
     inside it. A kernel belongs to the stage in which the host launched it: the time of the op it is linked to (its
     correlation id), on any thread (the backward's ops run on autograd's thread, outside the range's own children),
     or its own start where it is linked to none (a CUDA graph's replay, say)."""
-    import torch
-
-    cpu = [e for e in events if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA]
-    ranges = [(e.name[len(STAGE_PREFIX):], e.time_range.start, e.time_range.end)
-              for e in cpu if e.name.startswith(STAGE_PREFIX)]
+    cpu, ranges = _host_events_and_stages(events)
     out: dict = {}
     for name, start, end in ranges:
         row = out.setdefault(name, dict(calls=0, wall_ms=0.0, device_ms=0.0 if cuda else None, busy=None))
@@ -124,7 +130,7 @@ def _stages(events, cuda: bool) -> dict:
         # The ops' own ids (a runtime call, linked to its op, numbers from another counter)
         launched_at = {e.id: e.time_range.start for e in cpu if not getattr(e, "linked_correlation_id", 0)}
         for k in events:
-            if getattr(k, "device_type", None) != torch.autograd.DeviceType.CUDA or _is_range(k):
+            if not _on_device(k) or _is_range(k):
                 continue
             linked = getattr(k, "linked_correlation_id", 0)
             t = launched_at.get(linked, k.time_range.start) if linked else k.time_range.start
@@ -162,7 +168,8 @@ def profile_step(config, step: int, rank: int = 0):
     os.makedirs(folder, exist_ok=True)
     stem = os.path.join(folder, f"step-{step}-rank-{rank}")
     summary = dict(step=step, rank=rank, device=torch.cuda.get_device_name() if cuda else "cpu",
-                   stages=_stages(prof.events(), cuda), host=_host_side(prof), **summarize_kernels(prof, cuda, top=20))
+                   stages=_stages(prof.events(), cuda), host=_host_side(prof.events()),
+                   **summarize_kernels(prof, cuda, top=20))
     total = compile_counts()
     summary["compiles"] = dict(in_step={k: total[k] - before[k] for k in total}, in_process=total)
     with open(stem + ".json", "w") as f:
