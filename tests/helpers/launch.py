@@ -61,9 +61,22 @@ def wait_groups(procs: list, timeout: float, logs=()) -> list[int]:
     return [proc.returncode for proc in procs]
 
 
+def _run_then_leave(rank, target, port, out):
+    """``target``, then leave without C++ static destructors, as a launched fastrlhf rank does
+    (``fastrlhf.cli.exit_with``): there torch's c10d stores abort a gloo rank now and then ("terminate called
+    without an active exception", SIGABRT) after its work is done and its results are in ``out``."""
+    import sys
+
+    target(rank, port, out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_ranks(target, nprocs: int = 2) -> dict:
     """Run ``target(rank, port, out)`` in ``nprocs`` spawned processes (a gloo group on a free local ``port``,
-    which ``target`` joins and leaves) and return what they put in the shared dict ``out``."""
+    which ``target`` joins and leaves) and return what they put in the shared dict ``out``. A rank that raises
+    fails the test with its traceback."""
     import socket
 
     import torch.multiprocessing as mp
@@ -73,5 +86,6 @@ def spawn_ranks(target, nprocs: int = 2) -> dict:
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(target, args=(port, out), nprocs=nprocs, start_method="spawn", join=True)
+        mp.start_processes(_run_then_leave, args=(target, port, out), nprocs=nprocs, start_method="spawn",
+                           join=True)
         return dict(out)
