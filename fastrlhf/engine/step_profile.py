@@ -117,26 +117,39 @@ def _is_range(e) -> bool:
 
 def _stages(events, cuda: bool) -> dict:
     """Each ``fastrlhf:<stage>`` range's calls and wall time and, on CUDA, the device time of the kernels launched
-    inside it. A kernel belongs to the stage in which the host launched it: the time of the op it is linked to (its
-    correlation id), on any thread (the backward's ops run on autograd's thread, outside the range's own children),
-    or its own start where it is linked to none (a CUDA graph's replay, say)."""
+    inside it. A kernel belongs to the stage in which the host launched it: the start of the host event torch links
+    it to (``FunctionEvent.kernels``: the innermost op or range open at its launch, on any thread, since the
+    backward's ops run on autograd's thread), or its own start where it is linked to none."""
+    from collections import Counter
+
     cpu, ranges = _host_events_and_stages(events)
     out: dict = {}
     for name, start, end in ranges:
         row = out.setdefault(name, dict(calls=0, wall_ms=0.0, device_ms=0.0 if cuda else None, busy=None))
         row["calls"] += 1
         row["wall_ms"] += (end - start) / 1e3
+
+    def add(t: float, us: float) -> None:
+        for name, start, end in ranges:
+            if start <= t < end:
+                out[name]["device_ms"] += us / 1e3
+
     if cuda:
-        # The ops' own ids (a runtime call, linked to its op, numbers from another counter)
-        launched_at = {e.id: e.time_range.start for e in cpu if not getattr(e, "linked_correlation_id", 0)}
+        # Torch lists a kernel under the host event it is linked to, by name and duration (FunctionEvent has no
+        # link id in torch 2.11): those found there are counted at that event's start, the rest at their own.
+        linked = Counter()
+        for e in cpu:
+            for k in getattr(e, "kernels", ()):
+                add(e.time_range.start, k.duration)
+                linked[(k.name, k.duration)] += 1
         for k in events:
             if not _on_device(k) or _is_range(k):
                 continue
-            linked = getattr(k, "linked_correlation_id", 0)
-            t = launched_at.get(linked, k.time_range.start) if linked else k.time_range.start
-            for name, start, end in ranges:
-                if start <= t < end:
-                    out[name]["device_ms"] += (k.time_range.end - k.time_range.start) / 1e3
+            key = (k.name, k.time_range.end - k.time_range.start)
+            if linked[key] > 0:
+                linked[key] -= 1
+            else:
+                add(k.time_range.start, key[1])
     for row in out.values():
         row["wall_ms"] = round(row["wall_ms"], 3)
         if cuda:

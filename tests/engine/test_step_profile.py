@@ -98,31 +98,41 @@ def test_a_step_that_compiles_says_so(tmp_path):
     assert compiles[1]["in_process"]["graphs"] >= 1, compiles
 
 
-def _event(name, start, end, cuda=False, id=0, linked=0, thread=1, annotation=False):
-    import torch
+def _events(*rows):
+    """torch's own ``FunctionEvent`` objects, linked as its profiler links them (a kernel listed in the ``kernels``
+    of the host event it belongs to, by name and duration; torch 2.11's have no link id): rows of
+    ``(name, start_us, end_us, where, linked_to)``, ``where`` one of ``op``, ``range``, ``kernel``, ``span`` (a
+    range's span on the device timeline), ``linked_to`` the index of a host row."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
 
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=kind, id=id,
-                           linked_correlation_id=linked, thread=thread, is_user_annotation=annotation)
+    events = [FunctionEvent(id=i, name=name, thread=1, start_us=start, end_us=end, is_user_annotation=where in
+                            ("range", "span"), device_type=DeviceType.CUDA if where in ("kernel", "span") else
+                            DeviceType.CPU) for i, (name, start, end, where, _) in enumerate(rows)]
+    for (name, start, end, _, linked_to) in rows:
+        if linked_to is not None:
+            events[linked_to].append_kernel(name, 0, end - start)
+    return events
 
 
 def test_a_stage_owns_the_kernels_it_launched_on_any_thread():
     """On an H100 the train stage read 9.5% busy: only the kernels of ops nested in the range on its own thread were
-    counted, and the backward's ops run on autograd's thread. A kernel belongs to the stage its op was launched in."""
-    events = [
-        _event("fastrlhf:train", 100, 200, annotation=True),
-        _event("fastrlhf:score", 300, 400, annotation=True),
-        _event("aten::mm", 110, 112, id=5),                        # the forward, in the range's thread
-        _event("cudaLaunchKernel", 111, 112, id=5, linked=5),      # its runtime call: not an op (another counter)
-        _event("nvjet_forward", 150, 170, cuda=True, linked=5),     # 20 us
-        _event("aten::mm", 180, 182, id=6, thread=2),              # the backward, on autograd's thread
-        _event("nvjet_backward", 205, 245, cuda=True, linked=6),    # 40 us, run after the range closed
-        _event("aten::mm", 250, 252, id=7),                        # after the stage
-        _event("nvjet_later", 260, 290, cuda=True, linked=7),
-        _event("graph_kernel", 120, 130, cuda=True),                # linked to no op (a graph's replay): 10 us
-        _event("fastrlhf:train", 100, 200, cuda=True, annotation=True),  # the range's span on the device
-    ]
+    counted, and the backward's ops run on autograd's thread. A kernel belongs to the stage its op was launched in,
+    read from what torch 2.11's profiler builds as well as later ones."""
+    events = _events(
+        ("fastrlhf:train", 100, 200, "range", None),
+        ("fastrlhf:score", 300, 400, "range", None),
+        ("aten::mm", 110, 112, "op", None),               # 2: the forward, in the range's thread
+        ("nvjet_forward", 150, 170, "kernel", 2),          # 20 us
+        ("aten::mm", 180, 182, "op", None),               # 4: the backward, on autograd's thread
+        ("nvjet_backward", 205, 245, "kernel", 4),         # 40 us, run after the range closed
+        ("aten::mm", 250, 252, "op", None),               # 6: after the stage
+        ("nvjet_forward", 310, 330, "kernel", 6),          # the same kernel as the first, run in the next stage
+        ("graph_kernel", 120, 130, "kernel", None),        # linked to no op (a graph's replay): 10 us
+        ("nvjet_forward", 160, 180, "kernel", None),       # the same name and time as a linked one, but linked to none
+        ("fastrlhf:train", 100, 200, "span", None),        # the range's span on the device
+    )
     stages = step_profile._stages(events, cuda=True)
-    assert stages["train"] == dict(calls=1, wall_ms=0.1, device_ms=0.07, busy=0.7), stages
+    assert stages["train"] == dict(calls=1, wall_ms=0.1, device_ms=0.09, busy=0.9), stages
     assert stages["score"] == dict(calls=1, wall_ms=0.1, device_ms=0.0, busy=0.0), stages
     assert step_profile._stages(events, cuda=False)["train"] == dict(calls=1, wall_ms=0.1, device_ms=None, busy=None)
