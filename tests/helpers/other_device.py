@@ -173,7 +173,15 @@ class OtherDevice(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not wrap:
             return out
-        return tree_map(lambda x: DeviceTensor(x) if isinstance(x, torch.Tensor) else x, out)
+        return tree_map(lambda x: _wrap_like(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _wrap_like(data: torch.Tensor) -> DeviceTensor:
+    """``data`` wrapped as an inference tensor exactly where it is one: under ``torch.inference_mode`` a view of a
+    normal tensor (a model's buffer, say ``inv_freq[None, :, None]`` in transformers 5.17's rotary embedding) is a
+    normal tensor, whose version counter autograd then shares with its base, which an inference wrapper refuses."""
+    with torch.inference_mode(data.is_inference()):
+        return DeviceTensor(data)
 
 
 @contextlib.contextmanager
