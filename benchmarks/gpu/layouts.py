@@ -14,7 +14,8 @@ At the GRPO races' shape (:data:`GRPO_RACE_SHAPE`: 8 prompts of 128 tokens x 8 c
 early, as a random-init model's), the same comparison runs in one process with no rollout engine beside it: on an
 H100 the shared layout's train stage was slower than the padded one's inside the vLLM race (1.62 s for 29% fewer
 tokens than the padded run's 0.99 s, another machine), and this says whether the layout itself is (its packed rows'
-FlexAttention at that shape) or the run around it.
+FlexAttention at that shape) or the run around it; ``shared_sdpa`` runs the shared layout on per-segment sdpa calls
+instead, so that the same call says whether FlexAttention is the cause.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ import torch
 from benchmarks.gpu.races import actor_engine, model_shape
 
 LAYOUTS = {"padded": dict(packing=False), "packed": dict(packing=True), "shared": dict(packing=True,
-                                                                                     share_prompts=True)}
+                                                                                     share_prompts=True),
+           # The shared layout on per-segment sdpa calls instead of the machine's choice (FlexAttention on a GPU):
+           # whether FlexAttention is what makes the layout slow at the GRPO races' shape.
+           "shared_sdpa": dict(packing=True, share_prompts=True, attention="sdpa")}
 TARGETS = dict(packed_vs_padded_min=1.5, shared_vs_padded_min=2.0)
 # The GRPO races' batch (benchmarks.gpu.races: 8 x 8 of 128 + 256 tokens, micro-batches of 16 sequences).
 # A diagnosis, not a target: its completions are all of one length, so that packing saves nothing there.
 GRPO_RACE_SHAPE = dict(prompts=8, n=8, prompt_range=(128, 128), max_new=256, max_tokens=6144, eos_every=10**9,
-                       targets=False)
+                       targets=False, layouts=("padded", "packed", "shared", "shared_sdpa"))
 
 
 def completions_of(prompts: int, n: int, prompt_range: tuple[int, int], max_new: int, vocab: int, seed: int,
@@ -52,7 +56,8 @@ def completions_of(prompts: int, n: int, prompt_range: tuple[int, int], max_new:
 
 def race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16", prompts: int = 8, n: int = 8,
          prompt_range: tuple[int, int] = (114, 243), max_new: int = 1024, max_tokens: int = 16384, steps: int = 3,
-         seed: int = 0, eos_every: int = 350, targets: bool = True) -> dict:
+         seed: int = 0, eos_every: int = 350, targets: bool = True,
+         layouts: tuple[str, ...] = ("padded", "packed", "shared")) -> dict:
     from fastrlhf import distributed as D
     from fastrlhf.config import (
         DataConfig,
@@ -80,10 +85,11 @@ def race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16
     out: dict = dict(shape=shape, sequences=prompts * n, backend=backend, shared_backend=shared_backend,
                      real_tokens=sum(len(p) * n + sum(len(c.token_ids) for c in row)
                                      for p, row in zip(prompt_ids, completions, strict=True)))
-    for name, layout in LAYOUTS.items():
+    for name in layouts:
+        layout = dict(LAYOUTS[name])
+        attention = layout.pop("attention", shared_backend if layout.get("share_prompts") else backend)
         for m in (actor, reference):  # the attention a run of this layout sets up (padded: plain sdpa)
-            use_attention(m, layout["packing"], layout.get("share_prompts", False),
-                          shared_backend if layout.get("share_prompts") else backend)
+            use_attention(m, layout["packing"], layout.get("share_prompts", False), attention)
         trainer = TrainerConfig(max_steps=steps, prompts_per_step=prompts, minibatch_size=prompts * n, ppo_epochs=1,
                                 lr=1e-7, kl_coef=0.04, max_tokens_per_microbatch=max_tokens, **layout)
         config = TrainConfig(output_dir="unused", model=ModelConfig(path="unused", gradient_checkpointing=True),
@@ -103,8 +109,8 @@ def race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str = "bfloat16
                     out[f"{name}_{key}_{churn}"] = int(sum(m.get(f"memory/{key}_{churn}", 0) for m in measured))
         out[f"{name}_skipped"] = sum(m["skipped"] for m in runs)
         del step
-    out["packed_vs_padded"] = round(out["padded_s"] / out["packed_s"], 3)
-    out["shared_vs_padded"] = round(out["padded_s"] / out["shared_s"], 3)
+    for name in layouts[1:]:
+        out[f"{name}_vs_{layouts[0]}"] = round(out[f"{layouts[0]}_s"] / out[f"{name}_s"], 3)
     if targets:
         out["targets_met"] = bool(out["packed_vs_padded"] >= TARGETS["packed_vs_padded_min"]
                                   and out["shared_vs_padded"] >= TARGETS["shared_vs_padded_min"])

@@ -28,7 +28,8 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
 4. ``test_layouts_1_5b``: the reference pass + update of one GRPO step, padded, packed and with shared prompts,
    on workload C's shape scaled to the 1.5B model (``layouts.py``). Targets: packed >= 1.5x padded, shared
    >= 2x padded. ``test_layouts_1_5b_grpo_race_shape``: the same at the GRPO races' batch, a diagnosis (no
-   target): whether the shared layout is slower than the padded one there by itself.
+   target): whether the shared layout is slower than the padded one there by itself, and with the shared layout
+   on per-segment sdpa as well (``shared_sdpa``) whether FlexAttention is why.
 
 5. ``test_grpo_step_vllm_vs_hf`` and ``test_grpo_step_vllm_vs_trl`` (issue #42): whole GRPO steps with vLLM in
    the trainer's process (asleep during the update), 8 prompts x 8 completions of 128 + 256 tokens, against the

@@ -183,7 +183,9 @@ def test_layouts_race_at_the_grpo_races_shape_is_a_diagnosis():
     small = dict(GRPO_RACE_SHAPE, prompts=2, n=4, prompt_range=(8, 8), max_new=16, max_tokens=96)
     r = races.layouts_race(device="cpu", shape="tiny", dtype="float32", steps=2, **small)
     assert r["real_tokens"] == 2 * (8 * 4 + 4 * 16), r
-    assert "targets_met" not in r and all(r[f"{name}_train_s"] > 0 for name in ("padded", "packed", "shared")), r
+    assert "targets_met" not in r and all(r[f"{name}_train_s"] > 0 for name in ("padded", "packed", "shared",
+                                                                                 "shared_sdpa")), r
+    assert r["shared_sdpa_vs_padded"] > 0 and r["shared_vs_padded"] > 0, r  # the shared layout on sdpa beside flex
 
 
 def test_grpo_engines():
