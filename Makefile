@@ -17,7 +17,7 @@ GPU_TRITONS := $(shell sed -n 's/.*"triton>=\([0-9][0-9.]*\),<=\([0-9][0-9.]*\)"
 TRITON_GPU_DIRS := $(GPU_TRITONS:%=$(VENV)/triton-gpu-%)
 TRITON_GPU := $(if $(filter 2,$(words $(GPU_TRITONS))),$(TRITON_GPU_DIRS:%=%/.installed),no-gpu-triton-range)
 
-.PHONY: install test test-multinode test-gpu bench bench-gpu demo demo-matrix arithmetic tools clean check-gpu-install no-gpu-triton-range
+.PHONY: install test test-multinode test-gpu bench bench-gpu demo demo-matrix arithmetic tools clean check-gpu-install no-gpu-triton-range test-transformers-lower-end
 
 install: $(STAMP) $(TRITON_GPU)
 
@@ -101,6 +101,10 @@ tools: $(STAMP)
 check-gpu-install:
 	scripts/check_gpu_install.sh
 	scripts/check_gpu_install.sh --lowest
+
+# `make test` on the lowest transformers setup.py accepts (TRANSFORMERS=5.17.0: another), from the package index.
+test-transformers-lower-end: $(STAMP)
+	scripts/test_transformers_lower_end.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
