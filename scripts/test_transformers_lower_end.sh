@@ -24,7 +24,7 @@ if [[ ! -f $dir/.installed ]]; then
     "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --target "$dir" "transformers==$version"
     # Read as a file: importing transformers beside the wrong huggingface_hub fails.
     hub=$("$PY" -c "exec(open('$dir/transformers/dependency_versions_table.py').read()); print(deps['huggingface-hub'])")
-    "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --target "$dir" "$hub"
+    "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target "$dir" "$hub"
     touch "$dir/.installed"
 fi
 export PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH}
