@@ -137,9 +137,13 @@ def _stages(events, cuda: bool) -> dict:
     if cuda:
         # Torch lists a kernel under the host event it is linked to, by name and duration (FunctionEvent has no
         # link id in torch 2.11): those found there are counted at that event's start, the rest at their own.
+        # A range's span on the device may be listed under its host range too: it lasts as long as its kernels.
+        spans = {k.name for k in events if _on_device(k) and _is_range(k)}
         linked = Counter()
         for e in cpu:
             for k in getattr(e, "kernels", ()):
+                if k.name in spans:
+                    continue
                 add(e.time_range.start, k.duration)
                 linked[(k.name, k.duration)] += 1
         for k in events:

@@ -130,7 +130,7 @@ def test_a_stage_owns_the_kernels_it_launched_on_any_thread():
         ("nvjet_forward", 310, 330, "kernel", 6),          # the same kernel as the first, run in the next stage
         ("graph_kernel", 120, 130, "kernel", None),        # linked to no op (a graph's replay): 10 us
         ("nvjet_forward", 160, 180, "kernel", None),       # the same name and time as a linked one, but linked to none
-        ("fastrlhf:train", 100, 200, "span", None),        # the range's span on the device
+        ("fastrlhf:train", 100, 200, "span", 0),           # the range's span on the device, listed under the range
     )
     stages = step_profile._stages(events, cuda=True)
     assert stages["train"] == dict(calls=1, wall_ms=0.1, device_ms=0.09, busy=0.9), stages
