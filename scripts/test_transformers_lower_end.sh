@@ -30,4 +30,7 @@ fi
 export PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -c "import transformers, huggingface_hub; print('testing with transformers', transformers.__version__,
 '| huggingface_hub', huggingface_hub.__version__, '| from', transformers.__file__)"
-make test PYTEST_ARGS="$*"
+# Each argument quoted for the recipe's shell, so that -k "a or b" stays one argument.
+args=""
+(($#)) && args=$(printf '%q ' "$@")
+make test PYTEST_ARGS="$args"
