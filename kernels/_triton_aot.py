@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import sys
 
 __all__ = ["TARGET_CAPABILITIES", "compile_for_target", "grad_cast_specs", "kernel_specs", "row_loss_specs",
@@ -179,8 +181,17 @@ def main(argv=None) -> int:
     parser.add_argument("--sm", type=int, nargs="+", default=list(TARGET_CAPABILITIES))
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "float16"], choices=sorted(_POINTER))
     parser.add_argument("--block", type=int, nargs="+", default=[4096, 1024])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="processes compiling at once, one target each (the compiler runs on one core)")
     args = parser.parse_args(argv)
-    json.dump(compile_all(args.sm, args.dtype, args.block), sys.stdout)
+    jobs = max(1, min(args.jobs, len(args.sm)))
+    if jobs == 1:
+        rows = compile_all(args.sm, args.dtype, args.block)
+    else:  # forked before any kernel is imported or compiled, so each child lowers from a clean state
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            per_target = pool.starmap(compile_all, [([sm], args.dtype, args.block) for sm in args.sm])
+        rows = [row for rows_of_one in per_target for row in rows_of_one]
+    json.dump(rows, sys.stdout)
     return 0
 
 
