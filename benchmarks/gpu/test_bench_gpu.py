@@ -5,8 +5,9 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
 
 1. ``test_lm_head_7b``: N=16,384 tokens, H=3,584, V=152,064, bf16, forward + backward of the GRPO loss:
    fused (fastrlhf), naive (materialised logits), Liger-Kernel and the three bare GEMMs. Targets: fused
-   <= 1.10x the GEMMs' time, fused peak <= 0.2x naive's, Liger >= 5x fused's time. Issue #43's before and
-   after, side by side: fused with the three softmax launches per chunk instead of the row kernel
+   <= 1.10x the GEMMs' time (the median ratio of rounds that time both one after the other, so the clock's drift
+   between two blocks of repeats does not count), fused peak <= 0.2x naive's, Liger >= 5x fused's time. Issue
+   #43's before and after, side by side: fused with the three softmax launches per chunk instead of the row kernel
    (``fused_no_rows``) and, besides, with grad_weight summed through a bf16 scratch (``fused_before``). Then the
    CUDA time by kernel of one fused step after and before (``fused_profile_top``, ``fused_before_profile_top``:
    the ten largest; issue #43's first step). And what ``model.fp32_logits`` costs: the fused step with the

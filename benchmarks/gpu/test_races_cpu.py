@@ -28,6 +28,8 @@ def test_lm_head_race_in_a_child():
         assert r[f"{name}_time_ms"] > 0 and len(r[f"{name}_times_ms"]) == 2, r
     assert r["tokens"] == 32 and 0 < r["masked_fraction"] < 0.5, r
     assert r["naive_loss_rel_diff"] < 1e-5 and r["fused_over_gemms"] > 0, r
+    # the target's ratio also round by round, each round's two times on one clock (2 rounds: repeats=2)
+    assert len(r["fused_over_gemms_paired_rounds"]) == 2 and r["fused_over_gemms_paired"] > 0, r
     # issue #43's before and after: the same loss, timed side by side, and the profile of each
     assert r["fused_no_rows_loss_rel_diff"] < 1e-6 and r["fused_before_loss_rel_diff"] < 1e-6, r
     assert r["before_over_fused"] > 0 and r["no_rows_over_fused"] > 0 and r["before_over_no_rows"] > 0, r
@@ -43,6 +45,25 @@ def test_lm_head_race_in_a_child():
         assert "not installed" in r["liger_skipped"], r
     else:
         assert r["liger_loss_rel_diff"] < 1e-4 and r["liger_over_fused"] > 0, r
+
+
+def test_paired_rounds_share_a_clock_and_alternate_their_order():
+    """Each step once untimed, then one time per round with the order reversed every other round (a contender is
+    not always the one that runs right after the other's heat)."""
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in ("gemms", "fused")}
+    times = races.measure_paired(steps, torch.device("cpu"), rounds=3)
+    assert calls == ["gemms", "fused", "gemms", "fused", "fused", "gemms", "gemms", "fused"], calls
+    assert all(len(t) == 3 and min(t) >= 0 for t in times.values()), times
+
+
+def test_the_heads_time_target_is_judged_on_the_paired_rounds_where_they_ran():
+    met = dict(fused_over_naive_peak=0.11, liger_over_fused=13.0)
+    assert races.lm_head_targets_met(dict(met, fused_over_gemms=1.135, fused_over_gemms_paired=1.09))
+    assert not races.lm_head_targets_met(dict(met, fused_over_gemms=1.09, fused_over_gemms_paired=1.135))
+    assert races.lm_head_targets_met(dict(met, fused_over_gemms=1.09))  # a race without the rounds: the blocks'
+    assert not races.lm_head_targets_met(dict(met, fused_over_gemms=1.09, liger_over_fused=4.0))
+    assert not races.lm_head_targets_met(met)  # no time figure: not met
 
 
 def test_rl_update_race():
