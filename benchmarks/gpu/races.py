@@ -416,7 +416,7 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                    n: int = 8, prompt_len: int = 128, new_tokens: int = 256, grad_accum: int = 2, updates: int = 4,
                    gemm_size: int = 8192, seed: int = 0, gradient_checkpointing: bool = True,
                    liger_kernels: bool = False, profile: bool = True, checkpoint_layers: int | None = None,
-                   compiled: bool = False) -> dict:
+                   compiled: bool = False, auto: bool = False) -> dict:
     """One GRPO step's update (``RLStep.update``: every micro-batch's forward + backward and the optimizer
     step) as the trainer builds it (tests/gpu/test_update_syncs.py): ZeRO-2, bf16 with fp32 master weights,
     gradient checkpointing, a reference model (KL in the loss), the HF engine sharing the actor (which
@@ -430,7 +430,10 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     checkpointed with ``checkpoint_layers``; as MFU without it). With ``profile``, one more update's time by
     kernel (:func:`profile_kernels`): what it spends outside the GEMMs.
     ``liger_kernels``: the actor and reference with Liger-Kernel's RMSNorm, SwiGLU and rotary kernels; ``compiled``:
-    with each decoder layer torch.compiled (``model.compile``; the warm-up update compiles)."""
+    with each decoder layer torch.compiled (``model.compile``; the warm-up update compiles). ``auto``: gradient
+    checkpointing and the micro-batch as the memory plan decides them on this device for
+    ``model.gradient_checkpointing: auto`` and ``trainer.max_tokens_per_microbatch: auto`` (:func:`plan_decided`),
+    instead of ``gradient_checkpointing``, ``checkpoint_layers`` and ``grad_accum``."""
     from benchmarks.e2e_common import even_fraction_reward
     from fastrlhf import distributed as D
     from fastrlhf.config import (
@@ -452,6 +455,11 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     torch_dtype, model = getattr(torch, dtype), model_shape(shape)
     batch = prompts * n
+    decided = None
+    if auto:
+        decided = plan_decided(dev, model, dtype, prompts, n, prompt_len, new_tokens)
+        gradient_checkpointing, checkpoint_layers = decided["gradient_checkpointing"], decided["checkpoint_layers"]
+        grad_accum = decided["grad_accum"]
     trainer = TrainerConfig(max_steps=updates, prompts_per_step=prompts, minibatch_size=batch, grad_accum=grad_accum,
                             ppo_epochs=1, lr=1e-6, kl_coef=LOSS["kl_coef"], kl_kind=LOSS["kl_kind"],
                             clip_low=LOSS["clip_low"], clip_high=LOSS["clip_high"], agg=AGG)
@@ -507,6 +515,8 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
                mfu_target=0.45, gradient_checkpointing=gradient_checkpointing, liger_kernels=liger_kernels,
                checkpoint_layers=checkpoint_layers, compiled=compiled,
                skipped_steps=sum(m.get("skipped", 0) for m in metrics))
+    if decided is not None:
+        out["plan_decided"] = decided
     for key, name in (("memory/train_gib", "update_peak_allocated_gib"), ("memory/peak_reserved_gib",
                                                                          "step_peak_reserved_gib")):
         if key in metrics[-1]:  # CUDA only
@@ -515,6 +525,39 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
         out.update(profile_kernels(lambda: step.update(step_exp[0], updates + 1), engine.device))
     out["targets_met"] = out["mfu"] >= out["mfu_target"]
     return out
+
+
+def plan_decided(dev: torch.device, model: dict, dtype: str, prompts: int, n: int, prompt_len: int,
+                 new_tokens: int, budget_bytes: int | None = None) -> dict:
+    """What ``fastrlhf train`` with ``model.gradient_checkpointing: auto`` and ``trainer.max_tokens_per_microbatch:
+    auto`` runs for :func:`rl_update_race`'s update on this device (``memory.auto``, from the plan of the whole run on
+    one rank: the actor's ZeRO-2 engine, its reference, the HF engine sharing the actor): checkpointing, the layers
+    it covers, and the fewest micro-batches (a divisor of the batch) whose sequences fit the decided tokens.
+    ``budget_bytes``: the plan's budget instead of the device's memory."""
+    from fastrlhf.config import DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig, TrainerConfig
+    from fastrlhf.memory.auto import resolve_auto_settings
+    from fastrlhf.memory.plan import plan_memory
+    from fastrlhf.modeling.tiny import tiny_qwen2_config
+
+    batch, length = prompts * n, prompt_len + new_tokens
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-plan-") as folder:
+        tiny_qwen2_config(**model).save_pretrained(folder)  # config.json only: all the plan reads
+        config = TrainConfig(
+            algorithm="grpo", output_dir="unused", seed=0,
+            model=ModelConfig(path=folder, dtype=dtype, gradient_checkpointing="auto"),
+            data=DataConfig(prompts="unused", max_prompt_len=prompt_len),
+            trainer=TrainerConfig(max_steps=1, prompts_per_step=prompts, minibatch_size=batch, grad_accum=1,
+                                  max_tokens_per_microbatch="auto", kl_coef=LOSS["kl_coef"]),
+            rollout=RolloutConfig(engine="hf", n=n, max_new_tokens=new_tokens),
+            reward=RewardConfig(function="target_token"))
+        plan = plan_memory(config, 1, budget_bytes, device=dev.type)
+        decided, notes = resolve_auto_settings(config, plan)
+    per_micro = max(1, int(decided.trainer.max_tokens_per_microbatch) // length)
+    grad_accum = next(d for d in range(1, batch + 1) if batch % d == 0 and batch // d <= per_micro)
+    return dict(gradient_checkpointing=bool(decided.model.gradient_checkpointing),
+                checkpoint_layers=decided.model.checkpoint_layers, grad_accum=grad_accum,
+                micro_tokens=int(decided.trainer.max_tokens_per_microbatch), plan_gib=round(plan.total / 2**30, 2),
+                budget_gib=round(plan.budget / 2**30, 2), notes=notes)
 
 
 # ------------------------------------------------------------------------------------------------ race 3

@@ -17,10 +17,11 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    token, prompt and completion, runs forward and backward; the LM head only on completion positions, so
    6 x params over-counts it by its share on prompts, about 5% here). Target (issue #43): MFU >= 45%. Run with
    gradient checkpointing (2 micro-batches; and of the first 14 of the 28 layers only, ``model.checkpoint_layers``)
-   and without it (4 micro-batches: the activations of 2 would not fit 80 GB), each with the update's time by
+   and without it (4 micro-batches), each with the update's time by
    kernel (``profile_top``: what it spends outside the GEMMs); and without it with Liger-Kernel's RMSNorm,
    SwiGLU and rotary kernels (``model.liger_kernels``), and with its decoder layers torch.compiled instead
-   (``model.compile``), beside the run without either.
+   (``model.compile``), beside the run without either. ``plan-auto``: checkpointing and micro-batches as the
+   memory plan decides them on the device at hand (``auto`` for both; ``plan_decided`` in the figures).
 3. ``test_grpo_step_vs_trl``: s/step and peak reserved memory of ``fastrlhf train`` (HF engine) and TRL's
    GRPOTrainer (without and with Liger: TRL 1.16 has no ``use_liger_loss``, its ``use_liger_kernel`` swaps in
    Liger's layer kernels and keeps TRL's own fused LM head), 16 prompts x 8 completions of 128 tokens.
@@ -85,17 +86,19 @@ def test_layouts_1_5b_grpo_race_shape(gpu_benchmark):
           targets=False)
 
 
-@pytest.mark.parametrize("checkpointing,liger,layers,compiled",
-                         [(True, False, None, False), (True, False, 14, False), (False, False, None, False),
-                          (False, True, None, False), (False, False, None, True)],
+@pytest.mark.parametrize("checkpointing,liger,layers,compiled,auto",
+                         [(True, False, None, False, False), (True, False, 14, False, False),
+                          (False, False, None, False, False), (False, True, None, False, False),
+                          (False, False, None, True, False), (False, False, None, False, True)],
                          ids=["checkpointing", "checkpointing-14-of-28", "no-checkpointing", "no-checkpointing-liger",
-                              "no-checkpointing-compiled"])
-def test_rl_update_1_5b(gpu_benchmark, checkpointing, liger, layers, compiled):
+                              "no-checkpointing-compiled", "plan-auto"])
+def test_rl_update_1_5b(gpu_benchmark, checkpointing, liger, layers, compiled, auto):
     if liger and importlib.util.find_spec("liger_kernel") is None:
         pytest.skip("liger-kernel is not installed (the gpu-bench extra)")
     _race(gpu_benchmark, "rl_update", dict(device="cuda", shape="qwen2-1.5b", gradient_checkpointing=checkpointing,
                                            grad_accum=2 if checkpointing else 4, liger_kernels=liger,
-                                           checkpoint_layers=layers, compiled=compiled), timeout_s=300)
+                                           checkpoint_layers=layers, compiled=compiled, auto=auto),
+          timeout_s=300)
 
 
 def test_grpo_step_vs_trl(gpu_benchmark):

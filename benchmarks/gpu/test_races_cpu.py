@@ -81,6 +81,24 @@ def test_rl_update_race():
     r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
                              grad_accum=2, updates=2, gemm_size=128, checkpoint_layers=1, profile=False)
     assert r["checkpoint_layers"] == 1 and r["mfu_with_recompute"] == pytest.approx(r["mfu"] * 7 / 6, abs=2e-4), r
+    # auto: as the memory plan decides on this host (roomy for the tiny model): no checkpointing, one micro-batch.
+    r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
+                             grad_accum=2, updates=2, gemm_size=128, auto=True, profile=False)
+    decided = r["plan_decided"]
+    assert decided["grad_accum"] == 1 and r["micro_batch"] == 8 and r["optimizer_steps"] == 1, r
+    assert not decided["gradient_checkpointing"] and not r["gradient_checkpointing"] and r["mfu"] > 0, r
+
+
+def test_the_plan_decides_the_1_5b_updates_checkpointing_and_micro_batches_by_the_devices_memory():
+    """``plan_decided`` at the race's 1.5B shape: a small device checkpoints some layers in small micro-batches,
+    an H200's 141 GiB runs the whole batch in one micro-batch without recompute (the plan only: no model)."""
+    shape = races.model_shape("qwen2-1.5b")
+    small, large = (races.plan_decided(torch.device("cuda"), shape, "bfloat16", 8, 8, 128, 256, budget_bytes=gib << 30)
+                    for gib in (40, 141))
+    assert small["gradient_checkpointing"] and 0 < small["checkpoint_layers"] < 28 and small["grad_accum"] > 2, small
+    assert small["plan_gib"] <= 40 and small["notes"][0].startswith("model.gradient_checkpointing auto: on"), small
+    assert not large["gradient_checkpointing"] and large["checkpoint_layers"] is None, large
+    assert large["grad_accum"] == 1 and large["micro_tokens"] == 64 * 384 and large["plan_gib"] <= 141, large
 
 
 def test_rl_update_race_hands_actor_and_reference_to_liger(monkeypatch):
