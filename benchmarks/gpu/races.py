@@ -327,13 +327,17 @@ def lm_head_race(device: str = "cuda", dtype: str = "bfloat16", batch: int = 16,
         if name != "gemms":
             out[f"{name}_loss"] = float(loss)
     if "fused_time_ms" in out and "gemms_time_ms" in out:  # the target's ratio, round by round on one clock
-        paired = measure_paired({name: LM_HEAD_CONTENDERS[name](x, device) for name in ("gemms", "fused")}, device,
-                                rounds=max(repeats, 2))
+        try:
+            paired = measure_paired({name: LM_HEAD_CONTENDERS[name](x, device) for name in ("gemms", "fused")},
+                                    device, rounds=max(repeats, 2))
+        except torch.OutOfMemoryError:  # both contenders' buffers at once: the blocks' figures still stand
+            out["fused_over_gemms_paired_error"], paired = "out of memory", None
         _clear_grads(x)
-        ratios = [f / g for f, g in zip(paired["fused"], paired["gemms"], strict=True)]
-        out["fused_over_gemms_paired"] = round(statistics.median(ratios), 4)
-        out["fused_over_gemms_paired_rounds"] = [round(r, 4) for r in ratios]
         free_device_memory(device)
+        if paired is not None:
+            ratios = [f / g for f, g in zip(paired["fused"], paired["gemms"], strict=True)]
+            out["fused_over_gemms_paired"] = round(statistics.median(ratios), 4)
+            out["fused_over_gemms_paired_rounds"] = [round(r, 4) for r in ratios]
     for name in ("fused", "fused_before"):  # the profile's top kernels after and before issue #43's steps
         if profile and name in contenders:
             out.update({f"{name}_{k}": v for k, v in profile_kernels(LM_HEAD_CONTENDERS[name](x, device),
