@@ -20,6 +20,7 @@ allocator's blocks) reaches the next one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import inspect
@@ -440,14 +441,6 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     instead of ``gradient_checkpointing``, ``checkpoint_layers`` and ``grad_accum``."""
     from benchmarks.e2e_common import even_fraction_reward
     from fastrlhf import distributed as D
-    from fastrlhf.config import (
-        DataConfig,
-        ModelConfig,
-        RewardConfig,
-        RolloutConfig,
-        TrainConfig,
-        TrainerConfig,
-    )
     from fastrlhf.memory.components import checkpointed_layers
     from fastrlhf.modeling.tiny import count_parameters
     from fastrlhf.rl.rewards import RewardScorer
@@ -464,15 +457,9 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
         decided = plan_decided(dev, model, dtype, prompts, n, prompt_len, new_tokens)
         gradient_checkpointing, checkpoint_layers = decided["gradient_checkpointing"], decided["checkpoint_layers"]
         grad_accum = decided["grad_accum"]
-    trainer = TrainerConfig(max_steps=updates, prompts_per_step=prompts, minibatch_size=batch, grad_accum=grad_accum,
-                            ppo_epochs=1, lr=1e-6, kl_coef=LOSS["kl_coef"], kl_kind=LOSS["kl_kind"],
-                            clip_low=LOSS["clip_low"], clip_high=LOSS["clip_high"], agg=AGG)
-    config = TrainConfig(output_dir="unused",
-                         model=ModelConfig(path="unused", gradient_checkpointing=gradient_checkpointing,
-                                           checkpoint_layers=checkpoint_layers, compile=compiled),
-                         data=DataConfig(prompts="unused"), trainer=trainer, algorithm="grpo", seed=seed,
-                         rollout=RolloutConfig(n=n, max_new_tokens=new_tokens, max_logprob_mismatch=None),
-                         reward=RewardConfig(function="target_token"))
+    config = update_config(dtype, prompts, n, prompt_len, new_tokens, grad_accum, updates, seed,
+                           gradient_checkpointing=gradient_checkpointing, checkpoint_layers=checkpoint_layers,
+                           compile=compiled)
     engine, reference, guard = actor_engine(dev, torch_dtype, model, seed, 1e-6, batch // grad_accum, grad_accum,
                                             gradient_checkpointing, liger_kernels, checkpoint_layers, compiled)
     actor, params = engine.module, count_parameters(engine.module)
@@ -531,14 +518,29 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     return out
 
 
+def update_config(dtype: str, prompts: int, n: int, prompt_len: int, new_tokens: int, grad_accum: int = 1,
+                  updates: int = 1, seed: int = 0, path: str = "unused", **model_fields):
+    """The ``TrainConfig`` of :func:`rl_update_race`'s GRPO run (the HF engine, sharing the actor), which
+    :func:`plan_decided` plans as well; ``model_fields``: the ``ModelConfig``'s others."""
+    from fastrlhf.config import DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig, TrainerConfig
+
+    trainer = TrainerConfig(max_steps=updates, prompts_per_step=prompts, minibatch_size=prompts * n,
+                            grad_accum=grad_accum, ppo_epochs=1, lr=1e-6, kl_coef=LOSS["kl_coef"],
+                            kl_kind=LOSS["kl_kind"], clip_low=LOSS["clip_low"], clip_high=LOSS["clip_high"], agg=AGG)
+    return TrainConfig(output_dir="unused", model=ModelConfig(path=path, dtype=dtype, **model_fields),
+                       data=DataConfig(prompts="unused", max_prompt_len=prompt_len), trainer=trainer,
+                       algorithm="grpo", seed=seed,
+                       rollout=RolloutConfig(engine="hf", n=n, max_new_tokens=new_tokens, max_logprob_mismatch=None),
+                       reward=RewardConfig(function="target_token"))
+
+
 def plan_decided(dev: torch.device, model: dict, dtype: str, prompts: int, n: int, prompt_len: int,
                  new_tokens: int, budget_bytes: int | None = None) -> dict:
     """What ``fastrlhf train`` with ``model.gradient_checkpointing: auto`` and ``trainer.max_tokens_per_microbatch:
     auto`` runs for :func:`rl_update_race`'s update on this device (``memory.auto``, from the plan of the whole run on
-    one rank: the actor's ZeRO-2 engine, its reference, the HF engine sharing the actor): checkpointing, the layers
-    it covers, and the fewest micro-batches (a divisor of the batch) whose sequences fit the decided tokens.
-    ``budget_bytes``: the plan's budget instead of the device's memory."""
-    from fastrlhf.config import DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig, TrainerConfig
+    one rank, :func:`update_config`: the actor's ZeRO-2 engine, its reference, the HF engine sharing the actor):
+    checkpointing, the layers it covers, and the fewest micro-batches (a divisor of the batch) whose sequences fit
+    the decided tokens. ``budget_bytes``: the plan's budget instead of the device's memory."""
     from fastrlhf.memory.auto import resolve_auto_settings
     from fastrlhf.memory.plan import plan_memory
     from fastrlhf.modeling.tiny import tiny_qwen2_config
@@ -546,14 +548,9 @@ def plan_decided(dev: torch.device, model: dict, dtype: str, prompts: int, n: in
     batch, length = prompts * n, prompt_len + new_tokens
     with tempfile.TemporaryDirectory(prefix="bench-gpu-plan-") as folder:
         tiny_qwen2_config(**model).save_pretrained(folder)  # config.json only: all the plan reads
-        config = TrainConfig(
-            algorithm="grpo", output_dir="unused", seed=0,
-            model=ModelConfig(path=folder, dtype=dtype, gradient_checkpointing="auto"),
-            data=DataConfig(prompts="unused", max_prompt_len=prompt_len),
-            trainer=TrainerConfig(max_steps=1, prompts_per_step=prompts, minibatch_size=batch, grad_accum=1,
-                                  max_tokens_per_microbatch="auto", kl_coef=LOSS["kl_coef"]),
-            rollout=RolloutConfig(engine="hf", n=n, max_new_tokens=new_tokens),
-            reward=RewardConfig(function="target_token"))
+        config = update_config(dtype, prompts, n, prompt_len, new_tokens, path=folder, gradient_checkpointing="auto")
+        config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer,
+                                                                          max_tokens_per_microbatch="auto"))
         plan = plan_memory(config, 1, budget_bytes, device=dev.type)
         decided, notes = resolve_auto_settings(config, plan)
     per_micro = max(1, int(decided.trainer.max_tokens_per_microbatch) // length)
