@@ -85,17 +85,8 @@ def measure(step, device: torch.device, warmup: int = 1, repeats: int = 5) -> tu
         last = step()
     times = []
     for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            last = step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            last = step()
-            times.append((time.perf_counter() - t0) * 1e3)
+        ms, last = _timed_ms(step, cuda)
+        times.append(ms)
     peak = (torch.cuda.max_memory_allocated(device) - base) / MIB if cuda else None
     return {"time_ms": statistics.median(times), "times_ms": [round(t, 3) for t in times], "peak_mib": peak}, last
 
@@ -113,18 +104,22 @@ def measure_paired(steps: dict, device: torch.device, rounds: int = 5) -> dict[s
     sync(device)
     for i in range(rounds):
         for name in names if i % 2 == 0 else reversed(names):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                steps[name]()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                steps[name]()
-                times[name].append((time.perf_counter() - t0) * 1e3)
+            times[name].append(_timed_ms(steps[name], cuda)[0])
     return times
+
+
+def _timed_ms(step, cuda: bool) -> tuple[float, object]:
+    """One call of ``step``: its milliseconds (between CUDA events on a GPU, the wall clock elsewhere) and value."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        value = step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), value
+    t0 = time.perf_counter()
+    value = step()
+    return (time.perf_counter() - t0) * 1e3, value
 
 
 def gemm_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = torch.bfloat16, repeats: int = 10
