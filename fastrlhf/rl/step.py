@@ -157,7 +157,8 @@ class RLStep:
         with clock("generate"):
             if not self.rollout_shares_actor:  # its device memory is the update's until the sync
                 self.rollout.sleep()
-                empty_device_cache(self.device)
+                if self.rollout.sleep_frees_device:
+                    empty_device_cache(self.device)
         with clock("score"):
             with clock("reward"):
                 exp = build_experience(prompts, completions, self.pad_token_id, self.device)
@@ -425,7 +426,8 @@ class RLStep:
         from fastrlhf.rollout.weight_sync import sync_weights
 
         source, bucket = getattr(self.actor, "engine", self.actor.module), self.config.rollout.sync_bucket_bytes
-        empty_device_cache(self.device)  # the update's activations and logits go before the weights come back
+        if self.rollout.sleep_frees_device:  # the update's activations and logits go before the weights come back
+            empty_device_cache(self.device)
         self.rollout.wake_up(("weights",))
         if clock is not None:
             clock.restart_peak("sync")

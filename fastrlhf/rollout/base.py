@@ -152,6 +152,10 @@ class RolloutEngine(abc.ABC):
 
     needs_sync = False  # True while the engine waits for update_weights before it may generate (see sleep)
     sync_at_start = False  # whether the trainer should sync once before the first step (VLLMEngine on CPU)
+    # Whether sleep() gives device memory back (vLLM's sleep mode on CUDA). Only then does the trainer empty its
+    # allocator's cache around the update, for the engine to take the memory back at wake: for an engine that keeps
+    # its memory the emptied blocks serve nobody, and the next update pays for its cudaMallocs again.
+    sleep_frees_device = False
 
     def sleep(self) -> None:  # noqa: B027 (engines without a sleep mode stay awake)
         """Free the engine's device memory (weights to host, KV cache dropped) until the next use; an

@@ -62,6 +62,10 @@ class TensorParallelGroup(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
 
+    @property
+    def sleep_frees_device(self) -> bool:
+        return self.engine.sleep_frees_device
+
     def sleep(self) -> None:
         self.engine.sleep()
 

@@ -231,6 +231,10 @@ class VLLMEngine(RolloutEngine):
         in-place ones, which ``sleep()`` can release: the trainer syncs once at start."""
         return not self.on_cuda
 
+    @property
+    def sleep_frees_device(self) -> bool:
+        return self.sleep_mode  # vLLM's sleep mode runs on CUDA only (llm_kwargs)
+
     def sleep(self) -> None:
         if self.sleep_mode and not self._asleep:
             self._check_open()

@@ -96,15 +96,21 @@ def _colocated_step(engine_cls, monkeypatch, log, **config):
     return rl, actor, engine
 
 
-def test_a_step_sleeps_after_generating_and_wakes_weights_then_kv_cache_around_the_sync(monkeypatch):
+@pytest.mark.parametrize("frees", [True, False], ids=["sleep-frees-memory", "sleep-keeps-memory"])
+def test_a_step_sleeps_after_generating_and_wakes_weights_then_kv_cache_around_the_sync(monkeypatch, frees):
+    """The allocator's cache is emptied around the update only for an engine whose sleep gives device memory back
+    (vLLM's sleep mode): for one that keeps it, the emptied blocks would serve nobody and the next update would
+    cudaMalloc them again (measured as the step's memory/<stage>_cuda_mallocs on a GPU)."""
     log = []
     rl, actor, engine = _colocated_step(RecordingEngine, monkeypatch, log)
+    engine.sleep_frees_device = frees
     for step in (1, 2):
         metrics = rl(PROMPTS, None, step=step)
         assert metrics["skipped"] == 0.0 and metrics["logprob_mismatch_mean"] < 1e-4  # the engine is current
-    one_step = ["generate", "sleep", "empty_cache",  # generation's memory goes back before scoring and the update
+    empty = ["empty_cache"] if frees else []
+    one_step = ["generate", "sleep", *empty,  # generation's memory goes back before scoring and the update
                 "actor_logprobs:2",  # the stale-engine probe: on-policy, 2 sequences re-scored by the actor
-                "empty_cache", "wake:weights", "update_weights", "wake:kv_cache"]
+                *empty, "wake:weights", "update_weights", "wake:kv_cache"]
     assert log == one_step * 2
     assert all(torch.equal(a, b) for a, b in zip(actor.state_dict().values(), engine.model.state_dict().values(),
                                                    strict=True))
@@ -164,6 +170,8 @@ class FakeCudaCounters:
 
 class SleepPoolEngine(RecordingEngine):
     """A vLLM-like engine on the fake counters: its pool leaves the device at sleep, not the counters."""
+
+    sleep_frees_device = True
 
     def __init__(self, model, log, counters):
         super().__init__(model, log)
@@ -276,7 +284,7 @@ def test_an_engine_generating_with_other_weights_stops_the_run_before_training_o
     with pytest.raises(StepFailed, match=r"differ from the actor's by .* \(rollout.max_logprob_mismatch 0.5\)"):
         rl(PROMPTS, None, step=2)
     assert changed(before, actor) == 0.0  # nothing was trained on the stale engine's completions
-    assert log[-2:] == ["empty_cache", "actor_logprobs:2"]
+    assert log[-2:] == ["sleep", "actor_logprobs:2"]  # the probe ran right after generating, before any update
     # Only logged, not stopped, when asked to (or under top-k / top-p, whose logprobs are renormalised).
     log.clear()
     rl, _, _ = _colocated_step(BrokenWakeEngine, monkeypatch, log, max_logprob_mismatch=None)
@@ -485,3 +493,17 @@ def test_on_cuda_a_sync_after_sleep_that_leaves_weights_unwritten_is_refused(tmp
     engine.update_weights(weights(whole))
     assert not engine.needs_sync
     engine.update_weights(weights(10))  # awake, a partial update changes only what it carries: allowed
+
+
+def test_only_vllms_sleep_mode_frees_device_memory_at_sleep():
+    """What decides whether a step empties the allocator's cache around the update (see above)."""
+    from fastrlhf.rollout import VLLMEngine
+    from fastrlhf.rollout.tensor_parallel import TensorParallelGroup
+
+    assert HFEngine(tiny_actor()).sleep_frees_device is False
+    for sleep_mode in (True, False):
+        engine = VLLMEngine.__new__(VLLMEngine)  # no engine started: the answer is its sleep mode's
+        engine.sleep_mode = sleep_mode
+        group = TensorParallelGroup.__new__(TensorParallelGroup)
+        group.engine = engine
+        assert engine.sleep_frees_device is sleep_mode and group.sleep_frees_device is sleep_mode
