@@ -117,8 +117,9 @@ def row_loss_specs(logits_dtype: str, block_v: int, every_option: bool = False):
     ptr = _POINTER[logits_dtype]
     sig = {"logits_ptr": ptr, "stride_row": "i64", "labels_ptr": "*i64", "old_ptr": "*fp32", "adv_ptr": "*fp32",
            "w_ptr": "*fp32", "ref_ptr": "*fp32", "out_ptr": ptr, "stride_out_row": "i64", "sums_ptr": "*fp32",
-           "V": "i32", "inv_temperature": "fp32", "clip_low": "fp32", "clip_high": "fp32", "dual_clip": "fp32",
-           "kl_coef": "fp32", "entropy_coef": "fp32", "tau_pos": "fp32", "tau_neg": "fp32"}
+           "n_rows": "i32", "num_programs": "i32", "V": "i32", "inv_temperature": "fp32", "clip_low": "fp32",
+           "clip_high": "fp32", "dual_clip": "fp32", "kl_coef": "fp32", "entropy_coef": "fp32", "tau_pos": "fp32",
+           "tau_neg": "fp32"}
     k3, vanilla = KL_KIND_CODES["k3"], POLICY_LOSS_CODES["vanilla"]
     options = [(True, True, k3, False, True, vanilla), (True, True, k3, False, False, vanilla)]
     options += [(True, True, k3, False, True, code) for loss, code in POLICY_LOSS_CODES.items() if loss != "vanilla"]
@@ -158,6 +159,8 @@ def compile_all(
     """
     import triton
 
+    from .policy_loss_triton import LOOPING_BLOCK_V
+
     results = []
     # The row kernel's every option once: in bf16 (what GPU runs take) at the first block size.
     every_option_at = ("bfloat16" if "bfloat16" in logits_dtypes else logits_dtypes[0], block_sizes[0])
@@ -173,6 +176,11 @@ def compile_all(
                     info = compile_for_target(fn, sig, constexprs, capability, warps)
                     results.append({"kernel": label, "sm": capability, "block_v": block_v,
                                     "triton": triton.__version__, **info})
+        if "bfloat16" in logits_dtypes:  # the row kernel looping on a few programs (PATHS.row_programs_per_sm)
+            for label, fn, sig, constexprs, warps in row_loss_specs("bfloat16", LOOPING_BLOCK_V):
+                results.append({"kernel": label, "sm": capability, "block_v": LOOPING_BLOCK_V,
+                                "triton": triton.__version__,
+                                **compile_for_target(fn, sig, constexprs, capability, warps)})
     return results
 
 

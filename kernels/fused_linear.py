@@ -75,6 +75,7 @@ from .fused_linear_chunks import (
     _SoftmaxBuffers,
     accumulates_in_gemm,
     logits_dtype,
+    row_programs,
     scale_and_cast,
 )
 
@@ -364,7 +365,9 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             old, ref = (None if t is None else t[start:stop] for t in (old_logprobs, ref_logprobs))
             if rows_fn is not None:  # statistics, loss and dlogits (in place) in one launch
                 chunk_loss, chunk_sums = rows_fn(logits, lab, old, advantages[start:stop], weights[start:stop], ref,
-                                                 temperature, out=logits if grads.any else None, **loss_kwargs)
+                                                 temperature, out=logits if grads.any else None,
+                                                 programs=row_programs(logits.device) if grads.any else None,
+                                                 **loss_kwargs)
                 dlogits = logits
             else:
                 shift = shift_buf[: stop - start]

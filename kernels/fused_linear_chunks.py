@@ -22,11 +22,19 @@ class FusedLinearPaths:
     (CUDA, bf16/fp16 heads; :func:`accumulates_in_gemm`). ``one_pass_rows``: each chunk's statistics, loss and
     ``dlogits`` in one Triton launch (the vanilla policy loss; ``policy_loss_triton.triton_row_loss_and_grad``)
     instead of the stats, token-loss and gradient launches. ``cast_kernel``: the backward's scale and cast of the
-    fp32 sums by the Triton backend's own kernel (``grad_cast_triton.py``) instead of torch's ``mul``."""
+    fp32 sums by the Triton backend's own kernel (``grad_cast_triton.py``) instead of torch's ``mul``.
+    ``row_programs_per_sm``: on CUDA, the row kernel that writes ``dlogits`` runs that many programs per SM, each
+    looping over rows with larger blocks (:func:`row_programs`); 0 (the default): one program per row. A row is
+    read twice (statistics, then gradient): with a program per row about eight run on each SM at once, 1,056 rows
+    of the 7B head's 152,064 bf16 logits on an H100 (321 MB), far more than its 50 MB L2, so the second read may
+    come from HBM; with one per SM, 132 rows (40 MB) are in flight and the second read can find its row in L2, but
+    each SM has one program's loads to hide the memory's latency. Off until a GPU race says which is faster
+    (``benchmarks/gpu/races.py``: ``fused_rows_1_per_sm``, ``fused_rows_2_per_sm``)."""
 
     gemm_fp32_sum: bool = True
     one_pass_rows: bool = True
     cast_kernel: bool = True
+    row_programs_per_sm: int = 0
 
 
 PATHS = FusedLinearPaths()
@@ -34,19 +42,29 @@ PATHS = FusedLinearPaths()
 
 @contextlib.contextmanager
 def fused_linear_paths(**paths: bool):
-    """Within the block, :data:`PATHS` with these fields changed (``one_pass_rows=False``: the three launches)."""
+    """Within the block, :data:`PATHS` with these fields changed (``one_pass_rows=False``: the three launches), each
+    to its field's type."""
     names = [f.name for f in dataclasses.fields(PATHS)]
     unknown = sorted(set(paths) - set(names))
     if unknown:
         raise ValueError(f"no fused-linear path {', '.join(map(repr, unknown))}; expected one of {', '.join(names)}")
     saved = dataclasses.replace(PATHS)
     try:
-        for name, on in paths.items():
-            setattr(PATHS, name, bool(on))
+        for name, value in paths.items():
+            setattr(PATHS, name, type(getattr(saved, name))(value))
         yield PATHS
     finally:
         for field in dataclasses.fields(PATHS):
             setattr(PATHS, field.name, getattr(saved, field.name))
+
+
+def row_programs(device: torch.device) -> int | None:
+    """The row kernel's grid when it writes ``dlogits``: :attr:`FusedLinearPaths.row_programs_per_sm` programs per
+    SM on CUDA (the count is the device's property, read on the host without a sync); None (one program per row)
+    when that is 0 or off CUDA."""
+    if device.type != "cuda" or PATHS.row_programs_per_sm <= 0:
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count * PATHS.row_programs_per_sm
 
 
 class _SoftmaxBuffers:

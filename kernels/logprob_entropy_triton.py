@@ -35,7 +35,7 @@ def default_block_v(vocab_size: int, on_gpu: bool | None = None) -> int:
 
 
 def _num_warps(block_v: int) -> int:
-    return 16 if block_v >= 8192 else 8 if block_v >= 2048 else 4
+    return 32 if block_v >= 16384 else 16 if block_v >= 8192 else 8 if block_v >= 2048 else 4
 
 
 @functools.cache

@@ -9,8 +9,9 @@ Two kernels share that math (``policy_loss_triton_jit._token_loss_math``, one ``
 * ``rows``: one program per row of logits does the whole chunk step: the row's softmax statistics (the
   online pass of ``logprob_entropy_triton.py``'s ``stats``), its token's loss and gradients, then its
   ``dlogits`` (the ``grad`` pass), in one launch per chunk instead of three plus a sum, and with the row's
-  second read straight after its first, from the GPU's L2 cache when the row fits there. A masked row reads
-  nothing and writes zeros (:func:`triton_row_loss_and_grad`).
+  second read straight after its first, from the GPU's L2 cache when the rows read at once fit there (launched
+  with one program per SM, each looping over rows). A masked row reads nothing and writes zeros
+  (:func:`triton_row_loss_and_grad`).
 
 Their reference is :func:`fastrlhf.kernels.policy_loss.policy_loss_from_token_stats` (autograd through
 ``fastrlhf.algorithms``, where the formulas live) and, for ``rows``, the stats and gradient primitives of
@@ -35,7 +36,7 @@ from fastrlhf.algorithms.logprobs import _KL_ALIASES, K3_CLAMP, LOG_RATIO_CLAMP
 
 from ._checks import check_token_inputs
 
-__all__ = ["KL_KIND_CODES", "POLICY_LOSS_CODES", "SUM_COLUMNS", "token_loss_kernels",
+__all__ = ["KL_KIND_CODES", "LOOPING_BLOCK_V", "POLICY_LOSS_CODES", "SUM_COLUMNS", "row_block_v", "token_loss_kernels",
            "triton_policy_loss_from_token_stats", "triton_row_loss_and_grad"]
 
 # KL kind -> the kernels' KL_KIND constexpr.
@@ -46,6 +47,9 @@ POLICY_LOSS_CODES = {"vanilla": 0, "cispo": 1, "sapo": 2}
 # policy_loss.METRIC_SUM_KEYS.
 SUM_COLUMNS = ("loss", "clipped", "approx_kl", "entropy", "kl", "count")
 BLOCK = 1024
+# The row kernel's block on a GPU when few programs loop over the rows (``programs``): 32 KB of bf16 logits per load
+# round and 32 warps, so that a program per SM keeps enough bytes in flight without more rows in L2 at once.
+LOOPING_BLOCK_V = 16384
 
 
 @functools.cache
@@ -115,16 +119,28 @@ def triton_policy_loss_from_token_stats(logprobs, entropy, old_logprobs, advanta
     return loss, grad_lp, grad_ent, metric_sums
 
 
+def row_block_v(vocab_size: int, programs: int | None, on_gpu: bool) -> int:
+    """The row kernel's BLOCK_V: :data:`LOOPING_BLOCK_V` (no wider than the vocabulary's next power of two) where a
+    few programs loop over the rows on a GPU, else the softmax kernels' (``logprob_entropy_triton.default_block_v``)."""
+    from .logprob_entropy_triton import _next_power_of_2, default_block_v
+
+    if programs is not None and on_gpu:
+        return min(LOOPING_BLOCK_V, _next_power_of_2(vocab_size))
+    return default_block_v(vocab_size, on_gpu=on_gpu)
+
+
 def triton_row_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_logprobs, temperature, *,
                              out=None, clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_kind="k3",
-                             entropy_coef=0.0, policy_loss="vanilla", policy_loss_args=None, block_v=None):
+                             entropy_coef=0.0, policy_loss="vanilla", policy_loss_args=None, block_v=None,
+                             programs=None):
     """A chunk's policy loss straight from its ``[n, V]`` logits, in one launch: ``(loss, metric_sums)`` as
     :func:`fastrlhf.kernels.policy_loss.policy_loss_from_token_stats` returns them of the logits' logprobs and
     entropies, and, where ``out`` is given (``[n, V]``, the logits themselves for in place), ``dlogits`` written
     there as ``logprob_entropy_grad`` writes them from that loss's per-token gradients (the entropy's only where
     ``entropy_coef`` is not 0). Labels are not checked here (the caller checks them once); the policy losses of
-    :data:`POLICY_LOSS_CODES`."""
-    from .logprob_entropy_triton import _num_warps, default_block_v
+    :data:`POLICY_LOSS_CODES`. ``programs``: launch that many programs, each taking every ``programs``-th row,
+    with blocks of :data:`LOOPING_BLOCK_V` on a GPU (None: one per row); the results do not depend on it."""
+    from .logprob_entropy_triton import _num_warps
 
     loss_kw = _check_loss_options(policy_loss, dual_clip, kl_kind, "the Triton row loss", policy_loss_args)
     n, v = logits.shape
@@ -133,12 +149,15 @@ def triton_row_loss_and_grad(logits, labels, old_logprobs, advantages, weights, 
     # Every row writes its six sums (a masked row zeros), so no zeros pass; with no row, one row of zeros.
     sums = (torch.empty if n else torch.zeros)(max(n, 1), len(SUM_COLUMNS), dtype=torch.float32, device=logits.device)
     if n:
-        block = block_v or default_block_v(v, on_gpu=logits.is_cuda)
+        if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+            raise ValueError(f"programs must be a positive int or None (one per row), got {programs!r}")
+        block = block_v or row_block_v(v, programs, on_gpu=logits.is_cuda)
+        grid = n if programs is None else min(n, programs)
         w = _f32(weights)
-        token_loss_kernels().rows[(n,)](
+        token_loss_kernels().rows[(grid,)](
             logits, logits.stride(0), labels, w if old_logprobs is None else _f32(old_logprobs), _f32(advantages), w,
             w if ref_logprobs is None else _f32(ref_logprobs), logits if out is None else out,
-            logits.stride(0) if out is None else out.stride(0), sums,
+            logits.stride(0) if out is None else out.stride(0), sums, n, grid,
             v, 1.0 / temperature, float(clip_low), float(clip_high), float(dual_clip or 0.0), float(kl_coef),
             float(entropy_coef), HAS_OLD=old_logprobs is not None, HAS_REF=ref_logprobs is not None, **loss_kw,
             NEED_GRAD=out is not None, LOG_RATIO_MAX=LOG_RATIO_CLAMP, K3_MAX=K3_CLAMP, BLOCK_V=block,

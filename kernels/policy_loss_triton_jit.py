@@ -116,27 +116,41 @@ def _token_loss_kernel(
 @triton.jit
 def _row_loss_kernel(
     logits_ptr, stride_row, labels_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, out_ptr, stride_out_row, sums_ptr,
+    n_rows, num_programs, V, inv_temperature, clip_low, clip_high, dual_clip, kl_coef, entropy_coef, tau_pos, tau_neg,
+    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_KIND: tl.constexpr, HAS_DUAL: tl.constexpr,
+    LOSS_KIND: tl.constexpr, NEED_GRAD: tl.constexpr, LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # Program p takes rows p, p + num_programs, ...: one each when launched with a program per row, several when
+    # fewer run (a program per SM), so that the rows being read at once fit in L2 for their second read.
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, num_programs):
+        _row_loss_one_row(logits_ptr + row * stride_row, labels_ptr + row, old_ptr + row, adv_ptr + row, w_ptr + row,
+                          ref_ptr + row, out_ptr + row * stride_out_row, sums_ptr + row * 6,
+                          V, inv_temperature, clip_low, clip_high, dual_clip, kl_coef, entropy_coef, tau_pos, tau_neg,
+                          HAS_OLD, HAS_REF, KL_KIND, HAS_DUAL, LOSS_KIND, NEED_GRAD, LOG_RATIO_MAX, K3_MAX, BLOCK_V)
+
+
+@triton.jit
+def _row_loss_one_row(
+    row_ptr, label_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, out_row_ptr, sums_row,
     V, inv_temperature, clip_low, clip_high, dual_clip, kl_coef, entropy_coef, tau_pos, tau_neg,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_KIND: tl.constexpr, HAS_DUAL: tl.constexpr,
     LOSS_KIND: tl.constexpr, NEED_GRAD: tl.constexpr, LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    out_row_ptr = out_ptr + row * stride_out_row
-    sums_row = sums_ptr + row * 6
-    w = tl.load(w_ptr + row)
+    """One row of :func:`_row_loss_kernel`; the pointers are the row's own."""
+    w = tl.load(w_ptr)
     if w > 0:
         lse, ent = row_softmax_stats(row_ptr, V, inv_temperature, BLOCK_V)
-        label = tl.load(labels_ptr + row)
+        label = tl.load(label_ptr)
         lp = tl.load(row_ptr + label).to(tl.float32) * inv_temperature - lse
-        adv = tl.load(adv_ptr + row)
+        adv = tl.load(adv_ptr)
         if HAS_OLD:
-            old = tl.load(old_ptr + row)
+            old = tl.load(old_ptr)
         else:
             old = lp
         if HAS_REF:
-            ref = tl.load(ref_ptr + row)
+            ref = tl.load(ref_ptr)
         else:
             ref = lp
         loss, g_lp, is_clipped, kl = _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip,
@@ -156,7 +170,7 @@ def _row_loss_kernel(
         for k in range(0, 6):
             tl.store(sums_row + k, 0.0)
         if NEED_GRAD:
-            zeros = tl.zeros([BLOCK_V], tl.float32).to(out_ptr.dtype.element_ty)
+            zeros = tl.zeros([BLOCK_V], tl.float32).to(out_row_ptr.dtype.element_ty)
             for start in range(0, V, BLOCK_V):
                 idx = start + tl.arange(0, BLOCK_V)
                 tl.store(out_row_ptr + idx, zeros, mask=idx < V)

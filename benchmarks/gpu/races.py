@@ -283,9 +283,15 @@ def _gemms_step(x: dict, device):
 # grad_weight GEMM that adds into the fp32 sum took 0.6 ms more than the one that writes it (H100, 2026-11-28), at
 # a larger logits buffer; timed beside the default so that the budget is chosen from a measurement.
 CHUNK_VARIANTS = {"fused_3_chunks": 3, "fused_2_chunks": 2}
+# The row kernel with one or two programs per SM, each looping over rows, instead of one per row (about eight rows
+# per SM at once: 321 MB at the 7B head, far more than an H100's 50 MB L2): 40 MB of rows in flight with one, so a
+# row's second read finds it in L2, 80 MB with two, and twice the loads to hide the memory's latency.
+ROW_GRID_VARIANTS = {"fused_rows_1_per_sm": dict(row_programs_per_sm=1),
+                     "fused_rows_2_per_sm": dict(row_programs_per_sm=2)}
 LM_HEAD_CONTENDERS = {"fused": _fused_step, "naive": _naive_step, "liger": _liger_step, "gemms": _gemms_step,
                       **{name: functools.partial(_fused_step, **paths) for name, paths in BEFORE_PATHS.items()},
                       **{name: functools.partial(_fused_step, chunks=n) for name, n in CHUNK_VARIANTS.items()},
+                      **{name: functools.partial(_fused_step, **paths) for name, paths in ROW_GRID_VARIANTS.items()},
                       "fused_fp32_logits": functools.partial(_fused_step, fp32_logits=True)}
 LM_HEAD_TARGETS = dict(fused_over_gemms_max=1.10, fused_over_naive_peak_max=0.2, liger_over_fused_min=5.0)
 
@@ -349,10 +355,12 @@ def lm_head_race(device: str = "cuda", dtype: str = "bfloat16", batch: int = 16,
     for name in CHUNK_VARIANTS:  # above 1: fewer chunks are faster; their peaks are in *_peak_mib
         _ratio(out, f"fused_over_{name.removeprefix('fused_')}", "fused_time_ms", f"{name}_time_ms")
     _ratio(out, "no_rows_over_fused", "fused_no_rows_time_ms", "fused_time_ms")  # the row kernel's gain
+    for name in ROW_GRID_VARIANTS:  # above 1: the row kernel looping on a program per SM (or two) is faster
+        _ratio(out, f"fused_over_{name.removeprefix('fused_')}", "fused_time_ms", f"{name}_time_ms")
     _ratio(out, "before_over_no_rows", "fused_before_time_ms", "fused_no_rows_time_ms")  # the GEMM's fp32 sum's
     _ratio(out, "fp32_logits_over_fused", "fused_fp32_logits_time_ms", "fused_time_ms")  # model.fp32_logits' cost
     fused = out.get("fused_loss")
-    for name in ("naive", "liger", *BEFORE_PATHS, *CHUNK_VARIANTS, "fused_fp32_logits"):  # the same loss, not nine
+    for name in ("naive", "liger", *BEFORE_PATHS, *CHUNK_VARIANTS, *ROW_GRID_VARIANTS, "fused_fp32_logits"):
         if fused is not None and f"{name}_loss" in out:
             out[f"{name}_loss_rel_diff"] = abs(out[f"{name}_loss"] - fused) / max(abs(fused), 1e-12)
     out.update(LM_HEAD_TARGETS)

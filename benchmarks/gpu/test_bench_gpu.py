@@ -8,7 +8,9 @@ benchmark fixture's own time is the child's wall time, start-up included: not a 
    <= 1.10x the GEMMs' time (the median ratio of rounds that time both one after the other, so the clock's drift
    between two blocks of repeats does not count), fused peak <= 0.2x naive's, Liger >= 5x fused's time. Issue
    #43's before and after, side by side: fused with the three softmax launches per chunk instead of the row kernel
-   (``fused_no_rows``) and, besides, with grad_weight summed through a bf16 scratch (``fused_before``). Then the
+   (``fused_no_rows``) and, besides, with grad_weight summed through a bf16 scratch (``fused_before``); the row
+   kernel with one or two programs per SM looping over rows (``fused_rows_1_per_sm``, ``fused_rows_2_per_sm``)
+   instead of one per row, so that a row's second read finds it in L2. Then the
    CUDA time by kernel of one fused step after and before (``fused_profile_top``, ``fused_before_profile_top``:
    the ten largest; issue #43's first step). And what ``model.fp32_logits`` costs: the fused step with the
    chunk's logits in fp32 (``fused_fp32_logits``, ``fp32_logits_over_fused``).

@@ -34,6 +34,9 @@ def test_lm_head_race_in_a_child():
     assert r["fused_no_rows_loss_rel_diff"] < 1e-6 and r["fused_before_loss_rel_diff"] < 1e-6, r
     assert r["before_over_fused"] > 0 and r["no_rows_over_fused"] > 0 and r["before_over_no_rows"] > 0, r
     assert r["fused_torch_cast_loss_rel_diff"] < 1e-6 and r["torch_cast_over_fused"] > 0, r
+    # the row kernel looping on one or two programs per SM (on CUDA) beside a program per row: the same loss
+    assert r["fused_rows_1_per_sm_loss_rel_diff"] < 1e-6 and r["fused_over_rows_1_per_sm"] > 0, r
+    assert r["fused_rows_2_per_sm_loss_rel_diff"] < 1e-6 and r["fused_over_rows_2_per_sm"] > 0, r
     # fewer, longer chunks than the budget's, timed beside it: the same loss
     assert r["fused_2_chunks_loss_rel_diff"] < 1e-5 and r["fused_over_2_chunks"] > 0, r
     assert r["fused_3_chunks_loss_rel_diff"] < 1e-5 and r["fused_over_3_chunks"] > 0, r

@@ -95,17 +95,19 @@ def test_fused_policy_loss_at_v151936(where, backend, dtype):
     close(got[0], want[0], dtype, "grad of the logits")
 
 
-# Triton's chunk step as one row kernel (the default) and as the three launches it replaces; torch has one path.
-@pytest.mark.parametrize("backend,one_pass_rows", [("triton", True), ("triton", False), ("torch", True)],
-                         ids=["triton", "triton-three-launches", "torch"])
+# Triton's chunk step as one row kernel (the default: a program per row; or on CUDA a program per SM looping over
+# rows) and as the three launches it replaces; torch has one path.
+@pytest.mark.parametrize("backend,paths", [("triton", {}), ("triton", dict(row_programs_per_sm=1)),
+                                           ("triton", dict(one_pass_rows=False)), ("torch", {})],
+                         ids=["triton", "triton-program-per-sm", "triton-three-launches", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_fused_linear_paths_at_v151936(where, backend, one_pass_rows, dtype):
+def test_fused_linear_paths_at_v151936(where, backend, paths, dtype):
     from fastrlhf.kernels.fused_linear_chunks import fused_linear_paths
 
     n, h = sizes(where)
     d, _ = case(where, dtype, n, h)
     hidden, weight, bias = (leaf(d[k], dtype) for k in ("hidden", "weight", "bias"))
-    with fused_linear_paths(one_pass_rows=one_pass_rows):
+    with fused_linear_paths(**paths):
         loss, _ = fused_linear_policy_loss(hidden, weight, d["labels"], d["old"], d["adv"], d["mask"],
                                            ref_logprobs=d["ref"], bias=bias, backend=backend, **LOSS)
     lp, ent = fused_linear_logprob_entropy(hidden, weight, d["labels"], bias=bias, backend=backend)

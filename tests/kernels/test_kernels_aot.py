@@ -30,6 +30,8 @@ TOKEN_LOSS_VARIANTS = 2 * 2 * 5 + 2 * (2 * 5)
 # (bf16, the first block) on-policy without a reference with dual clip, and each KL kind other than k3.
 ROW_LOSS_VARIANTS_PER_DTYPE_AND_BLOCK = 2 + 2
 ROW_LOSS_EXTRA_VARIANTS = 1 + 3
+# The row kernel looping on a few programs (bf16, its own block of policy_loss_triton.LOOPING_BLOCK_V, 32 warps).
+ROW_LOSS_LOOPING_VARIANTS = 2 + 2
 GRAD_CAST_VARIANTS = 2  # fp32 sums into bf16 and into fp16
 
 
@@ -60,12 +62,13 @@ def test_every_kernel_compiles_for_sm80_and_sm90(triton_source):
     assert {r["triton"] for r in rows} == {expected_triton}
     # fp32 logits have a single out dtype, so 4 variants there instead of 7.
     expected_per_sm = (2 * (4 + KERNEL_VARIANTS_PER_DTYPE_AND_BLOCK * 2) + TOKEN_LOSS_VARIANTS
-                       + 3 * 2 * ROW_LOSS_VARIANTS_PER_DTYPE_AND_BLOCK + ROW_LOSS_EXTRA_VARIANTS + GRAD_CAST_VARIANTS)
+                       + 3 * 2 * ROW_LOSS_VARIANTS_PER_DTYPE_AND_BLOCK + ROW_LOSS_EXTRA_VARIANTS
+                       + ROW_LOSS_LOOPING_VARIANTS + GRAD_CAST_VARIANTS)
     for sm in (80, 90):
         built = [r for r in rows if r["sm"] == sm]
         assert len(built) == expected_per_sm, [r["kernel"] for r in built]
         assert {r["kernel"].split("[")[0] for r in built} == {"stats", "grad", "token_loss", "rows", "scale_cast"}
-        assert {r["block_v"] for r in built} == {4096, 256, None}
+        assert {r["block_v"] for r in built} == {4096, 256, 16384, None}
         for r in built:
             assert r["ptx_chars"] > 1000 and r["cubin_bytes"] > 1000, r
             assert r["ptx_target"].startswith(f"sm_{sm}"), r

@@ -557,6 +557,30 @@ def test_fused_linear_policy_loss_both_paths_against_the_reference(counted_rows,
     assert counted_rows == ([True] * launches if one_pass_rows else [])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_policy_loss_with_fewer_row_programs_than_rows_against_the_reference(monkeypatch, dtype):
+    """CUDA's grid for the row kernel (``fused_linear_chunks.row_programs``: a program per SM, each looping over
+    rows) stood in on this CPU by 3 programs for chunks of 8 rows; asked for only where dlogits are written."""
+    from fastrlhf.kernels import fused_linear as fl_module
+
+    asked, grids = [], []
+    monkeypatch.setattr(fl_module, "row_programs", lambda device: asked.append(device.type) or 3)
+    original = policy_loss_triton.triton_row_loss_and_grad
+
+    def recorded(*args, **kwargs):
+        grids.append(kwargs.get("programs"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(policy_loss_triton, "triton_row_loss_and_grad", recorded)
+
+    def edit(mask):
+        mask[1, :3] = 0.0
+
+    check_policy_loss("triton", shape=(3, 5), v=257, chunk_size=8, mask_edit=edit, dtype=dtype, dual_clip=2.5,
+                      kl_coef=0.1, entropy_coef=0.02, temperature=1.2, agg="seq-mean-token-mean")
+    assert grids == [3, 3] and asked == ["cpu", "cpu"]
+
+
 def test_fused_linear_policy_loss_row_kernel_without_grad(counted_rows):
     # No gradient to compare: the loss and metrics alone, against the three launches.
     with torch.no_grad():

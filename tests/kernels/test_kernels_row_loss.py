@@ -103,6 +103,43 @@ def test_row_kernel_in_place_across_blocks(dtype, v, block_v):
     assert_same_step(loss, sums, logits, *want, dtype, f"{dtype} V={v} block={block_v}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_programs_than_rows_give_the_same_bits(dtype):
+    """A program per SM (``programs``), each looping over rows, computes every row as a program per row does: the
+    same bits, masked rows (the first and last) included, with rows left over after the last full round."""
+    x = chunk_inputs(9, 301, dtype=dtype, seed=5)
+    x["weights"][0] = 0.0
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=None, kl_coef=0.05, kl_kind="k3", entropy_coef=0.01)
+    want_out = torch.full(x["logits"].shape, float("nan"), dtype=dtype)
+    want_loss, want_sums = triton_row_loss_and_grad(**x, temperature=0.8, out=want_out, block_v=64, **kw)
+    for programs in (1, 2, 4, 9, 64):
+        out = torch.full(x["logits"].shape, float("nan"), dtype=dtype)
+        loss, sums = triton_row_loss_and_grad(**x, temperature=0.8, out=out, block_v=64, programs=programs, **kw)
+        assert torch.equal(out, want_out) and torch.equal(loss, want_loss), programs
+        assert all(torch.equal(sums[k], want_sums[k]) for k in METRIC_SUM_KEYS), programs
+    with pytest.raises(ValueError, match="programs must be a positive int"):
+        triton_row_loss_and_grad(**x, temperature=0.8, out=out, programs=0, **kw)
+
+
+def test_row_programs_are_the_sms_times_the_paths_count_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=132))
+    cuda = torch.device("cuda", 0)
+    assert chunks.row_programs(cuda) is None and PATHS.row_programs_per_sm == 0  # the default: a program per row
+    with fused_linear_paths(row_programs_per_sm=1):
+        assert chunks.row_programs(cuda) == 132
+        assert chunks.row_programs(torch.device("cpu")) is None and chunks.row_programs(torch.device("meta")) is None
+    with fused_linear_paths(row_programs_per_sm=2):
+        assert chunks.row_programs(cuda) == 264
+
+
+def test_the_looping_row_kernel_takes_wider_blocks_on_a_gpu_only():
+    assert policy_loss_triton.row_block_v(152_064, 132, on_gpu=True) == policy_loss_triton.LOOPING_BLOCK_V == 16384
+    assert policy_loss_triton.row_block_v(300, 132, on_gpu=True) == 512  # no wider than the vocabulary
+    assert policy_loss_triton.row_block_v(152_064, None, on_gpu=True) == 4096  # a program per row: as before
+    assert policy_loss_triton.row_block_v(301, 3, on_gpu=False) == policy_loss_triton.row_block_v(301, None, False)
+
+
 def test_row_kernel_without_its_gradient_pass_writes_nothing():
     x = chunk_inputs(6, 301, seed=3)
     kw = dict(clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.1, kl_kind="k2", entropy_coef=0.0)
@@ -178,6 +215,10 @@ def test_the_row_launch_reads_no_value_on_the_host(monkeypatch):
     (grid, args, constexprs), = launches
     assert grid == (n,) and args[7] is logits  # in place
     assert all(constexprs[k] for k in ("NEED_GRAD", "HAS_DUAL", "HAS_OLD", "HAS_REF"))
+    assert args[10:12] == (n, n)  # the rows, and a program for each
+    triton_row_loss_and_grad(logits, torch.empty(n, dtype=torch.long, device=meta), *vec, 0.9, out=logits,
+                             kl_coef=0.1, programs=5)
+    assert launches[1][0] == (5,) and launches[1][1][10:12] == (n, 5)
 
 
 def test_the_chunk_loop_through_the_row_kernel_reads_no_value_on_the_host(monkeypatch):
