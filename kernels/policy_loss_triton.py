@@ -9,8 +9,8 @@ Two kernels share that math (``policy_loss_triton_jit._token_loss_math``, one ``
 * ``rows``: one program per row of logits does the whole chunk step: the row's softmax statistics (the
   online pass of ``logprob_entropy_triton.py``'s ``stats``), its token's loss and gradients, then its
   ``dlogits`` (the ``grad`` pass), in one launch per chunk instead of three plus a sum, and with the row's
-  second read straight after its first, from the GPU's L2 cache when the rows read at once fit there (launched
-  with one program per SM, each looping over rows). A masked row reads nothing and writes zeros
+  second read straight after its first, from the GPU's L2 cache when the rows read at once fit there (fewer of
+  them where a few programs loop over the rows: ``programs``). A masked row reads nothing and writes zeros
   (:func:`triton_row_loss_and_grad`).
 
 Their reference is :func:`fastrlhf.kernels.policy_loss.policy_loss_from_token_stats` (autograd through
