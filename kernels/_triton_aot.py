@@ -161,26 +161,22 @@ def compile_all(
 
     from .policy_loss_triton import LOOPING_BLOCK_V
 
-    results = []
+    # (block_v, spec) of every variant, in the order the rows come out, for each target alike.
+    specs = [(None, spec) for spec in token_loss_specs() + grad_cast_specs()]
     # The row kernel's every option once: in bf16 (what GPU runs take) at the first block size.
     every_option_at = ("bfloat16" if "bfloat16" in logits_dtypes else logits_dtypes[0], block_sizes[0])
+    for dtype in logits_dtypes:
+        for block_v in block_sizes:
+            every_option = (dtype, block_v) == every_option_at
+            specs += [(block_v, spec) for spec in kernel_specs(dtype, block_v)
+                      + row_loss_specs(dtype, block_v, every_option)]
+    if "bfloat16" in logits_dtypes:  # the row kernel looping on a few programs (PATHS.row_programs_per_sm)
+        specs += [(LOOPING_BLOCK_V, spec) for spec in row_loss_specs("bfloat16", LOOPING_BLOCK_V)]
+    results = []
     for capability in capabilities:
-        for label, fn, sig, constexprs, warps in token_loss_specs() + grad_cast_specs():
-            results.append({"kernel": label, "sm": capability, "block_v": None, "triton": triton.__version__,
+        for block_v, (label, fn, sig, constexprs, warps) in specs:
+            results.append({"kernel": label, "sm": capability, "block_v": block_v, "triton": triton.__version__,
                             **compile_for_target(fn, sig, constexprs, capability, warps)})
-        for dtype in logits_dtypes:
-            for block_v in block_sizes:
-                every_option = (dtype, block_v) == every_option_at
-                for label, fn, sig, constexprs, warps in (kernel_specs(dtype, block_v)
-                                                          + row_loss_specs(dtype, block_v, every_option)):
-                    info = compile_for_target(fn, sig, constexprs, capability, warps)
-                    results.append({"kernel": label, "sm": capability, "block_v": block_v,
-                                    "triton": triton.__version__, **info})
-        if "bfloat16" in logits_dtypes:  # the row kernel looping on a few programs (PATHS.row_programs_per_sm)
-            for label, fn, sig, constexprs, warps in row_loss_specs("bfloat16", LOOPING_BLOCK_V):
-                results.append({"kernel": label, "sm": capability, "block_v": LOOPING_BLOCK_V,
-                                "triton": triton.__version__,
-                                **compile_for_target(fn, sig, constexprs, capability, warps)})
     return results
 
 

@@ -289,9 +289,9 @@ CHUNK_VARIANTS = {"fused_3_chunks": 3, "fused_2_chunks": 2}
 ROW_GRID_VARIANTS = {"fused_rows_1_per_sm": dict(row_programs_per_sm=1),
                      "fused_rows_2_per_sm": dict(row_programs_per_sm=2)}
 LM_HEAD_CONTENDERS = {"fused": _fused_step, "naive": _naive_step, "liger": _liger_step, "gemms": _gemms_step,
-                      **{name: functools.partial(_fused_step, **paths) for name, paths in BEFORE_PATHS.items()},
+                      **{name: functools.partial(_fused_step, **paths)
+                         for name, paths in {**BEFORE_PATHS, **ROW_GRID_VARIANTS}.items()},
                       **{name: functools.partial(_fused_step, chunks=n) for name, n in CHUNK_VARIANTS.items()},
-                      **{name: functools.partial(_fused_step, **paths) for name, paths in ROW_GRID_VARIANTS.items()},
                       "fused_fp32_logits": functools.partial(_fused_step, fp32_logits=True)}
 LM_HEAD_TARGETS = dict(fused_over_gemms_max=1.10, fused_over_naive_peak_max=0.2, liger_over_fused_min=5.0)
 
@@ -352,11 +352,11 @@ def lm_head_race(device: str = "cuda", dtype: str = "bfloat16", batch: int = 16,
     _ratio(out, "liger_over_fused", "liger_time_ms", "fused_time_ms")
     _ratio(out, "before_over_fused", "fused_before_time_ms", "fused_time_ms")
     _ratio(out, "torch_cast_over_fused", "fused_torch_cast_time_ms", "fused_time_ms")  # the cast kernel's gain
-    for name in CHUNK_VARIANTS:  # above 1: fewer chunks are faster; their peaks are in *_peak_mib
+    # Above 1: the variant (fewer chunks, or the row kernel looping on one or two programs per SM) is faster;
+    # their peaks are in *_peak_mib.
+    for name in (*CHUNK_VARIANTS, *ROW_GRID_VARIANTS):
         _ratio(out, f"fused_over_{name.removeprefix('fused_')}", "fused_time_ms", f"{name}_time_ms")
     _ratio(out, "no_rows_over_fused", "fused_no_rows_time_ms", "fused_time_ms")  # the row kernel's gain
-    for name in ROW_GRID_VARIANTS:  # above 1: the row kernel looping on a program per SM (or two) is faster
-        _ratio(out, f"fused_over_{name.removeprefix('fused_')}", "fused_time_ms", f"{name}_time_ms")
     _ratio(out, "before_over_no_rows", "fused_before_time_ms", "fused_no_rows_time_ms")  # the GEMM's fp32 sum's
     _ratio(out, "fp32_logits_over_fused", "fused_fp32_logits_time_ms", "fused_time_ms")  # model.fp32_logits' cost
     fused = out.get("fused_loss")
