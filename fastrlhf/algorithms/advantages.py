@@ -44,7 +44,8 @@ def shape_rewards(
 ) -> torch.Tensor:
     """Per-token reward ``-kl_coef * kl * mask`` with ``scores[b]`` added at row b's last token.
 
-    A row with no mask==1 position receives no score (there is no token to credit).
+    A row with no mask==1 position receives no score (there is no token to credit). No host read: the score goes
+    in by a scatter, not by indexing the rows that have a last token (``nonzero`` waits for the device).
     """
     check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask)
     if scores.shape != logprobs.shape[:1]:
@@ -54,9 +55,8 @@ def shape_rewards(
     zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
     rewards = torch.where(_keep(mask), -kl_coef * kl, zero)
     last = last_token_index(mask)
-    rows = torch.nonzero(last >= 0).squeeze(-1)
-    rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
-    return rewards
+    credit = torch.where(last >= 0, scores.to(rewards.dtype), zero)
+    return rewards.scatter_add_(1, last.clamp(min=0).unsqueeze(1), credit.unsqueeze(1))
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
@@ -98,15 +98,20 @@ def compute_gae(
 
 def _group_centered(scores: torch.Tensor, group_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(centered, count, inverse, zeros)``: each score minus its group's mean (at least fp32), the size of each
-    row's group, each row's group index, and zeros of one per group."""
-    group_ids = torch.as_tensor(group_ids, device=scores.device)
+    row's group, each row's group index, and zeros of one per row (at least one per group; the spare ones stay 0).
+
+    No host read: ``torch.unique`` sizes its output from the device's values (a wait for the queued kernels), so
+    the group index comes from a sort instead: a row's index is the count of distinct ids below its own."""
+    group_ids = (group_ids if isinstance(group_ids, torch.Tensor) else torch.as_tensor(group_ids)).to(scores.device)
     if scores.dim() != 1 or group_ids.shape != scores.shape:
         raise ValueError(f"shape mismatch: scores has shape {tuple(scores.shape)} but group_ids has shape "
                          f"{tuple(group_ids.shape)} (expected both [B])")
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    ordered, order = torch.sort(group_ids)
+    starts = torch.ones_like(ordered, dtype=torch.long)
+    starts[1:] = (ordered[1:] != ordered[:-1]).long()
+    inverse = torch.empty_like(order).scatter_(0, order, starts.cumsum(0) - 1)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    zeros = torch.zeros(scores.shape[0], dtype=scores.dtype, device=scores.device)
     count = zeros.index_add(0, inverse, torch.ones_like(scores))
     mean = zeros.index_add(0, inverse, scores) / count
     return scores - mean[inverse], count[inverse], inverse, zeros

@@ -3,6 +3,7 @@
 The protocol, shared by the RL step and the supervised (SFT, RM) loop::
 
     guard.inputs_ok(*tensors)    # RL, before the update: anything non-finite it would consume skips the step
+                                 # (one host read, with the values the step checks before training)
     guard.note_loss(loss)        # each micro-batch, before backward: a device flag, no host read
     guard.note_trained(tokens)   # RL, each minibatch: its trained-token count, a device value
     guard.carry(metrics)         # device values the host wants after this optimizer step
@@ -33,7 +34,9 @@ import torch
 from fastrlhf.distributed import comm
 from fastrlhf.engine.device import host_read, to_device
 
-__all__ = ["StepGuard", "GuardedAdamW", "StepFailed", "TooManySkippedSteps", "all_finite"]
+__all__ = ["INPUTS_READ", "StepGuard", "GuardedAdamW", "StepFailed", "TooManySkippedSteps", "all_finite"]
+
+INPUTS_READ = "the update's inputs checked (finite; the engine's logprob mismatch)"
 
 
 class StepFailed(RuntimeError):
@@ -75,10 +78,20 @@ class StepGuard:
         self._trains: torch.Tensor | None = None  # whether what was noted since then trains a token here
         self._carry: dict[str, torch.Tensor | float] = {}
         self._carried: dict[str, float] = {}
+        self.largest: dict[str, float] = {}  # what the last inputs_ok read besides its decision
 
-    def inputs_ok(self, *tensors: torch.Tensor) -> bool:
-        """Whether every tensor is finite on every rank; if not, this step's update is skipped."""
-        ok = comm.all_ranks_true(all_finite(*tensors))
+    def inputs_ok(self, *tensors: torch.Tensor, largest: dict[str, torch.Tensor] | None = None) -> bool:
+        """Whether every tensor is finite on every rank; if not, this step's update is skipped. ``largest``: 0-dim
+        device values the host needs before the update too; their maxima over the ranks land in
+        :attr:`largest`, read in the same collective and host read as the decision."""
+        largest = largest or {}
+        flag = all_finite(*tensors)
+        parts = torch.stack([(~flag).double()] + [to_device(v.detach().reshape(()), flag.device).double()
+                                                   for v in largest.values()])
+        with host_read(INPUTS_READ):
+            values = comm.all_reduce_(parts, "max").tolist()
+        ok = values[0] == 0.0
+        self.largest = dict(zip(largest, values[1:], strict=True))
         self.update_skipped |= not ok
         return ok
 

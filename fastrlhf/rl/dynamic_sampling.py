@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fastrlhf.distributed import comm
-from fastrlhf.engine.device import to_device
+from fastrlhf.engine.device import host_read, to_device
 
-__all__ = ["SampledGroups", "differing_groups", "kept_reward_means", "pick_groups", "sample_groups"]
+__all__ = ["FILTER_READ", "SampledGroups", "differing_groups", "kept_reward_means", "pick_groups", "sample_groups"]
+
+FILTER_READ = "which groups' scores differ (trainer.filter_groups)"
 
 
 def differing_groups(scores: list[float], n: int) -> list[bool]:
@@ -76,7 +78,8 @@ def sample_groups(generate_and_score: GenerateAndScore, prompts: list, metas: li
         if round_:
             prompts, metas = more_prompts()
         completions, scores, tokens = generate_and_score(prompts, metas, round_)
-        host = scores.tolist()  # one read per round: which groups differ is decided on the host
+        with host_read(FILTER_READ):  # one read per round: which groups differ is decided on the host
+            host = scores.tolist()
         differs += differing_groups(host, n)
         pool_prompts += prompts
         pool_metas += metas

@@ -281,8 +281,10 @@ class RewardScorer:
                 from fastrlhf.sequences.packing import token_budget_groups
 
                 groups = token_budget_groups(batch.token_parts(), self.max_tokens, self.packed)
-            scores += reward_model_scores(self.reward_model, batch, self.model_kind, self.label_index,
-                                          self.micro_batch, groups=groups, packed=self.packed).cpu()
+            # Added on the device: bringing the model's scores to the host would wait for its forward passes.
+            model_scores = reward_model_scores(self.reward_model, batch, self.model_kind, self.label_index,
+                                               self.micro_batch, groups=groups, packed=self.packed)
+            return to_device(scores, model_scores.device) + model_scores.to(torch.float32)
         return scores if exp is None else to_device(scores, exp.input_ids.device)
 
     def _texts(self, prompts: list[list[int]], completions: list[list[int]], metas: list[dict],

@@ -60,7 +60,6 @@ from fastrlhf.algorithms import (
     overlong_penalty,
     rollout_is_weights,
 )
-from fastrlhf.distributed import comm
 from fastrlhf.engine.device import to_device
 from fastrlhf.engine.guards import StepGuard
 from fastrlhf.rl.experience import Experience, build_experience
@@ -178,12 +177,10 @@ class RLStep:
 
                 raise ConfigError("trainer.adv_estimator", f"{name} returns no returns, which the critic of "
                                                            "algorithm ppo is trained on")
-            prep["advantage_mean"] = float(masked_mean(exp.advantages, exp.response_mask))
-        consumed = [t for t in (exp.scores, exp.advantages, exp.old_logprobs, exp.ref_logprobs, exp.values,
-                                exp.returns, exp.is_weights) if t is not None]
+            prep["advantage_mean"] = masked_mean(exp.advantages, exp.response_mask)
+            # Decided by all ranks together, before any parameter moves: the score stage's one host read.
+            inputs_ok = self.check_scored(exp, prep)
         with clock("train"):
-            # Decided by all ranks together, before any parameter moves.
-            inputs_ok = self.guard.inputs_ok(*consumed)
             train = self.update(exp, step) if inputs_ok else {}
         skipped = self.guard.end_step()
         with clock("sync"):
@@ -285,7 +282,7 @@ class RLStep:
         exp = build_experience(prompts, completions, self.pad_token_id, self.device)
         return self.score(exp, prompts, completions, metas, overlong=False)
 
-    def logprobs_and_values(self, exp: Experience) -> dict[str, float]:
+    def logprobs_and_values(self, exp: Experience) -> dict[str, torch.Tensor]:
         """Old logprobs (recomputed by the actor), reference logprobs, TIS weights and values.
 
         On-policy (:func:`skips_old_logprobs`) the old logprobs stay None: the update takes its own,
@@ -293,6 +290,7 @@ class RLStep:
         parameters, same tokens: the same values). ``logprob_mismatch_*`` (actor vs engine) is logged
         every step: over the batch when the old logprobs are recomputed, else over a probe of the
         ``rollout.mismatch_probe`` shortest sequences; :meth:`check_engine_weights` stops a stale engine.
+        The metrics are 0-dim device tensors: reading them here would wait for each pass before queuing the next.
         """
         t, mask = self.config.trainer, exp.response_mask
         micro = forward_micro_batch_size(self.config, self.world)
@@ -304,13 +302,12 @@ class RLStep:
         if not skips_old_logprobs(self.config):
             exp.old_logprobs, old_entropy = sequence_logprobs(self.actor.module, exp, groups=groups, **lp_kwargs)
             metrics.update(logprob_mismatch(exp.old_logprobs, exp.engine_logprobs, mask),
-                           rollout_entropy=float(masked_mean(old_entropy, mask)))
+                           rollout_entropy=masked_mean(old_entropy, mask))
         else:
             probe = exp.select(probe_rows(exp.token_parts(), self.config.rollout.mismatch_probe))
             actor_logprobs, _ = sequence_logprobs(self.actor.module, probe, groups=self.forward_groups(probe, micro),
                                                   **lp_kwargs)
             metrics.update(logprob_mismatch(actor_logprobs, probe.engine_logprobs, probe.response_mask))
-        self.check_engine_weights(metrics["logprob_mismatch_mean"])
         if t.kl_coef != 0.0:
             reference, context = self.reference, contextlib.nullcontext()
             if reference is None:  # a LoRA actor with its adapter disabled is the reference
@@ -319,13 +316,12 @@ class RLStep:
                 exp.ref_logprobs, _ = sequence_logprobs(reference, exp, groups=groups, **lp_kwargs)
             self.release_reference_pages()
             if exp.old_logprobs is not None:
-                metrics["kl"] = float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, t.kl_kind, mask),
-                                                  mask))
+                metrics["kl"] = masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, t.kl_kind, mask), mask)
         if t.tis_cap is not None:
             exp.is_weights, outside = rollout_is_weights(exp.old_logprobs, exp.engine_logprobs, mask, t.tis_cap,
                                                          level=t.tis_level, mode=t.tis_mode, floor=t.tis_floor)
-            metrics["tis_weight_mean"] = float(masked_mean(exp.is_weights, mask))
-            metrics["tis_outside_fraction"] = float(masked_mean(outside.to(mask.dtype), mask))
+            metrics["tis_weight_mean"] = masked_mean(exp.is_weights, mask)
+            metrics["tis_outside_fraction"] = masked_mean(outside.to(mask.dtype), mask)
         if self.critic is not None:
             exp.values = token_values(self.critic.module, exp, micro, groups=groups, packed=packing_mode(t))
         return metrics
@@ -371,14 +367,26 @@ class RLStep:
                                   t.packing, keys_of=keys_of)
         return [Minibatch(rows, g) for rows, g in zip(order, groups, strict=True)]
 
-    def check_engine_weights(self, local_mismatch: float) -> None:
-        """Stop (on every rank) before training on completions of an engine whose weights are not the
-        actor's: a sync or sleep/wake that left it stale. Top-k/top-p renormalise the engine's logprobs
-        over the kept tokens, so there a mismatch is expected and only logged."""
+    def check_scored(self, exp: Experience, metrics: dict) -> bool:
+        """Whether the update runs: everything it consumes is finite on every rank (else the step is skipped,
+        :class:`StepGuard`), and the engine generated with the actor's weights (else :class:`StepFailed`). The
+        score stage's one collective and host read: the metrics stay on the device until the step's end, so the
+        passes before it (old and reference logprobs, values, the reward model's) queue without a wait."""
         ro = self.config.rollout
-        if ro.max_logprob_mismatch is None or ro.top_k != -1 or ro.top_p < 1.0:
-            return
-        worst = comm.reduce_floats([local_mismatch], "max")[0]
+        # Top-k/top-p renormalise the engine's logprobs over the kept tokens: a mismatch there is expected.
+        watched = ro.max_logprob_mismatch is not None and ro.top_k == -1 and ro.top_p >= 1.0
+        consumed = [t for t in (exp.scores, exp.advantages, exp.old_logprobs, exp.ref_logprobs, exp.values,
+                                exp.returns, exp.is_weights) if t is not None]
+        ok = self.guard.inputs_ok(*consumed, largest={"mismatch": metrics["logprob_mismatch_mean"]} if watched
+                                  else None)
+        if watched:
+            self.check_engine_weights(self.guard.largest["mismatch"])
+        return ok
+
+    def check_engine_weights(self, worst: float) -> None:
+        """Stop (on every rank) before training on completions of an engine whose weights are not the
+        actor's: a sync or sleep/wake that left it stale. ``worst``: the largest mismatch of any rank."""
+        ro = self.config.rollout
         if worst > ro.max_logprob_mismatch:
             from fastrlhf.engine.guards import StepFailed
 

@@ -12,41 +12,63 @@ import torch
 
 from fastrlhf.algorithms import masked_mean
 from fastrlhf.distributed import comm
+from fastrlhf.engine.device import host_read, to_device
 from fastrlhf.engine.step_profile import STAGE_PREFIX
 
-__all__ = ["StepClock", "logprob_mismatch", "probe_rows", "reduce_step_metrics"]
+__all__ = ["METRICS_READ", "StepClock", "logprob_mismatch", "probe_rows", "reduce_step_metrics"]
 
 STAGES = ("generate", "score", "train", "sync")
+METRICS_READ = "the step's metrics"
 
 
-def reduce_step_metrics(exp, local: dict[str, float], times: dict[str, float], step: int, *, skipped: bool,
-                        skipped_total: int, world: int, generated: float | None = None) -> dict[str, float]:
-    """Every rank's metrics in three collectives: score sums, then all metrics summed and maxed (times,
-    ``memory/*`` and ``*_max`` take the largest rank's, the rest the mean). ``generated``: the tokens this
-    rank generated, where more than the batch's (``trainer.filter_groups``)."""
-    scores = exp.scores.double()
+def reduce_step_metrics(exp, local: dict[str, float | torch.Tensor], times: dict[str, float], step: int, *,
+                        skipped: bool, skipped_total: int, world: int, generated: float | None = None
+                        ) -> dict[str, float]:
+    """Every rank's metrics summed and maxed over the ranks (times, ``memory/*`` and ``*_max`` take the largest
+    rank's, the rest the mean), with the batch's score statistics. ``local`` holds floats and 0-dim device
+    tensors (what the score stage measured, left on the device): all of them go to the host in one read after
+    two collectives. ``generated``: the tokens this rank generated, where more than the batch's
+    (``trainer.filter_groups``)."""
+    scores = exp.scores.detach().double()
     finite = torch.isfinite(scores)
-    trained = float(exp.response_mask.sum())
-    total = comm.reduce_floats([float(scores[finite].sum()), float(scores[finite].square().sum()),
-                                float(finite.sum()), trained, trained if generated is None else generated], "sum")
-    count = max(total[2], 1.0)
-    # No finite reward at all: no mean either (NaN, written as a JSON number), not a made-up 0.
-    mean = total[0] / count if total[2] else float("nan")
-    var = max(total[1] / count - mean * mean, 0.0) * (count / max(count - 1, 1)) if total[2] else float("nan")
+    kept = torch.where(finite, scores, 0.0)
+    trained = exp.response_mask.sum().double()
+    batch = {"score_sum": kept.sum(), "score_square_sum": kept.square().sum(), "finite": finite.sum().double(),
+             "trained": trained, "generated": trained if generated is None else generated}
     local = {**local, **{f"time/{k}": v for k, v in times.items()}}
     keys = sorted(local)
-    summed = comm.reduce_floats([float(local[k]) for k in keys], "sum")
-    maxed = comm.reduce_floats([float(local[k]) for k in keys], "max")
+    summed, maxed = _read_reduced([*batch.values(), *(local[k] for k in keys)], scores.device)
+    total = dict(zip(batch, summed, strict=False))
+    count = max(total["finite"], 1.0)
+    # No finite reward at all: no mean either (NaN, written as a JSON number), not a made-up 0.
+    mean = total["score_sum"] / count if total["finite"] else float("nan")
+    var = (max(total["score_square_sum"] / count - mean * mean, 0.0) * (count / max(count - 1, 1))
+           if total["finite"] else float("nan"))
     metrics = {k: (mx if k.startswith(("time/", "memory/")) or k.endswith("_max") else s / world)
-               for k, s, mx in zip(keys, summed, maxed, strict=True)}
+               for k, s, mx in zip(keys, summed[len(batch):], maxed[len(batch):], strict=True)}
     generate_time = metrics["time/generate"]
-    metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total[4],
-                   reward_nonfinite=exp.batch_size * world - total[2],
-                   tokens_per_second=total[4] / generate_time if generate_time > 0 else 0.0,
+    metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total["generated"],
+                   reward_nonfinite=exp.batch_size * world - total["finite"],
+                   tokens_per_second=total["generated"] / generate_time if generate_time > 0 else 0.0,
                    step_time=sum(metrics[f"time/{k}"] for k in STAGES),
                    skipped=float(skipped), skipped_steps=float(skipped_total),
-                   mean_response_length=total[3] / max(1, exp.batch_size * world))
+                   mean_response_length=total["trained"] / max(1, exp.batch_size * world))
     return metrics
+
+
+def _read_reduced(values: list, device: torch.device) -> tuple[list[float], list[float]]:
+    """``(sums, maxima)`` over the ranks of ``values`` (floats and 0-dim tensors on ``device``): one vector on the
+    device, two collectives, one host read, named ``the step's metrics``."""
+    host = torch.tensor([float(v) if not isinstance(v, torch.Tensor) else 0.0 for v in values], dtype=torch.float64)
+    on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    vector = to_device(host, device)
+    if on_device:
+        index = to_device(torch.tensor(on_device), device)
+        vector = vector.index_copy(0, index, torch.stack([values[i].detach().reshape(()).double() for i in on_device]))
+    summed, maxed = comm.all_reduce_(vector.clone(), "sum"), comm.all_reduce_(vector, "max")
+    with host_read(METRICS_READ):
+        both = torch.stack([summed, maxed]).tolist()
+    return both[0], both[1]
 
 
 def probe_rows(token_parts: list[tuple[int, int]], k: int) -> list[int]:
@@ -57,11 +79,11 @@ def probe_rows(token_parts: list[tuple[int, int]], k: int) -> list[int]:
 
 
 def logprob_mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
-                     mask: torch.Tensor) -> dict[str, float]:
-    """``logprob_mismatch_mean`` / ``_max``: |actor - engine| over the completion tokens."""
+                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``logprob_mismatch_mean`` / ``_max``: |actor - engine| over the completion tokens, 0-dim on their device."""
     diff = torch.where(mask > 0, (actor_logprobs - engine_logprobs).abs(), 0.0)
-    return {"logprob_mismatch_mean": float(masked_mean(diff, mask)),
-            "logprob_mismatch_max": float(diff.max()) if diff.numel() else 0.0}
+    return {"logprob_mismatch_mean": masked_mean(diff, mask),
+            "logprob_mismatch_max": diff.amax() if diff.numel() else diff.new_zeros(())}
 
 
 # The caching allocator's counters a stage's churn is read from: retries (an allocation that failed, so the

@@ -29,6 +29,7 @@ from fastrlhf.algorithms import (
     shape_rewards,
     value_loss,
 )
+from fastrlhf.algorithms.advantages import compute_rloo_advantages
 
 t = torch.tensor
 INF = float("inf")
@@ -392,3 +393,37 @@ def test_masked_positions_never_change_a_result(shape, seed, agg, junk):
     dirty = results(*[torch.where(mask > 0, x_, torch.full_like(x_, junk)) for x_ in tensors])
     for a, b in zip(clean, dirty, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(ids=st.lists(st.integers(-3, 40), min_size=1, max_size=12), seed=st.integers(0, 2**16),
+       scale=st.booleans())
+def test_grpo_and_rloo_take_group_ids_in_any_order_and_numbering(ids, seed, scale):
+    """Groups are found by a sort on the device: any ids, unsorted, with gaps or negative, group as their values do
+    (a plain per-group loop as the reference)."""
+    scores = torch.randn(len(ids), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    groups = torch.tensor(ids)
+    expected_grpo, expected_rloo = torch.zeros_like(scores), torch.zeros_like(scores)
+    for g in set(ids):
+        rows = groups == g
+        n = int(rows.sum())
+        if n > 1:
+            centered = scores[rows] - scores[rows].mean()
+            expected_grpo[rows] = centered / (scores[rows].std() + 1e-6) if scale else centered
+            expected_rloo[rows] = centered * n / (n - 1)
+    close(compute_grpo_advantages(scores, groups, scale_by_std=scale), expected_grpo, tol=1e-9)
+    close(compute_rloo_advantages(scores, groups), expected_rloo, tol=1e-9)
+
+
+def test_group_advantages_and_token_rewards_read_no_device_value():
+    """``device="meta"`` has no values: an op that sizes its output from them (``torch.unique``, ``nonzero``) or a
+    host read raises there, as each would wait for the queued kernels on a GPU."""
+    scores = torch.empty(6, device="meta")
+    groups = torch.empty(6, dtype=torch.long, device="meta")
+    for adv in (compute_grpo_advantages(scores, groups), compute_grpo_advantages(scores, groups, scale_by_std=False),
+                compute_rloo_advantages(scores, groups)):
+        assert adv.shape == (6,) and adv.device.type == "meta"
+    logprobs, mask = torch.empty(6, 4, device="meta"), torch.empty(6, 4, device="meta")
+    assert shape_rewards(scores, logprobs, logprobs, mask, 0.1, "k3").shape == (6, 4)
+    with pytest.raises((NotImplementedError, RuntimeError)):  # the check can fail: what the old code did
+        torch.unique(groups, return_inverse=True)

@@ -19,6 +19,7 @@ in every layout (padded, packed, shared prompts) and model kind the configs choo
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -40,11 +41,13 @@ from fastrlhf.config import (
     TrainerConfig,
 )
 from fastrlhf.data import ClassificationExample, PairExample, SFTExample
-from fastrlhf.engine.guards import StepGuard
+from fastrlhf.engine.guards import INPUTS_READ, StepGuard
 from fastrlhf.modeling import CausalLMWithValueHead, use_attention
 from fastrlhf.modeling.tiny import make_tiny_llama, tiny_llama_config
+from fastrlhf.rl.dynamic_sampling import FILTER_READ
 from fastrlhf.rl.rewards import RewardScorer
 from fastrlhf.rl.step import RLStep
+from fastrlhf.rl.step_metrics import METRICS_READ
 from fastrlhf.rl.update import TorchLearner
 from fastrlhf.rollout.hf_engine import HFEngine
 from fastrlhf.supervised import reward_model, sft, train_on_batch
@@ -164,24 +167,40 @@ def rl_config(case):
 
 
 class RecordedStep(RLStep):
-    """The RL step, with the reads of its update (all micro-batches and optimizer steps) kept apart."""
+    """The RL step, with the reads of its update (all micro-batches and optimizer steps) and of its generation
+    (the HF engine's, which vLLM does not make) kept apart from the rest of the step's (:attr:`other_reads`)."""
 
     def __init__(self, dev, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.dev, self.update_reads = dev, []
+        self.dev, self.update_reads, self.other_reads, self._apart = dev, [], [], set()
+
+    def __call__(self, *args, **kwargs):
+        before, self._apart = len(self.dev.reads), set()
+        metrics = super().__call__(*args, **kwargs)
+        self.other_reads = [r for i, r in enumerate(self.dev.reads[before:], before) if i not in self._apart]
+        return metrics
+
+    def _recorded(self, run):
+        before = len(self.dev.reads)
+        out = run()
+        self._apart.update(range(before, len(self.dev.reads)))
+        return out, self.dev.reads[before:]
 
     def update(self, exp, step):
-        before = len(self.dev.reads)
-        metrics = super().update(exp, step)
-        self.update_reads = self.dev.reads[before:]
+        metrics, self.update_reads = self._recorded(lambda: super(RecordedStep, self).update(exp, step))
         return metrics
+
+    def generate(self, *args, **kwargs):
+        return self._recorded(lambda: super(RecordedStep, self).generate(*args, **kwargs))[0]
 
 
 @pytest.mark.parametrize("case", RL)
 def test_rl_step_on_another_device(case):
     from fastrlhf.rl.validation import Validator
 
-    config = rl_config(case)
+    # The engine's mismatch check is on: it is read with the update's inputs (the HF engine samples with the actor).
+    config = dataclasses.replace(rl_config(case), rollout=dataclasses.replace(rl_config(case).rollout,
+                                                                              max_logprob_mismatch=1.0))
     t = config.trainer
     actor, reference = tiny_lm(seed=0), tiny_lm(seed=0)
     critic = CausalLMWithValueHead(tiny_lm(seed=5)) if config.algorithm == "ppo" else None
@@ -208,6 +227,11 @@ def test_rl_step_on_another_device(case):
     steps = int(metrics["optimizer_steps"]) * (2 if critic is not None else 1)
     names = [name for name, _, _ in step.update_reads]
     assert names == ["the optimizer step's skip decision and metrics"] * steps, step.update_reads
+    # Outside generation and the update: one read before the update (its inputs' check, with the engine's
+    # mismatch), one of the step's metrics; dynamic sampling also one per round (which groups differ).
+    others = [name for name, _, _ in step.other_reads if name != FILTER_READ]
+    assert others == [INPUTS_READ, METRICS_READ], step.other_reads
+    assert len(step.other_reads) - 2 == (0 if case != "grpo-dapo" else metrics["sampling/rounds"]), step.other_reads
 
 
 def test_a_reference_on_the_host_is_caught():
@@ -272,12 +296,9 @@ def test_micro_batches_without_padding_read_nothing(arch):
                             critic=critic, actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3),
                             critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-3) if critic else None,
                             pad_token_id=0, rollout_shares_actor=True, device=dev.device, guard=StepGuard())
-        before = len(dev.reads)
         metrics = step(prompts, None, step=1, completions=completions)
-        unnamed = [(op, where) for name, op, where in dev.reads[before:] if name is None]
     assert metrics["skipped"] == 0 and metrics["optimizer_steps"] > 0, metrics
-    # Outside the update the step reads what its metrics need; a forward pass reads nothing.
-    in_forwards = [(op, where) for op, where in unnamed if where.startswith(("rl/forward.py", "modeling/"))]
-    assert in_forwards == [], in_forwards
+    # Outside the update the step reads twice, each read named; a forward pass reads nothing.
+    assert [name for name, _, _ in step.other_reads] == [INPUTS_READ, METRICS_READ], step.other_reads
     steps = int(metrics["optimizer_steps"]) * (2 if critic is not None else 1)
     assert [name for name, _, _ in step.update_reads] == ["the optimizer step's skip decision and metrics"] * steps

@@ -1,9 +1,11 @@
 """One whole RL update (every micro-batch, backward and optimizer step of the actor) on the production
 learner, a DeepSpeed ZeRO-2 engine, reads the device once per optimizer step: the guard's decision,
 named ``the optimizer step's skip decision and metrics`` (``fastrlhf.engine.guards``), which brings the
-losses' and gradients' finiteness, the gradient norm and the step's metrics in one transfer.
+losses' and gradients' finiteness, the gradient norm and the step's metrics in one transfer. The rest of
+the step (scoring, old and reference logprobs, advantages, metrics) reads twice: the update's inputs'
+check before it and the step's metrics after it.
 
-On CUDA the update runs under ``torch.cuda.set_sync_debug_mode("error")``: any other host read
+On CUDA the step but its generation runs under ``torch.cuda.set_sync_debug_mode("error")``: any other host read
 (``.item()``, a blocking copy, ``nonzero``, DeepSpeed's or transformers' own) raises there. On the CPU
 the same step runs at tiny shapes and checks the named reads; the unnamed ones a CPU cannot see are
 ``tests/engine/test_device_placement.py``'s to catch (an emulated second device).
@@ -28,11 +30,12 @@ from fastrlhf.config import (
 )
 from fastrlhf.engine.deepspeed import build_train_engine
 from fastrlhf.engine.device import watch_host_reads
-from fastrlhf.engine.guards import StepGuard
+from fastrlhf.engine.guards import INPUTS_READ, StepGuard
 from fastrlhf.modeling import use_attention
 from fastrlhf.modeling.tiny import make_qwen2_on
 from fastrlhf.rl.rewards import RewardScorer
 from fastrlhf.rl.step import RLStep
+from fastrlhf.rl.step_metrics import METRICS_READ
 from fastrlhf.rollout import Completion
 from fastrlhf.rollout.hf_engine import HFEngine
 
@@ -54,12 +57,30 @@ def sync_debug(device: torch.device):
 
 
 class CheckedStep(RLStep):
-    """The RL step with its update run under the sync check, its named reads and device syncs recorded."""
+    """The RL step run under the sync check but for its generation (HF ``generate`` reads the device each token;
+    vLLM's engine is not the trainer's stream), its named reads and device syncs recorded: the update's, and the
+    whole step's."""
 
     update_reads: list[str] = []
+    step_reads: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        with watch_host_reads() as names, sync_debug(self.device):
+            metrics = super().__call__(*args, **kwargs)
+        self.step_reads = list(names)
+        return metrics
+
+    def generate(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return super().generate(*args, **kwargs)
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
 
     def update(self, exp, step):
-        with watch_host_reads() as names, accelerator_syncs() as syncs, sync_debug(self.device):
+        with watch_host_reads() as names, accelerator_syncs() as syncs:
             metrics = super().update(exp, step)
         self.update_reads = list(names) + syncs
         return metrics
@@ -105,4 +126,6 @@ def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
         metrics = step(prompts, None, step=n_step, completions=completions)
         assert metrics["skipped"] == 0 and metrics["optimizer_steps"] == 2, metrics
         assert step.update_reads == [DECISION] * 2, (n_step, step.update_reads)
+        # Outside it, one read before the update (its inputs' check) and one of the step's metrics.
+        assert step.step_reads == [INPUTS_READ, DECISION, DECISION, METRICS_READ], (n_step, step.step_reads)
         assert metrics["grad_norm"] > 0 and metrics["policy_loss"] == metrics["policy_loss"], metrics
