@@ -56,7 +56,7 @@ VOCAB = 64
 SUPERVISED = [("sft", None, False), ("sft", None, True), ("rm", "pairwise", False), ("rm", "pairwise", True),
               ("rm", "classifier", False), ("rm", "classifier", True)]
 RL = ["grpo", "grpo-packed", "grpo-shared", "grpo-on-policy", "grpo-rloo", "grpo-reinforce-pp", "grpo-dapo",
-      "grpo-batch-std", "ppo", "ppo-packed"]
+      "grpo-batch-std", "grpo-synced", "ppo", "ppo-packed"]
 COVERED = {"sft": SUPERVISED, "rm": SUPERVISED, "train": RL}
 # Packed rows run model.attention: sdpa (one call per sequence), which a GPU runs too. What a packed row
 # brings to the attention is the same for every backend (its block mask and bounds, built on the host:
@@ -213,14 +213,19 @@ def test_rl_step_on_another_device(case):
         actor, reference, scorer_model = dev.move(actor.train()), dev.move(reference.eval()), dev.move(scorer_model)
         critic = dev.move(critic.train()) if critic is not None else None
         scorer = RewardScorer(reward_model=scorer_model.eval().requires_grad_(False), micro_batch=4, packed=t.packing)
-        step = RecordedStep(dev, config, actor, HFEngine(actor), scorer, reference=reference, critic=critic,
+        # grpo-synced: an engine with weights of its own (as vLLM's), so the step's bucketed sync runs here too
+        synced = case == "grpo-synced"
+        engine = HFEngine(dev.move(tiny_lm(seed=0).eval()) if synced else actor)
+        step = RecordedStep(dev, config, actor, engine, scorer, reference=reference, critic=critic,
                             actor_optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3),
                             critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-3) if critic else None,
-                            pad_token_id=0, rollout_shares_actor=True, device=dev.device, guard=StepGuard())
+                            pad_token_id=0, rollout_shares_actor=not synced, device=dev.device, guard=StepGuard())
         more = (lambda: (prompts[::-1], [{}] * 3)) if t.filter_groups else None
         metrics = step(prompts, None, step=1, more_prompts=more)
         validation = Validator(prompts, [{}] * 3, step.score_rollout, step.rollout, step.sampling(1))(1)
+        same = all(torch.equal(a, b) for a, b in zip(actor.parameters(), engine.model.parameters(), strict=True))
     assert metrics["skipped"] == 0 and metrics["optimizer_steps"] > 0, metrics
+    assert same and (metrics["sync_bytes"] > 0) == synced, metrics  # the engine generates with the new weights
     assert all(map(_finite, [v for k, v in metrics.items() if not k.startswith("time/")])), metrics
     assert set(validation) >= {"eval/reward_mean", "eval/accuracy"}
     # The update reads the device once per optimizer step (the guard's decision), actor and critic alike.
