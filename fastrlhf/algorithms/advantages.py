@@ -21,7 +21,8 @@ from fastrlhf.distributed import comm
 
 __all__ = [
     "ADV_ESTIMATORS", "ADV_ESTIMATOR_OF", "ADV_ESTIMATOR_TRAITS", "EstimatorTraits", "adv_estimator_of",
-    "compute_gae", "compute_grpo_advantages", "compute_rloo_advantages", "discounted_returns", "gae_advantages",
+    "compute_gae", "compute_grpo_advantages", "compute_rloo_advantages", "discounted_over_kept", "discounted_returns",
+    "gae_advantages",
     "grpo_token_advantages", "kl_in_reward", "last_token_index", "overlong_penalty", "register_adv_est",
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "rloo_token_advantages", "shape_rewards",
     "std_across_ranks", "whiten_across_ranks",
@@ -76,24 +77,70 @@ def compute_gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation; returns ``(advantages, returns)``, advantages not whitened.
 
-    The reverse recursion skips mask==0 positions: they neither receive an advantage (0 there)
-    nor break the chain (the next value and running advantage carry across them), so a
-    multi-turn response with masked tool output in the middle is one trajectory.
+    Over each row's kept (mask==1) positions ``s_1 < s_2 < ...``: ``delta_i = r(s_i) + gamma V(s_{i+1}) - V(s_i)``
+    (``V(s_{m+1}) = 0``) and ``A_i = delta_i + gamma lam A_{i+1}``. mask==0 positions neither receive an advantage
+    (0 there) nor break the chain (the next value and running advantage carry across them), so a multi-turn
+    response with masked tool output in the middle is one trajectory. Returns are ``A + V`` everywhere.
+
+    Computed without a step per token (a Python loop over T would launch a few kernels per token: some 30,000
+    for 4,096-token completions): the next kept value by a reverse running minimum, the recursion by
+    :func:`discounted_over_kept`.
     """
     check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
     keep = _keep(mask)
     B, T = values.shape
-    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
-    running = torch.zeros(B, dtype=values.dtype, device=values.device)
-    advantages = []
-    for t in reversed(range(T)):
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        gae = delta + gamma * lam * running
-        next_value = torch.where(keep[:, t], values[:, t], next_value)
-        running = torch.where(keep[:, t], gae, running)
-        advantages.append(torch.where(keep[:, t], gae, torch.zeros_like(gae)))
-    adv = torch.stack(advantages[::-1], dim=1)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    # For each position, the first kept position after it (T: none), and the value there (0 after the last).
+    kept_at = torch.where(keep, torch.arange(T, device=values.device), T)
+    first_from = kept_at.flip(-1).cummin(-1).values.flip(-1)
+    after = torch.cat([first_from[:, 1:], first_from.new_full((B, 1), T)], dim=-1)
+    next_value = torch.cat([values, zero.expand(B, 1)], dim=-1).gather(-1, after)
+    delta = torch.where(keep, token_rewards + gamma * next_value - values, zero)
+    adv = discounted_over_kept(delta, keep, gamma * lam)
     return adv, adv + values
+
+
+GAE_BLOCK = 32  # positions per block of :func:`discounted_over_kept`: its one loop runs T / GAE_BLOCK times
+GAE_BLOCK_ELEMENTS = 1 << 24  # at most this many weights (B x blocks x K x K) at once: 64 MiB in fp32
+
+
+def discounted_over_kept(x: torch.Tensor, keep: torch.Tensor, c: float) -> torch.Tensor:
+    """``A_t = sum over kept s >= t of c^(kept positions in [t, s)) x_s`` at kept ``t``, 0 elsewhere (``[B, T]``;
+    ``x`` is 0 at positions not kept): the reverse recursion ``A_i = x_i + c A_{i+1}`` over each row's kept
+    positions.
+
+    In blocks of :data:`GAE_BLOCK` positions: within a block as one batched matrix product (weights ``c^k`` with
+    ``k`` at most the block's length, so no power under- or overflows as ``c^-t`` would over a whole row), then
+    the sum after each block by a reverse loop over the blocks (2 ops each), added with its discount.
+    """
+    B, T = x.shape
+    K = GAE_BLOCK
+    blocks = -(-T // K)
+    pad = blocks * K - T
+    xs = torch.nn.functional.pad(x, (0, pad)).reshape(B, blocks, K)
+    kept = torch.nn.functional.pad(keep, (0, pad)).reshape(B, blocks, K).to(torch.int32)
+    before = kept.cumsum(-1, dtype=torch.int32) - kept  # kept positions before each one, in its block
+    total = kept.sum(-1, dtype=torch.int32)  # [B, blocks]
+    # c^0 .. c^K, looked up rather than raised to a power per weight; a column of zeros for "s before t"
+    powers = torch.tensor(c, dtype=x.dtype, device=x.device).pow(torch.arange(K + 1, device=x.device))
+    powers = torch.cat([powers, powers.new_zeros(1)])
+    earlier = torch.ones(K, K, dtype=torch.bool, device=x.device).tril(-1)  # [t, s]: s < t
+    inner = []
+    step = max(1, GAE_BLOCK_ELEMENTS // (B * K * K))
+    for lo in range(0, blocks, step):  # the weights of a few blocks at once: memory bounded at any T
+        b = before[:, lo:lo + step]
+        weights = powers[(b.unsqueeze(-2) - b.unsqueeze(-1)).masked_fill_(earlier, K + 1)]
+        inner.append((weights @ xs[:, lo:lo + step].unsqueeze(-1)).squeeze(-1))
+    inner = torch.cat(inner, dim=1)
+    head = (powers[before] * xs).sum(-1)  # each block's sum, discounted to its first kept position
+    decay = powers[total]
+    carry, following = [], x.new_zeros(B)  # the sum after each block, at the first kept position after it
+    for i in reversed(range(blocks)):
+        carry.append(following)
+        following = head[:, i] + decay[:, i] * following
+    carry = torch.stack(carry[::-1], dim=1)
+    out = inner + powers[total.unsqueeze(-1) - before] * carry.unsqueeze(-1)
+    return torch.where(kept > 0, out, 0.0).reshape(B, blocks * K)[:, :T]
 
 
 def _group_centered(scores: torch.Tensor, group_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
