@@ -122,7 +122,7 @@ def discounted_over_kept(x: torch.Tensor, keep: torch.Tensor, c: float) -> torch
     before = kept.cumsum(-1, dtype=torch.int32) - kept  # kept positions before each one, in its block
     total = kept.sum(-1, dtype=torch.int32)  # [B, blocks]
     # c^0 .. c^K, looked up rather than raised to a power per weight; a column of zeros for "s before t"
-    powers = torch.tensor(c, dtype=x.dtype, device=x.device).pow(torch.arange(K + 1, device=x.device))
+    powers = torch.full((K + 1,), c, dtype=x.dtype, device=x.device).pow(torch.arange(K + 1, device=x.device))
     powers = torch.cat([powers, powers.new_zeros(1)])
     earlier = torch.ones(K, K, dtype=torch.bool, device=x.device).tril(-1)  # [t, s]: s < t
     inner = []
