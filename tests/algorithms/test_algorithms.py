@@ -473,8 +473,8 @@ def test_gae_in_blocks_equals_the_recursion(rows, length, seed, gamma, lam, kept
 
 
 def test_gae_launches_a_few_ops_per_block_not_per_token():
-    """The point of the blocks: 4,096 tokens take about 2 ops per 32-token block, where the recursion took 5 per
-    token (counted with a dispatch mode: what a GPU would launch)."""
+    """The point of the blocks: 4,096 tokens take a few ops per 32-token block, where the recursion took about 15
+    per token (counted with a dispatch mode: views included, most of them a launch on a GPU)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
