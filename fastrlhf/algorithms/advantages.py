@@ -22,7 +22,7 @@ from fastrlhf.distributed import comm
 __all__ = [
     "ADV_ESTIMATORS", "ADV_ESTIMATOR_OF", "ADV_ESTIMATOR_TRAITS", "EstimatorTraits", "adv_estimator_of",
     "compute_gae", "compute_grpo_advantages", "compute_rloo_advantages", "discounted_over_kept", "discounted_returns",
-    "gae_advantages",
+    "gae_advantages", "gae_by_recursion",
     "grpo_token_advantages", "kl_in_reward", "last_token_index", "overlong_penalty", "register_adv_est",
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "rloo_token_advantages", "shape_rewards",
     "std_across_ranks", "whiten_across_ranks",
@@ -84,7 +84,7 @@ def compute_gae(
 
     Computed without a step per token (a Python loop over T dispatches about 15 ops per token, most of them a
     kernel launch on a GPU: some 61,000 for 4,096-token completions): the next kept value by a reverse running
-    minimum, the recursion by :func:`discounted_over_kept`.
+    minimum, the recursion by :func:`discounted_over_kept`. Its reference: :func:`gae_by_recursion`.
     """
     check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
     keep = _keep(mask)
@@ -97,6 +97,23 @@ def compute_gae(
     next_value = torch.cat([values, zero.expand(B, 1)], dim=-1).gather(-1, after)
     delta = torch.where(keep, token_rewards + gamma * next_value - values, zero)
     adv = discounted_over_kept(delta, keep, gamma * lam)
+    return adv, adv + values
+
+
+def gae_by_recursion(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                     lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference :func:`compute_gae` is tested against: the reverse recursion one position at a time, skipping
+    mask==0 positions (a few kernel launches per token on a GPU: not for training)."""
+    keep = _keep(mask)
+    B, T = values.shape
+    next_value, running = values.new_zeros(B), values.new_zeros(B)
+    advantages = []
+    for t in reversed(range(T)):
+        gae = token_rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * running
+        next_value = torch.where(keep[:, t], values[:, t], next_value)
+        running = torch.where(keep[:, t], gae, running)
+        advantages.append(torch.where(keep[:, t], gae, torch.zeros_like(gae)))
+    adv = torch.stack(advantages[::-1], dim=1)
     return adv, adv + values
 
 

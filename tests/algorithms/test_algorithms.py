@@ -29,7 +29,7 @@ from fastrlhf.algorithms import (
     shape_rewards,
     value_loss,
 )
-from fastrlhf.algorithms.advantages import compute_rloo_advantages
+from fastrlhf.algorithms.advantages import compute_rloo_advantages, gae_by_recursion
 
 t = torch.tensor
 INF = float("inf")
@@ -428,21 +428,6 @@ def test_group_advantages_token_rewards_and_gae_read_no_device_value():
     assert all(x.shape == (6, 4) for x in compute_gae(logprobs, logprobs, mask, 0.99, 0.95))
     with pytest.raises((NotImplementedError, RuntimeError)):  # the check can fail: what the old code did
         torch.unique(groups, return_inverse=True)
-
-
-def gae_by_recursion(token_rewards, values, mask, gamma, lam):
-    """The reference: GAE's reverse recursion, one position at a time, skipping mask==0 positions."""
-    keep = mask > 0
-    B, T = values.shape
-    next_value, running = values.new_zeros(B), values.new_zeros(B)
-    advantages = []
-    for t in reversed(range(T)):
-        gae = token_rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * running
-        next_value = torch.where(keep[:, t], values[:, t], next_value)
-        running = torch.where(keep[:, t], gae, running)
-        advantages.append(torch.where(keep[:, t], gae, torch.zeros_like(gae)))
-    adv = torch.stack(advantages[::-1], dim=1)
-    return adv, adv + values
 
 
 @settings(max_examples=40, deadline=None)
