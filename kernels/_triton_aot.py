@@ -139,12 +139,14 @@ def row_loss_specs(logits_dtype: str, block_v: int, every_option: bool = False):
 
 def grad_cast_specs():
     """(label, kernel, signature, constexprs, num_warps) of the fused head's last backward pass
-    (``grad_cast_triton.py``): fp32 sums scaled and written in each low-precision weight dtype."""
+    (``grad_cast_triton.py``): fp32 sums scaled and written in each low-precision weight dtype, and a gradient of
+    that dtype scaled in place."""
     from .grad_cast_triton import BLOCK, NUM_WARPS, scale_cast_kernel
 
-    return [(f"scale_cast[float32->{dtype}]", scale_cast_kernel(),
-             {"src_ptr": "*fp32", "scale_ptr": "*fp32", "dst_ptr": _POINTER[dtype], "n": "i64"}, {"BLOCK": BLOCK},
-             NUM_WARPS) for dtype in ("bfloat16", "float16")]
+    return [(f"scale_cast[{src}->{dtype}]", scale_cast_kernel(),
+             {"src_ptr": _POINTER[src], "scale_ptr": "*fp32", "dst_ptr": _POINTER[dtype], "n": "i64"},
+             {"BLOCK": BLOCK}, NUM_WARPS)
+            for dtype in ("bfloat16", "float16") for src in ("float32", dtype)]
 
 
 def compile_all(

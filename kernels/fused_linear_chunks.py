@@ -201,23 +201,38 @@ class _HeadGrads:
         return self.grad_hidden, grad_weight, grad_bias
 
 
+# Elements of a bf16/fp16 gradient scaled per fp32 temporary by the torch branch (64 MiB of fp32).
+SCALE_BLOCK_ELEMENTS = 1 << 24
+
+
 def scale_and_cast(grad: torch.Tensor | None, grad_output: torch.Tensor | None, dtype: torch.dtype,
                    backend: str = "torch"):
     """``grad * grad_output`` in ``dtype``: one pass over an fp32 accumulator (read fp32, write ``dtype``), or in
     place where ``grad`` already has the dtype. ``grad_output`` None: the cast alone. The Triton backend makes the
-    fp32-to-bf16/fp16 pass with its own vectorized kernel (``grad_cast_triton.py``: torch's casting kernel runs it
-    at about half the copy rate on an H100); the products are the same."""
+    pass with its own vectorized kernel (``grad_cast_triton.py``: torch's casting kernel runs it at about half the
+    copy rate on an H100); the products are the same. Each product is taken in fp32 and rounded once, as autograd's
+    would be: a bf16 ``grad`` scaled by ``grad_output`` rounded to bf16 first would be off by up to 2^-9 of it
+    (``loss / 3``), and an fp16 one by a loss scale of 65,536 would be inf."""
     if grad is None:
         return None
     if grad_output is None:
         return grad.to(dtype)
-    if grad.dtype == dtype:
-        return grad.mul_(grad_output.to(dtype))
     if backend == "triton" and PATHS.cast_kernel:
         from .grad_cast_triton import scale_cast, takes
 
         if takes(grad, dtype):
-            return scale_cast(grad, grad_output, dtype)
+            return scale_cast(grad, grad_output, dtype, out=grad if grad.dtype == dtype else None)
+    if grad.dtype == dtype and dtype in (torch.bfloat16, torch.float16):
+        scale = grad_output.to(torch.float32)
+        flat = grad.view(-1) if grad.is_contiguous() else None
+        if flat is None:
+            return grad.copy_(grad.float().mul_(scale))
+        for start in range(0, flat.numel(), SCALE_BLOCK_ELEMENTS):
+            block = flat[start:start + SCALE_BLOCK_ELEMENTS]
+            block.copy_(block.float().mul_(scale))
+        return grad
+    if grad.dtype == dtype:
+        return grad.mul_(grad_output.to(dtype))
     return torch.mul(grad, grad_output, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
 
 

@@ -6,7 +6,8 @@ took 2.45 ms for the 7B head's sum (3.27 GB moved, about half the copy rate; 202
 ``benchmarks/results/history/2026-11-28-h100-session.md``). This kernel reads each fp32 value once, multiplies it by
 the one ``grad_output`` value it loads from the device (no host read) and stores the product rounded once, as
 torch's ``mul`` does: on a GPU the two agree bit for bit (TRITON_INTERPRET's bf16 conversion truncates, so under
-the interpreter bf16 is within one ulp). The kernel lives in ``grad_cast_triton_jit.py``;
+the interpreter bf16 is within one ulp). The same kernel scales a bf16/fp16 gradient in place (the head's
+``grad_hidden``), its products in fp32 and rounded once. The kernel lives in ``grad_cast_triton_jit.py``;
 ``_triton_aot.py`` compiles it for sm_80 and sm_90.
 """
 
@@ -29,16 +30,22 @@ def scale_cast_kernel():
 
 
 def takes(grad: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`scale_cast` covers this: a contiguous fp32 ``grad`` written in bf16/fp16."""
-    return grad.dtype == torch.float32 and dtype in OUT_DTYPES and grad.is_contiguous()
+    """Whether :func:`scale_cast` covers this: a contiguous fp32 ``grad`` written in bf16/fp16, or a contiguous
+    bf16/fp16 ``grad`` scaled in place (``dtype`` its own)."""
+    return (grad.dtype == torch.float32 or grad.dtype == dtype) and dtype in OUT_DTYPES and grad.is_contiguous()
 
 
-def scale_cast(grad: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(grad * grad_output).to(dtype)`` in one pass (see :func:`takes` for what it covers)."""
+def scale_cast(grad: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(grad * grad_output).to(dtype)`` in one pass, each product in fp32 and rounded once (see :func:`takes` for
+    what it covers); ``out``: where to write it (``grad`` itself for a bf16/fp16 ``grad`` scaled in place)."""
     if not takes(grad, dtype):
-        raise ValueError(f"scale_cast: needs a contiguous float32 grad and a bf16/fp16 dtype, got "
+        raise ValueError(f"scale_cast: needs a contiguous float32 (or {dtype}) grad and a bf16/fp16 dtype, got "
                          f"{grad.dtype} ({'' if grad.is_contiguous() else 'not '}contiguous) -> {dtype}")
-    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    if out is None:
+        out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    elif out.dtype != dtype or out.shape != grad.shape or not out.is_contiguous():
+        raise ValueError(f"scale_cast: out must be a contiguous {dtype} tensor of grad's shape {tuple(grad.shape)}")
     scale = grad_output.detach().to(device=grad.device, dtype=torch.float32).reshape(1)
     n = grad.numel()
     if n:

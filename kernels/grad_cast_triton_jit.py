@@ -8,8 +8,8 @@ import triton.language as tl
 
 @triton.jit
 def scale_cast(src_ptr, scale_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """``dst = src * scale`` over ``n`` contiguous elements: fp32 in, the product rounded once to ``dst``'s dtype,
-    ``scale`` one fp32 value on the device."""
+    """``dst = src * scale`` over ``n`` contiguous elements: fp32 (or ``dst``'s dtype, ``dst`` may be ``src``) in,
+    the product in fp32 rounded once to ``dst``'s dtype, ``scale`` one fp32 value on the device."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     scale = tl.load(scale_ptr)

@@ -55,8 +55,9 @@ def _triton_stats(logits, labels, temperature, block_v):
     lse = torch.empty_like(logprobs)
     if n:
         block = block_v or default_block_v(v, on_gpu=logits.is_cuda)
+        # labels.contiguous(): the kernels read them at unit stride (a column of pairs is a strided view)
         triton_kernels().stats[(n,)](
-            logits, logits.stride(0), labels, logprobs, entropy, lse, v, 1.0 / temperature,
+            logits, logits.stride(0), labels.contiguous(), logprobs, entropy, lse, v, 1.0 / temperature,
             BLOCK_V=block, num_warps=_num_warps(block),
         )
     return logprobs, entropy, lse
@@ -68,7 +69,7 @@ def _triton_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, temp
         block = block_v or default_block_v(v, on_gpu=logits.is_cuda)
         # An absent gradient is a constexpr switch; the pointer passed for it is never read.
         triton_kernels().grad[(n,)](
-            logits, logits.stride(0), labels, lse, entropy,
+            logits, logits.stride(0), labels.contiguous(), lse, entropy,
             grad_logprobs if grad_logprobs is not None else lse,
             grad_entropy if grad_entropy is not None else lse,
             out, out.stride(0), v, 1.0 / temperature,

@@ -25,6 +25,7 @@ from fastrlhf.algorithms import actor_loss_per_token, check_same_shape, get_poli
 
 from ._backend import on_cpu, resolve_backend
 from ._checks import check_token_inputs
+from .fused_linear_chunks import scale_and_cast
 from .logprob_entropy import (
     _check_labels_in_range,
     _check_temperature,
@@ -193,8 +194,9 @@ def _torch_loss_and_grad(logits, labels, old_logprobs, advantages, weights, ref_
             logprob_entropy_grad(logits[chunk], labels[chunk], lse, ent, g_lp,
                                  g_ent if loss_kwargs["entropy_coef"] != 0.0 else None, temperature, "torch",
                                  out=dlogits[chunk], shift=shift, probs=p, pz=pz)
-    if sums is None:  # no tokens at all
-        sums = policy_loss_from_token_stats(*(torch.zeros(0, device=logits.device),) * 5, **loss_kwargs)[3]
+    if sums is None:  # no tokens at all: the sums a token would have made (a KL's too), each zero
+        empty = torch.zeros(0, device=logits.device)
+        sums = policy_loss_from_token_stats(*(empty,) * 5, None if ref_logprobs is None else empty, **loss_kwargs)[3]
     return loss, sums
 
 
@@ -253,7 +255,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
             # Dropping ctx's reference lets autograd adopt this tensor as logits.grad without a copy.
             # The loss is usually backpropagated with grad_output == 1, which the CPU checks for free.
             if not on_cpu(grad_output) or grad_output.item() != 1.0:
-                dlogits.mul_(grad_output.to(dlogits.dtype))
+                scale_and_cast(dlogits, grad_output, dlogits.dtype)  # in place, each product rounded once
             return (dlogits,) + (None,) * 9
         logits, labels, lse, entropy, grad_lp, grad_ent = ctx.saved_tensors
         scale = grad_output.float()

@@ -155,7 +155,9 @@ def triton_row_loss_and_grad(logits, labels, old_logprobs, advantages, weights, 
         grid = n if programs is None else min(n, programs)
         w = _f32(weights)
         token_loss_kernels().rows[(grid,)](
-            logits, logits.stride(0), labels, w if old_logprobs is None else _f32(old_logprobs), _f32(advantages), w,
+            # labels.contiguous(): the kernels read every per-row input at unit stride
+            logits, logits.stride(0), labels.contiguous(), w if old_logprobs is None else _f32(old_logprobs),
+            _f32(advantages), w,
             w if ref_logprobs is None else _f32(ref_logprobs), logits if out is None else out,
             logits.stride(0) if out is None else out.stride(0), sums, n, grid,
             v, 1.0 / temperature, float(clip_low), float(clip_high), float(dual_clip or 0.0), float(kl_coef),

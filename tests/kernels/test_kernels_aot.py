@@ -32,7 +32,7 @@ ROW_LOSS_VARIANTS_PER_DTYPE_AND_BLOCK = 2 + 2
 ROW_LOSS_EXTRA_VARIANTS = 1 + 3
 # The row kernel looping on a few programs (bf16, its own block of policy_loss_triton.LOOPING_BLOCK_V, 32 warps).
 ROW_LOSS_LOOPING_VARIANTS = 2 + 2
-GRAD_CAST_VARIANTS = 2  # fp32 sums into bf16 and into fp16
+GRAD_CAST_VARIANTS = 2 * 2  # fp32 sums into bf16 and into fp16; bf16 and fp16 scaled in place
 
 
 def gpu_extra_tritons() -> list[str]:

@@ -629,18 +629,19 @@ def test_cispo_and_sapo_through_the_head_match_the_float64_reference(backend, na
 @pytest.mark.parametrize("cast_kernel", [True, False])
 def test_policy_loss_triton_backend_scales_and_casts_the_fp32_sums_with_its_kernel(monkeypatch, cast_kernel):
     """The backward's last pass on the Triton backend (kernels/grad_cast_triton.py), where grad_output is not a
-    1 the CPU can read for free: grad_weight's and grad_bias's fp32 sums of a bf16 head. The gradients stay
-    within the fp64 reference's bounds either way; ``cast_kernel=False`` is torch's mul, the path it replaced."""
+    1 the CPU can read for free: grad_weight's and grad_bias's fp32 sums of a bf16 head, and grad_hidden's bf16
+    scaled in place. The gradients stay within the fp64 reference's bounds either way; ``cast_kernel=False`` is
+    torch's, the path it replaced."""
     from fastrlhf.kernels import grad_cast_triton
 
     calls = []
     original = grad_cast_triton.scale_cast
     monkeypatch.setattr(grad_cast_triton, "scale_cast",
-                        lambda g, s, d: calls.append(tuple(g.shape)) or original(g, s, d))
+                        lambda g, s, d, out=None: calls.append(tuple(g.shape)) or original(g, s, d, out=out))
     with fused_linear_paths(cast_kernel=cast_kernel):
         check_policy_loss("triton", shape=(3, 7), v=301, chunk_size=8, dtype=torch.bfloat16, grad_scale=-1.5,
                           kl_coef=0.1)
-    assert sorted(calls) == ([(301,), (301, 16)] if cast_kernel else []), calls
+    assert sorted(calls) == ([(21, 16), (301,), (301, 16)] if cast_kernel else []), calls
 
 
 # ----------------------------------------------------------------------------------------------
@@ -693,3 +694,58 @@ def test_fp32_logits_keep_a_minus_inf_bias_entry_and_fp32_heads_unchanged():
         plain, flagged = (fused_linear_logprob_entropy(hidden, weight, labels, bias=b, chunk_size=3, backend="torch",
                                                        fp32_logits=f)[0] for f in (False, True))
     assert torch.equal(plain, flagged)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["logprob_entropy", "policy_loss"])
+def test_strided_labels_are_read_where_they_are(backend, op):
+    """Labels as a column of ``[B, T, 2]`` pairs (a strided view) give what the same labels copied give, values and
+    gradients: the Triton kernels read labels at unit stride, so their launchers take a contiguous copy."""
+    hidden, weight, bias, labels, data = make_inputs((2, 5), 8, 24, seed=21)
+    strided = torch.stack([labels, labels.flip(-1)], dim=-1)[..., 0]
+    assert not strided.is_contiguous()
+
+    def run(lab):
+        h, w, b = (t.detach().clone().requires_grad_() for t in (hidden, weight, bias))
+        if op == "policy_loss":
+            out = fused_linear_policy_loss(h, w, lab, bias=b, kl_coef=0.1, chunk_size=4, backend=backend, **data)[0]
+        else:
+            lp, ent = fused_linear_logprob_entropy(h, w, lab, bias=b, chunk_size=4, backend=backend)
+            out = lp.sum() + 0.5 * ent.sum()
+        out.backward()
+        return out, h.grad, w.grad, b.grad
+
+    for got, want in zip(run(strided), run(strided.contiguous()), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,scale", [(torch.bfloat16, 1 / 3), (torch.float16, 65536.0)], ids=["bf16", "fp16"])
+def test_grad_output_scales_every_gradient_in_fp32(backend, dtype, scale):
+    """``(loss * s).backward()`` gives ``s`` times the gradients of ``loss.backward()``, each product rounded once
+    to the inputs' dtype: ``grad_hidden`` (kept in that dtype) as the fp32 sums of ``grad_weight``. Scaled by ``s``
+    rounded to bf16 first, 1/3 was 2^-9 off; in fp16, 65,536 (a loss scaler's first scale) was inf."""
+    hidden, weight, bias, labels, data = make_inputs((3, 4), 8, 24, dtype=dtype, seed=22)
+    data = {k: v.to(dtype) if k != "mask" else v for k, v in data.items()}
+
+    shrink = 1 / 16 if dtype == torch.float16 else 1.0  # most of the fp16 products then stay under 65,504
+
+    def grads(s):
+        h, w, b = ((t.detach() * shrink).requires_grad_() for t in (hidden, weight, bias))
+        loss = fused_linear_policy_loss(h, w, labels, bias=b, kl_coef=0.1, chunk_size=5, backend=backend, **data)[0]
+        (loss * s if s != 1 else loss).backward()
+        return h.grad, w.grad, b.grad
+
+    (hidden_got, *head_got), (hidden_unscaled, *head_unscaled) = grads(scale), grads(1)
+    product = hidden_unscaled.float() * scale  # grad_hidden is kept in the inputs' dtype: s times it, rounded once
+    truncated = (product.view(torch.int32) & -(1 << 16)).view(torch.float32).to(dtype)  # the interpreter's bf16
+    assert product.to(dtype).isfinite().float().mean() > 0.9  # a scale that made everything inf would prove nothing
+    assert ((hidden_got == product.to(dtype)) | (hidden_got == truncated)).all(), \
+        (hidden_got.float() - product).abs().max()
+    # The head's are fp32 sums, rounded once with the scale; loss.backward()'s rounded them once without it.
+    for got, unscaled in zip(head_got, head_unscaled, strict=True):
+        want = (unscaled.float() * scale).to(dtype).float()
+        finite = want.isfinite()
+        ulp = want[finite].abs() * (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10)
+        assert torch.equal(got.float()[~finite], want[~finite])
+        assert ((got.float()[finite] - want[finite]).abs() <= ulp).all(), (got.float() - want).abs().max()

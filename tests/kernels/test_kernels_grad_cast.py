@@ -46,6 +46,24 @@ def assert_cast_equal(got, want):
     assert torch.equal(g[g.isinf()], w[w.isinf()])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("scale", [1.0 / 3, 65536.0])  # neither is a bf16 value; 65,536 is inf in fp16
+def test_scale_cast_scales_a_low_precision_grad_in_place_in_fp32(dtype, scale):
+    """A bf16/fp16 gradient (the fused head's grad_hidden) scaled in place: each product in fp32, rounded once,
+    as the torch branch does it, not by ``grad_output`` rounded to the gradient's dtype first."""
+    grad = (_values(BLOCK + 3, seed=1) * 1e-3).to(dtype)
+    grad_output = torch.tensor(scale)
+    want = (grad.float() * scale).to(dtype)
+    torch.testing.assert_close(scale_and_cast(grad.clone(), grad_output, dtype), want, rtol=0, atol=0,
+                               equal_nan=True)
+    got = grad.clone()
+    assert scale_cast(got, grad_output, dtype, out=got).data_ptr() == got.data_ptr()
+    assert_cast_equal(got, want)
+    if float(grad_output.to(dtype)) != scale:  # not a value of dtype: the old in-place branch's rounded scale differs
+        old, finite = grad * grad_output.to(dtype), want.isfinite()
+        assert (old[finite] != want[finite]).any()
+
+
 def test_scale_cast_keeps_the_shape_and_an_empty_tensor():
     grad = _values(5 * 13).reshape(5, 13)
     got = scale_cast(grad, torch.tensor(2.0), torch.float16)
@@ -57,7 +75,7 @@ def test_scale_cast_keeps_the_shape_and_an_empty_tensor():
                                          (torch.zeros(3, dtype=torch.bfloat16), torch.float16)],
                          ids=["not-contiguous", "fp32-out", "bf16-in"])
 def test_what_scale_cast_does_not_cover_fails_with_the_reason_and_scale_and_cast_takes_torch(grad, dtype):
-    with pytest.raises(ValueError, match="contiguous float32 grad and a bf16/fp16 dtype"):
+    with pytest.raises(ValueError, match=r"contiguous float32 \(or .*\) grad and a bf16/fp16 dtype"):
         scale_cast(grad, torch.tensor(2.0), dtype)
     out = scale_and_cast(grad.clone(), torch.tensor(2.0), dtype, backend="triton")  # falls back, no error
     assert out.dtype == dtype and out.shape == grad.shape

@@ -394,3 +394,22 @@ def test_reuse_buffer_argument_errors():
     _, ent, lse = logprob_entropy_stats(logits, labels)
     with pytest.raises(ValueError, match="pz needs probs"):
         logprob_entropy_grad(logits, labels, lse, ent, torch.ones(2), None, pz=torch.empty(2, 5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(6,), (2, 3)], ids=["flat", "batch"])
+def test_strided_labels_are_read_where_they_are(backend, shape):
+    """Labels that are a strided view (a column of ``[N, 2]`` pairs) give what the same labels copied give, values and
+    gradients; a kernel reading them at unit stride took its neighbours' ids (Triton backend, the GPU default)."""
+    logits = torch.randn(*shape, 40, generator=torch.Generator().manual_seed(3))
+    pairs = torch.randint(0, 40, (*shape, 2), generator=torch.Generator().manual_seed(4))
+    labels = pairs[..., 0]
+    assert not labels.is_contiguous() and not torch.equal(labels, pairs[..., 1])
+    results = []
+    for lab in (labels, labels.contiguous()):
+        x = logits.clone().requires_grad_()
+        lp, ent = logprob_entropy(x, lab, 1.0, backend)
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        results.append((lp, ent, x.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

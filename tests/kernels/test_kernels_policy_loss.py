@@ -423,3 +423,32 @@ def test_precomputed_weights_of_a_minibatch_split_into_micro_batches(backend, ag
                   "micro-batch losses")
     assert_within(x.grad, grad_ref, dlogits.bound, "whole dlogits")
     assert_within(y.grad, grad_ref, dlogits.bound, "micro-batch dlogits")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens_with_a_kl_term(backend):
+    """No token at all, a KL term on: a zero loss and zero metrics on either backend (the torch one raised)."""
+    x = torch.randn(0, 9, requires_grad=True)
+    zeros = torch.zeros(0)
+    loss, metrics = fused_policy_loss(x, torch.zeros(0, dtype=torch.long), zeros, zeros, zeros, ref_logprobs=zeros,
+                                      kl_coef=0.1, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0 and x.grad.shape == x.shape
+    assert all(v.item() == 0.0 for v in metrics.values()), metrics
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_labels_are_read_where_they_are(backend):
+    """Labels as a column of ``[N, 2]`` pairs (a strided view) give the loss and gradient of the same labels copied."""
+    logits, labels, old, adv, mask, ref = make_batch(shape=(2, 5), seed=17)
+    pairs = torch.stack([labels, labels.flip(-1)], dim=-1)
+    strided = pairs[..., 0]
+    assert not strided.is_contiguous()
+    results = []
+    for lab in (strided, strided.contiguous()):
+        x = logits.clone().requires_grad_()
+        loss, _ = fused_policy_loss(x, lab, old, adv, mask, ref, kl_coef=0.1, backend=backend)
+        loss.backward()
+        results.append((loss, x.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
