@@ -73,6 +73,7 @@ from fastrlhf.rl.forward import (
 )
 from fastrlhf.rl.step_metrics import StepClock, logprob_mismatch, probe_rows, reduce_step_metrics
 from fastrlhf.rl.update import Minibatch, as_learner, minibatch_order, run_updates
+from fastrlhf.rollout.episodes import PREFIX_CACHE_HIT, with_prefix_cache_hit
 
 __all__ = ["RLStep", "empty_device_cache", "forward_micro_batch_size", "micro_batch_size", "skips_old_logprobs"]
 
@@ -167,7 +168,9 @@ class RLStep:
                 exp.loss_rows = to_device(torch.tensor([0.0 if cut else 1.0 for cut in truncated]), self.device)
             rank_tokens = float(sum(p + c for p, c in exp.token_parts()))  # what this rank's passes cost
             prep = {**getattr(self.scorer, "metrics", {}), **self.logprobs_and_values(exp),
-                    **(self.episodes.metrics if self.episodes is not None else {}),
+                    # the ratio is taken from the counts summed over the ranks (below)
+                    **({k: v for k, v in self.episodes.metrics.items() if k != PREFIX_CACHE_HIT}
+                       if self.episodes is not None else {}),
                     "truncated_fraction": sum(truncated) / max(len(truncated), 1),
                     "rank_tokens": rank_tokens, "rank_tokens_max": rank_tokens}
             name = adv_estimator_of(self.config)
@@ -192,8 +195,9 @@ class RLStep:
                  **self.setup_memory}
         self.setup_memory = {}
         generated = sampled.generated_tokens if sampled else None
-        metrics = reduce_step_metrics(exp, local, clock.times, step, skipped=skipped, world=self.world,
-                                      skipped_total=self.guard.skipped_total, generated=generated)
+        metrics = with_prefix_cache_hit(reduce_step_metrics(exp, local, clock.times, step, skipped=skipped,
+                                                            world=self.world, skipped_total=self.guard.skipped_total,
+                                                            generated=generated))
         if self.kl_control is not None:  # every rank feeds it the same reduced kl
             metrics["kl_coef"] = self.kl_control.value
             self.kl_control.update(None if skipped else metrics.get("kl"), self.config.rollout_batch_size)

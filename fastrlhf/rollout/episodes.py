@@ -26,7 +26,18 @@ from dataclasses import dataclass, field
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 from fastrlhf.rollout.tools import ERROR, TIMEOUT, Toolbox, run_tool_call
 
-__all__ = ["Episode", "EpisodeRunner", "TurnTemplate"]
+__all__ = ["PREFIX_CACHE_HIT", "Episode", "EpisodeRunner", "TurnTemplate", "with_prefix_cache_hit"]
+
+PREFIX_CACHED, RESUBMITTED, PREFIX_CACHE_HIT = ("tools/prefix_cached_tokens", "tools/resubmitted_tokens",
+                                                "tools/prefix_cache_hit")
+
+
+def with_prefix_cache_hit(metrics: dict) -> dict:
+    """``metrics`` with ``tools/prefix_cache_hit`` (cached over resubmitted tokens) where it has resubmitted tokens:
+    a ratio of sums, so the RL step takes it after summing the counts over the ranks, not as a mean of ratios."""
+    if metrics.get(RESUBMITTED):
+        metrics[PREFIX_CACHE_HIT] = metrics[PREFIX_CACHED] / metrics[RESUBMITTED]
+    return metrics
 
 _MARK_USER, _MARK_ASSISTANT = "fastrlhf-user-mark", "fastrlhf-assistant-mark"
 
@@ -124,8 +135,9 @@ class EpisodeRunner:
     (:func:`fastrlhf.rollout.tools.load_toolbox`); ``tokenizer``: the policy's, with its chat template;
     ``max_turns``: assistant turns per episode. After each call :attr:`metrics` holds ``tools/calls``,
     ``tools/errors``, ``tools/timeouts`` (this call's totals), ``tools/turns`` (assistant turns per episode),
-    ``tools/calls_per_episode`` and, with vLLM, ``tools/prefix_cache_hit``: the share of the continued
-    episodes' resubmitted tokens that its prefix cache served (their history, not recomputed).
+    ``tools/calls_per_episode`` and, with vLLM, ``tools/resubmitted_tokens`` (the continued episodes' histories
+    sent again), ``tools/prefix_cached_tokens`` (those its prefix cache served, not recomputed) and, where some
+    were sent, ``tools/prefix_cache_hit``: their ratio.
     """
 
     def __init__(self, engine, toolbox: Toolbox, tokenizer, max_turns: int = 4, say=print):
@@ -193,8 +205,9 @@ class EpisodeRunner:
             active = [e for e, turn in zip(active, turns, strict=True) if self._advance(e, turn, budget, context)]
             round_ += 1
         self.metrics = self._metrics(episodes)
-        if continued[1]:  # the share of the continued episodes' history the prefix cache served
-            self.metrics["tools/prefix_cache_hit"] = continued[0] / continued[1]
+        if counts is not None:  # whether or not an episode continued: the RL step sums the same keys on every rank
+            self.metrics.update({PREFIX_CACHED: float(continued[0]), RESUBMITTED: float(continued[1])})
+            with_prefix_cache_hit(self.metrics)
         return [[e.completion(prompts[i]) for e in episodes[i * n:(i + 1) * n]] for i in range(len(prompts))]
 
     def _advance(self, e: Episode, turn: Completion, budget: int, context: int) -> bool:

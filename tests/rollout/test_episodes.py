@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fastrlhf.rollout import SamplingConfig
-from fastrlhf.rollout.episodes import EpisodeRunner, TurnTemplate
+from fastrlhf.rollout.episodes import PREFIX_CACHE_HIT, EpisodeRunner, TurnTemplate
 from fastrlhf.rollout.tools import load_toolbox, parse_hermes
 from tests.helpers.tool_fixtures import ScriptedEngine
 
@@ -211,3 +211,36 @@ def test_a_template_that_rewrites_history_is_named_at_start_up(tokenizer):
     template = TurnTemplate(t, [], say=said.append)
     assert not template.prefix_preserving and len(said) == 1 and "not prefix-preserving" in said[0]
     assert TurnTemplate(tokenizer, [], say=said.append).prefix_preserving and len(said) == 1
+
+
+class CachingEngine(ScriptedEngine):
+    """The scripted policy behind a prefix cache that serves all but the last token of each prompt (as vLLM's
+    counts say, ``[served, sent]``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefix_cache_counts = [0, 0]
+
+    def generate(self, prompts, sampling, limits=None, seeds=None):
+        self.prefix_cache_counts[0] += sum(len(p) - 1 for p in prompts)
+        self.prefix_cache_counts[1] += sum(len(p) for p in prompts)
+        return super().generate(prompts, sampling, limits, seeds)
+
+
+def test_the_prefix_cache_counts_are_reported_whether_or_not_an_episode_went_on(tokenizer):
+    """The RL step sums every rank's metrics as one vector, so their keys may not depend on what a rank's episodes
+    did: a rank whose episodes all answered at once had no ``tools/prefix_cache_hit`` and the ranks' vectors
+    differed in length (gloo aborts; NCCL may hang or sum values under the wrong keys). The counts are always
+    there; the ratio, taken from them, is left out of what the step sums."""
+    toolbox = load_toolbox([f"{H}:add"])
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=200, seed=3)
+    metrics = []
+    for script in ({"A?": ["The answer is 1."]}, {"B?": [call("add", a=1, b=1), "Done."]}):
+        runner = EpisodeRunner(CachingEngine(tokenizer, script), toolbox, tokenizer, 4, say=None)
+        runner.generate([prompt_ids(tokenizer, toolbox, q) for q in script], sampling)
+        metrics.append(runner.metrics)
+    answered, went_on = metrics
+    assert set(answered) - {PREFIX_CACHE_HIT} == set(went_on) - {PREFIX_CACHE_HIT}
+    assert answered["tools/resubmitted_tokens"] == 0.0 and PREFIX_CACHE_HIT not in answered
+    sent = went_on["tools/resubmitted_tokens"]
+    assert sent > 0 and went_on[PREFIX_CACHE_HIT] == went_on["tools/prefix_cached_tokens"] / sent == (sent - 2) / sent
