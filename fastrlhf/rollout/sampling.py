@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingConfig", "Completion", "FINISH_REASONS"]
+__all__ = ["SamplingConfig", "Completion", "FINISH_REASONS", "prompt_seeds"]
 
 FINISH_REASONS = ("stop", "length")
 
@@ -114,3 +115,19 @@ class Completion:
                              f"but {len(self.mask)} mask entries")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Completion.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+
+
+def prompt_seeds(seed: int, prompts: list[list[int]]) -> list[int]:
+    """One seed per prompt, for an engine that seeds each request (vLLM): from ``seed``, the prompt's tokens and
+    how many equal prompts came before it in the batch. One seed for every request would draw the same random
+    numbers for sample k of every prompt (the samples of different prompts coupled, the batch worth fewer
+    independent ones); an index into the batch would make a prompt's samples depend on where it stands in it.
+    vLLM gives sample k of a request ``seed + k``: hashed seeds keep those runs apart."""
+    seen: dict[tuple[int, ...], int] = {}
+    out = []
+    for prompt in prompts:
+        key = tuple(prompt)
+        repeat = seen[key] = seen.get(key, -1) + 1
+        digest = hashlib.blake2b(repr((seed, repeat, key)).encode(), digest_size=8).digest()
+        out.append(int.from_bytes(digest, "little") % (2**31 - 2**16))  # room for seed + k below 2**31
+    return out

@@ -20,7 +20,7 @@ from fastrlhf.rollout.base import (
     stop_token_ids_for,
     validate_prompts,
 )
-from fastrlhf.rollout.sampling import Completion, SamplingConfig
+from fastrlhf.rollout.sampling import Completion, SamplingConfig, prompt_seeds
 
 __all__ = ["VLLMEngine", "read_model_config", "check_cpu_head_size"]
 
@@ -270,6 +270,8 @@ class VLLMEngine(RolloutEngine):
         limits = new_token_limits(prompts, sampling, self.max_model_len, limits)
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds must hold one int per prompt ({len(prompts)}), got {len(seeds)}")
+        if seeds is None and sampling.seed is not None:
+            seeds = prompt_seeds(sampling.seed, prompts)
         if len(set(limits)) == 1 and seeds is None:
             params = vllm_adapter.make_sampling_params(sampling, limits[0], stop_ids)
         else:

@@ -159,6 +159,26 @@ def test_seeded_sampling_is_reproducible_and_grouped(models, vllm_engine, engine
         assert _tokens(alone)[0] == _tokens(a)[1]
 
 
+def test_vllm_seeds_each_prompt_apart_and_a_prompt_the_same_wherever_it_stands(vllm_engine, monkeypatch):
+    """vLLM seeds each request. With one seed for all, sample k of every prompt drew the same random numbers
+    (on a flat head, 8 different prompts gave 1 distinct first token per sample index): each prompt gets its own,
+    from the config's seed and the prompt, so a prompt alone and in a batch still sample the same."""
+    from fastrlhf.rollout import vllm_adapter
+
+    sent = []
+    original = vllm_adapter.run_generate
+    monkeypatch.setattr(vllm_adapter, "run_generate",
+                        lambda llm, prompts, params, *a: sent.append(params) or original(llm, prompts, params, *a))
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=2, seed=7)
+    batch = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2]]  # a prompt twice: two draws, not one repeated
+    out = vllm_engine.generate(batch, sampling)
+    vllm_engine.generate([PROMPTS[1]], sampling)
+    seeds = [p.seed for p in sent[0]]
+    assert len(set(seeds)) == 4 and sent[1][0].seed == seeds[1], seeds
+    assert all(abs(a - b) > sampling.n for i, a in enumerate(seeds) for b in seeds[:i])  # seed + k stay apart
+    assert _tokens(out)[0] != _tokens(out)[2]
+
+
 @pytest.mark.parametrize("engine_kind", ["vllm", "hf"])
 def test_stop_tokens_end_completions_with_finish_reason_stop(models, vllm_engine, engine_kind):
     engine = vllm_engine if engine_kind == "vllm" else HFEngine(models["first"][1])
