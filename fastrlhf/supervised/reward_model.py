@@ -32,22 +32,28 @@ def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 
 def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False) -> torch.Tensor:
-    """``[S, num_labels]`` fp32 logits of each sequence at its last token. ``packed``: all sequences in
-    one row (``fastrlhf.sequences.packing.PackedLayout``), the model's body run on it and its score head on each
-    sequence's last hidden state; otherwise right-padded, through the model's own forward."""
+    """``[S, num_labels]`` fp32 logits of each sequence at its last token: the model's body runs and its score head
+    is applied to each sequence's last hidden state, as the RL step scores (``fastrlhf.rl.forward.
+    reward_model_scores``). ``packed``: all sequences in one row (``fastrlhf.sequences.packing.PackedLayout``);
+    otherwise right-padded. Not the model's own forward: transformers pools at the last id that is not the pad
+    id, which skips a sequence's closing eos where the pad id is the eos (a config without a pad id), and the
+    head would learn a token the RL step never reads."""
     from fastrlhf.rl.forward import attention_mask_for, check_segments, classifier_body_and_head
     from fastrlhf.sequences.packing import PackedLayout
 
     device = model_device(engine)
+    model = base_model(unwrap(engine))
+    body, head = classifier_body_and_head(model)
     if not packed:
         input_ids, attention_mask = to_device(pad_batch(sequences, pad_id), device)
         # The mask comes built, not found by a device read (fastrlhf.sequences.masks).
-        return engine(input_ids=input_ids, attention_mask=attention_mask_for(engine, attention_mask)).logits.float()
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask_for(model, attention_mask),
+                      use_cache=False).last_hidden_state
+        last = attention_mask.sum(-1) - 1  # right-padded: each row's last attended position, on the device
+        return head(hidden[torch.arange(len(sequences), device=device), last]).float()
 
-    model = base_model(unwrap(engine))
     layout = PackedLayout.build([len(s) for s in sequences], [0] * len(sequences), device=device)
     input_ids = to_device(torch.tensor([t for s in sequences for t in s], dtype=torch.long)[None], device)
-    body, head = classifier_body_and_head(model)
     check_segments(body, inputs := layout.model_kwargs())
     hidden = body(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
     return head(hidden[0, layout.last_index]).float()
