@@ -74,7 +74,7 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
     import deepspeed
     import torch
 
-    from fastrlhf.engine.guards import GuardedAdamW
+    from fastrlhf.engine.guards import GuardedAdamW, GuardedLambdaLR
 
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -90,7 +90,7 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
     clip_in_optimizer = trained_zero_stage(ds) == 0
     optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, guard=guard,
                              max_grad_norm=(max_grad_norm or float("inf")) if clip_in_optimizer else None)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(warmup_steps))
+    scheduler = GuardedLambdaLR(optimizer, _warmup(warmup_steps), guard)
     config = deepspeed_config(ds, micro_batch_size, grad_accum, None if clip_in_optimizer else max_grad_norm,
                               trainable=True)
     from fastrlhf.engine.platform import cpu_tools

@@ -34,7 +34,8 @@ import torch
 from fastrlhf.distributed import comm
 from fastrlhf.engine.device import host_read, to_device
 
-__all__ = ["INPUTS_READ", "StepGuard", "GuardedAdamW", "StepFailed", "TooManySkippedSteps", "all_finite"]
+__all__ = ["INPUTS_READ", "StepGuard", "GuardedAdamW", "GuardedLambdaLR", "StepFailed", "TooManySkippedSteps",
+           "all_finite"]
 
 INPUTS_READ = "the update's inputs checked (finite; the engine's logprob mismatch)"
 
@@ -274,3 +275,21 @@ class GuardedAdamW(torch.optim.AdamW):
                 p.grad = None
             return None
         return super().step(closure)
+
+
+class GuardedLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR that stays where it is after an optimizer step the guard dropped (bad, or empty), as the weights
+    do: DeepSpeed steps the scheduler after every optimizer step it does not itself see overflow, so a skipped
+    update would otherwise still use up a step of the warm-up."""
+
+    def __init__(self, optimizer, lr_lambda, guard: StepGuard | None):
+        self.guard = guard
+        super().__init__(optimizer, lr_lambda)
+
+    def step(self, *args, **kwargs):
+        if self.guard is not None and self.guard.decided and self.guard.drops_step:
+            return None
+        return super().step(*args, **kwargs)
+
+    def state_dict(self):  # a checkpoint holds the schedule's position, not the guard (saved on its own)
+        return {k: v for k, v in super().state_dict().items() if k != "guard"}

@@ -186,9 +186,11 @@ def test_guard_inside_a_zero2_engine_skips_the_update(workdir):
     D.init_distributed(timeout_s=60)
     guard = StepGuard(3)
     engine = build_train_engine(make_tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=1).train(),
-                                  DeepSpeedConfig(zero_stage=2), lr=1e-2, max_grad_norm=1.0, guard=guard)
+                                  DeepSpeedConfig(zero_stage=2), lr=1e-2, max_grad_norm=1.0, guard=guard,
+                                  warmup_steps=4)
     ids = torch.tensor([[3, 4, 5, 6]])
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    lr = engine.get_lr()[0]
 
     loss = engine(input_ids=ids, labels=ids).loss * float("nan")
     guard.note_loss(loss)
@@ -196,6 +198,7 @@ def test_guard_inside_a_zero2_engine_skips_the_update(workdir):
     engine.step()
     assert guard.end_step() and guard.skipped_total == 1
     assert all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    assert engine.get_lr()[0] == lr  # the warm-up waits for an update that happened, as the weights do
 
     loss = engine(input_ids=ids, labels=ids).loss
     guard.note_loss(loss)
@@ -203,6 +206,8 @@ def test_guard_inside_a_zero2_engine_skips_the_update(workdir):
     engine.step()
     assert not guard.end_step() and guard.skipped_in_row == 0
     assert not torch.equal(before["lm_head.weight"], engine.module.lm_head.weight)
+    assert engine.get_lr()[0] == pytest.approx(2 * lr)  # warm-up factors 1/4, then 2/4
+    assert "guard" not in engine.lr_scheduler.state_dict()
 
 
 def test_two_ranks_under_the_deepspeed_launcher_zero3(workdir):
