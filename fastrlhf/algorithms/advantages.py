@@ -174,11 +174,15 @@ def _group_centered(scores: torch.Tensor, group_ids) -> tuple[torch.Tensor, torc
     starts = torch.ones_like(ordered, dtype=torch.long)
     starts[1:] = (ordered[1:] != ordered[:-1]).long()
     inverse = torch.empty_like(order).scatter_(0, order, starts.cumsum(0) - 1)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    zeros = torch.zeros(scores.shape[0], dtype=scores.dtype, device=scores.device)
-    count = zeros.index_add(0, inverse, torch.ones_like(scores))
-    mean = zeros.index_add(0, inverse, scores) / count
-    return scores - mean[inverse], count[inverse], inverse, zeros
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    # The mean in fp64: an fp32 sum of equal scores (16 x 0.7) is often an ulp off their value, and that ulp,
+    # divided by a std made of ulps, became a full-size advantage for every member of a group with nothing to learn.
+    wide = scores.to(torch.float64)
+    sums = torch.zeros(scores.shape[0], dtype=torch.float64, device=scores.device)
+    count = sums.index_add(0, inverse, torch.ones_like(wide))
+    mean = sums.index_add(0, inverse, wide) / count
+    zeros = torch.zeros(scores.shape[0], dtype=dtype, device=scores.device)
+    return (wide - mean[inverse]).to(dtype), count[inverse].to(dtype), inverse, zeros
 
 
 def compute_grpo_advantages(

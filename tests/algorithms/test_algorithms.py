@@ -203,6 +203,19 @@ def test_grpo_advantages():
     assert compute_grpo_advantages(noisy, [0, 0, 1, 1])[:2].abs().min() > 0.5
 
 
+@pytest.mark.parametrize("value,n", [(0.7, 16), (1.2, 8), (1.1, 16), (100.7, 16)])
+def test_a_group_of_equal_scores_has_exactly_zero_advantage(value, n):
+    """Scores whose fp32 sum is not exact (16 x 0.7): summed in fp32 the group's mean was an ulp off, and the ulp
+    over a std made of ulps gave every member the same advantage of up to 0.86; beside a group that differs."""
+    scores = torch.tensor([value] * n + [1.0, 0.0] * 4, dtype=torch.float32)
+    groups = [0] * n + [1] * 8
+    for scale in (True, False, "batch"):
+        adv = compute_grpo_advantages(scores, groups, scale_by_std=scale)
+        assert torch.equal(adv[:n], torch.zeros(n)), (scale, adv[:n])
+        assert (adv[n:] != 0).all()
+    assert torch.equal(compute_rloo_advantages(scores, groups)[:n], torch.zeros(n))
+
+
 # ---------------------------------------------------------------- losses
 LOSS = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
 LOSS_MASK = t([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the third row is fully masked
