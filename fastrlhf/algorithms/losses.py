@@ -18,7 +18,8 @@ from fastrlhf.algorithms.masked import _keep, check_same_shape, masked_mean, mas
 
 __all__ = [
     "AGG_MODES", "POLICY_LOSSES", "PolicyLoss", "actor_loss_per_token", "aggregate_loss",
-    "aggregation_weights", "bradley_terry_loss", "cispo_policy_loss", "clipped_surrogate", "get_policy_loss",
+    "aggregation_count", "aggregation_weights", "bradley_terry_loss", "cispo_policy_loss", "clipped_surrogate",
+    "get_policy_loss",
     "gspo_policy_loss", "loss_weights", "nll_loss", "policy_loss", "policy_loss_options", "register_policy_loss",
     "rollout_is_weights", "sapo_policy_loss",
     "TIS_LEVELS", "TIS_MODES", "value_loss", "vanilla_policy_loss"
@@ -30,27 +31,42 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 
 
 
-def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
+def aggregation_count(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """What ``mode`` divides by (0-dim fp32, on mask's device): the kept tokens (``token-mean``), or the sequences
+    with a kept token (the ``seq-mean-*`` modes; fully masked rows are left out of the mean over sequences)."""
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
+    keep = _keep(mask).float()
+    if mode == "token-mean":
+        return keep.sum()
+    if mask.dim() != 2:
+        raise ValueError(f"aggregation mode {mode!r} needs [B, T] tensors, got shape {tuple(mask.shape)}")
+    return (keep.sum(-1) > 0).sum().float()
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str, count: torch.Tensor | None = None,
+                        length: int | None = None) -> torch.Tensor:
     """Per-token weights ``w`` with ``aggregate_loss(x, mask, mode) == sum(w * x)`` over kept tokens.
 
     Every mode is linear in the per-token loss; writing it as weights lets a chunked kernel
-    know each token's gradient as soon as that token's loss is known.
+    know each token's gradient as soon as that token's loss is known. ``count``: the denominator to use instead
+    of :func:`aggregation_count` of ``mask``, positive (the RL update passes every rank's sum, at least 1, over
+    the ranks: their averaged gradients are then those of the whole minibatch's aggregate, however it was split).
+    ``length``: ``seq-mean-token-sum-norm``'s divisor, a constant (Dr.GRPO's generation budget); None: the mask's
+    width.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
     keep = _keep(mask).to(mask.dtype if mask.is_floating_point() else torch.float32)
+    denominator = aggregation_count(mask, mode).clamp(min=1) if count is None else count
     if mode == "token-mean":
-        return keep / keep.sum().clamp(min=1)
-    if mask.dim() != 2:
-        raise ValueError(f"aggregation mode {mode!r} needs [B, T] tensors, got shape {tuple(mask.shape)}")
+        return keep / denominator
     tokens_per_seq = keep.sum(-1, keepdim=True)
-    # Fully masked rows are left out of the mean over sequences.
-    n_seqs = (tokens_per_seq > 0).sum().clamp(min=1)
     if mode == "seq-mean-token-mean":
-        return keep / tokens_per_seq.clamp(min=1) / n_seqs
-    weights = keep / n_seqs
+        return keep / tokens_per_seq.clamp(min=1) / denominator
+    weights = keep / denominator
     if mode == "seq-mean-token-sum-norm":
-        weights = weights / mask.shape[-1]
+        weights = weights / (mask.shape[-1] if length is None else length)
     return weights
 
 

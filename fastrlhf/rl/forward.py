@@ -240,11 +240,12 @@ def sequence_logprobs(model, exp: Experience, temperature: float = 1.0, micro_ba
     return lp_out, ent_out
 
 
-def _with_loss_weights(mb: Experience, agg: str) -> Experience:
-    """``mb`` carrying per-token loss weights: the minibatch's (set by the update), else its own by ``agg``."""
+def _with_loss_weights(mb: Experience, config) -> Experience:
+    """``mb`` carrying per-token loss weights: the minibatch's (set by the update), else its own by ``trainer.agg``."""
     if mb.loss_weights is not None:
         return mb
-    return replace(mb, loss_weights=aggregation_weights(mb.trained_mask, agg))
+    return replace(mb, loss_weights=aggregation_weights(mb.trained_mask, config.trainer.agg,
+                                                        length=config.rollout.max_new_tokens))
 
 
 def policy_loss_from_model(model, mb: Experience, config):
@@ -263,7 +264,7 @@ def policy_loss_from_model(model, mb: Experience, config):
     kernel's logprobs, through autograd, on ``[b, T]`` rows (packed logprobs are put back in rows).
     """
     cfg, temperature = config.trainer, config.rollout.temperature
-    view = MicroBatch(_with_loss_weights(mb, cfg.agg), packing_mode(cfg))
+    view = MicroBatch(_with_loss_weights(mb, config), packing_mode(cfg))
     e = view.exp
     advantages = e.advantages if e.is_weights is None else e.advantages * e.is_weights
     # The KL goes into the token rewards (trainer.kl_in_reward, where the estimator takes it) or into the loss.
@@ -312,7 +313,7 @@ def critic_loss(critic, mb: Experience, config):
     """``trainer.vf_coef`` x the clipped value loss of a micro-batch (weighted like the actor's, see
     :func:`policy_loss_from_model`; packed with ``trainer.packing``); returns ``(loss, metrics)``."""
     cfg = config.trainer
-    view = MicroBatch(_with_loss_weights(mb, cfg.agg), packing_mode(cfg))
+    view = MicroBatch(_with_loss_weights(mb, config), packing_mode(cfg))
     e = view.exp
     values = _response_values(critic, view)
     loss, metrics = value_loss(values, view.tokens(e.values), view.tokens(e.returns), view.tokens(e.response_mask),

@@ -409,7 +409,7 @@ class RLStep:
         if self.critic is not None and not aborted:
             unwrap(self.critic.module).train()
             critic = run_updates(self.critic, exp, lambda module, mb: critic_loss(module, mb, self.config), order,
-                                 t.agg)
+                                 t.agg, self.config.rollout.max_new_tokens)
             metrics.update(value_loss=critic.get("value_loss", float("nan")),
                            vf_clipfrac=critic.get("vf_clipfrac", float("nan")), critic_grad_norm=critic["grad_norm"])
         return metrics
@@ -418,7 +418,7 @@ class RLStep:
         """The actor's optimizer steps: its metrics, and whether a non-finite loss stopped them."""
         unwrap(self.actor.module).train()
         actor = run_updates(self.actor, exp, lambda module, mb: policy_loss_from_model(module, mb, self.config),
-                            order, self.config.trainer.agg)
+                            order, self.config.trainer.agg, self.config.rollout.max_new_tokens)
         metrics = {"policy_loss": actor.get("loss", float("nan")), "loss_kl": actor.get("kl", float("nan")),
                    **{k: actor.get(k, float("nan")) for k in ("clipfrac", "approx_kl", "entropy")},
                    "grad_norm": actor["grad_norm"], "optimizer_steps": actor["optimizer_steps"],

@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fastrlhf.algorithms import aggregation_weights
-from fastrlhf.engine.device import host_read
+from fastrlhf.algorithms import aggregation_count, aggregation_weights
+from fastrlhf.distributed import comm
+from fastrlhf.engine.device import host_read, to_device
 from fastrlhf.engine.guards import StepGuard, grads_finite
 from fastrlhf.rl.experience import Experience, split_batch
 
@@ -78,7 +79,10 @@ class DeepSpeedLearner:
     The engine would divide each loss by its ``gradient_accumulation_steps`` and find the boundary by
     counting micro-steps; both are taken over here: ``backward(loss, boundary)`` sets the boundary
     (``engine.set_gradient_accumulation_boundary``, before the backward, where ZeRO reduces the
-    gradients) and backpropagates the loss unscaled (``scale_wrt_gas=False``)."""
+    gradients) and backpropagates the loss unscaled (``scale_wrt_gas=False``). Its ranks' gradients are averaged
+    (:attr:`averages_ranks`: :func:`run_updates` weighs each rank's loss for that)."""
+
+    averages_ranks = True
 
     def __init__(self, engine, guard: StepGuard):
         self.engine = engine
@@ -155,12 +159,29 @@ def _is_loss(name: str) -> bool:
     return name == "loss" or name.endswith("_loss")
 
 
-def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibatch], agg: str) -> UpdateResult:
+def _rank_counts(learner, exp: Experience, order: list[Minibatch], agg: str) -> torch.Tensor | None:
+    """Each minibatch's aggregation denominator (tokens or sequences) summed over the ranks, at least 1, over
+    their number: one collective on the device for the whole update, no host read. None where there is one rank
+    or the learner does not average its ranks' gradients."""
+    world = comm.world_size()
+    if world == 1 or not getattr(learner, "averages_ranks", False):
+        return None
+    trained = exp.trained_mask
+    local = torch.stack([aggregation_count(trained[to_device(m.rows, trained.device)], agg) for m in order])
+    return comm.all_reduce_(local, "sum").clamp(min=1) / world
+
+
+def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibatch], agg: str,
+                length: int | None = None) -> UpdateResult:
     """``loss_fn(module, micro_exp) -> (loss, metrics)``; one optimizer step per entry of ``order``.
 
     Each minibatch's aggregation weights (``trainer.agg`` over all its rows) are computed once and
     handed to its micro-batches (``Experience.loss_weights``): their losses add up to the
-    minibatch's loss in every aggregation mode, whatever the grouping.
+    minibatch's loss in every aggregation mode, whatever the grouping. On several ranks each rank's
+    weights divide by every rank's tokens (or sequences) together, so that the averaged gradients are those
+    of the whole minibatch's aggregate, however the batch was split over the ranks (as verl's ``agg_loss``);
+    per rank, a rank of short completions gave each of its tokens more weight than one of long ones.
+    ``length``: ``seq-mean-token-sum-norm``'s constant divisor (``rollout.max_new_tokens``).
 
     Losses and metrics stay on the device while the micro-batches run; each minibatch's sums are
     carried into the guard's decision at its optimizer step, so the update reads the device once per
@@ -171,10 +192,12 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
     grad_norms = []
     optimizer_steps = empty = 0
     aborted = False
-    for minibatch in order:
+    counts = _rank_counts(learner, exp, order, agg)
+    for position, minibatch in enumerate(order):
         mini = exp.select(minibatch.rows)
         trained = mini.trained_mask  # a product where rows are left out: made once
-        mini = replace(mini, loss_weights=aggregation_weights(trained, agg))
+        count = None if counts is None else counts[position]
+        mini = replace(mini, loss_weights=aggregation_weights(trained, agg, count, length))
         learner.guard.note_trained(trained.sum())
         device_sums: dict[str, torch.Tensor] = {}
         mini_tokens = 0.0

@@ -15,6 +15,7 @@ from fastrlhf.algorithms import (
     AGG_MODES,
     KL_KINDS,
     aggregate_loss,
+    aggregation_count,
     aggregation_weights,
     compute_gae,
     compute_grpo_advantages,
@@ -230,6 +231,33 @@ LOSS_MASK = t([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the third 
 def test_aggregate_loss(mode, expected):
     close(aggregate_loss(LOSS, LOSS_MASK, mode), expected)
     close((aggregation_weights(LOSS_MASK, mode) * LOSS).sum(), expected)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_weights_over_every_ranks_count_average_to_the_whole_batchs_aggregate(mode):
+    """A batch split over two ranks, each rank's weights dividing by both ranks' count together (aggregation_count
+    summed, over 2): the mean of the ranks' weighted sums (what averaging their gradients takes) is the whole
+    batch's aggregate. Each rank's own count gave the short rank's tokens more weight than the long rank's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 10, generator=g)
+    mask = torch.zeros(4, 10)
+    mask[0, :2] = mask[1, :2] = 1.0  # rank 0: two short completions
+    mask[2, :10] = 1.0  # rank 1: a long one, and a row with nothing trained (a cut completion)
+    whole = (aggregation_weights(mask, mode, length=16) * x).sum()
+    ranks = [slice(0, 2), slice(2, 4)]
+    count = sum(aggregation_count(mask[r], mode) for r in ranks) / 2
+    averaged = sum((aggregation_weights(mask[r], mode, count, length=16) * x[r]).sum() for r in ranks) / 2
+    close(averaged, whole)
+    own = sum((aggregation_weights(mask[r], mode, length=16) * x[r]).sum() for r in ranks) / 2
+    assert abs(float(own) - float(whole)) > 1e-3  # each rank's own count
+
+
+def test_dr_grpo_divides_by_a_constant_length_not_the_longest_completion():
+    short, padded = torch.ones(1, 3), torch.cat([torch.ones(1, 3), torch.zeros(1, 61)], dim=1)
+    a = aggregation_weights(short, "seq-mean-token-sum-norm", length=64)
+    b = aggregation_weights(padded, "seq-mean-token-sum-norm", length=64)
+    close(a, b[:, :3])
+    close(a, torch.full((1, 3), 1 / 64))
 
 
 def test_aggregate_loss_unknown_mode():

@@ -146,7 +146,8 @@ def hand_written_step(config, actor, ref, opt, completions, scores, step, critic
         # micro-batch's rows contribute to with the minibatch's per-token weights.
         losses = []
         for mb in plan:
-            w = dict(zip(mb.tolist(), aggregation_weights(mask[mb], hp.agg), strict=True))
+            # Dr.GRPO's divisor is the generation budget, a constant, not this batch's longest completion
+            w = dict(zip(mb.tolist(), aggregation_weights(mask[mb], hp.agg, length=hp.max_new_tokens), strict=True))
             total = 0.0
             for r in mb.view(hp.grad_accum, micro):
                 loss = loss_of(r, torch.stack([w[int(i)] for i in r]))
