@@ -319,8 +319,14 @@ def gae_advantages(exp, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     mask = exp.response_mask
     advantages, returns = compute_gae(_token_rewards(exp, cfg, exp.scores), exp.values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
-        advantages = whiten_across_ranks(advantages, mask)
+        advantages = whiten_across_ranks(advantages, _trained(exp))
     return advantages.detach(), returns.detach()
+
+
+def _trained(exp) -> torch.Tensor:
+    """The tokens the losses train (``trainer.mask_truncated_completions`` leaves cut rows out): the whitening
+    statistics' too, so that a row that trains nothing cannot move, or flip, the others' advantages."""
+    return getattr(exp, "trained_mask", exp.response_mask)
 
 
 @register_adv_est("rloo", EstimatorTraits(gives_returns=False, needs_groups=True))
@@ -338,7 +344,7 @@ def _reinforce_pp(exp, cfg, scores: torch.Tensor) -> tuple[torch.Tensor, None]:
     mask = exp.response_mask
     advantages = discounted_returns(_token_rewards(exp, cfg, scores), mask, cfg.gamma)
     if cfg.whiten_advantages:
-        advantages = whiten_across_ranks(advantages, mask)
+        advantages = whiten_across_ranks(advantages, _trained(exp))
     return advantages.detach(), None
 
 

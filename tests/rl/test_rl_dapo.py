@@ -272,9 +272,9 @@ def test_masked_truncated_completions_train_nothing(agg, monkeypatch):
     """With ``mask_truncated_completions`` the tokens of cut completions never reach the gradient: rewriting them
     (same lengths, same scores, so the same group advantages) leaves the updated parameters equal bit for bit,
     and the other rows are weighted as if the cut ones were not in the batch (token-mean: each minibatch's
-    weights still sum to 1). Without it the update moves. PPO (advantages not whitened over the batch, which
-    the cut rows would shift): the actor and the critic alike. Packed: micro-batches of at most 40 tokens, each
-    one row with no padding."""
+    weights still sum to 1). Without it the update moves. PPO: the actor and the critic alike, its advantages
+    whitened over the tokens trained (the cut rows' shifted every other row's advantage). Packed: micro-batches of
+    at most 40 tokens, each one row with no padding."""
     from helpers.rl_case import PPO, PROMPTS, SCORES, FixedScorer, changed, fixed_completions, tiny_critic
 
     from fastrlhf.modeling import use_attention
@@ -290,7 +290,7 @@ def test_masked_truncated_completions_train_nothing(agg, monkeypatch):
 
     def step(completions, mask):
         packed = dict(agg="token-mean", packing=True, max_tokens_per_microbatch=40, grad_accum=1)
-        hp = (make_config(PPO, whiten_advantages=False, mask_truncated_completions=mask) if ppo else
+        hp = (make_config(PPO, whiten_advantages=True, mask_truncated_completions=mask) if ppo else
               make_config(GRPO, **(packed if agg == "packed" else {"agg": agg}), mask_truncated_completions=mask))
         actor, critic, reference = tiny_actor(), tiny_critic() if ppo else None, tiny_actor(seed=1).eval()
         for model in (actor, reference):
