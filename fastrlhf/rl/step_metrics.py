@@ -19,13 +19,17 @@ __all__ = ["METRICS_READ", "StepClock", "logprob_mismatch", "probe_rows", "reduc
 
 STAGES = ("generate", "score", "train", "sync")
 METRICS_READ = "the step's metrics"
+# Masked means over the batch's completion tokens: over the ranks, each rank's weighs by its tokens (the adaptive
+# KL controller reads ``kl`` as the mean over every rank's tokens together), not the mean of the ranks' means.
+TOKEN_MEANS = ("kl", "rollout_entropy", "tis_weight_mean", "tis_outside_fraction")
 
 
 def reduce_step_metrics(exp, local: dict[str, float | torch.Tensor], times: dict[str, float], step: int, *,
                         skipped: bool, skipped_total: int, world: int, generated: float | None = None
                         ) -> dict[str, float]:
     """Every rank's metrics summed and maxed over the ranks (times, ``memory/*`` and ``*_max`` take the largest
-    rank's, the rest the mean), with the batch's score statistics. ``local`` holds floats and 0-dim device
+    rank's, :data:`TOKEN_MEANS` the mean over every rank's completion tokens, the rest the mean), with the batch's
+    score statistics. ``local`` holds floats and 0-dim device
     tensors (what the score stage measured, left on the device): all of them go to the host in one read after
     two collectives. ``generated``: the tokens this rank generated, where more than the batch's
     (``trainer.filter_groups``)."""
@@ -36,6 +40,7 @@ def reduce_step_metrics(exp, local: dict[str, float | torch.Tensor], times: dict
     batch = {"score_sum": kept.sum(), "score_square_sum": kept.square().sum(), "finite": finite.sum().double(),
              "trained": trained, "generated": trained if generated is None else generated}
     local = {**local, **{f"time/{k}": v for k, v in times.items()}}
+    local.update({k: local[k] * trained for k in TOKEN_MEANS if k in local})
     keys = sorted(local)
     summed, maxed = _read_reduced([*batch.values(), *(local[k] for k in keys)], scores.device)
     total = dict(zip(batch, summed, strict=False))
@@ -44,7 +49,8 @@ def reduce_step_metrics(exp, local: dict[str, float | torch.Tensor], times: dict
     mean = total["score_sum"] / count if total["finite"] else float("nan")
     var = (max(total["score_square_sum"] / count - mean * mean, 0.0) * (count / max(count - 1, 1))
            if total["finite"] else float("nan"))
-    metrics = {k: (mx if k.startswith(("time/", "memory/")) or k.endswith("_max") else s / world)
+    metrics = {k: (mx if k.startswith(("time/", "memory/")) or k.endswith("_max") else
+                   s / max(total["trained"], 1.0) if k in TOKEN_MEANS else s / world)
                for k, s, mx in zip(keys, summed[len(batch):], maxed[len(batch):], strict=True)}
     generate_time = metrics["time/generate"]
     metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total["generated"],

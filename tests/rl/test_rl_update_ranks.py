@@ -1,7 +1,8 @@
-"""The update's loss weights on several ranks (``fastrlhf.rl.update.run_updates``): each rank divides by every
-rank's tokens together, found in one collective on the device for the whole update. The second rank is simulated
-(its counts added by the collective); ``tests/algorithms`` checks that such weights average to the whole batch's
-aggregate, and ``tests/sequences/test_packing.py`` runs two real ranks under the launcher."""
+"""What the step computes over several ranks, with the second rank simulated (its values added by the collective):
+the update's loss weights (``fastrlhf.rl.update.run_updates``: each rank divides by every rank's tokens together,
+found in one collective on the device for the whole update; ``tests/algorithms`` checks that such weights average
+to the whole batch's aggregate, ``tests/sequences/test_packing.py`` runs two real ranks under the launcher) and the
+step's token means (``fastrlhf.rl.step_metrics``)."""
 
 import pytest
 import torch
@@ -53,3 +54,28 @@ def test_each_rank_divides_by_every_ranks_tokens(monkeypatch, averages):
     assert op == "sum" and local.tolist() == [3.0, 5.0]
     # each minibatch's weights: its tokens over the mean of both ranks' (3 + 9) / 2 and (5 + 9) / 2
     assert [float(s) for s in seen] == pytest.approx([3 / 6, 3 / 7, 2 / 7])
+
+
+def test_the_steps_token_means_weigh_each_rank_by_its_tokens(monkeypatch):
+    """``kl`` (what the adaptive KL controller reads) over two ranks of 10 and 1,000 completion tokens: the mean
+    over all their tokens, not the mean of the two ranks' means (0.30 here instead of 0.496)."""
+    from types import SimpleNamespace
+
+    from fastrlhf.rl.step_metrics import reduce_step_metrics
+
+    def rank(tokens, kl):
+        exp = SimpleNamespace(scores=torch.zeros(1), response_mask=torch.ones(1, tokens), batch_size=1)
+        return exp, {"kl": torch.tensor(kl), "policy_loss": kl}
+
+    times = {"generate": 1.0, "score": 1.0, "train": 1.0, "sync": 1.0}
+    sent = []
+    monkeypatch.setattr(comm, "all_reduce_", lambda t, op="sum", group=None: sent.append(t.clone()) or t)
+    other_exp, other_local = rank(1000, 0.5)
+    reduce_step_metrics(other_exp, other_local, times, 1, skipped=False, skipped_total=0, world=1)
+    other = sent[0]  # what the other rank puts into the collectives
+    monkeypatch.setattr(comm, "all_reduce_", lambda t, op="sum", group=None: t.add_(other) if op == "sum"
+                        else torch.maximum(t, other, out=t))
+    exp, local = rank(10, 0.1)
+    metrics = reduce_step_metrics(exp, local, times, 1, skipped=False, skipped_total=0, world=2)
+    assert metrics["kl"] == pytest.approx((0.1 * 10 + 0.5 * 1000) / 1010)
+    assert metrics["policy_loss"] == pytest.approx(0.3)  # the others stay the mean of the ranks'
