@@ -297,6 +297,11 @@ class RLStep:
         The metrics are 0-dim device tensors: reading them here would wait for each pass before queuing the next.
         """
         t, mask = self.config.trainer, exp.response_mask
+        # No dropout (LoRA's, a config's) in these passes, as the engine sampled without it: a random mask here made
+        # the old logprobs, the mismatch check, the TIS weights and the values noise. The update sets train() again.
+        for model in (self.actor, self.critic):
+            if model is not None:
+                unwrap(model.module).eval()
         micro = forward_micro_batch_size(self.config, self.world)
         lp_kwargs = dict(temperature=self.config.rollout.temperature, micro_batch=micro,
                          chunk_size=t.loss_chunk_size, fused=t.fused_loss, chunk_bytes=t.loss_chunk_bytes,

@@ -577,6 +577,33 @@ def test_lora_actor_uses_disabled_adapter_as_reference():
     assert all(torch.equal(p, frozen[n]) for n, p in actor.named_parameters() if not p.requires_grad)
 
 
+def test_the_no_grad_passes_run_without_dropout():
+    """LoRA dropout 0.3: the old logprobs are the adapted policy's without dropout (two passes in train mode
+    differed by up to 0.36 nats), and the update trains with it on again."""
+    from peft import LoraConfig, get_peft_model
+
+    actor = get_peft_model(tiny_actor(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3,
+                                                    target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    hp = make_config(GRPO, tis_cap=None)
+    rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=None, pad_token_id=PAD,
+                actor_optimizer=torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-2),
+                rollout_shares_actor=True)
+    exp = build_experience(PROMPTS, fixed_completions(tiny_actor().eval(), hp.rollout.temperature), PAD)
+    exp.scores = SCORES.clone()
+    actor.train()
+    rl.logprobs_and_values(exp)
+    first = exp.old_logprobs.clone()
+    actor.train()
+    rl.logprobs_and_values(exp)
+    assert torch.equal(first, exp.old_logprobs)
+    assert rl(PROMPTS, None, step=0, completions=fixed_completions(tiny_actor().eval(), 0.8))["skipped"] == 0.0
+    assert actor.training
+
+
 def test_lora_actor_syncs_merged_weights_into_a_separate_engine():
     from peft import LoraConfig, get_peft_model
 
