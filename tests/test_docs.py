@@ -16,6 +16,7 @@ import pytest
 import yaml
 from helpers.clone import bare_clone, clone_env
 from helpers.launch import run_group
+from helpers.model_folders import fake_classifier_folder, fake_model_folder
 from helpers.paths import ROOT
 
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
@@ -301,9 +302,8 @@ def test_config_md_says_which_rewards_combine_as_the_checks_do(tmp_path):
     """A per-sample function and a reward model together are refused; docs/config.md quotes the line."""
     from fastrlhf.config import ConfigError, parse_config
 
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text('{"model_type": "qwen2"}')
-    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
+    fake_model_folder(tmp_path / "m", {"model_type": "qwen2"})
+    fake_classifier_folder(tmp_path / "rm", "qwen2")
     (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
 
     def parse(reward):
@@ -312,8 +312,8 @@ def test_config_md_says_which_rewards_combine_as_the_checks_do(tmp_path):
                             base_dir=str(tmp_path))
 
     with pytest.raises(ConfigError) as refused:
-        parse({"function": "length", "model_path": "m"})
+        parse({"function": "length", "model_path": "rm"})
     assert f"`config error: {refused.value}`" in " ".join(read("docs/config.md").split())
     fn = {"function": "my_rewards:fn"}
     parse({"functions": [fn], "function": "length"})  # each of the two with text rewards: accepted
-    parse({"functions": [fn], "model_path": "m"})
+    parse({"functions": [fn], "model_path": "rm"})

@@ -6,11 +6,11 @@ the ones that also need the number of ranks (once the launched world is known).
 
 from __future__ import annotations
 
-import json
 import os
-import re
 
+from . import model_checks as M
 from .errors import ConfigError
+from .model_checks import check_model_folder as _check_model_folder  # by this name: fastrlhf plan swaps it
 from .schema import DeepSpeedConfig, LoopConfig, ModelConfig, RMConfig, SFTConfig, SFTTrainerConfig, TrainConfig
 
 __all__ = ["validate", "check_world_size"]
@@ -36,44 +36,11 @@ def _check_reward_spec(spec: str | None, key: str):
         raise ConfigError(key, f"expected a registered name or 'module:function', got {spec!r}")
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-
-
-# owner/name, as the model hub names a model (Qwen/Qwen2.5-0.5B-Instruct)
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def _check_model_folder(path: str | None, key: str, base: str) -> dict:
-    """A ``save_pretrained`` folder: config.json naming a model_type, and weights (read, not loaded); its config.json.
-    A missing path shaped like a hub id whose first part is no folder here is refused with the download command."""
-    if path is None:
-        return {}
-    folder = path if os.path.isabs(path) else os.path.join(base, path)
-    if not os.path.exists(folder) and _HUB_ID.fullmatch(path) and not os.path.isdir(os.path.dirname(folder)):
-        local = f"models/{path.split('/')[1]}"
-        raise ConfigError(key, f"{path} is not a local folder, and fastrlhf reads models from local folders only "
-                               f"(no model hub): download it first with `hf download {path} --local-dir {local}` "
-                               f"(huggingface-cli download on huggingface_hub < 1.0), then set {key}: {local}")
-    _check_path(path, key, base)
-    if not os.path.isdir(folder):
-        raise ConfigError(key, f"{path} is a file; expected a model folder (save_pretrained output)")
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            hf_config = json.load(f)
-        model_type = hf_config.get("model_type")
-    except (OSError, ValueError, AttributeError):
-        raise ConfigError(key, f"{path} is not a model folder: no readable config.json") from None
-    if not model_type:
-        raise ConfigError(key, f"{path} is not a model folder: its config.json names no model_type")
-    if not any(os.path.exists(os.path.join(folder, name)) for name in WEIGHT_FILES):
-        raise ConfigError(key, f"{path} has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])})")
-    return hf_config
-
-
-def _check_model(m: ModelConfig, base: str, key: str = "model"):
+def _check_model(m: ModelConfig, base: str, command: str, key: str = "model") -> dict:
+    """The rules of ``model``; returns model.path's config.json (``{}`` where ``fastrlhf plan`` reads none)."""
     hf_config = _check_model_folder(m.path, f"{key}.path", base)
     _positive(m.lora_r, f"{key}.lora_r", strict=False)
+    _positive(m.lora_alpha, f"{key}.lora_alpha")  # the adapter's scale is alpha / r: 0 trains nothing
     if m.checkpoint_layers is not None:
         _positive(m.checkpoint_layers, f"{key}.checkpoint_layers")
         if m.gradient_checkpointing is not True:
@@ -88,9 +55,16 @@ def _check_model(m: ModelConfig, base: str, key: str = "model"):
         raise ConfigError(f"{key}.lora_targets", "must name at least one module when lora_r > 0")
     if not 0.0 <= m.lora_dropout < 1.0:
         raise ConfigError(f"{key}.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
+    M.check_lora(m, hf_config, key, command)
     if m.compile and m.liger_kernels:
         raise ConfigError(f"{key}.compile", f"cannot be combined with {key}.liger_kernels (both replace the "
                                             "layers' norm, rotary and SwiGLU kernels): set one of them")
+    return hf_config
+
+
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed <= 2**32 - 1:  # numpy's and the engines' seeds are unsigned 32-bit
+        raise ConfigError("seed", f"must be in [0, {2**32 - 1}], got {seed}")
 
 
 def _check_lora_head(model: ModelConfig, trainer) -> None:
@@ -146,6 +120,9 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
     _positive(t.max_skipped_steps, f"{prefix}.max_skipped_steps")
     _positive(t.log_every, f"{prefix}.log_every")
     _positive(t.profile_step, f"{prefix}.profile_step")
+    if t.profile_step is not None and t.profile_step > t.max_steps:
+        raise ConfigError(f"{prefix}.profile_step", f"must be at most {prefix}.max_steps ({t.max_steps}), got "
+                                                    f"{t.profile_step}: that step never runs")
     for name in ("wandb_project", "wandb_run_name"):
         if getattr(t, name) is not None and not t.wandb:
             raise ConfigError(f"{prefix}.{name}", f"needs {prefix}.wandb (offline or online), which is off")
@@ -153,10 +130,15 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
 
 
 def _validate_train(c: TrainConfig, base: str):
-    _check_model(c.model, base)
+    _check_seed(c.seed)
+    actor = _check_model(c.model, base, "train")
     _check_fp32_logits(c.model, c.trainer)
     _check_lora_head(c.model, c.trainer)
-    _check_model_folder(c.reference.path, "reference.path", base)
+    if c.reference.path is not None and c.model.lora_r > 0:
+        raise ConfigError("reference.path", "is not used with model.lora_r > 0 (the reference is the actor with its "
+                                            "adapter disabled); remove it, or train without LoRA")
+    reference = _check_model_folder(c.reference.path, "reference.path", base)
+    M.check_vocab_covers(reference, "reference.path", actor, "the reference scores")
     _check_path(c.data.prompts, "data.prompts", base)
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
     if not c.data.prompt_field:
@@ -168,21 +150,27 @@ def _validate_train(c: TrainConfig, base: str):
     if r.function is None and r.model_path is None and not r.functions and c.rollout.environment is None:
         # (an environment's get_reward() may be the only reward: checked once it is imported, in preflight)
         raise ConfigError("reward", "set reward.function, reward.functions or reward.model_path, got neither")
-    _check_model_folder(r.model_path, "reward.model_path", base)
+    reward_model = _check_model_folder(r.model_path, "reward.model_path", base)
     _check_reward_spec(r.function, "reward.function")
     for i, spec in enumerate(r.functions):
         _check_reward_spec(spec.function, f"reward.functions[{i}].function")
     _positive(r.label_index, "reward.label_index", strict=False)
+    M.check_reward_model(r, reward_model, base)
     if r.format != "trl" and not r.functions:
         raise ConfigError("reward.format", f"{r.format} is the form of what reward.functions receive, and none "
                                            "is set (set reward.functions, or leave reward.format at trl)")
 
+    critic = {}
     if c.algorithm == "ppo":
         if c.critic is None:
             raise ConfigError("critic", "algorithm ppo needs a critic section (critic: {path: null} uses model.path "
                                         "with a value head)")
-        _check_model_folder(c.critic.path, "critic.path", base)
+        critic = _check_model_folder(c.critic.path, "critic.path", base)
+        M.check_vocab_covers(critic, "critic.path", actor, "the critic reads")
         _positive(c.critic.lr, "critic.lr")
+    elif c.critic is not None:
+        raise ConfigError("critic", f"algorithm {c.algorithm} has no critic; remove the section (or use algorithm: "
+                                    "ppo)")
 
     ro = c.rollout
     _positive(ro.n, "rollout.n")
@@ -190,11 +178,16 @@ def _validate_train(c: TrainConfig, base: str):
         _check_group_size("grpo", ro.n)
     if ro.temperature < 0:
         raise ConfigError("rollout.temperature", f"must be >= 0, got {ro.temperature}")
+    if ro.temperature == 0 and ro.n > 1:
+        _refuse_greedy_group(c)
     if not 0.0 < ro.top_p <= 1.0:
         raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
     if ro.top_k == 0 or ro.top_k < -1:
         raise ConfigError("rollout.top_k", f"must be -1 (off) or >= 1, got {ro.top_k}")
     _positive(ro.max_new_tokens, "rollout.max_new_tokens")
+    for folder, key in ((actor, "model.path"), (reference, "reference.path"), (critic, "critic.path")):
+        M.check_positions(folder, c.data.max_prompt_len + ro.max_new_tokens, "rollout.max_new_tokens",
+                          "data.max_prompt_len + rollout.max_new_tokens = ", key)
     _positive(ro.sync_bucket_bytes, "rollout.sync_bucket_bytes")
     if ro.kv_cache_bytes != "auto":
         _positive(ro.kv_cache_bytes, "rollout.kv_cache_bytes")
@@ -223,6 +216,7 @@ def _validate_train(c: TrainConfig, base: str):
                           "with rollout.tensor_parallel_size > 1 yet")
     if any(not isinstance(x, str) or not x for x in ro.stop):
         raise ConfigError("rollout.stop", f"stop strings must be non-empty strings, got {ro.stop!r}")
+    M.check_stop_token_ids(ro.stop_token_ids, actor)
 
     t = c.trainer
     _check_loop(t)
@@ -240,7 +234,8 @@ def _validate_train(c: TrainConfig, base: str):
     if t.minibatch_size % t.grad_accum:
         raise ConfigError("trainer.grad_accum", f"{t.grad_accum} does not divide trainer.minibatch_size "
                           f"{t.minibatch_size}")
-    _positive(t.clip_low, "trainer.clip_low", strict=False)
+    if not 0.0 <= t.clip_low < 1.0:  # the ratio's lower bound, 1 - clip_low, must stay above 0 to clip anything
+        raise ConfigError("trainer.clip_low", f"must be in [0, 1), got {t.clip_low}")
     _positive(t.clip_high, "trainer.clip_high", strict=False)
     if t.dual_clip is not None and t.dual_clip <= 1.0:
         raise ConfigError("trainer.dual_clip", f"must be > 1 (or null), got {t.dual_clip}")
@@ -260,6 +255,8 @@ def _validate_train(c: TrainConfig, base: str):
     if t.share_prompts and not t.packing:
         raise ConfigError("trainer.share_prompts",
                           "needs trainer.packing: true (prompts are shared within a packed row)")
+    if t.forward_micro_batch is not None and t.forward_micro_batch <= 0:
+        raise ConfigError("trainer.forward_micro_batch", f"must be > 0 (or null), got {t.forward_micro_batch}")
     if t.forward_micro_batch is not None and t.max_tokens_per_microbatch is not None:
         raise ConfigError("trainer.forward_micro_batch", "conflicts with trainer.max_tokens_per_microbatch, which "
                                                          "sizes the no-grad passes too; set one of them")
@@ -348,6 +345,10 @@ def _validate_eval(c: TrainConfig, base: str):
         raise ConfigError("eval.n", f"{e.n} greedy completions of a prompt are all the same; set eval.temperature > 0 "
                                     "for pass@n")
     _positive(e.max_new_tokens, "eval.max_new_tokens")
+    if e.max_new_tokens is not None and e.max_new_tokens > c.rollout.max_new_tokens:
+        # The engine's context, and so every generation's cap, is sized from rollout.max_new_tokens.
+        raise ConfigError("eval.max_new_tokens", f"must be at most rollout.max_new_tokens ({c.rollout.max_new_tokens}"
+                                                 f", which sizes the engine's context), got {e.max_new_tokens}")
     if e.data is None:
         for name in ("reward", "group_by", "stop_at", "max_reward"):
             if getattr(e, name) is not None:
@@ -388,6 +389,17 @@ def _check_adv_estimator(c) -> None:
         _check_group_size(name, c.rollout.n)
 
 
+def _refuse_greedy_group(c) -> None:
+    """``rollout.temperature`` 0 with ``rollout.n > 1``: the n completions of a prompt are one completion n times."""
+    from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS, adv_estimator_of
+
+    name = adv_estimator_of(c)
+    traits = ADV_ESTIMATOR_TRAITS.get(name)
+    why = f" ({name} compares them: every advantage would be 0)" if traits is not None and traits.needs_groups else ""
+    raise ConfigError("rollout.n", f"{c.rollout.n} greedy completions of a prompt are all the same{why}; set "
+                                   "rollout.temperature > 0, or rollout.n: 1")
+
+
 def _check_group_size(estimator: str, n: int) -> None:
     if n < 2:
         raise ConfigError("rollout.n", f"{estimator} compares completions within a group and needs rollout.n >= 2, "
@@ -395,7 +407,8 @@ def _check_group_size(estimator: str, n: int) -> None:
 
 
 def _validate_sft(c: SFTConfig, base: str):
-    _check_model(c.model, base)
+    _check_seed(c.seed)
+    model = _check_model(c.model, base, "sft")
     _check_lora_head(c.model, c.trainer)
     if c.model.fp32_logits:
         raise ConfigError("model.fp32_logits", "matches the RL trainer's logprobs to its rollout engine's; sft has "
@@ -404,19 +417,22 @@ def _validate_sft(c: SFTConfig, base: str):
     _no_auto_micro_tokens(c.trainer)
     _check_path(c.data.path, "data.path", base)
     _positive(c.data.max_len, "data.max_len")
+    M.check_positions(model, c.data.max_len, "data.max_len", "", "model.path")
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
     _validate_small_trainer(c.trainer)
     _check_deepspeed(c.deepspeed, c.model)
 
 
 def _validate_rm(c: RMConfig, base: str):
-    _check_model(c.model, base)
+    _check_seed(c.seed)
+    model = _check_model(c.model, base, "rm")
     if c.model.fp32_logits:
         raise ConfigError("model.fp32_logits", "a reward model has a score head, no LM head: set it false")
     _no_auto_checkpointing(c.model)
     _no_auto_micro_tokens(c.trainer)
     _check_path(c.data.path, "data.path", base)
     _positive(c.data.max_len, "data.max_len")
+    M.check_positions(model, c.data.max_len, "data.max_len", "", "model.path")
     _validate_small_trainer(c.trainer)
     _positive(c.num_labels, "num_labels")
     if c.kind == "pairwise" and c.resolved_num_labels != 1:

@@ -27,30 +27,71 @@ RENAMED_KEYS: dict[str, str] = {
 
 
 # --------------------------------------------------------------------------------------------
-# YAML with 1.2-style floats: PyYAML reads `1e-5` as a string, a classic trap for learning rates.
+# YAML with 1.2-style numbers: PyYAML (YAML 1.1) reads `1e-5` as a string, a classic trap for learning rates,
+# `010` as 8 (octal) and `1:30` as 90 (base 60). And a key given twice is an error, not the last one silently.
 # --------------------------------------------------------------------------------------------
+
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+
+
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    def __init__(self, key, mark):
+        super().__init__(problem=f"duplicate key {key}", problem_mark=mark)
+        self.key = key
 
 
 class _Loader(yaml.SafeLoader):
-    pass
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges defaults that keys may override
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, key_node.start_mark)
+                    seen.add(key)
+                except TypeError:  # an unhashable key: the base class says so
+                    pass
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        """YAML 1.2's integers (the resolver below lets only those through): decimal with leading zeros as
+        written, 0o octal, 0x hex (underscores allowed, as 1.1 and the floats above allow them)."""
+        text = str(self.construct_scalar(node)).replace("_", "")
+        sign = -1 if text.startswith("-") else 1
+        digits = text.lstrip("+-")
+        base = {"0o": 8, "0x": 16}.get(digits[:2].lower(), 10)
+        try:
+            return sign * int(digits[2:] if base != 10 else digits, base)
+        except ValueError:  # only an explicit !!int tag gets here with something else
+            raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not an integer",
+                                                    node.start_mark) from None
 
 
+_Loader.add_constructor(_INT, _Loader.construct_yaml_int)
 _Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 for _ch in list("-+0123456789."):
     _Loader.yaml_implicit_resolvers[_ch] = [
-        (tag, rx) for tag, rx in _Loader.yaml_implicit_resolvers.get(_ch, []) if tag != "tag:yaml.org,2002:float"
+        (tag, rx) for tag, rx in _Loader.yaml_implicit_resolvers.get(_ch, []) if tag not in (_FLOAT, _INT)
     ]
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
+    _FLOAT,
     re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
                r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
     list("-+0123456789."),
 )
+_Loader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$"),
+                              list("-+0123456789"))
 
 
 def _yaml_load(text: str, source: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)
+    except _DuplicateKey as exc:
+        raise ConfigError("", f"{source}:{exc.problem_mark.line + 1}: duplicate key {exc.key}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
@@ -297,10 +338,16 @@ def load_config(path: str, command: str = "train", overrides: list[str] | None =
     if command not in SCHEMAS:
         raise ConfigError("", f"unknown command {command!r}; expected one of {', '.join(SCHEMAS)}")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as exc:
         raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError("--config", f"cannot read {path}: not valid UTF-8 (line {line}, byte "
+                                      f"0x{data[exc.start]:02x})") from None
     raw = _yaml_load(text, path)
     if raw is None:
         raw = {}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from fastrlhf.config.errors import ConfigError
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "LINEAR_MODULES", "ModelShape", "read_shape"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "LINEAR_MODULES", "ModelShape", "read_shape", "lora_target_problem"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # The per-layer Linear modules of these architectures, by the names LoRA targets use.
@@ -99,18 +99,13 @@ class ModelShape:
     def lora_params(self, r: int, targets) -> int:
         """Trainable parameters of a PEFT LoRA adapter of rank ``r`` on ``targets`` (module names, or
         ``all-linear``): ``r x (in + out)`` per adapted Linear (``r x (V + h)`` for the embedding)."""
+        problem = lora_target_problem(self.model_type, targets)
+        if problem:
+            raise ValueError(problem)
         names = list(LINEAR_MODULES) if list(targets) == ["all-linear"] else list(targets)
         shapes = {name: (fan_in, fan_out) for name, (fan_in, fan_out, _) in self.linears().items()}
-        total = 0
-        for name in names:
-            if name in shapes:
-                total += self.layers * r * sum(shapes[name])
-            elif name in ("lm_head", "embed_tokens"):
-                total += r * (self.vocab + self.hidden)
-            else:
-                raise ValueError(f"{name!r} is no module of a {self.model_type} model; expected some of "
-                                 f"{', '.join(LINEAR_MODULES)}, embed_tokens, lm_head or all-linear")
-        return total
+        return sum(self.layers * r * sum(shapes[name]) if name in shapes else r * (self.vocab + self.hidden)
+                   for name in names)
 
     def forward_bytes_per_token(self, dtype_bytes: int) -> int:
         """The most one no-grad forward of the decoder (``use_cache=False``) holds at once, per token, in
@@ -160,6 +155,18 @@ class ModelShape:
         """
         a = dtype_bytes
         return 2 * (4 + 2 * a) * self.hidden + 5 * a * self.q_dim + 4 * a * self.intermediate
+
+
+def lora_target_problem(model_type: str, targets) -> str | None:
+    """Why ``targets`` (``model.lora_targets``) are not all modules of a ``model_type`` model (one of
+    :data:`SUPPORTED_MODEL_TYPES`), or None: the memory plan's rule, and the config check's before any model loads."""
+    if list(targets) == ["all-linear"]:
+        return None
+    for name in targets:
+        if name not in LINEAR_MODULES and name not in ("lm_head", "embed_tokens"):
+            return (f"{name!r} is no module of a {model_type} model; expected some of {', '.join(LINEAR_MODULES)}, "
+                    "embed_tokens or lm_head")
+    return None
 
 
 def _read_json(folder: str, key: str) -> dict:

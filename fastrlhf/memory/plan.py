@@ -185,16 +185,20 @@ class MemoryPlan:
 
 def parse_bytes(text: str, unit: int = 1) -> int:
     """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``81920MiB``, ``1.5TiB``, or a bare number of ``unit`` bytes
-    (``fastrlhf plan --gpu-memory 80``: GiB)."""
+    (``fastrlhf plan --gpu-memory 80``: GiB); at least one byte."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B?)\s*", str(text), re.IGNORECASE)
     if not m:
         raise ValueError(f"expected a size such as 80 (GiB), 80GiB, 80GB or 81920MiB, got {text!r}")
     number, prefix, suffix = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
     if not prefix and not suffix:
-        return int(number * unit)
-    power = "KMGT".index(prefix) + 1 if prefix else 0
-    base = 1000 if suffix == "b" and prefix else 1024
-    return int(number * base**power)
+        size = int(number * unit)
+    else:
+        power = "KMGT".index(prefix) + 1 if prefix else 0
+        base = 1000 if suffix == "b" and prefix else 1024
+        size = int(number * base**power)
+    if size <= 0:
+        raise ValueError(f"must be > 0, got {text!r}")
+    return size
 
 
 def _resolved(config, device: str):
@@ -279,7 +283,10 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     if not isinstance(config, TrainConfig):
         raise TypeError(f"plan_memory plans `fastrlhf train` runs (a TrainConfig), got {type(config).__name__}")
     check_world_size(config, gpus)
-    budget = gpu_memory_bytes or (_cuda_budget() if device == "cuda" else _host_budget(gpus))
+    if gpu_memory_bytes is not None and gpu_memory_bytes <= 0:
+        raise PlanError(f"--gpu-memory: must be > 0, got {gpu_memory_bytes} bytes")
+    budget = gpu_memory_bytes if gpu_memory_bytes is not None else (
+        _cuda_budget() if device == "cuda" else _host_budget(gpus))
     if auto.decides(config):  # each candidate planned on the same budget
         return auto.plan_deciding(config, gpus, lambda c: plan_memory(c, gpus, budget, device))
     config = _resolved(config, device)

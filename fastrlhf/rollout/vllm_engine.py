@@ -64,6 +64,8 @@ def read_model_config(model_path: str) -> dict:
 def _head_size(config: dict) -> int:
     if config.get("head_dim"):
         return int(config["head_dim"])
+    if not config.get("hidden_size") or not config.get("num_attention_heads"):
+        raise ValueError("its config.json gives neither head_dim nor hidden_size and num_attention_heads")
     return int(config["hidden_size"]) // int(config["num_attention_heads"])
 
 

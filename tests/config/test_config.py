@@ -5,6 +5,7 @@ import os
 
 import pytest
 import yaml
+from helpers.model_folders import fake_classifier_folder, fake_model_folder
 from helpers.paths import ROOT
 
 from fastrlhf.config import (
@@ -24,13 +25,10 @@ EXAMPLES = os.path.join(ROOT, "examples")
 
 @pytest.fixture
 def paths(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"model_type": "llama"}')
-    (model / "model.safetensors").write_bytes(b"")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2]}\n')
-    return {"model": str(model), "prompts": str(prompts), "out": str(tmp_path / "out")}
+    return {"model": fake_model_folder(tmp_path / "model"), "prompts": str(prompts), "out": str(tmp_path / "out"),
+            "reward_model": fake_classifier_folder(tmp_path / "rm")}
 
 
 def grpo(paths, **sections):
@@ -206,7 +204,7 @@ def test_examples_parse(path, paths):
     command = {"grpo": "train", "ppo": "train", "sft": "sft", "rm": "rm"}[os.path.basename(path)[:-5]]
     overrides = [f"model.path={paths['model']}", f"output_dir={paths['out']}"]
     if os.path.basename(path) == "ppo.yaml":
-        overrides.append(f"reward.model_path={paths['model']}")
+        overrides.append(f"reward.model_path={paths['reward_model']}")
     cwd = os.getcwd()
     os.chdir(os.path.join(EXAMPLES, ".."))  # the examples' data paths are relative to the checkout root
     try:
@@ -239,7 +237,8 @@ def test_eval_section(paths):
     assert parse_config(grpo(paths, eval={"data": paths["prompts"], "n": 4, "temperature": 1.0})).eval.n == 4
     assert error_of(grpo(paths, eval={"data": paths["prompts"], "temperature": -1})).key == "eval.temperature"
     # A reward model or batch text rewards validate with the run's own reward: no eval.reward needed.
-    learned = grpo(paths, reward={"function": DROP, "model_path": paths["model"]}, eval={"data": paths["prompts"]})
+    learned = grpo(paths, reward={"function": DROP, "model_path": paths["reward_model"]},
+                   eval={"data": paths["prompts"]})
     assert parse_config(learned).eval.reward is None
     learned["eval"]["reward"] = "length"
     assert parse_config(learned).eval.reward == "length"

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers.model_folders import fake_model_folder
 from helpers.paths import ROOT
 
 from fastrlhf.config import ConfigError, load_config, parse_config
@@ -17,9 +18,7 @@ GPU_EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "gpu", "*.yaml"))
 
 
 def raw_train(tmp_path, model=None, deepspeed=None, rollout=None):
-    (tmp_path / "model").mkdir(exist_ok=True)
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"")  # checked for, never read
+    fake_model_folder(tmp_path / "model")
     (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
     return {"algorithm": "grpo", "output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path / "model"),
                                                                                **(model or {})},
@@ -107,13 +106,20 @@ def test_tf32_is_switched_on_for_cuda_runs(tmp_path, monkeypatch):
 @pytest.fixture
 def gpu_example_dir(tmp_path, monkeypatch):
     """A working directory holding the local folders and files the GPU examples name."""
-    for name in ("models/Qwen2.5-1.5B-Instruct", "models/rm-qwen2.5-1.5b", "data"):
-        (tmp_path / name).mkdir(parents=True, exist_ok=True)
-    for name in ("models/Qwen2.5-1.5B-Instruct", "models/rm-qwen2.5-1.5b"):  # what a model folder is checked for
-        (tmp_path / name / "config.json").write_text('{"model_type": "qwen2"}')
-        (tmp_path / name / "model.safetensors").write_bytes(b"")
+    from fastrlhf.modeling.tiny_chat import build_chat_tokenizer
+
+    (tmp_path / "data").mkdir()
+    # The 1.5B's config.json (the dry run runs the run's checks: head size, lengths) and a chat tokenizer
+    shape = {"model_type": "qwen2", "hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2,
+             "num_hidden_layers": 28, "intermediate_size": 8960, "vocab_size": 151936,
+             "max_position_embeddings": 32768, "tie_word_embeddings": True, "eos_token_id": 151645}
+    policy = fake_model_folder(tmp_path / "models/Qwen2.5-1.5B-Instruct",
+                               {**shape, "architectures": ["Qwen2ForCausalLM"]})
+    build_chat_tokenizer().save_pretrained(policy)
+    fake_model_folder(tmp_path / "models/rm-qwen2.5-1.5b",  # a pairwise reward model: one label
+                      {**shape, "architectures": ["Qwen2ForSequenceClassification"], "id2label": {"0": "LABEL_0"}})
     for name in ("data/gsm8k_train.jsonl", "data/prompts.jsonl"):
-        (tmp_path / name).write_text('{"prompt": "1 + 1 ="}\n')
+        (tmp_path / name).write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

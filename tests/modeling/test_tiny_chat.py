@@ -146,8 +146,11 @@ def test_every_example_that_needs_a_tokenizer_runs_from_the_tiny_chat_model(exam
     model the tiny chat one; examples/arithmetic makes its own with the same builders."""
     overrides = [f"model.path={tiny_chat}", f"data.prompts={gsm8k_rows(tmp_path / 'rows.jsonl')}",
                  f"output_dir={tmp_path / 'run'}", *cpu_try()]
-    if "ppo" in os.path.basename(example):
-        overrides.append(f"reward.model_path={tiny_chat}")
+    if "ppo" in os.path.basename(example):  # a reward model is a *ForSequenceClassification: the tiny one's backbone
+        from transformers import AutoModelForSequenceClassification
+
+        AutoModelForSequenceClassification.from_pretrained(tiny_chat, num_labels=1).save_pretrained(tmp_path / "rm")
+        overrides.append(f"reward.model_path={tmp_path / 'rm'}")
     argv = [sys.executable, "-m", "fastrlhf", "train", "--config", example]
     code, out = run_group([*argv, *(w for o in overrides for w in ("--set", o))], timeout=400,
                           env={k: v for k, v in launch_env().items() if k != "OMP_NUM_THREADS"})

@@ -8,6 +8,7 @@ import time
 import pytest
 import yaml
 from helpers.launch import ROOT
+from helpers.model_folders import fake_model_folder
 
 from fastrlhf.config import ConfigError, parse_config
 from fastrlhf.sequences import attention
@@ -61,9 +62,7 @@ def test_explicit_choices_that_can_run_are_kept(flash_attn):
 
 
 def train_config(tmp_path, **model):
-    (tmp_path / "model").mkdir(exist_ok=True)
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    fake_model_folder(tmp_path / "model")
     (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
     return {"algorithm": "grpo", "output_dir": str(tmp_path / "out"),
             "model": {"path": str(tmp_path / "model"), **model}, "reward": {"function": "length"},

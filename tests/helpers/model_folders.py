@@ -1,0 +1,24 @@
+"""Model folders that pass the config checks without a model: a ``config.json`` and a safetensors file holding
+no tensors (a header, ``{}``), for tests of configs whose models never load. Real (tiny) models:
+``fastrlhf.modeling.tiny``."""
+
+import json
+
+# A safetensors file with no tensors: the 8-byte little-endian length of its JSON header, then the header.
+EMPTY_SAFETENSORS = len(b"{}").to_bytes(8, "little") + b"{}"
+
+
+def fake_model_folder(path, config: dict | None = None) -> str:
+    """``path`` (a ``pathlib.Path``) as a model folder: ``config.json`` (default: a Llama's model_type only) and
+    an empty ``model.safetensors``."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config or {"model_type": "llama"}))
+    (path / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)
+    return str(path)
+
+
+def fake_classifier_folder(path, model_type: str = "llama", num_labels: int = 1) -> str:
+    """A ``*ForSequenceClassification`` reward model's folder of ``num_labels`` labels, as ``fastrlhf rm`` exports."""
+    cls = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}[model_type]
+    return fake_model_folder(path, {"model_type": model_type, "architectures": [cls],
+                                    "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)}})
