@@ -40,13 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config value, e.g. --set trainer.lr=1e-5 (repeatable; YAML scalars)")
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
         p.add_argument("--overwrite", action="store_true",
-                       help="delete the earlier run's files in output_dir first (a used output_dir is refused "
+                       help="replace the earlier run's files in output_dir: set aside at the start, deleted once "
+                            "this run has logged a step, put back if it ends before (a used output_dir is refused "
                             "without --resume or --overwrite)")
         p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                        help="import MODULE before the config is checked, e.g. one that registers a policy loss, "
                             "an advantage estimator or a reward (repeatable; also the config key imports)")
         p.add_argument("--dry-run", action="store_true",
-                       help="validate the config, print it with every auto setting resolved for this machine, exit")
+                       help="run the checks the run makes before a model loads (config, reward functions, data), "
+                            "print the config with every auto setting resolved for this machine, exit")
         p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     # No torch: plans answer before anything heavy loads.
     from fastrlhf.memory.plan_command import PLAN_HELP, add_arguments
@@ -102,21 +104,24 @@ def _lost_peer(config, reason: str) -> None:
               "no checkpoint was written yet: restart the run")
     _say(f"distributed error: lost contact with another rank ({reason}): a node died, was killed, or did not answer "
          f"for FASTRLHF_DIST_TIMEOUT ({timeout} s); {resume}", local=True)
+    if restored := _settle_overwrite(False):  # os._exit runs no finally
+        _say(f"note: --overwrite: the earlier run in {config.output_dir} is back ({', '.join(restored)})")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_FAILED)
 
 
 def _claim_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
-    """A used ``output_dir`` is refused without ``--resume`` or ``--overwrite`` (``fastrlhf.engine.outputs``).
-    With ``--overwrite`` rank 0 removes the earlier run's files once every rank has passed every check
-    (a run that fails its checks deletes nothing) and before the process group starts: the other ranks
-    wait for it in the rendezvous, and none writes into ``output_dir`` before the group is up, so none
-    races the removal (``fastrlhf.distributed.launch.before_group``). The other ranks do not look: the
-    folder is rank 0's to clear."""
+    """A used ``output_dir`` is refused without ``--resume`` or ``--overwrite``, and one that cannot be written
+    is refused always (``fastrlhf.engine.outputs``). With ``--overwrite`` rank 0 moves the earlier run's files
+    aside once every rank has passed every check (a run that fails its checks moves nothing) and before the
+    process group starts: the other ranks wait for it in the rendezvous, and none writes into ``output_dir``
+    before the group is up, so none races the move (``fastrlhf.distributed.launch.before_group``). They are
+    deleted once this run is under way, and put back by :func:`_settle_overwrite` if it ends before. The
+    other ranks do not look: the folder is rank 0's to clear."""
     from fastrlhf.config import ConfigError
     from fastrlhf.distributed.launch import before_group
-    from fastrlhf.engine.outputs import check_output_dir, clear_run_files
+    from fastrlhf.engine.outputs import Overwrite, check_output_dir
 
     if resume and overwrite:
         raise ConfigError("--overwrite", "conflicts with --resume (--resume continues the run in output_dir, "
@@ -125,12 +130,33 @@ def _claim_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
         return
     check_output_dir(output_dir, resume, overwrite)
     if overwrite:
-        def clear() -> None:
-            removed = clear_run_files(output_dir)
-            if removed:
-                _say(f"note: --overwrite: removed the earlier run in {output_dir} ({', '.join(removed)})")
+        def set_aside() -> None:
+            global _overwrite
+            _overwrite = Overwrite(output_dir, _say)
+            _overwrite.start()
 
-        before_group(clear)
+        before_group(set_aside)
+
+
+# Rank 0's --overwrite of this command once the earlier run is set aside (fastrlhf.engine.outputs.Overwrite).
+_overwrite = None
+
+
+def _settle_overwrite(succeeded: bool) -> list[str]:
+    """The command ends: the earlier run that ``--overwrite`` set aside is deleted if this run succeeded or got
+    under way, else put back; returns what was put back ([] if nothing)."""
+    global _overwrite
+    overwrite, _overwrite = _overwrite, None
+    if overwrite is None:
+        return []
+    from fastrlhf.config import ConfigError
+
+    try:
+        return overwrite.finish(succeeded)
+    except (OSError, ConfigError) as exc:
+        _say(f"warning: --overwrite: could not put the earlier run back from {overwrite.aside} ({exc}); move its "
+             f"files back into {overwrite.output_dir} by hand")
+        return []
 
 
 def _resume_command(args) -> str:
@@ -210,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         _say("interrupted (Ctrl-C) before the run started")
         return EXIT_INTERRUPTED
     if args.dry_run:
+        if (code := _dry_run_checks(args.command, config)) is not None:
+            return code
         import yaml
 
         from fastrlhf.config import config_to_dict
@@ -228,10 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     from fastrlhf.engine.guards import TooManySkippedSteps
     from fastrlhf.rl.rewards import RewardFunctionError
 
+    succeeded = False
     try:
         _dispatch(args.command, config, args.resume)
+        succeeded = True
     except KeyboardInterrupt:
-        _interrupted(config, args)
+        if restored := _settle_overwrite(False):
+            _say(f"interrupted (Ctrl-C) before this run's first step; the earlier run in {config.output_dir} is "
+                 f"back ({', '.join(restored)})")
+        else:
+            _interrupted(config, args)
         return EXIT_INTERRUPTED
     except ConfigError as exc:  # checks that need the launched world (e.g. batch size vs ranks)
         if not _group_started():
@@ -264,8 +298,60 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _lost_peer(config, reason)
     finally:
-        discard_before_group()  # the command ended before its process group started: --overwrite deleted nothing
+        discard_before_group()  # the command ended before its process group started: --overwrite moved nothing
+        if restored := _settle_overwrite(succeeded):
+            _say(f"note: --overwrite: this run ended before its first step; the earlier run in {config.output_dir} "
+                 f"is back ({', '.join(restored)})")
     return 0
+
+
+def _dry_run_checks(command: str, config) -> int | None:
+    """``--dry-run``: the checks the run itself makes before a model loads, so that a dry run passes no config
+    the run would refuse there: ``output_dir`` can be written (whether it is used is for the real run's flags
+    to say), then ``train``'s preflight (``fastrlhf.rl.trainer.preflight``: reward functions, tokenizers, the
+    memory plan, the prompts) or the data of ``sft`` and ``rm``. Their notes go to stderr (stdout is the
+    config). Returns the exit code of a failed check, None when all pass."""
+    import contextlib
+
+    from fastrlhf.config import ConfigError
+    from fastrlhf.data import DataError
+    from fastrlhf.engine.outputs import check_writable
+
+    try:
+        check_writable(config.output_dir)
+        with contextlib.redirect_stdout(sys.stderr):
+            if command == "train":
+                from fastrlhf.rl.trainer import preflight
+
+                preflight(config)
+            elif command == "rm":
+                from fastrlhf.supervised.reward_model import load_examples
+
+                load_examples(config)
+            else:
+                _sft_examples(config)
+    except ConfigError as exc:
+        return _failed_checks(f"config error: {exc}")
+    except DataError as exc:
+        return _failed_checks("data error: " + str(exc).replace("\n", "\ndata error: "))
+    return None
+
+
+def _sft_examples(config) -> list:
+    """The SFT data as ``fastrlhf.supervised.sft.run`` reads it before its model loads."""
+    from fastrlhf.config import ConfigError
+    from fastrlhf.data import load_sft_examples
+    from fastrlhf.modeling import vocab_size
+    from fastrlhf.rollout.tools import load_toolbox
+
+    d = config.data
+    try:
+        tools = load_toolbox(d.tools, key="data.tools").schemas if d.tools else None
+    except ValueError as exc:
+        raise ConfigError("", str(exc)) from None
+    return load_sft_examples(d.path, d.max_len, d.max_prompt_len, vocab_size=vocab_size(config.model.path),
+                             tokenizer_path=config.model.path, chat_template=d.chat_template, tools=tools,
+                             assistant_turns=d.assistant_turns)
 
 
 def _decide_auto(command: str, config):

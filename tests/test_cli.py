@@ -10,9 +10,11 @@ import types
 
 import pytest
 import yaml
+from helpers.model_folders import fake_model_folder
 from helpers.paths import ROOT
 
 from fastrlhf import cli
+from fastrlhf.config import ConfigError
 
 ENV = {**os.environ, "FASTRLHF_DIST_TIMEOUT": "60", "FASTRLHF_NO_PROGRESS": "1"}
 
@@ -26,9 +28,7 @@ def run_cli(*args, timeout=120):
 
 @pytest.fixture
 def train_yaml(tmp_path):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"")  # checked for, never read
+    fake_model_folder(tmp_path / "model")  # checked, never loaded
     (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [3, 4]}\n')
     raw = {"algorithm": "grpo", "output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path / "model")},
            "reward": {"function": "length"}, "data": {"prompts": str(tmp_path / "prompts.jsonl")},
@@ -289,6 +289,171 @@ def test_under_a_launcher_only_rank_0_deletes_the_earlier_run(train_yaml, tmp_pa
     assert dispatched == [("train", False), ("train", False)]
 
 
+# ---- --overwrite loses nothing until the new run is under way; output_dir that cannot be written ---------------
+
+
+def _earlier_run(out):
+    """A finished run in ``out`` (and a file of the user's): ``{relative path: content}`` of its files."""
+    files = {"config.yaml": "seed: 1\n", "metrics.jsonl": '{"step": 1}\n', "checkpoints/latest": "step-1\n",
+             "checkpoints/step-1/rank-0.pt": "state", "final/model.safetensors": "weights"}
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    (out / "notes.txt").write_text("mine")
+    return files
+
+
+def _files(out) -> dict:
+    return {os.path.relpath(os.path.join(d, f), out): open(os.path.join(d, f)).read()
+            for d, _, names in os.walk(out) for f in names}
+
+
+@pytest.mark.parametrize("failure, code", [(RuntimeError("crash at step 1"), None), (KeyboardInterrupt(), 130),
+                                           (ConfigError("reward", "late"), 2)], ids=["crash", "ctrl-c", "late-check"])
+def test_overwrite_puts_the_earlier_run_back_when_the_run_ends_before_its_first_step(train_yaml, tmp_path,
+                                                                                     monkeypatch, capsys, failure,
+                                                                                     code):
+    from fastrlhf.distributed.launch import run_before_group
+    from fastrlhf.engine.outputs import ASIDE
+
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = _earlier_run(out)
+
+    def models_load_then_the_first_step_fails(command, config, resume):
+        run_before_group()
+        assert sorted(os.listdir(out)) == [ASIDE, "notes.txt"]  # set aside, not deleted
+        (out / "config.yaml").write_text("seed: 2\n")  # what the new run writes before its first step
+        (out / "metrics.jsonl").write_text("")
+        (out / "checkpoints" / ".tmp-step-1").mkdir(parents=True)
+        raise failure
+
+    monkeypatch.setattr(cli, "_dispatch", models_load_then_the_first_step_fails)
+    if code is None:
+        with pytest.raises(RuntimeError):
+            cli.main(["train", "--config", train_yaml, "--overwrite"])
+    else:
+        assert cli.main(["train", "--config", train_yaml, "--overwrite"]) == code
+    assert _files(out) == {**earlier, "notes.txt": "mine"}
+    back = "(config.yaml, metrics.jsonl, checkpoints/, final/)"
+    err = capsys.readouterr().err.strip()
+    if isinstance(failure, KeyboardInterrupt):
+        assert err == f"interrupted (Ctrl-C) before this run's first step; the earlier run in {out} is back {back}"
+    else:
+        assert err.splitlines()[-1] == (f"note: --overwrite: this run ended before its first step; the earlier run "
+                                        f"in {out} is back {back}")
+
+
+def test_overwrite_deletes_the_earlier_run_once_the_run_has_logged_a_step(train_yaml, tmp_path, monkeypatch, capsys):
+    """Deleted while the run goes on (the disk holds one run, not two, for the rest of it), so a later failure
+    keeps this run's files, which --resume continues."""
+    from fastrlhf.distributed.launch import run_before_group
+    from fastrlhf.engine.outputs import ASIDE, Overwrite
+
+    monkeypatch.setattr(Overwrite, "poll_s", 0.01)
+    out = tmp_path / "out"
+    out.mkdir()
+    _earlier_run(out)
+
+    def one_step_then_crash(command, config, resume):
+        run_before_group()
+        assert (out / ASIDE / "checkpoints" / "step-1").is_dir()
+        (out / "metrics.jsonl").write_text('{"step": 1, "new": true}\n')
+        deadline = time.monotonic() + 10
+        while (out / ASIDE).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not (out / ASIDE).exists()  # deleted before the run ends
+        raise RuntimeError("crash at step 2")
+
+    monkeypatch.setattr(cli, "_dispatch", one_step_then_crash)
+    with pytest.raises(RuntimeError):
+        cli.main(["train", "--config", train_yaml, "--overwrite"])
+    assert _files(out) == {"metrics.jsonl": '{"step": 1, "new": true}\n', "notes.txt": "mine"}
+    assert capsys.readouterr().err.strip() == (f"note: --overwrite: removed the earlier run in {out} (config.yaml, "
+                                               "metrics.jsonl, checkpoints/, final/)")
+
+
+def test_an_earlier_run_left_aside_by_a_killed_overwrite_is_kept_until_a_run_is_under_way(train_yaml, tmp_path,
+                                                                                          monkeypatch, capsys):
+    from fastrlhf.distributed.launch import run_before_group
+    from fastrlhf.engine.outputs import ASIDE
+
+    out = tmp_path / "out"
+    (out / ASIDE).mkdir(parents=True)
+    earlier = _earlier_run(out / ASIDE)
+    (out / ASIDE / "notes.txt").unlink()
+    (out / "config.yaml").write_text("seed: 2\n")  # the killed run's, which never logged a step
+    assert cli.main(["train", "--config", train_yaml]) == 2
+    assert f"holds an earlier run (config.yaml, {ASIDE}/)" in capsys.readouterr().err
+
+    def fails(command, config, resume):
+        run_before_group()
+        raise ConfigError("reward", "late")
+
+    monkeypatch.setattr(cli, "_dispatch", fails)
+    assert cli.main(["train", "--config", train_yaml, "--overwrite"]) == 2
+    assert _files(out) == earlier  # the run set aside is back; the killed run's file is gone
+
+
+def test_only_rank_0_sets_aside_and_puts_back(train_yaml, tmp_path, monkeypatch):
+    from fastrlhf.distributed.launch import run_before_group
+
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = _earlier_run(out)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+
+    def fails(command, config, resume):
+        run_before_group()
+        assert _files(out) == {**earlier, "notes.txt": "mine"}
+        raise ConfigError("reward", "late")
+
+    monkeypatch.setattr(cli, "_dispatch", fails)
+    assert cli.main(["train", "--config", train_yaml, "--overwrite"]) == 2
+    assert _files(out) == {**earlier, "notes.txt": "mine"}
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "rm"])
+@pytest.mark.parametrize("where, expected", [
+    ("", "output_dir: is empty; expected the path of a folder (new or of this run)"),
+    ("{tmp}/notes.txt/out", "output_dir: cannot create {tmp}/notes.txt/out: {tmp}/notes.txt is not a folder"),
+    ("{tmp}/ro/out", "output_dir: cannot create {tmp}/ro/out: no write access to {tmp}/ro (permission denied or a "
+                     "read-only file system)"),
+], ids=["empty", "under-a-file", "not-writable"])
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(command_yaml, tmp_path, monkeypatch,
+                                                                          capsys, dispatched, command, where,
+                                                                          expected, dry_run):
+    (tmp_path / "notes.txt").write_text("")
+    (tmp_path / "ro").mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(tmp_path / "ro") and access(path, mode))
+    where, expected = where.format(tmp=tmp_path), expected.format(tmp=tmp_path)
+    args = [command, "--config", command_yaml[command], "--set", f"output_dir={json.dumps(where)}"]
+    assert cli.main([*args, *(["--dry-run"] if dry_run else [])]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"config error: {expected}"]
+    assert dispatched == [] and not os.path.exists(tmp_path / "ro" / "out")
+
+
+@pytest.mark.parametrize("command, setting, expected", [
+    ("train", "reward.function=no_such_reward", "config error: reward.function: unknown reward function "
+                                                "'no_such_reward'"),
+    ("train", "data.prompts={bad}", "data error: bad.jsonl:2: not valid UTF-8 (byte 0xe9 at column 13)"),
+    ("sft", "data.path={bad}", "data error: bad.jsonl:2: not valid UTF-8 (byte 0xe9 at column 13)"),
+    ("rm", "data.path={bad}", "data error: bad.jsonl:2: not valid UTF-8 (byte 0xe9 at column 13)"),
+])
+def test_dry_run_refuses_what_the_run_refuses_before_a_model_loads(command_yaml, tmp_path, capsys, dispatched,
+                                                                   command, setting, expected):
+    good = {"train": b'{"prompt_ids": [3]}', "sft": b'{"prompt_ids": [3], "response_ids": [4]}',
+            "rm": b'{"chosen_ids": [3], "rejected_ids": [4]}'}[command]
+    (tmp_path / "bad.jsonl").write_bytes(good + b'\n{"prompt": "\xe9"}\n')
+    args = [command, "--config", command_yaml[command], "--set", setting.format(bad=tmp_path / "bad.jsonl")]
+    assert cli.main([*args, "--dry-run"]) == 2
+    dry = capsys.readouterr()
+    assert dry.out == "" and dry.err.splitlines()[-1].startswith(expected) and dispatched == []
+
+
 # ---- --import (issue 44, item 4) ----------------------------------------------------------------------------------
 
 
@@ -404,6 +569,29 @@ def test_imports_and_overwrite_under_the_deepspeed_launcher_on_every_rank(tmp_pa
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-2"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_overwrite_under_the_launcher_puts_the_earlier_run_back_when_the_first_step_fails(tmp_path):
+    """Two ranks of `deepspeed --module fastrlhf`: rank 0 sets the earlier run aside before the group starts,
+    the models load on both ranks, the first step's reward function raises, and the earlier run is back."""
+    from helpers.launch import run_group
+    from helpers.rl_runs import DEEPSPEED, launch_env
+
+    from fastrlhf.distributed import free_port
+
+    work, _ = _readme_workdir(tmp_path)
+    (work / "boom.py").write_text("def boom(*args, **kwargs):\n    raise RuntimeError('boom')\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = _earlier_run(out)
+    train = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "fastrlhf", "train",
+             "--config", "run.yaml", "--set", "reward.function=boom:boom", "--overwrite"]
+    rc, log = run_group(train, env=launch_env(), timeout=300, cwd=str(work))
+    assert rc == 1 and "reward error: reward function 'boom' raised RuntimeError" in log, log[-3000:]
+    assert "the earlier run in " in log and " is back (config.yaml, metrics.jsonl, checkpoints/, final/)" in log
+    assert _files(out) == {**earlier, "notes.txt": "mine"}
+
+
 # ---- logs without a terminal, the engine used, Ctrl-C (issue 44, item 7) --------------------------------------------
 
 
@@ -468,9 +656,7 @@ def test_dry_run_decides_the_auto_settings_as_the_run_will(train_yaml, tmp_path,
     decided, with the plan's reasons."""
     tiny = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 1, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 1024}
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(tiny))
-    (tmp_path / "tiny" / "model.safetensors").write_bytes(b"")
+    fake_model_folder(tmp_path / "tiny", tiny)
     args = ["train", "--config", train_yaml, "--dry-run", "--set", "model.gradient_checkpointing=auto",
             "--set", "rollout.engine=hf", "--set", "trainer.max_tokens_per_microbatch=auto",
             "--set", "trainer.grad_accum=1"]
@@ -490,9 +676,7 @@ def test_dry_run_decides_the_auto_settings_as_the_run_will(train_yaml, tmp_path,
 
 @pytest.mark.parametrize("command", ["sft", "rm"])
 def test_auto_gradient_checkpointing_is_for_train_only(tmp_path, capsys, command):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    fake_model_folder(tmp_path / "model")
     (tmp_path / "data.jsonl").write_text("")
     raw = {"output_dir": str(tmp_path / "out"), "data": {"path": str(tmp_path / "data.jsonl")},
            "model": {"path": str(tmp_path / "model"), "gradient_checkpointing": "auto"}, "trainer": {"max_steps": 1}}

@@ -138,13 +138,17 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
             yield f"{name}:row {i}", _plain(row)
         return
     try:
-        f = open(path, encoding="utf-8")
+        # surrogateescape: a byte that is not UTF-8 becomes a bad line of its own, not a traceback for the file
+        f = open(path, encoding="utf-8", errors="surrogateescape")
     except OSError as exc:
         raise DataError([f"{name}: cannot read: {exc.strerror}"]) from None
     with f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue  # blank lines (a trailing newline, spacing) are not examples
+            if (bad := _not_utf8(line)) is not None:
+                yield f"{name}:{lineno}", _BadLine(bad)
+                continue
             try:
                 row = json.loads(line.rstrip("\r\n"))  # a cut line's error at its own end, not the next line's
             except json.JSONDecodeError as exc:
@@ -154,6 +158,15 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
                 yield f"{name}:{lineno}", _BadLine(f"expected a JSON object, got {type(row).__name__}")
                 continue
             yield f"{name}:{lineno}", row
+
+
+def _not_utf8(line: str) -> str | None:
+    """Why a line read with ``surrogateescape`` is not valid UTF-8 (its first bad byte), or None."""
+    try:
+        line.encode("utf-8")  # in C: the escaped bytes are the only lone surrogates a UTF-8 read can give
+    except UnicodeEncodeError as exc:
+        return f"not valid UTF-8 (byte 0x{ord(line[exc.start]) - 0xDC00:02x} at column {exc.start + 1})"
+    return None
 
 
 def _parquet_rows(path: str, name: str) -> Iterator[tuple[str, Any]]:

@@ -14,7 +14,7 @@ from fastrlhf.distributed.ranks import DEFAULT_TIMEOUT_S, free_port, local_rank,
 __all__ = ["DEFAULT_TIMEOUT_S", "before_group", "discard_before_group", "init_distributed",
            "run_before_group"]
 
-# Rank 0's work on the shared output_dir that no other rank may race (``--overwrite`` removing an earlier run):
+# Rank 0's work on the shared output_dir that no other rank may race (``--overwrite`` moving an earlier run aside):
 # run once every rank has passed its checks at the start gate, before the process group starts. Until the
 # group is up no rank writes into output_dir, and every other rank waits for rank 0 in the rendezvous.
 _before_group: list = []

@@ -27,6 +27,7 @@ __all__ = [
     "unwrap",
     "base_model",
     "vocab_size",
+    "pad_token_id",
     "export_hf",
 ]
 
@@ -184,7 +185,7 @@ def load_sequence_classifier(model_cfg, num_labels: int, path: str | None = None
                                                                    dtype=torch_dtype(model_cfg.dtype))
     if model.config.pad_token_id is None:
         # The classifier pools the last non-pad token; without a pad id it refuses batches larger than 1.
-        model.config.pad_token_id = model.config.eos_token_id if model.config.eos_token_id is not None else 0
+        model.config.pad_token_id = pad_token_id(model.config)
     _fuse_layers(model, model_cfg)
     if not trainable:
         return model.eval().requires_grad_(False)
@@ -219,13 +220,15 @@ class CausalLMWithValueHead(nn.Module):
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
-def load_value_model(model_cfg, path: str | None = None, trainable: bool = True) -> CausalLMWithValueHead:
+def load_value_model(model_cfg, path: str | None = None, trainable: bool = True,
+                     zero3_config: dict | None = None) -> CausalLMWithValueHead:
     """Critic from ``path``: a saved value head (``value_head.safetensors``) is reused; a reward model's scalar
     score head (a ``*ForSequenceClassification`` folder with one label, as ``fastrlhf rm --kind pairwise``
     exports) becomes the value head, as TRL and OpenRLHF start PPO's critic from the reward model; else a fresh
-    head. The backbone is the folder's in every case."""
+    head. The backbone is the folder's in every case, loaded partitioned with ``zero3_config`` (as
+    :func:`load_causal_lm`; the small head is partitioned when its engine starts)."""
     path = path or model_cfg.path
-    lm = load_causal_lm(model_cfg, path, trainable=trainable)
+    lm = load_causal_lm(model_cfg, path, trainable=trainable, zero3_config=zero3_config)
     head = None
     head_file = os.path.join(path, VALUE_HEAD_FILE)
     if os.path.exists(head_file):
@@ -284,6 +287,18 @@ def unwrap(model_or_engine):
 def base_model(model):
     """The transformers model under a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def pad_token_id(config) -> int:
+    """The id to pad with for a model ``config``: its pad id, else its eos id, else its bos id, else 0. Each may be a
+    list (Llama-3's several eos ids): its first id."""
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
 
 
 def vocab_size(path: str) -> int | None:
@@ -368,7 +383,23 @@ def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from
                 src = os.path.join(tokenizer_from, name)
                 if os.path.exists(src):
                     shutil.copy2(src, os.path.join(tmp, name))
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.rename(tmp, out_dir)
+        _replace_folder(tmp, out_dir)
     comm.barrier()
     return out_dir
+
+
+def _replace_folder(new: str, out_dir: str) -> None:
+    """``new`` renamed to ``out_dir``, replacing the folder there: the old one is renamed aside first and
+    deleted only once the new one is in place, so a kill at any moment leaves a whole ``out_dir`` or a whole
+    ``<out_dir>.old`` (removing the old one first could leave only the temporary folder)."""
+    old = f"{out_dir.rstrip(os.sep)}.old"
+    if os.path.lexists(out_dir):
+        shutil.rmtree(old, ignore_errors=True)  # a kill's leftover, older than out_dir
+        os.rename(out_dir, old)
+    try:
+        os.rename(new, out_dir)
+    except OSError:
+        if os.path.lexists(old) and not os.path.lexists(out_dir):
+            os.rename(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -74,22 +74,15 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
 
     critic = None
     if config.algorithm == "ppo":
-        critic_model = load_value_model(config.model, config.critic.path)
+        # ZeRO-3: partitioned at load, as the actor (a full replica per rank first would need world x its size)
+        critic_model = load_value_model(config.model, config.critic.path, zero3_config=actor_ds)
         use_attention(critic_model.lm, t.packing, t.share_prompts, attention)
         critic = build_train_engine(critic_model, ds, lr=config.critic.lr, weight_decay=t.weight_decay,
                                     warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
                                     max_grad_norm=t.max_grad_norm, guard=guard)
         stateful["critic"] = critic
 
-    reward_model = None
-    if config.reward.model_path:
-        from transformers import AutoModelForSequenceClassification
-
-        from fastrlhf.modeling import torch_dtype
-
-        reward_model = AutoModelForSequenceClassification.from_pretrained(
-            config.reward.model_path, dtype=torch_dtype(compute_dtype(config))).eval().requires_grad_(False).to(device)
-        use_attention(reward_model, t.packing, backend=attention)
+    reward_model = _reward_model(config, device) if config.reward.model_path else None
     scorer = RewardScorer(config.reward.function, reward_model, config.reward.model_kind, config.reward.label_index,
                           micro_batch=forward_micro_batch_size(config, D.world_size()), text_rewards=text_rewards,
                           tokenizer=tokenizer, reward_tokenizer=reward_tokenizer, packed=t.packing,
@@ -109,6 +102,30 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
         stateful["kl_control"] = step.kl_control
     step.setup_memory = setup_memory(device)
     return step, stateful
+
+
+def _reward_model(config, device):
+    """The frozen model of ``reward.model_path``: a ``*ForSequenceClassification`` (``model_kind: classifier``), or
+    for ``value_head`` a causal LM with a value head, read per position (a PPO critic's export, or a one-label
+    classifier whose score head becomes the value head: the config check refuses any other folder)."""
+    import dataclasses
+
+    from fastrlhf.config.precision import compute_dtype
+    from fastrlhf.modeling import load_value_model, torch_dtype, use_attention
+
+    r, t = config.reward, config.trainer
+    if r.model_kind == "value_head":
+        # In the compute dtype and without fused layers, as a classifier reward model loads
+        frozen = dataclasses.replace(config.model, dtype=compute_dtype(config), liger_kernels=False, compile=False)
+        model = load_value_model(frozen, r.model_path, trainable=False).eval().to(device)
+        use_attention(model.lm, t.packing, backend=config.model.attention)
+        return model
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        r.model_path, dtype=torch_dtype(compute_dtype(config))).eval().requires_grad_(False).to(device)
+    use_attention(model, t.packing, backend=config.model.attention)
+    return model
 
 
 def _environment_reward(toolbox) -> str | None:
@@ -231,6 +248,8 @@ def _memory_plan(config, world: int):
     try:
         plan = plan_for_launch(config, world)
     except ConfigError as exc:
+        if exc.key == "model.lora_targets":  # no model could load them either: not a gap of the plan's
+            raise
         if D.is_main():
             print(f"warning: no memory plan for this run ({exc})", flush=True)
         return None

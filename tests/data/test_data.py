@@ -118,6 +118,22 @@ def test_sft_pairs_and_classifier_validation(tmp_path):
     assert [p.split(":")[1] for p in info.value.problems] == ["2", "3", "4"]
 
 
+@pytest.mark.parametrize("load, good", [
+    (lambda p: load_prompts(p, vocab_size=10), b'{"prompt_ids": [1]}'),
+    (lambda p: load_sft_examples(p, max_len=8), b'{"prompt_ids": [1], "response_ids": [2]}'),
+    (lambda p: load_pairwise_examples(p, max_len=8), b'{"chosen_ids": [1], "rejected_ids": [2]}'),
+    (lambda p: load_classification_examples(p, max_len=8, num_labels=2), b'{"input_ids": [1], "label": 0}'),
+])
+def test_a_line_that_is_not_utf8_is_a_bad_line_among_the_others(tmp_path, load, good):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(good + b'\n{"prompt": "caf\xe9", "x": "\xff"}\r\n{not json\n' + good + b"\n")
+    with pytest.raises(DataError) as info:
+        load(str(path))
+    assert info.value.problems == ["d.jsonl:2: not valid UTF-8 (byte 0xe9 at column 16)",
+                                   "d.jsonl:3: invalid JSON (Expecting property name enclosed in double quotes at "
+                                   "column 2)"]
+
+
 def test_empty_file_is_an_error(tmp_path):
     with pytest.raises(DataError, match="no examples"):
         load_prompts(write_lines(tmp_path / "e.jsonl", []))

@@ -418,11 +418,11 @@ def test_check_columns_names_each_row(tmp_path):
 
 
 def test_config_fields(tmp_path):
+    from helpers.model_folders import fake_model_folder
+
     from fastrlhf.config import ConfigError, parse_config
 
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    fake_model_folder(tmp_path / "model")
     prompts = write_lines(tmp_path / "p.jsonl", [{"prompt_ids": [1]}])
 
     def train(reward=None, **data):

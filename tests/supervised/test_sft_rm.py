@@ -339,7 +339,7 @@ def test_zero3_loading_partitions_at_load_time(workdir):
 
     from fastrlhf import distributed as D
     from fastrlhf.config import DeepSpeedConfig, ModelConfig
-    from fastrlhf.modeling import load_causal_lm, load_sequence_classifier
+    from fastrlhf.modeling import load_causal_lm, load_sequence_classifier, load_value_model
 
     D.init_distributed(timeout_s=60)
     model_cfg = ModelConfig(path=str(workdir / "model"))
@@ -352,6 +352,8 @@ def test_zero3_loading_partitions_at_load_time(workdir):
     classifier = load_sequence_classifier(model_cfg, 2, zero3_config=stage3)
     with deepspeed.zero.GatheredParameters([classifier.score.weight]):
         assert 0.005 < classifier.score.weight.std().item() < 0.05  # HF init, not zero.Init's std ~1
+    critic = load_value_model(model_cfg, zero3_config=stage3)  # the PPO critic: no full replica per rank first
+    assert hasattr(critic.lm.lm_head.weight, "ds_id") and not hasattr(critic.v_head.weight, "ds_id")
 
 
 def test_zero3_export_gathers_in_buckets_and_saves_the_full_model(workdir, monkeypatch):
