@@ -18,17 +18,6 @@ from fastrlhf.rl import rollout_setup
 __all__ = ["run", "build_rl_step", "build_validator", "preflight"]
 
 
-def _pad_token_id(model) -> int:
-    config = model.config
-    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        value = getattr(config, name, None)
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return 0
-
-
 def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokenizer=None, plan=None, toolbox=None):
     """Load models, build engines; returns ``(rl_step, stateful objects for checkpoints)``.
 
@@ -41,6 +30,7 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     from fastrlhf.config.precision import apply_matmul_precision, compute_dtype
     from fastrlhf.engine.deepspeed import build_frozen_engine, build_train_engine, deepspeed_config
     from fastrlhf.modeling import load_causal_lm, load_value_model, use_attention
+    from fastrlhf.modeling.loading import pad_token_id
     from fastrlhf.rl.rewards import RewardScorer
     from fastrlhf.rl.step import RLStep, forward_micro_batch_size, micro_batch_size
     from fastrlhf.rl.step_metrics import setup_memory
@@ -54,7 +44,7 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     actor = load_causal_lm(config.model, zero3_config=actor_ds)
     attention = config.model.attention
     use_attention(actor, t.packing, t.share_prompts, attention)
-    pad_id = _pad_token_id(actor)
+    pad_id = pad_token_id(actor.config)
     # A ZeRO-3 partitioned parameter reports numel() 0; ds_numel is its full size.
     num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in {id(p): p for p in actor.parameters()}.values())
     actor_engine = build_train_engine(actor, ds, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
