@@ -329,29 +329,14 @@ def _dry_run_checks(command: str, config) -> int | None:
 
                 load_examples(config)
             else:
-                _sft_examples(config)
+                from fastrlhf.supervised.sft import load_examples
+
+                load_examples(config)
     except ConfigError as exc:
         return _failed_checks(f"config error: {exc}")
     except DataError as exc:
         return _failed_checks("data error: " + str(exc).replace("\n", "\ndata error: "))
     return None
-
-
-def _sft_examples(config) -> list:
-    """The SFT data as ``fastrlhf.supervised.sft.run`` reads it before its model loads."""
-    from fastrlhf.config import ConfigError
-    from fastrlhf.data import load_sft_examples
-    from fastrlhf.modeling import vocab_size
-    from fastrlhf.rollout.tools import load_toolbox
-
-    d = config.data
-    try:
-        tools = load_toolbox(d.tools, key="data.tools").schemas if d.tools else None
-    except ValueError as exc:
-        raise ConfigError("", str(exc)) from None
-    return load_sft_examples(d.path, d.max_len, d.max_prompt_len, vocab_size=vocab_size(config.model.path),
-                             tokenizer_path=config.model.path, chat_template=d.chat_template, tools=tools,
-                             assistant_turns=d.assistant_turns)
 
 
 def _decide_auto(command: str, config):

@@ -13,7 +13,8 @@ from fastrlhf.engine.device import model_device, to_device
 from fastrlhf.modeling import base_model, load_causal_lm, unwrap, use_attention, vocab_size
 from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
 
-__all__ = ["build_job", "collate_sft", "packed_response_logprobs", "sft_loss", "sft_token_parts", "run"]
+__all__ = ["build_job", "collate_sft", "load_examples", "packed_response_logprobs", "sft_loss", "sft_token_parts",
+           "run"]
 
 
 def collate_sft(examples: list[SFTExample], pad_id: int) -> dict:
@@ -137,19 +138,24 @@ def build_job(config: SFTConfig, model, examples: list[SFTExample]) -> Supervise
                          token_parts=sft_token_parts)
 
 
-def run(config: SFTConfig, resume: bool = False) -> dict:
+def load_examples(config: SFTConfig) -> list:
+    """The SFT data of ``config``, read and checked before any model loads (``--dry-run`` reads it so too)."""
     from fastrlhf.config import ConfigError
     from fastrlhf.rollout.tools import load_toolbox
 
-    seed_everything(config.seed)
+    d = config.data
     try:
-        tools = load_toolbox(config.data.tools, key="data.tools").schemas if config.data.tools else None
+        tools = load_toolbox(d.tools, key="data.tools").schemas if d.tools else None
     except ValueError as exc:
         raise ConfigError("", str(exc)) from None
-    examples = load_sft_examples(config.data.path, config.data.max_len, config.data.max_prompt_len,
-                                 vocab_size=vocab_size(config.model.path), tokenizer_path=config.model.path,
-                                 chat_template=config.data.chat_template, tools=tools,
-                                 assistant_turns=config.data.assistant_turns)
+    return load_sft_examples(d.path, d.max_len, d.max_prompt_len, vocab_size=vocab_size(config.model.path),
+                             tokenizer_path=config.model.path, chat_template=d.chat_template, tools=tools,
+                             assistant_turns=d.assistant_turns)
+
+
+def run(config: SFTConfig, resume: bool = False) -> dict:
+    seed_everything(config.seed)
+    examples = load_examples(config)
     # After the data checks: bad data fails without starting a process group.
     D.init_distributed(shared_dir=config.output_dir)
     model = load_causal_lm(config.model, zero3_config=engine_config(config))
