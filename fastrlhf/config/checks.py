@@ -137,6 +137,9 @@ def _validate_train(c: TrainConfig, base: str):
     if c.reference.path is not None and c.model.lora_r > 0:
         raise ConfigError("reference.path", "is not used with model.lora_r > 0 (the reference is the actor with its "
                                             "adapter disabled); remove it, or train without LoRA")
+    if c.reference.path is not None and c.trainer.kl_coef == 0.0:  # the trainer loads no reference then
+        raise ConfigError("reference.path", "is not used with trainer.kl_coef 0 (no KL term); remove it, or set "
+                                            "kl_coef > 0")
     reference = _check_model_folder(c.reference.path, "reference.path", base)
     M.check_vocab_covers(reference, "reference.path", actor, "the reference scores")
     _check_path(c.data.prompts, "data.prompts", base)

@@ -219,6 +219,14 @@ def test_a_reference_path_with_lora_is_refused(models):
                           "adapter disabled); remove it, or train without LoRA")
 
 
+def test_a_reference_path_without_a_kl_term_is_refused(models):
+    """With kl_coef 0 the trainer loads no reference: the folder named was never read, and no KL was applied."""
+    raw = train(models, reference={"path": str(models / "llama")}, trainer={"kl_coef": 0.0})
+    assert error(raw) == "reference.path: is not used with trainer.kl_coef 0 (no KL term); remove it, or set kl_coef > 0"
+    raw = train(models, reference={"path": str(models / "llama")}, trainer={"kl_coef": 0.1})
+    assert parse_config(raw, on_gpu=False).reference.path == str(models / "llama")
+
+
 # ---- the reward model -----------------------------------------------------------------------------------------
 
 
