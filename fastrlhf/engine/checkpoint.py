@@ -25,7 +25,7 @@ from fastrlhf import distributed as D
 from fastrlhf.distributed import comm
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_latest", "latest_checkpoint", "capture_rng", "restore_rng",
-           "checkpoint_root"]
+           "checkpoint_root", "run_identity"]
 
 
 
@@ -35,6 +35,35 @@ class CheckpointError(RuntimeError):
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _DS_TAG = "state"
+# Settings a checkpoint's state depends on: resumed with another value, the load fails deep inside (the weights'
+# shapes, the engines' ZeRO layout, a critic that is not there) or mixes two runs (the prompt order goes on with
+# the saved seed, the samples with the new one).
+RUN_IDENTITY = ("algorithm", "seed", "model.lora_r", "model.lora_targets", "deepspeed.zero_stage")
+
+
+def run_identity(config) -> dict:
+    """The :data:`RUN_IDENTITY` settings of ``config`` that it has (``model.lora_targets`` only with LoRA on)."""
+    found = {}
+    for key in RUN_IDENTITY:
+        value = config
+        for part in key.split("."):
+            value = getattr(value, part, None)
+        if value is not None and not (key == "model.lora_targets" and not config.model.lora_r):
+            found[key] = list(value) if isinstance(value, (list, tuple)) else value
+    return found
+
+
+def _same(key: str, saved, mine) -> bool:
+    if key == "deepspeed.zero_stage":  # ZeRO-1 and -2 save the same partitioned optimizer state: either loads it
+        return {1: 2}.get(saved, saved) == {1: 2}.get(mine, mine)
+    return saved == mine
+
+
+def _check_identity(path: str, saved: dict | None, mine: dict | None) -> None:
+    for key, value in (mine or {}).items():
+        if saved is not None and key in saved and not _same(key, saved[key], value):
+            raise CheckpointError(f"{path} was saved with {key} = {saved[key]!r}, this run has {value!r}: resume "
+                                  f"with the config it was saved with, or start again with --overwrite")
 
 
 def checkpoint_root(output_dir: str) -> str:
@@ -105,11 +134,31 @@ def _step_dirs(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], keep_last: int = 0) -> str:
+def _discard(root: str, name: str) -> None:
+    """Remove a step folder: renamed out of the ``step-N`` names first, so that a kill during the (slow) delete
+    leaves no partial folder that :func:`latest_checkpoint` could take for a checkpoint."""
+    doomed = os.path.join(root, f".old-{name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(os.path.join(root, name), doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _prune(root: str, step: int, keep_last: int) -> None:
+    """Keep the checkpoint just written and the ``keep_last - 1`` newest before it; newer-numbered folders are left
+    by a run this one resumed behind (the pointer lagged its rename): superseded, and never this one's."""
+    newer = [name for other, name in _step_dirs(root) if other > step]
+    older = [name for other, name in _step_dirs(root) if other < step]
+    for name in newer + older[:max(0, len(older) - (keep_last - 1))]:
+        _discard(root, name)
+
+
+def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], keep_last: int = 0,
+                    identity: dict | None = None) -> str:
     """Write checkpoint ``step`` atomically; collective (call on every rank). Returns its folder.
 
     ``engines`` maps names to DeepSpeed engines (saved with their optimizer and scheduler) or to
     any object with ``state_dict``/``load_state_dict`` (optimizers, schedulers, samplers, guards).
+    ``identity``: the run's :func:`run_identity`, which a resume must match.
     """
     root = checkpoint_root(output_dir)
     final = os.path.join(root, f"step-{step}")
@@ -126,23 +175,23 @@ def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], keep_la
             obj.save_checkpoint(os.path.join(tmp, name), tag=_DS_TAG, save_latest=False)
         else:
             objects[name] = obj.state_dict()
-    rank_state = {"step": step, "world_size": D.world_size(), "rng": capture_rng(), "objects": objects}
+    rank_state = {"step": step, "world_size": D.world_size(), "rng": capture_rng(), "objects": objects,
+                  "identity": identity}
     torch.save(rank_state, os.path.join(tmp, f"rank-{D.rank()}.pt"))
     comm.barrier()
 
     if D.is_main():
         _fsync_tree(tmp)
-        if os.path.exists(final):  # re-saving a step (e.g. after a resume): replace the old copy
-            stale = os.path.join(root, f".old-step-{step}")
-            shutil.rmtree(stale, ignore_errors=True)
+        stale = os.path.join(root, f".old-step-{step}")
+        shutil.rmtree(stale, ignore_errors=True)
+        if os.path.exists(final):  # re-saving a step (e.g. after a resume): the old copy goes only once replaced
             os.rename(final, stale)
-            shutil.rmtree(stale, ignore_errors=True)
         os.rename(tmp, final)
         write_text_atomic(os.path.join(root, "latest"), f"step-{step}\n")
         _fsync_path(root, directory=True)
+        shutil.rmtree(stale, ignore_errors=True)
         if keep_last > 0:
-            for _old_step, name in _step_dirs(root)[:-keep_last]:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            _prune(root, step, keep_last)
     comm.barrier()
     return final
 
@@ -161,8 +210,10 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, steps[-1][1]) if steps else None
 
 
-def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states: bool = True) -> dict | None:
-    """Restore the newest checkpoint into ``engines`` and this rank's RNG; collective.
+def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states: bool = True,
+                identity: dict | None = None) -> dict | None:
+    """Restore the newest checkpoint into ``engines`` and this rank's RNG; collective. ``identity``: this run's
+    :func:`run_identity`; a checkpoint saved with other values is refused before anything loads.
 
     Returns ``{"step": int, "path": str}`` or None when there is none.
     """
@@ -176,6 +227,7 @@ def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states:
     state = torch.load(rank_file, map_location="cpu", weights_only=False)
     if state["world_size"] != D.world_size():
         raise CheckpointError(f"{path} was saved by {state['world_size']} ranks, this run has {D.world_size()}")
+    _check_identity(path, state.get("identity"), identity)
     for name, obj in engines.items():
         if _is_engine(obj):
             load_path, _ = obj.load_checkpoint(os.path.join(path, name), tag=_DS_TAG,
@@ -183,8 +235,14 @@ def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states:
                                                load_lr_scheduler_states=load_optimizer_states)
             if load_path is None:
                 raise CheckpointError(f"{path}: engine {name!r} could not be loaded")
+            scheduler = getattr(obj, "lr_scheduler", None)
+            if load_optimizer_states and hasattr(scheduler, "apply_lr"):
+                scheduler.apply_lr()  # the ZeRO optimizer's state loads after the scheduler's, with the old rates
         elif name in state["objects"]:
-            obj.load_state_dict(state["objects"][name])
+            try:
+                obj.load_state_dict(state["objects"][name])
+            except ValueError as exc:  # e.g. the sampler's "resume with the same data": one line, not a traceback
+                raise CheckpointError(f"{path}: {name}: {exc}") from None
         else:
             raise CheckpointError(f"{path} holds no state for {name!r}")
     restore_rng(state["rng"])

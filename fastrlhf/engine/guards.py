@@ -293,3 +293,18 @@ class GuardedLambdaLR(torch.optim.lr_scheduler.LambdaLR):
 
     def state_dict(self):  # a checkpoint holds the schedule's position, not the guard (saved on its own)
         return {k: v for k, v in super().state_dict().items() if k != "guard"}
+
+    def load_state_dict(self, state_dict):
+        """The checkpoint's position in the schedule, on this run's peak rate: a run resumed with another
+        ``trainer.lr`` (the advice after too many skipped steps) trains at that one, not at the checkpoint's."""
+        base_lrs = self.base_lrs
+        super().load_state_dict(state_dict)
+        self.base_lrs = base_lrs
+        self.apply_lr()
+
+    def apply_lr(self) -> None:
+        """The optimizer's rates from the schedule at its position; again after DeepSpeed loads a ZeRO optimizer's
+        state (after the scheduler's), whose saved param groups hold the checkpoint's rates."""
+        self._last_lr = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
+            group["lr"] = lr

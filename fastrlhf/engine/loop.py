@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 
 from fastrlhf import distributed as D
-from fastrlhf.engine.checkpoint import load_latest, save_checkpoint
+from fastrlhf.engine.checkpoint import load_latest, run_identity, save_checkpoint
 from fastrlhf.engine.guards import StepFailed, TooManySkippedSteps
 from fastrlhf.engine.step_profile import profile_step
 
@@ -34,12 +34,13 @@ def write_run_config(config) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-def resume_step(output_dir: str, stateful: dict, resume: bool) -> int:
-    """The step to continue after: the latest checkpoint's (its state loaded into ``stateful``), or 0."""
+def resume_step(output_dir: str, stateful: dict, resume: bool, config=None) -> int:
+    """The step to continue after: the latest checkpoint's (its state loaded into ``stateful``), or 0.
+    ``config``: the run's, whose :func:`~fastrlhf.engine.checkpoint.run_identity` the checkpoint must match."""
     if not resume:
         return 0
     _agree_on_checkpoint(output_dir)
-    restored = load_latest(output_dir, stateful)
+    restored = load_latest(output_dir, stateful, identity=run_identity(config) if config is not None else None)
     if restored is None:
         if D.is_main():
             print(f"note: --resume given but {output_dir} has no checkpoint; starting at step 0")
@@ -79,6 +80,10 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
         write_run_config(config)
     metrics: dict = {}
     step = start_step
+
+    def save(at: int) -> None:
+        save_checkpoint(config.output_dir, at, stateful, keep_last=t.keep_checkpoints, identity=run_identity(config))
+
     try:
         for step in range(start_step + 1, t.max_steps + 1):
             with profile_step(config, step, D.rank()):
@@ -94,10 +99,10 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
                 logger.message(f"step {step}: stopping early, the validation target is reached")
                 break
             if t.save_every and step % t.save_every == 0 and step < t.max_steps:
-                save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
+                save(step)
     except TooManySkippedSteps:
         # The skipped updates left the weights of the last good step: keep them.
-        save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
+        save(step)
         logger.close()
         raise
     except StepFailed as exc:
@@ -105,7 +110,7 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
         # before (the failed step changed nothing, and its caller rewound its data).
         good = step if getattr(exc, "completed_step", False) else step - 1
         if good > start_step:
-            save_checkpoint(config.output_dir, good, stateful, keep_last=t.keep_checkpoints)
+            save(good)
         logger.close()
         raise
     except KeyboardInterrupt:  # Ctrl-C: the command line names the last checkpoint and the --resume command
@@ -117,7 +122,8 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
     logger.close()
     if not t.save_final:
         return metrics
-    save_checkpoint(config.output_dir, step, stateful, keep_last=t.keep_checkpoints)
+    if step > start_step:  # a resumed run with no step left (killed in the export): its checkpoint is this one
+        save(step)
     from fastrlhf.modeling import export_hf
 
     export_hf(export_engine, os.path.join(config.output_dir, "final"), zero_stage=config.deepspeed.zero_stage,

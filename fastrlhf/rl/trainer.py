@@ -361,7 +361,7 @@ def run(config, resume: bool = False) -> dict:
     sampler = EpochSampler(len(examples), seed=config.seed)
     stateful.update(sampler=sampler, guard=guard)
 
-    start_step = resume_step(config.output_dir, stateful, resume)
+    start_step = resume_step(config.output_dir, stateful, resume, config)
     if start_step or getattr(rl_step.rollout, "sync_at_start", False):
         rl_step.sync()  # restored weights; or a CPU vLLM engine's GEMMs on weights its sleep() can release
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=("reward_mean", "kl", "policy_loss"),
