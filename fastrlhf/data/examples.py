@@ -5,6 +5,7 @@ functions need, checked before any model loads.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections import Counter
@@ -71,6 +72,7 @@ class PairExample:
     prompt_ids: list[int]
     chosen_ids: list[int]
     rejected_ids: list[int]
+    margin: float = 0.0  # how far chosen must score above rejected (TRL's ``margin`` column)
 
 
 @dataclass
@@ -289,11 +291,23 @@ def _pair_of_chats(row: dict, tokenizer: LazyTokenizer, vocab_size: int | None) 
     return PairExample(chosen[:shared], chosen[shared:], rejected[shared:])
 
 
+def _margin(row: dict) -> float:
+    """A pair's ``margin`` column (absent or null: 0), a finite number."""
+    margin = row.get("margin")
+    if margin is None:
+        return 0.0
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise _BadLine(f"field 'margin' must be a finite number, got {_short(margin)}")
+    return float(margin)
+
+
 def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = None,
                            tokenizer_path: str | None = None) -> list[PairExample]:
-    """Preference pairs: ``{"prompt", "chosen", "rejected"}`` (text or ``*_ids`` token lists; prompt optional), or
-    TRL's conversational form: ``chosen`` and ``rejected`` chats (whole conversations, or replies to a ``prompt``
-    chat), through the tokenizer's chat template as :func:`_scored_chat` renders them."""
+    """Preference pairs: ``{"prompt", "chosen", "rejected"}`` (text, which gets EOS as a response does, or ``*_ids``
+    token lists, as given; prompt optional), or TRL's conversational form: ``chosen`` and ``rejected`` chats (whole
+    conversations, or replies to a ``prompt`` chat), through the tokenizer's chat template as :func:`_scored_chat`
+    renders them. An optional ``margin`` (a number, as TRL's) goes into the loss: -logsigmoid(chosen - rejected -
+    margin)."""
     tokenizer = LazyTokenizer(tokenizer_path)
 
     def parse(row: dict, where: str) -> PairExample:
@@ -303,12 +317,15 @@ def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = Non
         else:
             prompt = _tokens(row, ("prompt_ids", "prompt"), "prompt", tokenizer, vocab_size, special=True,
                              required=False)
-            chosen = _tokens(row, ("chosen_ids", "chosen"), "chosen", tokenizer, vocab_size, special=not prompt)
+            # Text ends with EOS, as a chat's reply (and TRL's text pairs) does: the RL step scores a completion at
+            # its EOS, a token the head would never have been trained on
+            chosen = _tokens(row, ("chosen_ids", "chosen"), "chosen", tokenizer, vocab_size, special=not prompt,
+                             append_eos=True)
             rejected = _tokens(row, ("rejected_ids", "rejected"), "rejected", tokenizer, vocab_size,
-                               special=not prompt)
+                               special=not prompt, append_eos=True)
         _check_len(prompt + chosen, max_len, "prompt + chosen")
         _check_len(prompt + rejected, max_len, "prompt + rejected")
-        return PairExample(prompt, chosen, rejected)
+        return PairExample(prompt, chosen, rejected, _margin(row))
 
     return _collect(path, parse)
 

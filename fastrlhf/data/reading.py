@@ -225,7 +225,8 @@ def _tokens(row: dict, names: tuple[str, ...], what: str, tokenizer: LazyTokeniz
         raise _BadLine(f"missing field {' or '.join(repr(n) for n in names)}")
     if isinstance(value, str):
         ids = tokenizer.encode(value, add_special_tokens=special) if value else []
-        if append_eos and ids and tokenizer.eos_token_id is not None:
+        # Not a second EOS after text that ends with it (TRL's add_eos): the pair would train EOS -> EOS
+        if append_eos and ids and tokenizer.eos_token_id is not None and ids[-1] != tokenizer.eos_token_id:
             ids.append(tokenizer.eos_token_id)
     elif isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         ids = list(value)

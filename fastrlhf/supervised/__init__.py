@@ -9,10 +9,11 @@ from fastrlhf.supervised.loop import (
     micro_batch_size,
     micro_batches,
     rank_examples,
+    rank_weight,
     run_supervised,
     seed_everything,
     train_on_batch,
 )
 
-__all__ = ["SupervisedJob", "engine_config", "micro_batch_size", "micro_batches", "rank_examples", "run_supervised",
-           "seed_everything", "train_on_batch"]
+__all__ = ["SupervisedJob", "engine_config", "micro_batch_size", "micro_batches", "rank_examples", "rank_weight",
+           "run_supervised", "seed_everything", "train_on_batch"]

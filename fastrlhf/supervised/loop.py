@@ -26,7 +26,7 @@ from fastrlhf.rl.update import DeepSpeedLearner
 from fastrlhf.sequences.packing import fixed_count_groups, micro_batch_plan
 
 __all__ = ["SupervisedJob", "run_supervised", "seed_everything", "engine_config", "micro_batch_size", "micro_batches",
-           "rank_examples", "train_on_batch"]
+           "rank_examples", "rank_weight", "train_on_batch"]
 
 
 @dataclass
@@ -34,9 +34,10 @@ class SupervisedJob:
     """A command's data, model and loss for :func:`run_supervised`.
 
     ``loss_fn(engine, examples, scale) -> (loss, {metric: float})``: ``scale`` x the SUM of the loss over
-    the micro-batch's ``examples`` (``scale`` is 1 / the total ``weight_of`` the rank's whole step batch,
-    so the micro-batches' losses add up to the batch's mean whatever the split), and metrics summed
-    over those examples (those named in ``mean_metrics`` are then divided by the batch's examples).
+    the micro-batch's ``examples`` (``scale`` is 1 / :func:`rank_weight`, the step's total ``weight_of`` over
+    the ranks, so that the micro-batches' losses, averaged over the ranks, add up to the step's mean whatever
+    the split), and metrics summed over those examples (those named in ``mean_metrics`` are then divided by the
+    batch's examples).
     ``token_parts(example, packed)``: the token counts a micro-batch pays for the example (see
     ``fastrlhf.sequences.packing.group_cost``; ``rows_per_item`` rows per example when padded), for
     ``trainer.max_tokens_per_microbatch``.
@@ -95,15 +96,25 @@ def rank_examples(job: SupervisedJob, indices: list[int], balance: bool, rank: i
     return [job.examples[j] for j in indices]
 
 
+def rank_weight(job: SupervisedJob, indices: list[int], world: int) -> float:
+    """What a rank's losses divide by: the total ``weight_of`` the step's sampled ``indices`` (every rank's
+    examples: all ranks sample the same ones, so no collective) over the ranks. The engine averages the ranks'
+    gradients, which are then those of the step's mean over all its examples (SFT: over every rank's trained
+    tokens, as TRL's ``average_tokens_across_devices``). A rank's own weight would give the mean of the ranks'
+    means instead, where a token of a rank that drew short responses weighs more than one of a rank of long ones."""
+    return sum(job.weight_of(job.examples[j]) for j in indices) / max(world, 1)
+
+
 def train_on_batch(job: SupervisedJob, learner, batch: list, micro: int, max_tokens: int | None,
-                   packed: bool) -> dict[str, float]:
+                   packed: bool, weight: float | None = None) -> dict[str, float]:
     """One optimizer step on a rank's ``batch``: its micro-batches' losses, backward, the guarded step.
+    ``weight``: what the losses divide by (:func:`rank_weight`; None: the batch's own, one rank).
     Returns the step's metrics summed over the batch (``job.mean_metrics`` averaged over its examples).
 
     Losses and metrics stay on the model's device until the optimizer step, whose guard decision
     brings them to the host in its one read (``fastrlhf.engine.guards``)."""
     guard, model = learner.guard, getattr(learner, "engine", learner.module)
-    scale = 1.0 / max(sum(job.weight_of(e) for e in batch), 1e-12)
+    scale = 1.0 / max(sum(job.weight_of(e) for e in batch) if weight is None else weight, 1e-12)
     groups = micro_batches(job, batch, micro, max_tokens, packed)
     sums: dict = {}
     for index, group in enumerate(groups):
@@ -137,7 +148,7 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
     sampler = EpochSampler(len(job.examples), seed=config.seed)
     stateful = {"model": engine, "sampler": sampler, "guard": guard}
 
-    start_step = resume_step(config.output_dir, stateful, resume)
+    start_step = resume_step(config.output_dir, stateful, resume, config)
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=job.bar_keys,
                            line_keys=[*((k, k) for k in job.bar_keys), ("tokens/s", "tokens_per_second"),
                                       ("s/step", "step_time_s")],
@@ -149,8 +160,10 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
 
     def one_step(step: int) -> dict:
         started = time.perf_counter()
-        batch = rank_examples(job, sampler.next_indices(t.batch_size), t.balance_ranks, D.rank(), world)
-        sums = train_on_batch(job, learner, batch, micro, t.max_tokens_per_microbatch, t.packing)
+        indices = sampler.next_indices(t.batch_size)
+        batch = rank_examples(job, indices, t.balance_ranks, D.rank(), world)
+        sums = train_on_batch(job, learner, batch, micro, t.max_tokens_per_microbatch, t.packing,
+                              weight=rank_weight(job, indices, world))
         skipped = guard.end_step()
         grad_norm = learner.grad_norm() if not skipped else None
         metrics = comm.mean_over_ranks(sums)

@@ -1,6 +1,7 @@
 """``fastrlhf rm``: reward models on ``AutoModelForSequenceClassification``.
 
-pairwise:   Bradley-Terry, loss = -logsigmoid(r_chosen - r_rejected), accuracy = P(r_chosen > r_rejected)
+pairwise:   Bradley-Terry, loss = -logsigmoid(r_chosen - r_rejected - margin) (the data's margin, else 0),
+            accuracy = P(r_chosen > r_rejected)
 classifier: cross-entropy over ``num_labels`` classes, accuracy of the argmax
 """
 
@@ -68,6 +69,8 @@ def pairwise_loss(engine, pairs, pad_id: int, scale: float | None = None, packed
     chosen, rejected = rewards[: len(pairs)], rewards[len(pairs):]
     # Metrics stay on the device (0-dim tensors): the step reads them once, with its guard decision.
     margin = (chosen - rejected).detach()
+    if any(p.margin for p in pairs):  # the data's margins: chosen must score that much above rejected (as TRL)
+        rejected = rejected + to_device(torch.tensor([p.margin for p in pairs], dtype=rewards.dtype), rewards.device)
     if scale is None:
         loss = bradley_terry_loss(chosen, rejected)
         return loss, {"accuracy": (margin > 0).float().mean(), "margin": margin.mean()}

@@ -129,6 +129,19 @@ def test_sft_killed_and_resumed_reproduces_the_metrics(sft_run, workdir):
         assert {k: a.get(k) for k in DETERMINISTIC_KEYS} == {k: b.get(k) for k in DETERMINISTIC_KEYS}, a["step"]
 
 
+def test_sft_resume_with_another_seed_is_refused_before_it_loads(sft_run, workdir):
+    """The checkpoint holds the run's settings (fastrlhf.engine.checkpoint.run_identity); SFT's resume compared none,
+    so a new seed resumed silently with the old one's data order in its sampler state."""
+    reference, _ = sft_run
+    out = workdir / "sft_reseeded"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("final"))
+    config = write_config(workdir, "sft_reseeded", seed=7, trainer={"max_steps": 13, "save_every": 3,
+                                                                   "batch_size": 4, "lr": 3.0e-3})
+    rc, log = cli("sft", "--config", config, "--resume")
+    assert rc == 2, log[-3000:]
+    assert "was saved with seed = 0, this run has 7" in log, log[-3000:]
+
+
 def _safe_read(path):
     out = []
     for line in path.read_text().splitlines():
