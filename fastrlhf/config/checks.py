@@ -85,6 +85,10 @@ def _check_deepspeed(ds: DeepSpeedConfig, model: ModelConfig):
     if model.compile and ds.zero_stage == 3:
         raise ConfigError("model.compile", "needs deepspeed.zero_stage 0, 1 or 2 (ZeRO-3 gathers each layer's "
                                            "parameters in hooks the compiled layer would trace), got 3")
+    if ds.zero_stage == 3 and model.lora_r > 0 and "embed_tokens" in model.lora_targets:
+        # peft keeps an embedding's factors where no forward hook sees them: ZeRO-3 never gathers them
+        raise ConfigError("model.lora_targets", "embed_tokens cannot be adapted under deepspeed.zero_stage 3 (its "
+                                                "LoRA factors are never gathered); leave it out or use ZeRO 0-2")
     if ds.offload_param and ds.zero_stage != 3:
         raise ConfigError("deepspeed.offload_param", f"needs deepspeed.zero_stage 3, got {ds.zero_stage}")
     if ds.offload_optimizer and ds.zero_stage == 0:

@@ -162,10 +162,10 @@ def check_lora(m, hf_config: dict, key: str, command: str) -> None:
         if not name.strip():
             raise ConfigError(targets_key, f"{name!r} is no module name; expected some of {', '.join(LINEAR_MODULES)}, "
                                            "embed_tokens or lm_head")
-        if name == "all-linear":
-            # peft expands the shorthand only as a string, and the loader passes the targets as a list
-            raise ConfigError(targets_key, f"all-linear is not supported; list the modules instead: "
-                                           f"[{', '.join(LINEAR_MODULES)}]")
+        if name == "all-linear" and len(m.lora_targets) > 1:
+            # the loader hands peft the shorthand alone; in a list peft reads it as a module name
+            raise ConfigError(targets_key, "all-linear stands alone (every Linear of the decoder layers); list the "
+                                           f"modules instead: [{', '.join(LINEAR_MODULES)}, ...]")
     model_type = hf_config.get("model_type")
     if model_type in SUPPORTED_MODEL_TYPES:
         problem = lora_target_problem(model_type, m.lora_targets)

@@ -4,7 +4,8 @@ DeepSpeed's ZeRO 1-2 optimizer steps an "fp32 master" partition of the weights a
 into the model's flat weights afterwards. It makes that partition by cloning the rank's slice of the
 model's flat weights, even when they are fp32 on the same device already, so an fp32 run holds its
 rank's partition twice: 4 bytes per parameter / ranks (workload C: 97 MiB per rank of 2, at the
-update's peak). ZeRO-3 already steps the weights themselves in that case.
+update's peak). ZeRO-3 clones one too (DeepSpeed 0.19.8 compares a ``torch.device`` with a device
+name, never equal), which this module leaves alone.
 
 :func:`share_master_weights` points the master partition at the model's own slice instead. Adam
 then updates the model's weights in place, and the copy back, ``slice.copy_(master)``, finds the
@@ -15,7 +16,7 @@ links from each weight to its master fragment are rebuilt on the shared memory. 
 copy of the partition, as ``torch.save`` would otherwise write the whole flat weights it is a view of.
 
 Left alone: CPU offload (the master lives on the host and the weights on the device), bf16 or fp16
-weights with fp32 masters, and ZeRO-0 and 3, which have no such copy.
+weights with fp32 masters, ZeRO-0, which has no such copy, and ZeRO-3.
 """
 
 from __future__ import annotations

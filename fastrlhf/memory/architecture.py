@@ -96,6 +96,11 @@ class ModelShape:
         """The most parameters one module holds at once (what ZeRO-3 gathers in one piece)."""
         return max(self.embedding_params, self.lm_head_params, self.layer_params())
 
+    def largest_param_params(self) -> int:
+        """The largest single weight (a sync bucket holds at least one whole weight, however small the bucket)."""
+        return max(self.embedding_params, self.lm_head_params,
+                   *(fan_in * fan_out for fan_in, fan_out, _ in self.linears().values()))
+
     def lora_params(self, r: int, targets) -> int:
         """Trainable parameters of a PEFT LoRA adapter of rank ``r`` on ``targets`` (module names, or
         ``all-linear``): ``r x (in + out)`` per adapted Linear (``r x (V + h)`` for the embedding)."""

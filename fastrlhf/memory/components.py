@@ -69,14 +69,17 @@ def sequences(config, world: int) -> int:
     return config.trainer.prompts_per_step // world * config.rollout.n
 
 
-def optimizer_bytes_per_param(ds, w: int) -> int:
+def optimizer_bytes_per_param(ds, w: int, device: str = "cuda") -> int:
     """Adam's moments plus DeepSpeed's fp32 master copy (see the module docstring), per trained parameter."""
-    if trained_zero_stage(ds) == 0:
+    stage = trained_zero_stage(ds)
+    if stage == 0:
         return 2 * w  # a plain torch AdamW: moments in the weights' dtype, no master copy
-    # fp32 weights on the device are their own master: ZeRO-3 steps them, and at ZeRO 1-2
-    # fastrlhf.cpu.zero_master points DeepSpeed's cloned partition back at them.
-    master = 0 if (w == 4 and not ds.offload_optimizer) else 4
-    return 8 + master
+    # DeepSpeed clones the rank's partition as its fp32 master even where the weights are fp32: ZeRO 1-2 always,
+    # ZeRO-3 because its test for fp32 weights on its device compares a torch.device with a device name, never
+    # equal (DeepSpeed 0.19.8; 12 bytes per parameter measured on a CPU). Only on a CPU, at ZeRO 1-2,
+    # fastrlhf.cpu.zero_master points the clone back at the weights.
+    shared = w == 4 and device == "cpu" and stage in (1, 2) and not ds.offload_optimizer
+    return 8 + (0 if shared else 4)
 
 
 def trained_engine(name: str, params: int, trained: int, w: int, ds, gpus: int, device: str, out: dict, host: dict):
@@ -84,7 +87,7 @@ def trained_engine(name: str, params: int, trained: int, w: int, ds, gpus: int, 
     stage, on_host = trained_zero_stage(ds), device == "cpu"
     weights = params * w // (gpus if stage == 3 else 1)
     grads = trained * (4 if fp32_grad_accumulation(ds) else w) // (gpus if stage >= 2 else 1)
-    states = trained * optimizer_bytes_per_param(ds, w) // (gpus if stage >= 1 else 1)
+    states = trained * optimizer_bytes_per_param(ds, w, device) // (gpus if stage >= 1 else 1)
     if ds.offload_param and stage == 3 and not on_host:
         host[f"{name} weights"] = weights
         weights = 0

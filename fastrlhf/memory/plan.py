@@ -5,14 +5,14 @@ command, ``fastrlhf plan``, is :mod:`fastrlhf.memory.plan_command`).
 train`` run holds at its peak, by component, without loading a weight or importing torch:
 
 - **actor / critic** weights, gradients and optimizer states. DeepSpeed with a torch AdamW keeps
-  Adam's two moments in fp32 and an fp32 master copy of the weights at ZeRO 1-3, unless the
-  weights already are fp32 on the device (ZeRO-3 steps them; at ZeRO 1-2 DeepSpeed clones the
-  rank's partition and :mod:`fastrlhf.cpu.zero_master` points the clone back at the weights), and at
-  ZeRO-0 under ``deepspeed.bf16``. ZeRO 1 shards the optimizer states over the ranks,
-  2 also the gradients, 3 also the weights; ``offload_optimizer`` moves optimizer states and
-  gradient partitions to host memory, ``offload_param`` the weights. LoRA (``model.lora_r > 0``):
-  only the adapter (``r x (in + out)`` per adapted Linear) has gradients and optimizer states.
-  The critic is the causal LM plus a ``[h -> 1]`` value head.
+  Adam's two moments in fp32 and an fp32 master copy of the weights at ZeRO 1-3 (a clone of fp32
+  weights too), except on a CPU at ZeRO 1-2 with fp32 weights, where :mod:`fastrlhf.cpu.zero_master`
+  points the clone back at the weights, and at ZeRO-0 under ``deepspeed.bf16``. ZeRO 1 shards the
+  optimizer states over the ranks, 2 also the gradients, 3 also the weights; ``offload_optimizer``
+  moves optimizer states and gradient partitions to host memory, ``offload_param`` the weights. LoRA
+  (``model.lora_r > 0``): only the adapter (``r x (in + out)`` per adapted Linear) has gradients and
+  optimizer states. The critic is the causal LM plus a ``[h -> 1]`` value head; an untied LM head of
+  it is frozen (it reads no logits).
 - **reference** (frozen, the compute dtype; none when ``kl_coef`` is 0 or with LoRA; sharded at
   ZeRO-3) and **reward model** (``*ForSequenceClassification``, frozen, whole on every rank).
 - **ZeRO buffers**: each trained engine's gradient-reduction bucket (``reduce_bucket_size``, 5e8
@@ -37,7 +37,7 @@ train`` run holds at its peak, by component, without loading a weight or importi
   (:meth:`~fastrlhf.memory.ModelShape.forward_bytes_per_token`) or, for logprobs, the head's chunk; a
   phase. Counted in the generation phase too where a reward model scores beside an engine that sleeps
   (dynamic sampling's rounds, validation).
-- **activations** of one update micro-batch (``micro_batch_size`` sequences of
+- **activations** of one update micro-batch (the actor's, or a larger PPO critic's; ``micro_batch_size`` sequences of
   ``max_prompt_len + max_new_tokens`` tokens, or ``trainer.max_tokens_per_microbatch`` tokens,
   see :func:`fastrlhf.memory.components.update_micro_batch`): per layer and token what autograd keeps
   (:meth:`~fastrlhf.memory.ModelShape.layer_activation_bytes_per_token`, ``16h + 10 heads d + 8I``
@@ -319,7 +319,12 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
         shapes.append(critic)
         value_head = critic.hidden + 1
         critic_adapter = critic.lora_params(m.lora_r, m.lora_targets) if lora else 0
-        trained.append(critic_adapter + value_head if lora else critic.causal_lm_params() + value_head)
+        # Its untied LM head is frozen, an adapter on it too (fastrlhf.modeling.loading): the critic reads no logits.
+        if lora:
+            head = critic.lora_params(m.lora_r, ["lm_head"]) if "lm_head" in m.lora_targets and not critic.tied else 0
+            trained.append(critic_adapter - head + value_head)
+        else:
+            trained.append(critic.causal_lm_params() - critic.lm_head_params + value_head)
         C.trained_engine("critic", critic.causal_lm_params() + value_head + critic_adapter, trained[-1], w, ds, gpus,
                          device, trainer, host)
     rm = read_shape(config.reward.model_path, "reward.model_path") if config.reward.model_path else None
@@ -375,6 +380,10 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     # Transient phases, one at a time: the peak is the held memory plus the largest of them.
     micro = C.micro_batch(config, gpus)
     update = {"activations": C.activations(config, actor, micro, w)}
+    if critic is not None:
+        # The critic's update, after the actor's, at the same checkpointing: a larger critic (critic.path) keeps more
+        # (counted beside the actor's loss chunk, the safe side)
+        update["activations"] = max(update["activations"], C.activations(config, critic, micro, w))
     free = budget - sum(trainer.values()) - sum(engine.values()) - update["activations"]
     update["fused loss"] = C.fused_loss(config, actor, micro, w, device, free if device == "cuda" else None)
     scoring = {"scoring activations": C.scoring_activations(config, actor, ref, critic, rm, micro, w, device,
@@ -392,7 +401,9 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     sync = {}
     if not shares_actor:  # fastrlhf.rollout.weight_sync: a bucket gathered (ZeRO-3) and/or converted at a time
         copies = (ds.zero_stage == 3) + (rollout_bytes != w)
-        sync["weight sync bucket"] = copies * min(ro.sync_bucket_bytes, actor.causal_lm_params() * rollout_bytes)
+        # a weight larger than the bucket goes in a bucket of its own (Qwen2.5-7B's embedding: 1,040 MiB in bf16)
+        bucket = max(ro.sync_bucket_bytes, actor.largest_param_params() * rollout_bytes)
+        sync["weight sync bucket"] = copies * min(bucket, actor.causal_lm_params() * rollout_bytes)
     if cpu_release:
         sync["rollout weights (synced)"] = generation["rollout weights"]
     phase_parts = {"generation": generation, "scoring": scoring, "update": update, "optimizer step": step,

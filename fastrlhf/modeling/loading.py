@@ -46,14 +46,20 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+ALL_LINEAR = "all-linear"
+
+
 def apply_lora(model, model_cfg, task_type: str = "CAUSAL_LM"):
     """Wrap ``model`` in a PEFT LoRA adapter when ``model_cfg.lora_r > 0`` (only the adapter trains)."""
     if model_cfg.lora_r <= 0:
         return model
     from peft import LoraConfig, get_peft_model
 
+    targets = list(model_cfg.lora_targets)
+    # peft expands its all-linear shorthand (every Linear but the output layer or a classifier's score head) only
+    # from a string; in a list it is a module name that matches nothing
     lora = LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha, lora_dropout=model_cfg.lora_dropout,
-                      target_modules=list(model_cfg.lora_targets), task_type=task_type)
+                      target_modules=targets[0] if targets == [ALL_LINEAR] else targets, task_type=task_type)
     return get_peft_model(model, lora)
 
 
@@ -241,7 +247,18 @@ def load_value_model(model_cfg, path: str | None = None, trainable: bool = True,
         head = _reward_score_head(path)
     model = CausalLMWithValueHead(lm, head)
     model.v_head.requires_grad_(trainable)
+    _freeze_untied_lm_head(lm)
     return model
+
+
+def _freeze_untied_lm_head(lm) -> None:
+    """The critic reads the decoder's hidden states, never the LM head's logits: an untied head (with any adapter
+    on it) gets no gradient, and trained it would only hold a ``[V, h]`` gradient and optimizer states (as OpenRLHF's
+    and TRL's critics, which have no LM head). A tied one is the input embedding, which trains."""
+    hf = base_model(lm)
+    head = hf.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not hf.get_input_embeddings().weight:
+        head.requires_grad_(False)
 
 
 def _reward_score_head(path: str) -> nn.Linear | None:
@@ -348,7 +365,9 @@ def _save_hf_model(model, state: dict, out_dir: str) -> None:
         base = base_model(model)
         fresh = get_peft_model(type(base)(base.config), model.peft_config["default"])
         fresh.load_state_dict(state, strict=True)
-        fresh.merge_and_unload().save_pretrained(out_dir, safe_serialization=True)
+        # Built in the default dtype (fp32): the merge rounds once, at this cast back to the dtype trained in (a
+        # bf16 run exported fp32 weights and config.json dtype float32, twice the size, loaded in fp32)
+        fresh.merge_and_unload().to(base.dtype).save_pretrained(out_dir, safe_serialization=True)
         return
     model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
 

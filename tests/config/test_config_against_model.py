@@ -162,8 +162,10 @@ def test_a_lora_target_typo_is_refused_before_the_model_loads(models, command):
         "model.lora_targets: 'qproj' is no module of a llama model; expected some of q_proj, k_proj, v_proj, o_proj, "
         "gate_proj, up_proj, down_proj, embed_tokens or lm_head")
     assert error(raw([""]), command).startswith("model.lora_targets: '' is no module name; expected some of q_proj")
-    assert error(raw(["all-linear"]), command).startswith(
-        "model.lora_targets: all-linear is not supported; list the modules instead: [q_proj, k_proj")
+    assert error(raw(["all-linear", "q_proj"]), command).startswith(
+        "model.lora_targets: all-linear stands alone (every Linear of the decoder layers); list the modules instead: "
+        "[q_proj, k_proj")
+    assert parse_config(raw(["all-linear"]), command, on_gpu=False).model.lora_targets == ["all-linear"]
     assert parse_config(raw(["q_proj", "down_proj"]), command, on_gpu=False).model.lora_targets == ["q_proj",
                                                                                                     "down_proj"]
 
@@ -219,10 +221,21 @@ def test_a_reference_path_with_lora_is_refused(models):
                           "adapter disabled); remove it, or train without LoRA")
 
 
+def test_an_adapted_embedding_is_refused_under_zero3(models):
+    """peft's embedding factors sit where ZeRO-3's hooks never gather them: the first forward failed
+    (``Padding_idx must be within num_embeddings``), after every model had loaded."""
+    lora = {"lora_r": 8, "lora_targets": ["q_proj", "embed_tokens"]}
+    assert error(train(models, model=lora, deepspeed={"zero_stage": 3})) == (
+        "model.lora_targets: embed_tokens cannot be adapted under deepspeed.zero_stage 3 (its LoRA factors are never "
+        "gathered); leave it out or use ZeRO 0-2")
+    assert parse_config(train(models, model=lora, deepspeed={"zero_stage": 2}), on_gpu=False).model.lora_r == 8
+
+
 def test_a_reference_path_without_a_kl_term_is_refused(models):
     """With kl_coef 0 the trainer loads no reference: the folder named was never read, and no KL was applied."""
     raw = train(models, reference={"path": str(models / "llama")}, trainer={"kl_coef": 0.0})
-    assert error(raw) == "reference.path: is not used with trainer.kl_coef 0 (no KL term); remove it, or set kl_coef > 0"
+    assert error(raw) == ("reference.path: is not used with trainer.kl_coef 0 (no KL term); remove it, or set "
+                          "kl_coef > 0")
     raw = train(models, reference={"path": str(models / "llama")}, trainer={"kl_coef": 0.1})
     assert parse_config(raw, on_gpu=False).reference.path == str(models / "llama")
 

@@ -108,7 +108,9 @@ def seven_b_expected(offload: bool):
         # the reduce bucket; stage3_max_live_parameters (1e9) + the prefetch bucket (5e7) gathered, by the
         # actor and by the reference
         "ZeRO buffers": 500_000_000 * 2 + 2 * (1_000_000_000 + 50_000_000) * 2,
-        "weight sync bucket": 256 << 20,  # one rollout.sync_bucket_bytes gathered from the ZeRO-3 partitions
+        # gathered from the ZeRO-3 partitions: the embedding, larger than rollout.sync_bucket_bytes (256 MiB), is a
+        # bucket of its own
+        "weight sync bucket": V * h * 2,
         "rollout weights": P * 2,
         "rollout KV cache": 8 * GiB,
         "rollout working memory": 16384 * (3 * inter + 4 * h) * 2 + 3 * 1024 * V * 4,
