@@ -42,14 +42,18 @@
 #
 # 15 minutes of device time hold the machine's start (about 30 s on an H200) and about two of these calls:
 # take them in the order of the lowest-numbered open issue that needs them.
-# The default caps (seconds) fit one 600 s device call each.
+# The default caps (seconds) fit one 600 s device call each. A call's cap counts from the script's start: the set-up
+# (on_device.sh's installs, vLLM's unpacking, TRL's, the probe) takes its share of it, not time beyond it.
 set -u
 MODE=${1:-}
 OUT=${OUT:-/tmp/gpu-out}
 VSITE=${VSITE:-/tmp/vsite}
 VPARTS=${VPARTS:-/tmp/vparts}
+case "$MODE" in vllm-bench|trl|bench) CAP=${2:-570} ;; *) CAP=${2:-560} ;; esac
+DEADLINE=$(( $(date +%s) + CAP ))
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session-$MODE.log") 2>&1
+LOG_PID=$!  # the tee of this log: never one of the leftovers to kill
 # The races' profiled steps' timelines (benchmarks/gpu/races.py), kept outside $OUT and brought back as one archive
 # at the end: a device call brings back 8 files at most.
 export FASTRLHF_RACE_TRACES=${FASTRLHF_RACE_TRACES:-/tmp/gpu-traces-$MODE}
@@ -74,10 +78,18 @@ run_capped() {
 }
 
 # kill_gpu_leftovers: the processes a cut command left on the GPU. timeout kills pytest, not the launcher's ranks
-# in their own sessions: on an H100 (2026-11-28) a cut vLLM test left 13 GiB held into the next call.
+# in their own sessions: on an H100 (2026-11-28) a cut vLLM test left 13 GiB held into the next call. Never this
+# shell, its parents or its log's tee, nor a PID this machine's /proc does not show: in a container nvidia-smi may
+# name PIDs of the host's namespace, which here are other processes or none.
 kill_gpu_leftovers() {
-  local pids
-  pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -dc '0-9\n' | xargs)
+  local pids="" pid mine=" $LOG_PID " p=$$
+  while [ -n "$p" ] && (( p > 1 )); do
+    mine="$mine$p "
+    p=$(sed -n 's/^PPid:[[:space:]]*//p' "/proc/$p/status" 2>/dev/null)
+  done
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -dc '0-9\n'); do
+    [ -d "/proc/$pid" ] && [[ "$mine" != *" $pid "* ]] && pids="$pids $pid"
+  done
   [ -n "$pids" ] || return 0
   echo "the cut command left processes on the GPU: killing $pids"
   # shellcheck disable=SC2086
@@ -111,7 +123,8 @@ race() {  # without RUNS (empty), the benchmark's own (test_bench_gpu.py): both
 # Where the race's HF run came back with its figures on this machine (call 1), so that call 2 runs the vLLM one.
 HF_RACED=$VPARTS/hf-raced
 
-# A call's deadline (DEADLINE, epoch seconds) shared by its parts: left prints the seconds before it, at most $1.
+# The call's deadline (DEADLINE, epoch seconds: CAP after the start) shared by its parts: left prints the seconds
+# before it, at most $1.
 left() {
   local s=$(( DEADLINE - $(date +%s) ))
   (( s > $1 )) && s=$1
@@ -160,18 +173,17 @@ with_trl() {
 case "$MODE" in
   tests)
     keep_vllm_parts
-    gpu_tests "${2:-560}" test-gpu "not vllm${3:+ and ($3)}"
+    gpu_tests "$(left "$CAP")" test-gpu "not vllm${3:+ and ($3)}"
     ;;
   vllm)
     if ! with_vllm; then
       timeout 60 python3 scripts/gpu_probe.py
       if [ -n "${2:-}" ]; then
-        race "$2" bench-hf fastrlhf_hf
+        race "$(left "$CAP")" bench-hf fastrlhf_hf
         grep -q '"fastrlhf_hf_step_s"' benchmarks/results/gpu/partial/bench-hf.json 2>/dev/null && touch "$HF_RACED"
       fi
       exit 1
     fi
-    DEADLINE=$(( $(date +%s) + ${2:-560} ))
     if [ -f "$HF_RACED" ]; then
       race "$(left 240)" bench-vllm fastrlhf_vllm
     fi
@@ -183,7 +195,7 @@ case "$MODE" in
     # next call, vllm-bench, runs it.
     if [ ! -f "$HF_RACED" ]; then
       if (( $(left 600) >= RACE_MIN_S )); then
-        race "$(left 600)"
+        race "$(left "$CAP")"
       else
         echo "the vLLM-vs-HF race needs ${RACE_MIN_S}s, $(left 600)s left: next call, vllm-bench"
       fi
@@ -191,12 +203,11 @@ case "$MODE" in
     ;;
   vllm-bench)
     with_vllm || exit 1
-    race "${2:-570}"
+    race "$(left "$CAP")"
     ;;
   trl)
     with_vllm || exit 1
     with_trl
-    DEADLINE=$(( $(date +%s) + ${2:-570} ))
     # The race's budget is the cap's, so that its runs (each given the time left) end before the cap: a call cut
     # by its cap writes no figures at all.
     FASTRLHF_RACE_BUDGET_S=$(left 600) FASTRLHF_RACE_RUNS=${3:-} gpu_bench "$(left 600)" bench-vllm-vs-trl \
@@ -207,7 +218,7 @@ case "$MODE" in
     ;;
   bench)
     keep_vllm_parts
-    gpu_bench "${2:-570}" bench-gpu "${3:-not vllm and not trl}"
+    gpu_bench "$(left "$CAP")" bench-gpu "${3:-not vllm and not trl}"
     ;;
 esac
 if [ -n "$(ls -A "$FASTRLHF_RACE_TRACES" 2>/dev/null)" ]; then

@@ -433,7 +433,8 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
 
     MFU = 6 x params x trained tokens / update time / the measured GEMM rate, trained tokens being every real
     token of the sequences (prompt and completion: all run forward and backward; the LM head only sees the
-    completion positions, so 6 x params over-counts its share on prompt tokens). ``mfu_with_recompute``
+    completion positions, so 6 x params over-counts its share on prompt tokens; ``mfu_head_on_completions`` counts
+    the head there only, and the embedding lookup nowhere). ``mfu_with_recompute``
     counts the forward that gradient checkpointing repeats (8 x params x tokens, or 6 + 2 x the share of layers
     checkpointed with ``checkpoint_layers``; as MFU without it). With ``profile``, one more update's time by
     kernel (:func:`profile_kernels`): what it spends outside the GEMMs.
@@ -497,15 +498,21 @@ def rl_update_race(device: str = "cuda", shape: str = "qwen2-1.5b", dtype: str =
     tokens = measured[-1]["tokens"]
     gemm = gemm_tflops(dev, gemm_size, torch_dtype)
     model_tflops = 6 * params * tokens / update_s / 1e12
+    # The FLOPs the update runs: no GEMM for the embedding lookup, the LM head on completion positions only (6 x
+    # params counts the head, tied or not, on every token: about 5% too many at 1.5B with 128-token prompts).
+    embeddings = {id(m.weight): m.weight.numel() for m in (actor.get_input_embeddings(), actor.get_output_embeddings())}
+    head, completion_tokens = actor.get_output_embeddings().weight.numel(), measured[-1]["completion_tokens"]
+    head_tflops = 6 * ((params - sum(embeddings.values())) * tokens + head * completion_tokens) / update_s / 1e12
     layers = actor.config.num_hidden_layers  # the share of the forward that the backward repeats
     recomputed = checkpointed_layers(config.model, layers) / layers
     out = dict(shape=shape, params=params, sequences=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                micro_batch=batch // grad_accum, optimizer_steps=metrics[-1].get("optimizer_steps"),
-               trained_tokens=tokens, completion_tokens=measured[-1]["completion_tokens"],
+               trained_tokens=tokens, completion_tokens=completion_tokens,
                update_s=round(update_s, 4), update_s_all=[round(t["seconds"], 4) for t in timed],
                tokens_per_s=round(tokens / update_s, 1), gemm_tflops=round(gemm, 1),
                model_tflops=round(model_tflops, 2), mfu=round(model_tflops / gemm, 4),
                mfu_with_recompute=round(model_tflops * (6 + 2 * recomputed) / 6 / gemm, 4),
+               mfu_head_on_completions=round(head_tflops / gemm, 4),
                mfu_target=0.45, gradient_checkpointing=gradient_checkpointing, liger_kernels=liger_kernels,
                checkpoint_layers=checkpoint_layers, compiled=compiled,
                skipped_steps=sum(m.get("skipped", 0) for m in metrics))
@@ -705,7 +712,10 @@ def run_fastrlhf(spec: dict, work: str, timeout_s: float, engine: str = "hf", sh
                   peak_rss_gib=r.get("memory/peak_rss_gib"),
                   allocator={k[len("memory/"):]: v for k, v in r.items() if k.endswith(ALLOCATOR_SUFFIXES)})
              for r in rows]
-    peaks = [s["peak_gib"] for s in steps if s["peak_gib"] is not None]
+    # TRL's peak_gib is its process's max_memory_reserved over the whole run: here the set-up's peak counts as well
+    # (logged with the first step: the trainer empties the set-up's cache before it, so no step's peak holds it).
+    peaks = [p for r in rows for p in (r.get("memory/peak_reserved_gib"), r.get("memory/setup_peak_reserved_gib"))
+             if p is not None]
     contexts = [s["context_gib"] for s in steps if s["context_gib"] is not None]
     return dict(steps=steps, peak_gib=max(peaks) if peaks else None, context_gib=max(contexts) if contexts else None,
                 device_peak_gib=device_peak.gib, **profile)
@@ -767,7 +777,8 @@ def trl_grpo(spec: dict) -> dict:
     over the generation batch), AdamW at a constant learning rate, clip-norm 1.0, gradient checkpointing,
     HF generate, and one generation and one optimizer step per step: ``steps_per_generation`` =
     ``gradient_accumulation_steps`` micro-batches of fastrlhf's size, ``num_iterations`` 1 (no old-logprob
-    pass, as fastrlhf skips it on-policy). A callback times each optimizer step (= one GRPO step), and
+    pass, as fastrlhf skips it on-policy; with vLLM, no importance-sampling correction, whose default runs that
+    pass). A callback times each optimizer step (= one GRPO step), and
     :func:`time_trl_stages` its generation, scoring and weight sync, named as fastrlhf's stages are."""
     import dataclasses
 
@@ -802,8 +813,11 @@ def trl_grpo(spec: dict) -> dict:
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     if spec.get("vllm"):
         # TRL's colocated vLLM in the trainer's process, asleep during the update, at TRL's own
-        # vllm_gpu_memory_utilization (its default, as a user starts with).
-        wanted.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=cuda)  # sleep mode needs CUDA
+        # vllm_gpu_memory_utilization (its default, as a user starts with). Its importance-sampling correction
+        # (on by default) recomputes the policy's logprobs of the whole batch after generation: a forward pass that
+        # fastrlhf's on-policy step does not run (it corrects nothing), so off, for the same passes on both sides.
+        wanted.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=cuda,  # sleep mode needs CUDA
+                      vllm_importance_sampling_correction=False)
     if spec.get("liger"):
         # TRL <= 1.x had use_liger_loss (Liger's fused GRPO loss); 1.16 keeps only use_liger_kernel (Liger's
         # layer kernels; the loss is TRL's own fused LM head either way).
@@ -835,6 +849,8 @@ def trl_grpo(spec: dict) -> dict:
     trainer.train()
     return dict(steps=steps, trl_version=trl.__version__, ignored_args=sorted(set(wanted) - fields),
                 liger_flag=next((k for k in ("use_liger_loss", "use_liger_kernel") if wanted.get(k)), None),
+                vllm_gpu_memory_utilization=getattr(args, "vllm_gpu_memory_utilization", None) if spec.get("vllm")
+                else None,
                 peak_gib=torch.cuda.max_memory_reserved() / GIB if cuda else None,
                 weights_dtype=str(next(trainer.model.parameters()).dtype))
 
@@ -1012,7 +1028,8 @@ def grpo_engines(device: str = "cuda", shape: str = "qwen2-1.5b", prompts: int =
             except (RuntimeError, OSError) as e:  # the others' figures still count
                 out[f"{name}_error"] = str(e)[-3000:]
                 continue
-            _run_figures(out, name, r, warmup, ("device_peak_gib", "peak_gib", "liger_flag", *PROFILE_KEYS))
+            _run_figures(out, name, r, warmup, ("device_peak_gib", "peak_gib", "liger_flag", "ignored_args",
+                                                "weights_dtype", "vllm_gpu_memory_utilization", *PROFILE_KEYS))
         _ratio(out, "vllm_over_hf", "fastrlhf_hf_step_s", "fastrlhf_vllm_step_s")
         ours = ["fastrlhf_vllm"] + [r for r in runs if r.startswith("fastrlhf_vllm_")]
         for other in ("trl_vllm", "trl_vllm_liger"):
