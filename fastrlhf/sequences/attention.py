@@ -10,7 +10,7 @@ device            packed rows                   shared prompts
 ================  ============================  =============================================
 CUDA              ``flash_attention_2`` (varlen, ``flex``
                   when ``flash_attn`` imports
-                  and the model is bf16/fp16),
+                  and models compute in bf16),
                   else ``flex``
 CPU               ``sdpa``                      ``sdpa``
 ================  ============================  =============================================
@@ -68,13 +68,17 @@ def choose(requested: str, on_gpu: bool, dtype: str, share_prompts: bool = False
             raise ConfigError("model.attention", "flash_attention_2 needs the flash_attn package: "
                                                  "pip install flash-attn --no-build-isolation (or use auto)")
         if dtype not in _HALF:
-            raise ConfigError("model.attention", f"flash_attention_2 needs bf16 or fp16 weights, this run's are "
-                                                 f"{dtype} (use auto)")
+            raise ConfigError("model.attention", f"flash_attention_2 needs bf16 or fp16 compute, this run computes in "
+                                                 f"{dtype} (model.dtype, deepspeed.bf16; or use auto)")
     return requested
 
 
 def resolve_attention(config, on_gpu: bool):
-    """``config`` with ``model.attention`` made concrete (after the precision: the dtype decides)."""
+    """``config`` with ``model.attention`` made concrete (after the precision: the dtype decides). The dtype is the
+    one the forward passes compute in: fp32 weights under ``deepspeed.bf16`` run bf16 (DeepSpeed casts the module,
+    the frozen models load in it), where flash-attn runs."""
+    from fastrlhf.config.precision import compute_dtype
+
     trainer = config.trainer
-    backend = choose(config.model.attention, on_gpu, config.model.dtype, getattr(trainer, "share_prompts", False))
+    backend = choose(config.model.attention, on_gpu, compute_dtype(config), getattr(trainer, "share_prompts", False))
     return dataclasses.replace(config, model=dataclasses.replace(config.model, attention=backend))

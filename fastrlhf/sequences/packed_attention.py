@@ -57,12 +57,14 @@ def set_backend(model: torch.nn.Module, backend: str) -> None:
             m.fastrlhf_attention = backend
 
 
-def sequence_bounds(position_ids: torch.Tensor) -> list[int]:
-    """Start offsets of the sequences of one packed row plus its length: a sequence starts wherever a
-    position is not the previous one plus 1 (transformers' rule, ``find_packed_sequence_indices``)."""
-    pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos[1:] != pos[:-1] + 1).reshape(-1) + 1
-    return [0, *starts.tolist(), pos.numel()]
+def sequence_bounds(position_ids: torch.Tensor) -> list[list[int]]:
+    """Per row of ``position_ids`` ``[B, N]``: the start offsets of its sequences plus its length. A sequence starts
+    wherever a position is not the previous one plus 1 (transformers' rule, ``find_packed_sequence_indices``).
+    One device read for all the rows (a read per row stalled a GPU B times per layer)."""
+    bounds = [[0] for _ in range(position_ids.shape[0])]
+    for row, column in torch.nonzero(position_ids[:, 1:] != position_ids[:, :-1] + 1).tolist():
+        bounds[row].append(column + 1)
+    return [b + [position_ids.shape[1]] for b in bounds]
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -100,8 +102,9 @@ def _per_sequence(sdpa, query, key, value, bounds: list[int]) -> torch.Tensor:
 
 
 def _unlabelled(sdpa, query, key, value, attention_mask, position_ids, sliding_window, kwargs) -> torch.Tensor:
-    """A call without :class:`PackedRows`: a padded batch or generation (sdpa with its mask), or a packed
-    row given by its position ids alone (bounds read from them: a device read, fine on a CPU)."""
+    """A call without :class:`PackedRows`: a padded batch or generation (sdpa with its mask), or rows given by their
+    position ids alone (bounds read from them: one device read per layer, fine on a CPU). HF generate's prefill of
+    unpadded prompts is one of these (transformers drops an all-ones mask): its rows hold one sequence each."""
     packed = attention_mask is None and position_ids is not None and query.shape[2] == key.shape[2] > 1
     if not packed:
         return sdpa(query, key, value, attention_mask)
@@ -110,11 +113,13 @@ def _unlabelled(sdpa, query, key, value, attention_mask, position_ids, sliding_w
         bounds = [cu.tolist()]
     else:
         pos = position_ids.expand(query.shape[0], -1) if position_ids.shape[0] != query.shape[0] else position_ids
-        bounds = [sequence_bounds(row) for row in pos]
+        bounds = sequence_bounds(pos)
     longest = max(e - s for b in bounds for s, e in itertools.pairwise(b))
     if sliding_window is not None and longest > sliding_window:
         raise ValueError(f"{NAME}: a sequence of {longest} tokens is longer than the model's sliding window "
                          f"({sliding_window}); set trainer.packing: false for this model")
+    if all(len(b) == 2 for b in bounds):  # no row packs several sequences (HF generate's unpadded prefill)
+        return sdpa(query, key, value, None)
     rows = [_per_sequence(sdpa, query[i:i + 1], key[i:i + 1], value[i:i + 1], b) for i, b in enumerate(bounds)]
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 
@@ -192,14 +197,21 @@ def block_mask(token_segments: list[tuple[int, int, int, int]], length: int, dev
     any_own = (first <= q1) & (own_lo[first.clamp(max=length - 1)] <= c1)
     full_own = (c1 <= q0) & (own_lo[r1][:, None] <= c0)
     full, listed = full_own, any_own
-    has_prefix = pre_hi > pre_lo
-    if bool(has_prefix.any()):  # shared prompts: per token which tiles its prefix touches or covers, then per tile
-        tile = torch.arange(length) // block
-        touches = has_prefix[:, None] & (pre_lo[:, None] <= r1[None, :]) & (pre_hi[:, None] > r0[None, :])
-        covers = has_prefix[:, None] & (pre_lo[:, None] <= r0[None, :]) & (pre_hi[:, None] > r1[None, :])
-        listed = listed | (torch.zeros(blocks, blocks, dtype=torch.long).index_add_(0, tile, touches.long()) > 0)
-        full = full | (torch.zeros(blocks, blocks, dtype=torch.long).index_add_(0, tile, covers.long())
-                       == torch.bincount(tile, minlength=blocks)[:, None])
+    # Shared prompts: per segment, the key tiles its prefix touches, and per tile pair how many queries have a prefix
+    # covering the key tile (full where that is every query of the tile). Per segment, not per token x tile, which
+    # grew as N^2 / block (a 123k-token row: 1.1 s and ~2 GB of host temporaries per micro-batch).
+    prefixed = [(s, e, lo, hi) for s, e, lo, hi in token_segments if hi > lo and e > s]
+    if prefixed:
+        touched = torch.zeros(blocks, blocks, dtype=torch.bool)
+        covered = torch.zeros(blocks, blocks, dtype=torch.long)
+        for start, end, lo, hi in prefixed:
+            q_first, q_last = start // block, (end - 1) // block
+            tiles = slice(q_first, q_last + 1)
+            queries = torch.clamp(r1[tiles], max=end - 1) - torch.clamp(r0[tiles], min=start) + 1
+            touched[tiles] |= (lo <= r1) & (hi > r0)
+            covered[tiles] += queries[:, None] * ((lo <= r0) & (hi > r1))
+        listed = listed | touched
+        full = full | (covered == (r1 - r0 + 1)[:, None])
     partial = listed & ~full
 
     def indices(kind: torch.Tensor):
