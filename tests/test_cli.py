@@ -53,20 +53,17 @@ def test_help_lists_the_commands():
     ("rollout.n=1", "config error: rollout.n: grpo compares completions"),
     ("trainer.bogus=1", "config error: trainer.bogus: unknown key"),
 ])
-def test_config_errors_are_one_line_exit_2_and_fast(train_yaml, override, expected):
+def test_config_errors_are_one_line_exit_2(train_yaml, override, expected):
     # --local_rank=0 first, as the deepspeed launcher passes it.
-    result, elapsed = run_cli("--local_rank=0", "train", "--config", train_yaml, "--set", override)
+    result, _ = run_cli("--local_rank=0", "train", "--config", train_yaml, "--set", override)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
     assert "Traceback" not in result.stderr
-    assert elapsed < 3.0  # includes interpreter start-up; the check itself takes milliseconds
 
 
-def test_config_error_in_process_is_fast(train_yaml, capsys):
-    started = time.monotonic()
+def test_config_error_in_process(train_yaml, capsys):
     assert cli.main(["train", "--config", train_yaml, "--set", "deepspeed.zero_stage=5"]) == 2
-    assert time.monotonic() - started < 1.0
     assert capsys.readouterr().err.strip() == "config error: deepspeed.zero_stage: must be 0, 1, 2 or 3, got 5"
 
 
@@ -472,12 +469,11 @@ def test_import_registers_a_policy_loss_before_the_config_is_checked(train_yaml,
     assert resolved["imports"] == [name] and resolved["trainer"]["policy_loss"] == "cli_test_loss"
 
 
-def test_an_import_that_fails_is_one_line_exit_2_and_fast(train_yaml):
-    result, elapsed = run_cli("train", "--config", train_yaml, "--import", "no_such_plugin_module")
+def test_an_import_that_fails_is_one_line_exit_2(train_yaml):
+    result, _ = run_cli("train", "--config", train_yaml, "--import", "no_such_plugin_module")
     assert result.returncode == 2
     assert result.stderr.splitlines() == ["config error: --import: cannot import 'no_such_plugin_module': "
                                           "ModuleNotFoundError: No module named 'no_such_plugin_module'"]
-    assert elapsed < 3.0
 
 
 def readme_policy_loss() -> tuple[str, list[str]]:

@@ -341,8 +341,6 @@ def test_a_tensor_parallel_group_generates_its_ranks_prompts_together_and_splits
 
 
 def test_a_run_that_cannot_fit_its_gpus_stops_at_launch_with_the_plans_line(tmp_path, monkeypatch, capsys):
-    import time
-
     import fastrlhf.config.precision as precision
     import fastrlhf.memory.plan as plan_module
     from fastrlhf.memory.plan import PlanError
@@ -351,10 +349,8 @@ def test_a_run_that_cannot_fit_its_gpus_stops_at_launch_with_the_plans_line(tmp_
     config = gpu_grpo(model_folder(tmp_path / "qwen", QWEN25_1_5B), zero_stage=2)
     monkeypatch.setattr(precision, "gpu_available", lambda: True)  # as on a GPU node
     monkeypatch.setattr(plan_module, "_cuda_budget", lambda: 16 * 2**30)
-    started = time.perf_counter()
     with pytest.raises(PlanError, match=r"^plan: needs .* GiB per GPU, over the 16.0 GiB budget .*; largest: "):
         trainer._memory_plan(config, 8)
-    assert time.perf_counter() - started < 1.0
     monkeypatch.setattr(plan_module, "_cuda_budget", lambda: 80 * 2**30)
     plan = trainer._memory_plan(config, 8)
     assert plan.fits and 0.0 < plan.gpu_memory_utilization < 1.0
