@@ -14,8 +14,8 @@ Two forms of reward function:
 
 Both forms go through one path (:mod:`fastrlhf.rl.reward_results`), and what they return is read as TRL
 reads it. ``None`` means "no reward for this completion from this function": it adds nothing (a completion no
-function scores gets 0, as TRL's ``nansum`` gives). NaN is not None here: it reaches the scores, and the NaN
-guard skips the step (and counts it), as for any non-finite input of an update.
+function scores gets 0, as TRL's ``nansum`` gives, with TRL's warning). NaN is not None here: it reaches the
+scores, and the NaN guard skips the step (and counts it), as for any non-finite input of an update.
 
 A failure is a :class:`RewardFunctionError`, agreed by every rank (:func:`agree_on_reward_failure`). A
 function that raises ends the run with exit code 1 (``--resume`` retries the step); one whose result has the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -194,9 +195,26 @@ def retokenized(prompts: list[list[int]], completions: list[list[int]], tokenize
 
 def reward_part_means(parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
     """``reward/<name>``: each named reward's mean over the rows it applied to (0 where none), from its per-row
-    ``(values, applicable)`` (host tensors)."""
-    return {f"reward/{name}": float(values[applicable].sum()) / max(int(applicable.sum()), 1)
+    ``(values, applicable)`` (host tensors); each a :class:`CountedMean`, so that the ranks' means are reduced by
+    their counts of such rows."""
+    from fastrlhf.rl.step_metrics import CountedMean
+
+    return {f"reward/{name}": CountedMean(float(values[applicable].sum()) / max(int(applicable.sum()), 1),
+                                          int(applicable.sum()))
             for name, (values, applicable) in parts.items()}
+
+
+def unscored(scored: torch.Tensor, prompts: list, completions: list, metas: list) -> None:
+    """Warns, as TRL does, that every reward returned None for some completions: they get 0, which a user
+    whose functions were meant to cover every row (a dataset with a kind of prompt none of them knows) must
+    hear about."""
+    missing = (~scored).nonzero().flatten().tolist()
+    i = missing[0]
+    row = {"prompt_ids": list(prompts[i]), "completion_ids": list(completions[i]), **dict(metas[i] or {})}
+    shown = {k: v if len(repr(v)) <= 80 else repr(v)[:77] + "..." for k, v in row.items()}
+    warnings.warn(f"every reward returned None for {len(missing)} of {len(scored)} completions (they get reward 0), "
+                  f"the first ({i}): {shown}. Please make sure that some reward applies to every completion.",
+                  stacklevel=3)
 
 
 class RewardScorer:
@@ -255,12 +273,15 @@ class RewardScorer:
         text rewards receive as the completion), and ``environments[b]``, its environment instance."""
         scores = torch.zeros(len(completions), dtype=torch.float32)
         self.parts = {}
+        scored = torch.full((len(completions),), self.reward_model is not None)  # by some reward (host)
         if self.function is not None:
-            values, _ = sample_scores(self.function_name, self.function, prompts, completions, metas)
+            values, applicable = sample_scores(self.function_name, self.function, prompts, completions, metas)
             scores += values
+            scored |= applicable
         if self.environment_reward is not None and environments is not None:
             values, applicable = environment_scores(self.environment_reward, environments)
             scores += values
+            scored |= applicable
             self.parts[self.environment_reward] = values, applicable
         if self.text_rewards:
             prompt_text, completion_text = self._texts(prompts, completions, metas, conversations)
@@ -269,7 +290,10 @@ class RewardScorer:
             for reward in self.text_rewards:
                 values, applicable = batch_scores(reward, prompt_text, completion_text, completion_ids, columns)
                 scores += reward.weight * values
+                scored |= applicable
                 self.parts[reward.name] = values, applicable
+        if not scored.all():
+            unscored(scored, prompts, completions, metas)
         if self.reward_model is not None:
             from fastrlhf.rl.forward import reward_model_scores
 

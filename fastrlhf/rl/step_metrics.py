@@ -15,20 +15,33 @@ from fastrlhf.distributed import comm
 from fastrlhf.engine.device import host_read, to_device
 from fastrlhf.engine.step_profile import STAGE_PREFIX
 
-__all__ = ["METRICS_READ", "StepClock", "logprob_mismatch", "probe_rows", "reduce_step_metrics"]
+__all__ = ["METRICS_READ", "CountedMean", "StepClock", "logprob_mismatch", "probe_rows", "reduce_step_metrics"]
 
 STAGES = ("generate", "score", "train", "sync")
 METRICS_READ = "the step's metrics"
 # Masked means over the batch's completion tokens: over the ranks, each rank's weighs by its tokens (the adaptive
 # KL controller reads ``kl`` as the mean over every rank's tokens together), not the mean of the ranks' means.
 TOKEN_MEANS = ("kl", "rollout_entropy", "tis_weight_mean", "tis_outside_fraction")
+COUNT_PREFIX = "count:"  # the reduced vector's slot of a CountedMean's count (not a metric)
+
+
+class CountedMean(float):
+    """A rank's mean over ``count`` items (``reward/<name>``: the completions a reward applied to). Over the ranks it
+    weighs by its count, as TRL's ``nanmean`` of the gathered rewards does: a rank where the reward applied to one
+    completion does not count as much as one where it applied to all, and one where it applied to none not at all."""
+
+    def __new__(cls, value: float, count: float):
+        mean = super().__new__(cls, value)
+        mean.count = float(count)
+        return mean
 
 
 def reduce_step_metrics(exp, local: dict[str, float | torch.Tensor], times: dict[str, float], step: int, *,
                         skipped: bool, skipped_total: int, world: int, generated: float | None = None
                         ) -> dict[str, float]:
     """Every rank's metrics summed and maxed over the ranks (times, ``memory/*`` and ``*_max`` take the largest
-    rank's, :data:`TOKEN_MEANS` the mean over every rank's completion tokens, the rest the mean), with the batch's
+    rank's, :data:`TOKEN_MEANS` the mean over every rank's completion tokens, a :class:`CountedMean` the mean over
+    every rank's counted items, the rest the mean), with the batch's
     score statistics. ``local`` holds floats and 0-dim device
     tensors (what the score stage measured, left on the device): all of them go to the host in one read after
     two collectives. ``generated``: the tokens this rank generated, where more than the batch's
@@ -41,6 +54,9 @@ def reduce_step_metrics(exp, local: dict[str, float | torch.Tensor], times: dict
              "trained": trained, "generated": trained if generated is None else generated}
     local = {**local, **{f"time/{k}": v for k, v in times.items()}}
     local.update({k: local[k] * trained for k in TOKEN_MEANS if k in local})
+    counted = [k for k, v in local.items() if isinstance(v, CountedMean)]
+    local.update({COUNT_PREFIX + k: local[k].count for k in counted})
+    local.update({k: local[k] * local[k].count for k in counted})
     keys = sorted(local)
     summed, maxed = _read_reduced([*batch.values(), *(local[k] for k in keys)], scores.device)
     total = dict(zip(batch, summed, strict=False))
@@ -49,9 +65,12 @@ def reduce_step_metrics(exp, local: dict[str, float | torch.Tensor], times: dict
     mean = total["score_sum"] / count if total["finite"] else float("nan")
     var = (max(total["score_square_sum"] / count - mean * mean, 0.0) * (count / max(count - 1, 1))
            if total["finite"] else float("nan"))
+    reduced = dict(zip(keys, summed[len(batch):], strict=True))
     metrics = {k: (mx if k.startswith(("time/", "memory/")) or k.endswith("_max") else
-                   s / max(total["trained"], 1.0) if k in TOKEN_MEANS else s / world)
-               for k, s, mx in zip(keys, summed[len(batch):], maxed[len(batch):], strict=True)}
+                   s / max(total["trained"], 1.0) if k in TOKEN_MEANS else
+                   s / max(reduced[COUNT_PREFIX + k], 1.0) if k in counted else s / world)
+               for k, s, mx in zip(keys, summed[len(batch):], maxed[len(batch):], strict=True)
+               if not k.startswith(COUNT_PREFIX)}
     generate_time = metrics["time/generate"]
     metrics.update(step=step, reward_mean=mean, reward_std=var ** 0.5, generated_tokens=total["generated"],
                    reward_nonfinite=exp.batch_size * world - total["finite"],
