@@ -189,6 +189,12 @@ def retokenized(prompts: list[list[int]], completions: list[list[int]], tokenize
     texts = [tokenizer.decode(list(p) + list(c), skip_special_tokens=True) for p, c in zip(prompts, completions,
                                                                                             strict=True)]
     rows = [list(reward_tokenizer(t, add_special_tokens=True)["input_ids"]) or [0] for t in texts]
+    # A completion that stopped at a special token (its EOS, dropped from the text) ends with the reward model's EOS,
+    # where `fastrlhf rm` trains it to score (replies + EOS) and where a shared vocabulary reads it; a cut one does not
+    eos, ends = reward_tokenizer.eos_token_id, set(tokenizer.all_special_ids)
+    for row, completion in zip(rows, completions, strict=True):
+        if eos is not None and len(completion) and int(completion[-1]) in ends and row[-1] != eos:
+            row.append(eos)
     pad = reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0
     return build_experience(rows, [[Completion([], [], "stop")] for _ in rows], pad, device)
 

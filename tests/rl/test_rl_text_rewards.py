@@ -487,3 +487,25 @@ def test_a_reward_model_with_another_vocabulary_reads_the_text_re_tokenized():
     assert torch.allclose(got, torch.cat(expected), atol=1e-5)
     same_vocab = RewardScorer(reward_model=rm)(exp, prompts, completions, [{}, {}])
     assert not torch.allclose(same_vocab, got, atol=1e-3)  # reading the policy's ids would give other scores
+
+
+def test_a_stopped_completion_is_re_tokenized_with_the_reward_models_eos():
+    """`fastrlhf rm` trains a reward model at the EOS after a reply, and a shared vocabulary reads the completion's
+    own EOS; re-tokenized text had lost it (skip_special_tokens), so the other vocabulary was read one token early.
+    A completion cut at max_new_tokens has no EOS, and gets none."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from fastrlhf.rl.rewards import retokenized
+
+    def word_tokenizer(mapping, eos):
+        tok = Tokenizer(models.WordLevel(mapping, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=eos, pad_token="<pad>")
+
+    policy = word_tokenizer({**{f"w{i}": i for i in range(60)}, "</s>": 60, "<unk>": 62, "<pad>": 63}, "</s>")
+    theirs = word_tokenizer({**{f"w{i}": 61 - i for i in range(60)}, "<eos>": 0, "<unk>": 1, "<pad>": 63}, "<eos>")
+    exp = retokenized([[5, 6], [7], [8]], [[9, 60], [12, 13], [60]], policy, theirs, "cpu")
+    rows = [[t for t in row if t != 63] for row in exp.input_ids.tolist()]
+    assert rows == [[56, 55, 52, 0], [54, 49, 48], [53, 0]]
+
