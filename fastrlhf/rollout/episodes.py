@@ -39,7 +39,7 @@ def with_prefix_cache_hit(metrics: dict) -> dict:
         metrics[PREFIX_CACHE_HIT] = metrics[PREFIX_CACHED] / metrics[RESUBMITTED]
     return metrics
 
-_MARK_USER, _MARK_ASSISTANT = "fastrlhf-user-mark", "fastrlhf-assistant-mark"
+_MARK_USER, _MARK_ASSISTANT, _MARK_TOOL = "fastrlhf-user-mark", "fastrlhf-assistant-mark", "fastrlhf-tool-mark"
 
 
 class TurnTemplate:
@@ -48,6 +48,10 @@ class TurnTemplate:
     ``closing``: what follows an assistant message's content (``<|im_end|>\\n`` in ChatML); a turn that
     ended with the eos token has generated its first part. ``between(tool_messages)``: the tool turn(s)
     and the next assistant header, as the template renders them after an assistant message.
+
+    ``between`` is read after the assistant's content in a conversation that goes on with a tool turn, never by
+    cutting off a rendering where the assistant message is the last: a template may render the last assistant
+    message differently (Qwen3's wraps it in an empty ``<think>`` block), and only what follows its content counts.
     """
 
     def __init__(self, tokenizer, tool_schemas: Sequence[dict] = (), say=print):
@@ -61,10 +65,10 @@ class TurnTemplate:
         if at < 0:
             raise ValueError("the chat template does not render an assistant message's content as given")
         self.closing = self.base[at + len(_MARK_ASSISTANT):]
-        probe = self.render(base + [{"role": "tool", "name": "probe", "content": "probe-result"}], True)
-        if not probe.startswith(self.base):
-            raise ValueError("the chat template renders an assistant message differently once a tool message "
-                             "follows it: the tool turn's tokens cannot be read from it")
+        probe = self.render(base + [{"role": "tool", "name": "probe", "content": _MARK_TOOL}], True)
+        if _MARK_ASSISTANT not in probe or _MARK_TOOL not in probe.split(_MARK_ASSISTANT, 1)[1]:
+            raise ValueError("the chat template does not render a tool message after an assistant message's content: "
+                             "the tool turn's tokens cannot be read from it")
         self.prefix_preserving = self._prefix_preserving()
         if not self.prefix_preserving and say is not None:
             say("rollout: the chat template is not prefix-preserving (re-rendering a conversation changes its "
@@ -89,9 +93,8 @@ class TurnTemplate:
         the turn's closing (``ended_with``: the text of the eos token the turn ended on, if any), the tool
         messages, and the next assistant header."""
         full = self.render(self.base_messages + tool_messages, True)
-        closing = self.closing[len(ended_with):] if ended_with and self.closing.startswith(ended_with) else \
-            self.closing
-        text = closing + full[len(self.base):]
+        text = full.split(_MARK_ASSISTANT, 1)[1]
+        text = text[len(ended_with):] if ended_with and text.startswith(ended_with) else text
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -146,6 +149,7 @@ class EpisodeRunner:
         self.engine, self.toolbox, self.tokenizer, self.max_turns = engine, toolbox, tokenizer, max_turns
         self.template = TurnTemplate(tokenizer, toolbox.schemas, say=say)
         self.eos_texts = {i: tokenizer.convert_ids_to_tokens(i) for i in getattr(engine, "eos_token_ids", [])}
+        self.turn_ends = dict(self.eos_texts)
         self.metrics: dict[str, float] = {}
 
     def start(self, prompts: list[list[int]], metas: Sequence[dict] | None, n: int) -> list[Episode]:
@@ -180,6 +184,11 @@ class EpisodeRunner:
         from dataclasses import replace
 
         episodes = self.start(prompts, metas, sampling.n)
+        # A turn ends on the model's eos or on one of rollout.stop_token_ids (an end-of-turn token the model's eos
+        # list lacks): either is the start of the template's closing, generated, so not added again.
+        stop_ids = list(sampling.stop_token_ids)
+        self.turn_ends = {**self.eos_texts, **dict(zip(stop_ids, self.tokenizer.convert_ids_to_tokens(stop_ids),
+                                                       strict=True))}
         n, budget, context = sampling.n, sampling.max_new_tokens, self.engine.max_model_len
         shared = all(e.prompt == prompts[e.group] for e in episodes)
         active = list(episodes)
@@ -202,7 +211,10 @@ class EpisodeRunner:
                 if before is not None:
                     continued = [continued[0] + counts[0] - before[0], continued[1] + counts[1] - before[1]]
                 turns = [o[0] for o in outs]
-            active = [e for e, turn in zip(active, turns, strict=True) if self._advance(e, turn, budget, context)]
+            calls = [self._take_turn(e, turn) for e, turn in zip(active, turns, strict=True)]
+            results = self._run_calls(active, calls)
+            active = [e for e, turn, result in zip(active, turns, results, strict=True)
+                      if result is not None and self._go_on(e, turn, result, budget, context)]
             round_ += 1
         self.metrics = self._metrics(episodes)
         if counts is not None:  # whether or not an episode continued: the RL step sums the same keys on every rank
@@ -210,14 +222,13 @@ class EpisodeRunner:
             with_prefix_cache_hit(self.metrics)
         return [[e.completion(prompts[i]) for e in episodes[i * n:(i + 1) * n]] for i in range(len(prompts))]
 
-    def _advance(self, e: Episode, turn: Completion, budget: int, context: int) -> bool:
-        """Append one generated turn and, where it calls tools and may go on, their results; returns whether
-        the episode continues."""
+    def _take_turn(self, e: Episode, turn: Completion) -> list | None:
+        """Append one generated turn; returns its tool calls where it calls tools and may go on, else None."""
         e.add(turn.token_ids, turn.logprobs, generated=True)
         e.turns += 1
         e.generated += len(turn.token_ids)
         text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
-        calls = self.toolbox.parse(text)
+        calls = self.toolbox.parse(self._call_text(turn.token_ids))
         message = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = [c.as_message_call() for c in calls if c.error is None]
@@ -225,18 +236,41 @@ class EpisodeRunner:
         e.finish_reason = turn.finish_reason
         if not calls:
             e.stopped_by = "answer" if turn.finish_reason == "stop" else "budget"
-            return False
+            return None
         if turn.finish_reason == "length" or e.turns >= self.max_turns:
             e.finish_reason, e.stopped_by = "length", "budget" if turn.finish_reason == "length" else "max_turns"
-            return False
-        results = []
-        for call in calls:
-            content, outcome = run_tool_call(call, e.tools, self.toolbox.timeout_s)
-            e.calls += 1
-            e.errors += outcome == ERROR
-            e.timeouts += outcome == TIMEOUT
-            results.append({"role": "tool", "name": call.name or "unknown", "content": content})
-        ended_with = self.eos_texts.get(turn.token_ids[-1], "") if turn.token_ids else ""
+            return None
+        return calls
+
+    def _run_calls(self, active: list[Episode], calls: list[list | None]) -> list[list[dict] | None]:
+        """Each episode's tool messages (None where it ended). The episodes' calls run at the same time, one thread
+        per episode (its own calls in order): one after another, a tool that times out on every call kept a rank
+        busy episodes x calls x tool_timeout_s, past the other ranks' collective timeout."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def run(e: Episode, episode_calls: list) -> list[dict]:
+            return [{"role": "tool", "name": call.name or "unknown",
+                     "content": self._outcome(e, *run_tool_call(call, e.tools, self.toolbox.timeout_s))}
+                    for call in episode_calls]
+
+        jobs = [(e, c) for e, c in zip(active, calls, strict=True) if c is not None]
+        if not jobs:
+            return [None] * len(active)
+        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="fastrlhf-episode") as pool:
+            done = iter(list(pool.map(lambda job: run(*job), jobs)))
+        return [next(done) if c is not None else None for c in calls]
+
+    @staticmethod
+    def _outcome(e: Episode, content: str, outcome: str) -> str:
+        e.calls += 1
+        e.errors += outcome == ERROR
+        e.timeouts += outcome == TIMEOUT
+        return content
+
+    def _go_on(self, e: Episode, turn: Completion, results: list[dict], budget: int, context: int) -> bool:
+        """Append the tool turn after ``turn`` where the episode has budget and context left; returns whether it
+        continues."""
+        ended_with = self.turn_ends.get(turn.token_ids[-1], "") if turn.token_ids else ""
         between = self.template.between(results, ended_with)
         e.messages += results
         if e.generated >= budget or len(e.prompt) + len(e.token_ids) + len(between) >= context:
@@ -244,6 +278,12 @@ class EpisodeRunner:
             return False
         e.add(between, None, generated=False)
         return True
+
+    def _call_text(self, token_ids: list[int]) -> str:
+        """A turn's text as the tool-call parser reads it: special tokens kept (a tokenizer may make the call tags
+        special tokens, as vLLM's chat server assumes whenever tools are given), but not the eos it ended on."""
+        end = len(token_ids) - 1 if token_ids and token_ids[-1] in self.turn_ends else len(token_ids)
+        return self.tokenizer.decode(token_ids[:end], skip_special_tokens=False)
 
     @staticmethod
     def _metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Tools a policy may call during a rollout, as TRL's ``GRPOTrainer`` takes them, and their calls.
 
-* ``rollout.tools: [module:function, ...]``: plain Python functions with type hints and a Google-style
-  docstring; their JSON schemas (``transformers.utils.get_json_schema``) go to the chat template's
+* ``rollout.tools: [module:function, ...]``: plain Python functions (``def`` or ``async def``) with type hints
+  and a Google-style docstring; their JSON schemas (``transformers.utils.get_json_schema``) go to the chat template's
   ``tools=``, so the prompt lists them as the model's own template lists tools.
 * ``rollout.environment: module:Class``: TRL's ``environment_factory`` contract. One instance per
   episode; ``reset(**row)`` (the prompt row's columns) returns ``None`` or a string that is appended to
@@ -14,10 +14,13 @@ Calls are parsed from an assistant turn's text by a registered parser (:data:`TO
 :func:`run_tool_call`, which never raises: a tool that raises, a malformed call (bad JSON, an unknown
 tool, wrong arguments), a tool that runs past ``rollout.tool_timeout_s`` and a result that is not a
 string each become the ``tool`` message's text, saying what went wrong, and an outcome the metrics count.
+Each call runs on a thread of its own, and the episodes of a round make their calls at the same time (each
+episode's in order): a tool function shared by every episode must be thread-safe.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import json
@@ -232,7 +235,9 @@ def _call_with_timeout(fn: Callable, arguments: dict, timeout_s: float):
 
     def target():
         try:
-            box["result"] = fn(**arguments)
+            result = fn(**arguments)
+            # An ``async def`` tool (TRL takes those too) runs to its end on this thread's own event loop.
+            box["result"] = asyncio.run(_awaited(result)) if inspect.isawaitable(result) else result
         except BaseException as exc:  # noqa: BLE001 -- whatever a tool raises becomes its message
             box["error"] = exc
 
@@ -242,6 +247,10 @@ def _call_with_timeout(fn: Callable, arguments: dict, timeout_s: float):
     if thread.is_alive():
         return None, None, True
     return box.get("result"), box.get("error"), False
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 def run_tool_call(call: ToolCall, tools: dict[str, Callable], timeout_s: float) -> tuple[str, str]:
