@@ -51,12 +51,17 @@ def init_distributed(timeout_s: float | None = None, shared_dir: str | None = No
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("FASTRLHF_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
     import torch
 
     from fastrlhf.distributed import multinode
 
+    problem = multinode.timeout_problem() if timeout_s is None else None
+    timeout_s = multinode.dist_timeout_s(timeout_s)
+    if problem := problem or _gpu_problem():  # said by rank 0 too, not only as this rank's traceback
+        multinode.start_gate(failure=problem, timeout_s=timeout_s)
+        error = multinode.NodeError(problem)
+        error.exit_code, error.local = 2, True
+        raise error
     multinode.start_gate(timeout_s=timeout_s)
     if rank() == 0:  # every rank passed its checks; none has joined the group, so none writes yet
         run_before_group()
@@ -70,12 +75,46 @@ def init_distributed(timeout_s: float | None = None, shared_dir: str | None = No
         _no_shm_comm_op()
     import deepspeed
 
+    _new_groups_take_timeout(timedelta(seconds=timeout_s))
     try:
         deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
     finally:
         multinode.release_gate_store()
     if shared_dir is not None:
         multinode.check_shared_dir(shared_dir)
+
+
+def _new_groups_take_timeout(timeout: timedelta) -> None:
+    """Make ``timeout`` the default of every process group created later without one.
+
+    ``dist.new_group`` does not inherit the world group's timeout: it takes torch's default (10 min for NCCL,
+    30 for gloo). ZeRO's collectives (gradient reduce-scatter, ZeRO-3 gathers) all run on such a group,
+    DeepSpeed's clone of the world (``deepspeed.utils.groups._clone_world_group``), as do vLLM's groups; so
+    ``FASTRLHF_DIST_TIMEOUT`` would hold only for fastrlhf's own collectives. ``new_group`` reads these two
+    module values at each call.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
+
+
+def _gpu_problem() -> str | None:
+    """Why this rank cannot use GPU ``LOCAL_RANK``, or None (also without CUDA).
+
+    DeepSpeed (0.19: ``DeepSpeedEngine._set_distributed_vars``) puts each rank on the GPU numbered by its
+    local rank among the GPUs it sees, and so does fastrlhf. A launcher that shows each rank only its own GPU
+    (SLURM's ``--gpus-per-task``, ``CUDA_VISIBLE_DEVICES`` set per rank) leaves rank 3 of a node one GPU,
+    numbered 0: ``set_device(3)`` fails with CUDA's "invalid device ordinal" on that rank alone.
+    """
+    import torch
+
+    if not torch.cuda.is_available() or local_rank() < torch.cuda.device_count():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)")
+    return (f"distributed error: LOCAL_RANK is {local_rank()} but this rank sees {torch.cuda.device_count()} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={visible}): each rank uses the GPU numbered LOCAL_RANK, so every rank of a "
+            "node must see all of the node's GPUs (under SLURM: --gpus-per-node, not --gpus-per-task)")
 
 
 def _no_shm_comm_op() -> None:

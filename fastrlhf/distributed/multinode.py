@@ -32,7 +32,7 @@ import socket
 import time
 
 __all__ = ["NodeError", "PeerFailedChecks", "StartTimeout", "NotShared", "node_rank", "num_nodes", "is_multi_node",
-           "where", "start_gate", "check_shared_dir", "lost_peer_reason"]
+           "where", "start_gate", "timeout_problem", "dist_timeout_s", "check_shared_dir", "lost_peer_reason"]
 
 GATE_POLL_S = 0.05
 
@@ -99,11 +99,28 @@ def where(rank: int | None = None, node: int | None = None, host: str | None = N
     return f"rank {rank} on node {node} (host {host})"
 
 
-def _timeout_s(timeout_s: float | None) -> float:
+def timeout_problem() -> str | None:
+    """Why ``FASTRLHF_DIST_TIMEOUT`` cannot be used (not a number, or not above 0: every wait would time out at
+    once, as "timed out after 0ms" from the rendezvous), or None."""
+    value = os.environ.get("FASTRLHF_DIST_TIMEOUT")
+    if value is None:
+        return None
+    try:
+        if 0 < float(value) < float("inf"):  # "inf" overflows timedelta
+            return None
+    except ValueError:
+        pass
+    return f"config error: FASTRLHF_DIST_TIMEOUT: must be a number of seconds above 0, got {value!r}"
+
+
+def dist_timeout_s(timeout_s: float | None = None) -> float:
+    """``timeout_s``, else ``FASTRLHF_DIST_TIMEOUT`` (the default where it is unusable: see :func:`timeout_problem`)."""
     if timeout_s is not None:
         return float(timeout_s)
     from fastrlhf.distributed.ranks import DEFAULT_TIMEOUT_S
 
+    if timeout_problem():  # the variable's own error line comes from init_distributed
+        return float(DEFAULT_TIMEOUT_S)
     return float(os.environ.get("FASTRLHF_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
@@ -150,7 +167,7 @@ def start_gate(failure: str | None = None, timeout_s: float | None = None, rank:
     if world <= 1:
         return
     rank = int(os.environ["RANK"]) if rank is None else rank
-    timeout_s = _timeout_s(timeout_s)
+    timeout_s = dist_timeout_s(timeout_s)
     store, is_server = _open_store(rank, timeout_s)
     prefix = f"fastrlhf/gate/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     keys = [f"{prefix}rank-{r}" for r in range(world)]
