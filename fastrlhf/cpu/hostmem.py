@@ -94,7 +94,8 @@ def trim_heap_after_backward(model) -> bool:
     """Trim the heap (:func:`trim_heap`) whenever a backward pass has gone through every layer of
     ``model`` and reaches its input embeddings; returns whether a hook was installed (False off glibc,
     or for a model without ``get_input_embeddings``). Only when the embeddings' output needs a
-    gradient (not under LoRA, where the embedding is frozen)."""
+    gradient: not for a frozen embedding (LoRA), unless peft's ``enable_input_require_grads`` hook
+    (LoRA with gradient checkpointing) makes it need one."""
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if _glibc() is None or embeddings is None:
         return False

@@ -43,10 +43,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def compile_layers(model: torch.nn.Module) -> int:
     """Compile each decoder layer of ``model`` in place (``nn.Module.compile``); returns how many. Raises
-    ValueError for a model without any (nothing would be compiled)."""
+    ValueError for a model without any (nothing would be compiled) or with ZeRO-3 partitioned weights."""
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"model.compile: {type(model).__name__} has no transformers decoder layers to compile")
+    # The config check refuses compile at ZeRO-3; this catches a model loaded partitioned in code (load_causal_lm's
+    # zero3_config): each layer gathers its weights in hooks the compiled graph would trace, or break on.
+    if any(hasattr(p, "ds_id") for layer in layers for p in layer.parameters()):
+        raise ValueError("model.compile: the model's weights are ZeRO-3 partitions; compile needs deepspeed."
+                         "zero_stage 0, 1 or 2")
     for layer in layers:
         layer.compile(backend=BACKEND, dynamic=True)
     return len(layers)
