@@ -90,6 +90,7 @@ kill_gpu_leftovers() {
   for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -dc '0-9\n'); do
     [ -d "/proc/$pid" ] && [[ "$mine" != *" $pid "* ]] && pids="$pids $pid"
   done
+  pids=${pids# }
   [ -n "$pids" ] || return 0
   echo "the cut command left processes on the GPU: killing $pids"
   # shellcheck disable=SC2086

@@ -117,8 +117,10 @@ print("world", timeout(dist.distributed_c10d._get_default_group()), "zero", time
 def test_zero_and_every_later_group_take_the_runs_timeout(tmp_path):
     # Before: "world 20.0 zero 1800.0 new 1800.0": ZeRO's data-parallel group (its reduce-scatters and gathers)
     # kept torch's default, 30 min on gloo, 10 min on NCCL, whatever FASTRLHF_DIST_TIMEOUT said.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    # A port of its own: an earlier test's group in this pytest process may hold the one in os.environ.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     log = tmp_path / "groups.log"
-    proc = start_group([sys.executable, "-c", GROUP_TIMEOUTS], log, env={**env, "FASTRLHF_DIST_TIMEOUT": "20"})
+    proc = start_group([sys.executable, "-c", GROUP_TIMEOUTS], log,
+                       env={**env, "FASTRLHF_DIST_TIMEOUT": "20", "MASTER_PORT": str(free_port())})
     assert wait_groups([proc], 120, [log]) == [0], log.read_text()
     assert last_line(log.read_text()) == "world 20.0 zero 20.0 new 20.0"

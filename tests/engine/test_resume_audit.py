@@ -188,9 +188,7 @@ def test_a_killed_ppo_lora_run_with_warmup_and_a_skipped_step_resumes_as_the_uni
     import subprocess
 
     import yaml
-    from helpers.paths import ROOT
     from helpers.rl_runs import (
-        SCRIPTS,
         TRAIN,
         assert_resumed_like_straight,
         grpo_config,
@@ -206,7 +204,7 @@ def test_a_killed_ppo_lora_run_with_warmup_and_a_skipped_step_resumes_as_the_uni
         path = grpo_config(
             tiny,
             out,
-            reward="resume_reward:reward",
+            reward="kill_reward:reward",
             trainer=trainer,
             model={"path": str(tiny / "model"), "lora_r": 4},
             deepspeed={"zero_stage": 0},
@@ -219,9 +217,7 @@ def test_a_killed_ppo_lora_run_with_warmup_and_a_skipped_step_resumes_as_the_uni
         return path
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    env = launch_env(
-        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "helpers"), SCRIPTS]), FASTRLHF_TEST_NAN_CALLS="5-8"
-    )  # step 2's four rewards
+    env = launch_env(FASTRLHF_TEST_NAN_CALLS="5-8")  # step 2's four rewards
     for out, extra, code in (
         (straight, {}, 0),
         (killed, {"FASTRLHF_TEST_KILL_ONCE": str(killed / "checkpoints" / "latest")}, -9),

@@ -6,7 +6,10 @@ mid-step, after a checkpoint):
 - ``FASTRLHF_TEST_INTERRUPT_AFTER_CALLS=N``: a SIGINT of its own process (Ctrl-C), once;
 - ``FASTRLHF_TEST_HANG_AFTER_CALLS=N``: it writes ``FASTRLHF_TEST_HANG_MARKER`` (a path) and then
   sleeps for good, a rank that stops answering with its sockets still open (the multi-node test
-  then takes its node off the network and kills it, as a node that dies does).
+  then takes its node off the network and kills it, as a node that dies does);
+- ``FASTRLHF_TEST_KILL_ONCE=path``: a SIGKILL at the first call once that file exists (a checkpoint's
+  ``latest`` pointer: the step after that checkpoint, mid-step);
+- ``FASTRLHF_TEST_NAN_CALLS=first-last``: NaN for the calls so numbered (a step the guard skips).
 """
 
 import os
@@ -31,4 +34,10 @@ def reward(prompt_ids, completion_ids, meta):
             f.write(str(os.getpid()))
         while True:
             time.sleep(60)
+    marker = os.environ.get("FASTRLHF_TEST_KILL_ONCE")
+    if marker and os.path.exists(marker):
+        os.kill(os.getpid(), signal.SIGKILL)
+    first, _, last = os.environ.get("FASTRLHF_TEST_NAN_CALLS", "").partition("-")
+    if first and int(first) <= _calls <= int(last):
+        return float("nan")
     return float(bool(completion_ids) and completion_ids[0] % 2 == 1)
