@@ -210,6 +210,32 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, steps[-1][1]) if steps else None
 
 
+def _rank_state(path: str, identity: dict | None) -> dict:
+    """This rank's saved state, once every rank has read and checked its own; collective. A rank whose file is
+    missing, unreadable or of another run raised alone before: its error printed nowhere (the command line
+    speaks on rank 0), while the others waited in the engines' collective loads until the timeout. Now every
+    rank raises the first problem found, which rank 0 prints."""
+    rank_file = os.path.join(path, f"rank-{D.rank()}.pt")
+    state, problem = None, ""
+    if not os.path.exists(rank_file):
+        problem = f"{path} has no state for rank {D.rank()}: resume with the world size it was saved with"
+    else:
+        try:  # weights_only=False: the RNG states hold numpy arrays and Python tuples; these files are our own.
+            state = torch.load(rank_file, map_location="cpu", weights_only=False)
+            if state["world_size"] != D.world_size():
+                problem = f"{path} was saved by {state['world_size']} ranks, this run has {D.world_size()}"
+            else:
+                _check_identity(path, state.get("identity"), identity)
+        except CheckpointError as exc:
+            problem = str(exc)
+        except Exception as exc:  # a torn or foreign file: named, not a traceback on one rank
+            problem = f"{rank_file} cannot be read ({type(exc).__name__}: {exc}); resume from another checkpoint"
+    problems = [p.decode() for p in comm.gather_bytes(problem.encode()) if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    return state
+
+
 def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states: bool = True,
                 identity: dict | None = None) -> dict | None:
     """Restore the newest checkpoint into ``engines`` and this rank's RNG; collective. ``identity``: this run's
@@ -220,14 +246,7 @@ def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states:
     path = latest_checkpoint(output_dir)
     if path is None:
         return None
-    rank_file = os.path.join(path, f"rank-{D.rank()}.pt")
-    if not os.path.exists(rank_file):
-        raise CheckpointError(f"{path} has no state for rank {D.rank()}: resume with the world size it was saved with")
-    # weights_only=False: the RNG states hold numpy arrays and Python tuples; these files are our own.
-    state = torch.load(rank_file, map_location="cpu", weights_only=False)
-    if state["world_size"] != D.world_size():
-        raise CheckpointError(f"{path} was saved by {state['world_size']} ranks, this run has {D.world_size()}")
-    _check_identity(path, state.get("identity"), identity)
+    state = _rank_state(path, identity)
     for name, obj in engines.items():
         if _is_engine(obj):
             load_path, _ = obj.load_checkpoint(os.path.join(path, name), tag=_DS_TAG,

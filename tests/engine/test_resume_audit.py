@@ -248,3 +248,28 @@ def test_a_killed_ppo_lora_run_with_warmup_and_a_skipped_step_resumes_as_the_uni
     records = metrics_by_step(straight)
     assert [records[s]["skipped"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 0.0]
     assert [records[s]["lr"] for s in (1, 2, 3, 4)] == pytest.approx([7.5e-3, 7.5e-3, 1e-2, 1e-2])  # held at step 2
+
+
+def test_a_problem_one_rank_finds_in_its_checkpoint_file_is_raised_on_every_rank(tmp_path, monkeypatch):
+    """Rank 3's missing or torn file raised on rank 3 alone: its one line went nowhere (the command line prints on
+    rank 0), and rank 0 waited in DeepSpeed's collective load until the timeout. The ranks now agree first."""
+    from fastrlhf.distributed import comm
+    from fastrlhf.engine.checkpoint import CheckpointError
+
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint(str(tmp_path), 2, {"model": model})
+    seen = []
+
+    def gathered(data):  # as rank 0 of 4, whose rank 3 found its file missing
+        seen.append(data)
+        return [data, b"", b"", b"step-2 has no state for rank 3: resume with the world size it was saved with"]
+
+    monkeypatch.setattr(comm, "gather_bytes", gathered)
+    with pytest.raises(CheckpointError, match="^step-2 has no state for rank 3"):
+        load_latest(str(tmp_path), {"model": model})
+    assert seen == [b""]  # rank 0's own file was fine
+    (tmp_path / "checkpoints" / "step-2" / "rank-0.pt").write_bytes(b"torn")
+    monkeypatch.setattr(comm, "gather_bytes", lambda data: [data])
+    with pytest.raises(CheckpointError, match=r"rank-0.pt cannot be read \(UnpicklingError"):
+        load_latest(str(tmp_path), {"model": model})
+
