@@ -45,9 +45,9 @@ _MARK_USER, _MARK_ASSISTANT, _MARK_TOOL = "fastrlhf-user-mark", "fastrlhf-assist
 class TurnTemplate:
     """The text a chat template puts between two assistant turns, read from the template itself.
 
-    ``closing``: what follows an assistant message's content (``<|im_end|>\\n`` in ChatML); a turn that
-    ended with the eos token has generated its first part. ``between(tool_messages)``: the tool turn(s)
-    and the next assistant header, as the template renders them after an assistant message.
+    ``between(tool_messages)``: what follows an assistant message's content: its closing (``<|im_end|>\\n`` in
+    ChatML; a turn that ended with the eos token has generated its first part), the tool turn(s) and the next
+    assistant header, as the template renders them after an assistant message.
 
     ``between`` is read after the assistant's content in a conversation that goes on with a tool turn, never by
     cutting off a rendering where the assistant message is the last: a template may render the last assistant
@@ -60,11 +60,8 @@ class TurnTemplate:
         self.tokenizer, self.tools = tokenizer, list(tool_schemas) or None
         self.base_messages = base = [{"role": "user", "content": _MARK_USER},
                                      {"role": "assistant", "content": _MARK_ASSISTANT}]
-        self.base = self.render(base)
-        at = self.base.rfind(_MARK_ASSISTANT)
-        if at < 0:
+        if _MARK_ASSISTANT not in self.render(base):
             raise ValueError("the chat template does not render an assistant message's content as given")
-        self.closing = self.base[at + len(_MARK_ASSISTANT):]
         probe = self.render(base + [{"role": "tool", "name": "probe", "content": _MARK_TOOL}], True)
         if _MARK_ASSISTANT not in probe or _MARK_TOOL not in probe.split(_MARK_ASSISTANT, 1)[1]:
             raise ValueError("the chat template does not render a tool message after an assistant message's content: "
