@@ -72,6 +72,11 @@ def _say(line: str, local: bool = False) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _data_error_lines(exc) -> str:
+    """A DataError's bad lines, each as its own ``data error:`` line."""
+    return "data error: " + str(exc).replace("\n", "\ndata error: ")
+
+
 def _group_started() -> bool:
     dist = sys.modules.get("torch.distributed")  # not imported: no group (and no torch import for a config error)
     return dist is not None and dist.is_available() and dist.is_initialized()
@@ -273,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         _error("config error", str(exc))
         return EXIT_BAD_INPUT
     except DataError as exc:
-        line = "data error: " + str(exc).replace("\n", "\ndata error: ")
+        line = _data_error_lines(exc)
         if not _group_started():
             return _failed_checks(line)
         _say(line)
@@ -335,7 +340,7 @@ def _dry_run_checks(command: str, config) -> int | None:
     except ConfigError as exc:
         return _failed_checks(f"config error: {exc}")
     except DataError as exc:
-        return _failed_checks("data error: " + str(exc).replace("\n", "\ndata error: "))
+        return _failed_checks(_data_error_lines(exc))
     return None
 
 
