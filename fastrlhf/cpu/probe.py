@@ -14,9 +14,10 @@ Where the answer is "unavailable" the generic path runs (vLLM repacks the layer 
 the run says so once: an RL run with a vLLM engine on a CPU prints ``summary()`` as it builds the
 engine, and ``fastrlhf train --dry-run`` prints it as a comment under the resolved config.
 
-``FASTRLHF_CPU_FAST_PATHS=off`` forces every answer to "unavailable" (default ``auto``: probe the
-machine). The tests of machine-dependent code run once with each answer (``tests/helpers/cpu_probe.py``),
-so a machine whose CPU allows everything still runs the path of one that allows nothing.
+``FASTRLHF_CPU_FAST_PATHS=off`` forces every answer of this probe to "unavailable" (default ``auto``: probe
+the machine): it turns off the in-place packed weights only, not the host facilities below.
+The tests of machine-dependent code run once with each answer (``tests/helpers/cpu_probe.py``), so a
+machine whose CPU allows everything still runs the path of one that allows nothing.
 Host facilities that do not depend on the CPU (glibc's heap, ``madvise``, ``/proc``) are looked up
 where they are used (``hostmem``, ``file_pages``), and are no-ops off Linux/glibc.
 """
