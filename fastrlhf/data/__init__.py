@@ -1,4 +1,4 @@
-"""Training data: JSONL files, Parquet files or Hugging Face ``datasets`` folders -> validated token-id examples.
+"""Training data: JSONL (or JSON array) files, Parquet files or ``datasets`` folders -> validated token-id examples.
 
 Every bad line is found before training starts and reported together, with its line number
 (``data error: prompts.jsonl:17: empty prompt``). Sampling is a seeded, resumable epoch shuffle so

@@ -203,15 +203,18 @@ def _assistant_turns(messages: list[dict], tokenizer: LazyTokenizer, vocab_size:
                        f"least one other message, got roles {[m['role'] for m in messages]}")
     trained = [len(messages) - 1] if turns == "last" else \
         [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+    for i in trained:
+        if messages[i].get("tool_calls"):  # the template renders them, the trained reply (content + EOS) would not
+            raise _BadLine(f"field {field_name!r}: assistant message {i} has 'tool_calls', which would not be "
+                           "trained (a trained turn is its 'content' plus EOS): write the call into its content in "
+                           "the model's own format (e.g. <tool_call>...</tool_call>)")
     ids: list[int] = []
     mask: list[int] = []
     for i in trained:
         context = tokenizer.chat_ids(messages[:i], field_name)
         _check_vocab(context, vocab_size, "prompt")
         if context[:len(ids)] != ids:
-            raise _BadLine(f"the chat template renders the turns before message {i} differently from how it "
-                           "rendered them as the earlier turns' context, so they cannot be trained in one sequence; "
-                           "set data.assistant_turns to last")
+            raise _BadLine(_not_a_prefix(context, ids, tokenizer, i))
         reply = _tokens({"response": messages[i]["content"]}, ("response",),
                         "response" if i == len(messages) - 1 else f"assistant message {i}", tokenizer,
                         vocab_size, special=False, append_eos=True)
@@ -219,6 +222,20 @@ def _assistant_turns(messages: list[dict], tokenizer: LazyTokenizer, vocab_size:
         ids = context + reply
     start = mask.index(1)
     return SFTExample(ids[:start], ids[start:], None if all(mask[start:]) else mask[start:])
+
+
+def _not_a_prefix(context: list[int], ids: list[int], tokenizer: LazyTokenizer, i: int) -> str:
+    """Why the template of the turns before message ``i`` does not start with the sequence built so far."""
+    k = next((k for k, (a, b) in enumerate(zip(context, ids, strict=False)) if a != b), min(len(context), len(ids)))
+    eos = tokenizer.eos_token_id
+    if k == len(ids) - 1 and ids[k] == eos and k < len(context):
+        # A base model's tokenizer: its EOS (<|endoftext|>) is not the template's end of turn (<|im_end|>)
+        name = tokenizer.get().convert_ids_to_tokens
+        return (f"the chat template ends an assistant turn with {name(context[k])!r}, not with the tokenizer's EOS "
+                f"{name(eos)!r} that each trained turn ends with, so the turns cannot be trained in one sequence; "
+                "set data.assistant_turns to last, or use a tokenizer whose EOS is the template's end of turn")
+    return (f"the chat template renders the turns before message {i} differently from how it rendered them as the "
+            "earlier turns' context, so they cannot be trained in one sequence; set data.assistant_turns to last")
 
 
 def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None,

@@ -1,17 +1,20 @@
 """Files of rows -> parsed rows, every bad line found before training and reported with its ``file:line``
-(:class:`DataError`); JSONL, Parquet and Hugging Face ``datasets`` folders; tokenizing a field.
+(:class:`DataError`); JSONL (or one JSON array), Parquet and Hugging Face ``datasets`` folders; tokenizing a field;
+the check that every rank loaded the same data (:func:`check_same_data`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
-    "DataError", "CHAT_FIELD", "LazyTokenizer"
+    "DataError", "CHAT_FIELD", "LazyTokenizer", "check_same_data"
 ]
 
 
@@ -129,7 +132,7 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
             dataset = load_from_disk(path)
         except Exception as exc:  # noqa: BLE001
             problem = f"{name}: not a datasets folder saved with save_to_disk ({type(exc).__name__}: {exc})"
-            raise DataError([problem]) from None
+            raise DataError([problem + _data_files_hint(path)]) from None
         if hasattr(dataset, "keys") and not hasattr(dataset, "column_names"):  # DatasetDict
             if "train" not in dataset:
                 raise DataError([f"{name}: a DatasetDict without a 'train' split (has {', '.join(dataset.keys())})"])
@@ -137,22 +140,57 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(dataset):
             yield f"{name}:row {i}", _plain(row)
         return
+    yield from _json_rows(path, name)
+
+
+def _data_files_hint(folder: str) -> str:
+    """``; it holds data files (...): give one file's path`` for a folder of data files (a Hub download), or ''."""
+    found = sorted(os.path.relpath(os.path.join(root, f), folder) for root, _, files in os.walk(folder)
+                   for f in files if f.endswith((".parquet", ".jsonl", ".json")) and not f.startswith(".")
+                   and f not in ("dataset_info.json", "state.json", "dataset_dict.json"))  # save_to_disk's own
+    if not found:
+        return ""
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    return f"; it holds data files ({', '.join(found[:3])}{more}): give one file's path"
+
+
+# Formats that are not JSON but would be read as JSONL, one "invalid JSON" per line: one line for the file instead
+_NOT_JSON = {".csv": "CSV", ".tsv": "TSV", ".gz": "a compressed file", ".bz2": "a compressed file",
+             ".xz": "a compressed file", ".zst": "a compressed file", ".zip": "a zip archive"}
+
+
+def _json_rows(path: str, name: str) -> Iterator[tuple[str, Any]]:
+    """JSONL rows, or the elements of a file that is one JSON array of objects (as ``datasets``' json reader
+    takes both), each at the line it starts on."""
+    kind = _NOT_JSON.get(os.path.splitext(path)[1].lower())
+    if kind is not None:
+        raise DataError([f"{name}: {kind} is not read as data: give JSONL (one JSON object per line), a JSON array "
+                         "of objects, a .parquet file or a datasets folder"])
     try:
-        # surrogateescape: a byte that is not UTF-8 becomes a bad line of its own, not a traceback for the file
-        f = open(path, encoding="utf-8", errors="surrogateescape")
+        # surrogateescape: a byte that is not UTF-8 becomes a bad line of its own, not a traceback for the file;
+        # utf-8-sig: a byte order mark (files saved on Windows) is not part of the first row
+        f = open(path, encoding="utf-8-sig", errors="surrogateescape")
     except OSError as exc:
         raise DataError([f"{name}: cannot read: {exc.strerror}"]) from None
     with f:
+        first = True
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue  # blank lines (a trailing newline, spacing) are not examples
+            if first and line.lstrip().startswith("["):
+                yield from _json_array_rows(line + f.read(), lineno, name)
+                return
+            first = False
             if (bad := _not_utf8(line)) is not None:
                 yield f"{name}:{lineno}", _BadLine(bad)
                 continue
             try:
-                row = json.loads(line.rstrip("\r\n"))  # a cut line's error at its own end, not the next line's
+                row = _STRICT.decode(line.rstrip("\r\n"))  # a cut line's error at its own end, not the next line's
             except json.JSONDecodeError as exc:
                 yield f"{name}:{lineno}", _BadLine(f"invalid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            except _DuplicateKey as exc:
+                yield f"{name}:{lineno}", _BadLine(str(exc))
                 continue
             if not isinstance(row, dict):
                 yield f"{name}:{lineno}", _BadLine(f"expected a JSON object, got {type(row).__name__}")
@@ -160,13 +198,88 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
             yield f"{name}:{lineno}", row
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    """An object's dict; a key given twice is a bad line (json keeps the last silently)."""
+    row = dict(pairs)
+    if len(row) < len(pairs):
+        key = next(k for i, (k, _) in enumerate(pairs) if any(k == other for other, _ in pairs[:i]))
+        raise _DuplicateKey(f"key {key!r} appears twice in one object")
+    return row
+
+
+_STRICT = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys)
+_LENIENT = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _json_array_rows(text: str, lineno: int, name: str) -> Iterator[tuple[str, Any]]:
+    """The elements of one JSON array (``text``, starting on line ``lineno``), each at the line it starts on. A
+    syntax error ends the file (no element boundary to resume from): one bad line, at the error's own line."""
+    lines = _Lines(text, lineno)
+    if (bad := _first_not_utf8(text)) is not None:
+        yield f"{name}:{lines.at(bad)}", _BadLine(_not_utf8_at(text, bad, lines.column(bad)))
+        return
+    pos, comma = _SPACE.match(text, text.index("[") + 1).end(), False
+    while comma or not text.startswith("]", pos):  # after a comma an element, not the end
+        where = f"{name}:{lines.at(pos)}"
+        try:
+            row, end = _STRICT.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            yield f"{name}:{lines.at(exc.pos)}", _BadLine(f"invalid JSON ({exc.msg} at column {lines.column(exc.pos)})")
+            return
+        except _DuplicateKey as exc:
+            row, end = _BadLine(str(exc)), _LENIENT.raw_decode(text, pos)[1]
+        if not isinstance(row, (dict, _BadLine)):
+            row = _BadLine(f"expected a JSON object, got {type(row).__name__}")
+        yield where, row
+        pos = _SPACE.match(text, end).end()
+        comma = text.startswith(",", pos)
+        if comma:
+            pos = _SPACE.match(text, pos + 1).end()
+        elif not text.startswith("]", pos):
+            yield f"{name}:{lines.at(pos)}", _BadLine(f"invalid JSON (expected ',' or ']' after an element, at column "
+                                                      f"{lines.column(pos)})")
+            return
+    if (rest := _SPACE.match(text, pos + 1).end()) < len(text):
+        yield f"{name}:{lines.at(rest)}", _BadLine("invalid JSON (more after the array's closing ']')")
+
+
+class _Lines:
+    """Line numbers of positions in ``text`` (which starts on line ``first``), asked for in increasing order."""
+
+    def __init__(self, text: str, first: int):
+        self.text, self.line, self.pos = text, first, 0
+
+    def at(self, pos: int) -> int:
+        self.line += self.text.count("\n", self.pos, pos)
+        self.pos = pos
+        return self.line
+
+    def column(self, pos: int) -> int:
+        return pos - self.text.rfind("\n", 0, pos)
+
+
+def _first_not_utf8(text: str) -> int | None:
+    """Where the first byte that is not UTF-8 sits in ``text`` read with ``surrogateescape``, or None."""
+    try:
+        text.encode("utf-8")  # in C: the escaped bytes are the only lone surrogates a UTF-8 read can give
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def _not_utf8_at(text: str, pos: int, column: int) -> str:
+    return f"not valid UTF-8 (byte 0x{ord(text[pos]) - 0xDC00:02x} at column {column})"
+
+
 def _not_utf8(line: str) -> str | None:
     """Why a line read with ``surrogateescape`` is not valid UTF-8 (its first bad byte), or None."""
-    try:
-        line.encode("utf-8")  # in C: the escaped bytes are the only lone surrogates a UTF-8 read can give
-    except UnicodeEncodeError as exc:
-        return f"not valid UTF-8 (byte 0x{ord(line[exc.start]) - 0xDC00:02x} at column {exc.start + 1})"
-    return None
+    pos = _first_not_utf8(line)
+    return None if pos is None else _not_utf8_at(line, pos, pos + 1)
 
 
 def _parquet_rows(path: str, name: str) -> Iterator[tuple[str, Any]]:
@@ -178,8 +291,21 @@ def _parquet_rows(path: str, name: str) -> Iterator[tuple[str, Any]]:
         parquet = pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 -- missing, unreadable or not Parquet
         raise DataError([f"{name}: not a readable Parquet file ({type(exc).__name__}: {exc})"]) from None
+    columns = parquet.schema_arrow.names
+    if twice := sorted({c for c in columns if columns.count(c) > 1}):
+        # A row is a dict: the last of the columns of one name would win without a word
+        raise DataError([f"{name}: column {c!r} appears {columns.count(c)} times" for c in twice])
     i = 0
-    for batch in parquet.iter_batches():
+    batches = parquet.iter_batches()
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # noqa: BLE001 -- a damaged page (a cut or corrupt copy) past the footer
+            detail = " ".join(str(exc).split())
+            problem = f"{name}: not readable Parquet from row {i} on ({type(exc).__name__}: {detail})"
+            raise DataError([problem]) from None
+        if batch is None:
+            return
         for row in batch.to_pylist():
             yield f"{name}:row {i}", row
             i += 1
@@ -209,7 +335,65 @@ def _collect(path: str, parse: Callable[[dict, str], Any], skipped_as: str = "")
     if skipped and os.environ.get("RANK", "0") == "0":
         print(f"data: skipped {skipped} of {skipped + len(examples)} rows of {path} as {skipped_as}",
               file=sys.stderr, flush=True)
+    _LOADED.append((name, len(examples), _fingerprint(examples)))
     return examples
+
+
+# (file name, examples, fingerprint) of each file loaded since the last check_same_data, in load order
+_LOADED: list[tuple[str, int, str]] = []
+
+
+def _fingerprint(examples: list) -> str:
+    """A digest of what the examples train on (token ids, columns, the prompt as given): the rows and the
+    tokenizer that made them, not where they sit in the file."""
+    digest = hashlib.sha256()
+    for example in examples:
+        for key, value in vars(example).items():
+            if key != "source":
+                digest.update(json.dumps([key, value, getattr(value, "prompt", None)], default=repr).encode())
+    return digest.hexdigest()[:16]
+
+
+def check_same_data() -> None:
+    """Collective once the process group exists: every rank must have loaded the same examples. Each node
+    reads its own copy of a data file and every rank draws the same indices from it (``EpochSampler``), so a
+    copy that differs (another version, a partial copy, another tokenizer) would train on mismatched rows
+    without a word. A DataError on every rank names each file that differs and which ranks read what."""
+    from fastrlhf.distributed import comm
+    from fastrlhf.distributed.multinode import where
+
+    loaded = list(_LOADED)
+    _LOADED.clear()  # each load is checked once, at the start of the run
+    if not comm.is_distributed():
+        return
+    mine = json.dumps({"loaded": loaded, "where": where()}).encode()
+    seen = [json.loads(part) for part in comm.gather_bytes(mine)]
+    if all(s["loaded"] == seen[0]["loaded"] for s in seen):
+        return
+    problems = []
+    for i in range(max(len(s["loaded"]) for s in seen)):
+        versions: dict[str, list[int]] = {}
+        for rank, s in enumerate(seen):
+            entry = s["loaded"][i] if i < len(s["loaded"]) else None
+            text = "nothing" if entry is None else f"{entry[1]} examples (digest {entry[2]})"
+            versions.setdefault(text, []).append(rank)
+        if len(versions) > 1:
+            name = next(s["loaded"][i][0] for s in seen if i < len(s["loaded"]))
+            parts = [f"{text} on rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)} (first: {seen[ranks[0]]['where']})"
+                     for text, ranks in versions.items()]
+            problems.append(f"{name}: the ranks loaded different data: {'; '.join(parts)}; every node must read "
+                            "the same copy of the file (and the same tokenizer)")
+    raise DataError(problems)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``0-3,6``: rank numbers as runs."""
+    runs, start = [], ranks[0]
+    for prev, rank in zip(ranks, [*ranks[1:], None], strict=True):
+        if rank is None or rank != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = rank
+    return ",".join(runs)
 
 
 def _tokens(row: dict, names: tuple[str, ...], what: str, tokenizer: LazyTokenizer, vocab_size: int | None,

@@ -15,7 +15,8 @@ class EpochSampler:
     """Endless seeded shuffles of ``range(n)``; ``state_dict`` makes the position part of a checkpoint.
 
     Every rank builds the same sampler and draws the same global batch, then takes its own slice,
-    so no communication is needed to agree on the data.
+    so no communication is needed to agree on the data. That every rank loaded the same data is checked
+    once, by the commands, as the process group starts (:func:`fastrlhf.data.check_same_data`).
     """
 
     def __init__(self, n: int, seed: int = 0, shuffle: bool = True):

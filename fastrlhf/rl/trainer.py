@@ -335,7 +335,7 @@ def run(config, resume: bool = False) -> dict:
     """Train for ``trainer.max_steps`` steps; returns the last step's metrics (collective)."""
     from fastrlhf import distributed as D
     from fastrlhf.config import config_to_dict
-    from fastrlhf.data import EpochSampler
+    from fastrlhf.data import EpochSampler, check_same_data
     from fastrlhf.engine.guards import StepFailed, StepGuard
     from fastrlhf.engine.loop import resume_step, run_steps
     from fastrlhf.engine.metrics import MetricsLogger
@@ -351,6 +351,7 @@ def run(config, resume: bool = False) -> dict:
     prepared = preflight(config)
     examples, tokenizer = prepared.examples, prepared.tokenizer
     D.init_distributed(shared_dir=config.output_dir)
+    check_same_data()  # every node read the same copy: before any model loads
     config = _with_auto_decided(config, prepared.plan)
     t = config.trainer
     seed_everything(config.seed)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fastrlhf import distributed as D
 from fastrlhf.algorithms import bradley_terry_loss
 from fastrlhf.config import RMConfig
-from fastrlhf.data import load_classification_examples, load_pairwise_examples
+from fastrlhf.data import check_same_data, load_classification_examples, load_pairwise_examples
 from fastrlhf.engine.device import model_device, to_device
 from fastrlhf.modeling import base_model, load_sequence_classifier, unwrap, use_attention, vocab_size
 from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
@@ -124,6 +124,7 @@ def run(config: RMConfig, resume: bool = False) -> dict:
     examples = load_examples(config)
     # After the data checks: bad data fails without starting a process group.
     D.init_distributed(shared_dir=config.output_dir)
+    check_same_data()  # every node read the same copy: before any model loads
     model = load_sequence_classifier(config.model, config.resolved_num_labels, zero3_config=engine_config(config))
     use_attention(model, config.trainer.packing, backend=config.model.attention)
     return run_supervised(config, build_job(config, model, examples), resume=resume)

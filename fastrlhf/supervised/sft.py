@@ -8,7 +8,7 @@ import torch
 from fastrlhf import distributed as D
 from fastrlhf.algorithms import logprobs_from_logits, masked_sum, nll_loss
 from fastrlhf.config import SFTConfig
-from fastrlhf.data import SFTExample, load_sft_examples
+from fastrlhf.data import SFTExample, check_same_data, load_sft_examples
 from fastrlhf.engine.device import model_device, to_device
 from fastrlhf.modeling import base_model, load_causal_lm, unwrap, use_attention, vocab_size
 from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
@@ -158,6 +158,7 @@ def run(config: SFTConfig, resume: bool = False) -> dict:
     examples = load_examples(config)
     # After the data checks: bad data fails without starting a process group.
     D.init_distributed(shared_dir=config.output_dir)
+    check_same_data()  # every node read the same copy: before any model loads
     model = load_causal_lm(config.model, zero3_config=engine_config(config))
     use_attention(model, config.trainer.packing, backend=config.model.attention)
     return run_supervised(config, build_job(config, model, examples), resume=resume)
