@@ -62,8 +62,23 @@ def _is_main_process() -> bool:
 
 
 def _error(prefix: str, message: str) -> None:
+    """An error every rank raises alike (a check the ranks agree on), said once: on rank 0."""
     if _is_main_process():
         print(f"{prefix}: {message}", file=sys.stderr)
+
+
+def _rank_error(line: str, exc: BaseException) -> None:
+    """``line`` (one or more lines) for ``exc``, raised once the process group started. One that every rank raised
+    alike (``fastrlhf.distributed.comm.agreed``) is said once, on rank 0. Any other may have been raised on this
+    rank alone, while rank 0 waits for it in a collective (until this rank's exit closes its connections, or
+    FASTRLHF_DIST_TIMEOUT): each rank that raised it says it, naming itself, ``[rank 3] config error: ...``."""
+    from fastrlhf.distributed import comm, ranks
+
+    if comm.is_agreed(exc) or ranks.world_size() <= 1:
+        _say(line)
+        return
+    name = f"[rank {ranks.rank()}] "
+    print(name + line.replace("\n", "\n" + name), file=sys.stderr, flush=True)
 
 
 def _say(line: str, local: bool = False) -> None:
@@ -107,8 +122,9 @@ def _lost_peer(config, reason: str) -> None:
     latest = _last_checkpoint(config)
     resume = (f"the last complete checkpoint is {latest}: restart every node with --resume" if latest else
               "no checkpoint was written yet: restart the run")
-    _say(f"distributed error: lost contact with another rank ({reason}): a node died, was killed, or did not answer "
-         f"for FASTRLHF_DIST_TIMEOUT ({timeout} s); {resume}", local=True)
+    _say(f"distributed error: lost contact with another rank ({reason}): a rank stopped on an error of its own (its "
+         f"line says which), a node died, was killed, or did not answer for FASTRLHF_DIST_TIMEOUT ({timeout} s); "
+         f"{resume}", local=True)
     if restored := _settle_overwrite(False):  # os._exit runs no finally
         _say(f"note: --overwrite: the earlier run in {config.output_dir} is back ({', '.join(restored)})")
     sys.stdout.flush()
@@ -275,18 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # checks that need the launched world (e.g. batch size vs ranks)
         if not _group_started():
             return _failed_checks(f"config error: {exc}")
-        _error("config error", str(exc))
+        _rank_error(f"config error: {exc}", exc)
         return EXIT_BAD_INPUT
     except DataError as exc:
         line = _data_error_lines(exc)
         if not _group_started():
             return _failed_checks(line)
-        _say(line)
+        _rank_error(line, exc)
         return EXIT_BAD_INPUT
     except NodeError as exc:  # another node failed its checks, never came, or does not share output_dir
         _say(str(exc), local=exc.local)
         return exc.exit_code
-    except CheckpointError as exc:
+    except CheckpointError as exc:  # every rank's files are checked together (engine.checkpoint._rank_state)
         _error("checkpoint error", str(exc))
         return EXIT_BAD_INPUT
     except TooManySkippedSteps as exc:

@@ -383,7 +383,7 @@ def check_same_data() -> None:
                      for text, ranks in versions.items()]
             problems.append(f"{name}: the ranks loaded different data: {'; '.join(parts)}; every node must read "
                             "the same copy of the file (and the same tokenizer)")
-    raise DataError(problems)
+    raise comm.agreed(DataError(problems))  # every rank saw every rank's digests: said once
 
 
 def _ranks(ranks: list[int]) -> str:

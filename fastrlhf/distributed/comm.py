@@ -22,6 +22,7 @@ import torch.distributed as dist
 from fastrlhf.distributed.ranks import local_rank
 
 __all__ = [
+    "agreed",
     "all_ranks_flag",
     "all_ranks_true",
     "all_reduce_",
@@ -30,6 +31,7 @@ __all__ = [
     "collective_device",
     "gather_bytes",
     "device_for_backend",
+    "is_agreed",
     "is_distributed",
     "mean_over_ranks",
     "reduce_floats",
@@ -143,6 +145,19 @@ def gather_bytes(data: bytes) -> list[bytes]:
     parts = [to_collective_device(torch.zeros(width, dtype=torch.uint8)) for _ in range(n)]
     dist.all_gather(parts, payload)
     return [p[:k].cpu().numpy().tobytes() for p, k in zip(parts, lengths, strict=True)]
+
+
+def agreed(exc: BaseException) -> BaseException:
+    """``exc``, marked as raised alike on every rank (a check whose verdict the ranks shared through a collective,
+    e.g. :func:`gather_bytes`): the command line says it once, on rank 0, where an unmarked error is said by each
+    rank that raised it, naming the rank (``fastrlhf.cli``). Usage: ``raise comm.agreed(DataError(problems))``."""
+    exc.agreed = True
+    return exc
+
+
+def is_agreed(exc: BaseException) -> bool:
+    """Whether :func:`agreed` marked ``exc``."""
+    return getattr(exc, "agreed", False) is True
 
 
 def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:

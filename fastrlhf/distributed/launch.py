@@ -46,14 +46,20 @@ def init_distributed(timeout_s: float | None = None, shared_dir: str | None = No
     """
     import torch.distributed as dist
 
+    from fastrlhf.distributed import multinode
+
     if dist.is_available() and dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if problem := _unset_rank_problem():
+            error = multinode.NodeError(problem)
+            error.exit_code, error.local = 2, True
+            raise error
+        # A port of its own, not one inherited from the shell or a launched parent: two one-rank runs on a node
+        # would both bind it (EADDRINUSE), and nothing outside this process needs to find it.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     import torch
-
-    from fastrlhf.distributed import multinode
 
     problem = multinode.timeout_problem() if timeout_s is None else None
     timeout_s = multinode.dist_timeout_s(timeout_s)
@@ -82,6 +88,27 @@ def init_distributed(timeout_s: float | None = None, shared_dir: str | None = No
         multinode.release_gate_store()
     if shared_dir is not None:
         multinode.check_shared_dir(shared_dir)
+
+
+# Launchers that start every process of a job but say so in variables of their own, not RANK and WORLD_SIZE.
+_OTHER_LAUNCHERS = {"SLURM_STEP_NUM_TASKS": "srun", "OMPI_COMM_WORLD_SIZE": "mpirun (Open MPI)",
+                    "PMI_SIZE": "mpirun (MPICH, Intel MPI)"}
+
+
+def _unset_rank_problem() -> str | None:
+    """Why this process, without RANK, must not run as rank 0 of 1, or None. Under ``srun -n 8`` or ``mpirun -np 8``
+    (also DeepSpeed's ``--launcher slurm`` and its MPI launchers, which leave RANK to ``deepspeed.init_distributed``'s
+    mpi4py discovery, after the start gate that needs it) each of the 8 would: 8 copies of the whole job, all on
+    GPU 0 (LOCAL_RANK 0), writing one output_dir."""
+    for name, launcher in _OTHER_LAUNCHERS.items():
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            return (f"distributed error: {launcher} started {value} processes ({name}={value}) but set no RANK, "
+                    "so each would run the whole job alone, as rank 0 of 1 on GPU 0: start the ranks with "
+                    "`deepspeed` (a hostfile, or --no_ssh on each node; not --launcher slurm or an MPI launcher) or "
+                    "`torchrun`, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for each process "
+                    "(for separate runs, one per process: RANK=0 and WORLD_SIZE=1)")
+    return None
 
 
 def _new_groups_take_timeout(timeout: timedelta) -> None:

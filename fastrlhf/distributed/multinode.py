@@ -147,9 +147,11 @@ def _open_store(rank: int, timeout_s: float):
         return TCPStore(addr, port, None, is_server, timedelta(seconds=timeout_s), wait_for_workers=False,
                         multi_tenant=True), is_server
     except Exception as exc:  # noqa: BLE001 -- torch raises DistStoreError, RuntimeError or OSError here
-        raise StartTimeout(f"distributed error: {where(rank)} could not reach the rendezvous at {addr}:{port} within "
-                           f"{timeout_s:.0f} s (FASTRLHF_DIST_TIMEOUT): node 0 failed, never started, or is not "
-                           f"reachable from this node ({_first_line(exc)})") from None
+        error = StartTimeout(f"distributed error: {where(rank)} could not reach the rendezvous at {addr}:{port} within "
+                             f"{timeout_s:.0f} s (FASTRLHF_DIST_TIMEOUT): node 0 failed, never started, or is not "
+                             f"reachable from this node ({_first_line(exc)})")
+        error.local = True  # only this node knows: rank 0, which would say it, is the one it cannot reach
+        raise error from None
 
 
 def start_gate(failure: str | None = None, timeout_s: float | None = None, rank: int | None = None,

@@ -66,6 +66,7 @@ def test_data_that_differs_between_ranks_fails_naming_the_file_and_ranks(tmp_pat
     with pytest.raises(DataError) as info:
         check_same_data()
     message = str(info.value)
+    assert comm.is_agreed(info.value)  # every rank raised it alike: the command line says it once
     assert len(message.splitlines()) == 1, message
     assert message.startswith("prompts.jsonl: the ranks loaded different data:"), message
     assert "on rank 0 (first: rank 0" in message and "on ranks 1-2 (first: rank 1)" in message, message
