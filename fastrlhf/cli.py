@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     except NodeError as exc:  # another node failed its checks, never came, or does not share output_dir
         _say(str(exc), local=exc.local)
         return exc.exit_code
-    except CheckpointError as exc:  # every rank's files are checked together (engine.checkpoint._rank_state)
-        _error("checkpoint error", str(exc))
+    except CheckpointError as exc:  # agreed ones (the ranks' files, engine.checkpoint._rank_state) said once
+        _rank_error(f"checkpoint error: {exc}", exc)
         return EXIT_BAD_INPUT
     except TooManySkippedSteps as exc:
         _error("error", f"{exc} (a checkpoint was saved; fix and rerun with --resume)")

@@ -232,7 +232,7 @@ def _rank_state(path: str, identity: dict | None) -> dict:
             problem = f"{rank_file} cannot be read ({type(exc).__name__}: {exc}); resume from another checkpoint"
     problems = [p.decode() for p in comm.gather_bytes(problem.encode()) if p]
     if problems:
-        raise CheckpointError(problems[0])
+        raise comm.agreed(CheckpointError(problems[0]))  # every rank saw every rank's problem: said once
     return state
 
 

@@ -59,9 +59,10 @@ def _agree_on_checkpoint(output_dir: str) -> None:
     if len(set(seen)) > 1:
         from fastrlhf.distributed.multinode import where
 
-        raise CheckpointError(f"the ranks see different latest checkpoints in {output_dir}: "
-                              + "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(seen))
-                              + f" (this is {where()}); output_dir must be one folder shared by every node")
+        raise comm.agreed(CheckpointError(f"the ranks see different latest checkpoints in {output_dir}: "
+                                          + "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(seen))
+                                          + f" (this is {where()}); output_dir must be one folder shared by every "
+                                          "node"))
 
 
 def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, stateful: dict, logger, guard,
