@@ -208,9 +208,8 @@ def _use(out, entry):
 def test_a_used_output_dir_is_refused_in_one_line_before_any_model_loads(command_yaml, tmp_path, capsys, dispatched,
                                                                          command, entry):
     _use(tmp_path / "out", entry)
-    started = time.monotonic()
     assert cli.main([command, "--config", command_yaml[command]]) == 2
-    assert time.monotonic() - started < 1.0 and dispatched == []
+    assert dispatched == []  # refused before the command ran: no model loaded (not a wall-clock bound)
     out = tmp_path / "out"
     assert capsys.readouterr().err.splitlines() == [
         f"config error: output_dir: {out} holds an earlier run ({entry}): add --resume to continue it, --overwrite to "
@@ -327,7 +326,7 @@ def test_overwrite_puts_the_earlier_run_back_when_the_run_ends_before_its_first_
 
     monkeypatch.setattr(cli, "_dispatch", models_load_then_the_first_step_fails)
     if code is None:
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match="crash at step 1"):
             cli.main(["train", "--config", train_yaml, "--overwrite"])
     else:
         assert cli.main(["train", "--config", train_yaml, "--overwrite"]) == code
@@ -363,7 +362,7 @@ def test_overwrite_deletes_the_earlier_run_once_the_run_has_logged_a_step(train_
         raise RuntimeError("crash at step 2")
 
     monkeypatch.setattr(cli, "_dispatch", one_step_then_crash)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="crash at step 2"):
         cli.main(["train", "--config", train_yaml, "--overwrite"])
     assert _files(out) == {"metrics.jsonl": '{"step": 1, "new": true}\n', "notes.txt": "mine"}
     assert capsys.readouterr().err.strip() == (f"note: --overwrite: removed the earlier run in {out} (config.yaml, "

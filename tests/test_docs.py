@@ -36,7 +36,7 @@ def read(page: str) -> str:
 
 def checkout_files() -> list[str]:
     out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, check=True).stdout.decode()
+                         capture_output=True, check=True, timeout=60).stdout.decode()
     return [p for p in out.split("\0") if p and os.path.exists(os.path.join(ROOT, p))]
 
 

@@ -180,7 +180,7 @@ def fake_pip(tmp_path):
 
     def make(version: str, mode: str = "metadata") -> dict:
         subprocess.run([sys.executable, str(tmp_path / "make.py"), str(tmp_path / "fake"), version], env=env,
-                       check=True)
+                       check=True, timeout=60)
         return {**env, "FAKE_PIP_MODE": mode}
 
     return make, tmp_path / "tmp", tmp_path / "pip.pid"

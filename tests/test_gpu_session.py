@@ -205,8 +205,10 @@ def test_what_a_cut_command_left_on_the_gpu_is_killed(device):
             assert "killing" not in log and other.poll() is None, log
         finally:
             other.kill()
+            other.wait(timeout=10)  # reaped: no zombie left for the rest of the session
     finally:
         rank.kill()
+        rank.wait(timeout=10)
 
 
 def test_an_unknown_call_says_which_there_are(device):

@@ -284,6 +284,7 @@ def test_policy_loss_hand_computed():
 def test_policy_loss_clip_higher_and_dual_clip():
     lp, old, adv, mask = _policy_case([math.log(1.5)], [1.0])
     close(policy_loss(lp, old, adv, mask, clip_high=0.28)[0], -1.28)
+    close(policy_loss(lp, old, adv, mask, clip_high=0.28, dual_clip=3.0)[0], -1.28)  # A > 0: no dual clip
     # A = -1, ratio 5: the clipped max is 5; dual clip c=3 caps it at -A*c = 3
     lp, old, adv, mask = _policy_case([math.log(5.0)], [-1.0])
     close(policy_loss(lp, old, adv, mask)[0], 5.0)
@@ -302,9 +303,11 @@ def test_value_loss_hand_computed():
 def test_vf_clipfrac_counts_active_clipping_only():
     # old + (v - old) is v give or take an ulp; an unclipped token must not count as clipped because
     # of that rounding (it would make the metric depend on how a batch was split into micro-batches).
-    v = t([[0.3, -1.7, 2.9, 0.05]])
-    old = v + t([[1e-7, -1e-7, 3e-7, -2e-8]])
-    _, metrics = value_loss(v, old, t([[5.0, -5.0, -5.0, 5.0]]), torch.ones(1, 4), clip=0.2)
+    v, old = t([[-0.24, -0.12, -0.1, -0.12]]), t([[-0.1, -0.29, 0.05, 0.06]])  # |v - old| <= 0.2 in fp32
+    ret = t([[-0.25, -0.11, -0.09, -0.13]])
+    rounded = old + (v - old)
+    assert (rounded != v).all() and ((rounded - ret).square() > (v - ret).square()).all()  # the case holds
+    _, metrics = value_loss(v, old, ret, torch.ones(1, 4), clip=0.2)
     assert float(metrics["vf_clipfrac"]) == 0.0
     _, metrics = value_loss(v, old - 1.0, t([[5.0, -5.0, -5.0, 5.0]]), torch.ones(1, 4), clip=0.2)
     assert float(metrics["vf_clipfrac"]) > 0.0

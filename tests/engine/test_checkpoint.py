@@ -41,8 +41,10 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     model, opt, guard = make_training()
     sampler = EpochSampler(5, seed=1)
     for step in range(1, 4):
-        train_step(model, opt, guard, step)
+        train_step(model, opt, guard, step, poison=step == 3)  # a skipped step: the guard has state to restore
         sampler.next_indices(2)
+    guard_state = guard.state_dict()
+    assert guard_state == {"skipped_total": 1, "skipped_in_row": 1}
     save_checkpoint(str(tmp_path), 3, {"model": model, "optimizer": opt, "sampler": sampler, "guard": guard})
     expected = []
     for step in range(4, 7):
@@ -52,7 +54,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     sampler2 = EpochSampler(5, seed=1)
     torch.manual_seed(999)  # scrambled RNG: the checkpoint must restore it
     restored = load_latest(str(tmp_path), {"model": model2, "optimizer": opt2, "sampler": sampler2, "guard": guard2})
-    assert restored["step"] == 3
+    assert restored["step"] == 3 and guard2.state_dict() == guard_state
     got = [(train_step(model2, opt2, guard2, step)[1], sampler2.next_indices(2)) for step in range(4, 7)]
     assert got == expected
 
@@ -74,6 +76,10 @@ def test_layout_latest_pointer_and_crash_leftovers(tmp_path):
     assert latest_checkpoint(out).endswith("step-4")
     save_checkpoint(out, 6, {"model": model}, keep_last=2)
     assert sorted(os.listdir(root)) == ["latest", "step-4", "step-6"]
+    # A pointer naming a folder that is gone (deleted by hand): the newest complete step dir, not a missing path.
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("step-9\n")
+    assert latest_checkpoint(out) == os.path.join(root, "step-6")
     with pytest.raises(CheckpointError, match="no state for 'optimizer'"):
         load_latest(out, {"model": model, "optimizer": opt})
 

@@ -125,6 +125,38 @@ def test_a_kill_while_a_step_is_saved_again_leaves_that_step_resumable(tmp_path,
     assert load_latest(out, {"model": model})["step"] == 4
 
 
+def test_a_kill_while_an_old_checkpoint_is_pruned_leaves_no_partial_step_folder(tmp_path, monkeypatch):
+    """Pruning deletes GBs: a kill part way must not leave a half-deleted ``step-N``. Here the step-8 of a run this
+    one resumed behind (its pointer said step-4) is pruned by the step-6 save; half deleted under its own name, a
+    later resume without the pointer would take it for the newest checkpoint."""
+    import shutil
+
+    import fastrlhf.engine.checkpoint as checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    out = str(tmp_path)
+    for step in (4, 8):
+        save_checkpoint(out, step, {"model": model})
+    root = checkpoint.checkpoint_root(out)
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("step-4\n")
+    real_rmtree = shutil.rmtree
+
+    def killed_in_delete(path, *args, **kwargs):
+        if os.path.isdir(path) and os.listdir(path):  # the step folder being pruned: its first file, then the kill
+            os.remove(os.path.join(path, sorted(os.listdir(path))[0]))
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_in_delete)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(out, 6, {"model": model}, keep_last=2)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-4", "step-6"]
+    os.remove(os.path.join(root, "latest"))
+    assert load_latest(out, {"model": model})["step"] == 6
+
+
 def test_keeping_the_last_k_never_deletes_the_checkpoint_just_written(tmp_path):
     """A pointer that lagged its rename (a kill between them) resumes at step 4 with a step-6 folder beside it: the
     step-5 save with keep_checkpoints 1 deleted step-5 itself and kept step-6, from the abandoned run."""

@@ -47,7 +47,8 @@ def assert_cast_equal(got, want):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("scale", [1.0 / 3, 65536.0])  # neither is a bf16 value; 65,536 is inf in fp16
+# 1/3 is neither a bf16 nor an fp16 value; 65,536 is inf in fp16 (and exact in bf16: there the old branch agrees)
+@pytest.mark.parametrize("scale", [1.0 / 3, 65536.0])
 def test_scale_cast_scales_a_low_precision_grad_in_place_in_fp32(dtype, scale):
     """A bf16/fp16 gradient (the fused head's grad_hidden) scaled in place: each product in fp32, rounded once,
     as the torch branch does it, not by ``grad_output`` rounded to the gradient's dtype first."""

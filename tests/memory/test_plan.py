@@ -360,7 +360,7 @@ def test_parse_bytes():
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("1536MiB") == 1536 << 20
     assert parse_bytes("12345") == 12345
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expected a size such as 80 \\(GiB\\).*got 'eighty'"):
         parse_bytes("eighty")
 
 

@@ -50,7 +50,7 @@ def test_an_export_that_fails_to_put_the_new_folder_in_place_keeps_the_old_one(t
         rename(src, dst)
 
     monkeypatch.setattr(os, "rename", killed_before_the_new_folder_lands)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="Input/output error"):  # the injected failure, not another one
         export_hf(make_tiny_llama(seed=1, **SHAPE), out)
     assert (tmp_path / "final" / "model.safetensors").read_bytes() == before
     monkeypatch.setattr(os, "rename", rename)

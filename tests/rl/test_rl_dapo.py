@@ -98,7 +98,7 @@ def test_the_first_differing_groups_are_kept_in_draw_order_and_equal_ones_fill_t
     assert pick_groups([False, True, False, True, True, True], 3) == ([1, 3, 4], 0)
     assert pick_groups([False, True, False, False, True], 3) == ([0, 1, 4], 1)
     assert pick_groups([False, False], 2) == ([0, 1], 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="1 groups cannot fill a share of 2"):
         pick_groups([True], 2)
 
 
@@ -267,14 +267,16 @@ def test_the_overlong_penalty_shapes_training_scores_not_validation_scores():
 # Overlong filtering
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "ppo", "packed"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "ppo", "packed",
+                                 "reinforce++"])
 def test_masked_truncated_completions_train_nothing(agg, monkeypatch):
     """With ``mask_truncated_completions`` the tokens of cut completions never reach the gradient: rewriting them
     (same lengths, same scores, so the same group advantages) leaves the updated parameters equal bit for bit,
     and the other rows are weighted as if the cut ones were not in the batch (token-mean: each minibatch's
     weights still sum to 1). Without it the update moves. PPO: the actor and the critic alike, its advantages
-    whitened over the tokens trained (the cut rows' shifted every other row's advantage). Packed: micro-batches of
-    at most 40 tokens, each one row with no padding."""
+    whitened over the tokens trained (the cut rows' shifted every other row's advantage); REINFORCE++ alike, its
+    KL in the reward making a cut row's returns depend on its tokens. Packed: micro-batches of at most 40 tokens,
+    each one row with no padding."""
     from helpers.rl_case import PPO, PROMPTS, SCORES, FixedScorer, changed, fixed_completions, tiny_critic
 
     from fastrlhf.modeling import use_attention
@@ -290,7 +292,9 @@ def test_masked_truncated_completions_train_nothing(agg, monkeypatch):
 
     def step(completions, mask):
         packed = dict(agg="token-mean", packing=True, max_tokens_per_microbatch=40, grad_accum=1)
+        reinforce = dict(adv_estimator="reinforce_plus_plus", kl_in_reward=True, whiten_advantages=True)
         hp = (make_config(PPO, whiten_advantages=True, mask_truncated_completions=mask) if ppo else
+              make_config(GRPO, **reinforce, mask_truncated_completions=mask) if agg == "reinforce++" else
               make_config(GRPO, **(packed if agg == "packed" else {"agg": agg}), mask_truncated_completions=mask))
         actor, critic, reference = tiny_actor(), tiny_critic() if ppo else None, tiny_actor(seed=1).eval()
         for model in (actor, reference):

@@ -20,6 +20,15 @@ def test_single_process_equals_masked_whiten():
     torch.testing.assert_close(whiten_across_ranks(adv, mask), masked_whiten(adv, mask))
 
 
+def test_fewer_than_two_kept_tokens_are_returned_unchanged():
+    """No variance to divide by: not whitened to zeros (one token) or NaN (none)."""
+    adv, _ = batch()
+    for kept in (0, 1):
+        mask = torch.zeros_like(adv)
+        mask.view(-1)[:kept] = 1.0
+        torch.testing.assert_close(whiten_across_ranks(adv, mask), adv, rtol=0, atol=0)
+
+
 def _rank(rank, port, out):
     import datetime
 

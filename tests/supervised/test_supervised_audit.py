@@ -177,15 +177,19 @@ def test_a_pairs_margin_enters_the_loss_as_in_trl(tmp_path):
     torch.manual_seed(0)
     model = LlamaForSequenceClassification(tiny_llama_config(vocab_size=VOCAB, hidden_size=32, num_heads=1,
                                                              num_labels=1, pad_token_id=0)).eval()
-    pairs = [PairExample([5, 6], [7, 8], [9], 2.5), PairExample([5], [10, 11, 12], [13], -1.0)]
+    # The third pair is the second one swapped: one pair the model ranks wrong, so the metrics see a sign.
+    pairs = [PairExample([5, 6], [7, 8], [9], 2.5), PairExample([5], [10, 11, 12], [13], -1.0),
+             PairExample([5], [13], [10, 11, 12], 0.0)]
     with torch.no_grad():
         rewards = scores(model, [p.prompt_ids + p.chosen_ids for p in pairs]
                          + [p.prompt_ids + p.rejected_ids for p in pairs], 0)[:, 0]
         loss, metrics = pairwise_loss(model, pairs, 0)
-    diff = rewards[:2] - rewards[2:]
-    want = -torch.nn.functional.logsigmoid(diff - torch.tensor([2.5, -1.0])).mean()
+    diff = rewards[:3] - rewards[3:]
+    assert (diff > 0).tolist() == [True, True, False], diff
+    want = -torch.nn.functional.logsigmoid(diff - torch.tensor([2.5, -1.0, 0.0])).mean()
     torch.testing.assert_close(loss, want)
     torch.testing.assert_close(metrics["margin"], diff.mean())  # the scores' margin, as TRL logs it
+    torch.testing.assert_close(metrics["accuracy"], torch.tensor(2 / 3))  # of the scores, not of the margins
 
 
 def test_margins_reach_the_model_device():
