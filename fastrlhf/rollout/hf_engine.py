@@ -81,12 +81,29 @@ class _SampledTokenLogprobs:
         return torch.stack(self.steps, dim=1)
 
 
+class _GeneratedOnly:
+    """A stopping criterion applied to the tokens after ``prompt_width`` (the generated ones) only."""
+
+    def __init__(self, criterion, prompt_width: int):
+        self.criterion, self.prompt_width = criterion, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return self.criterion(input_ids[:, self.prompt_width :], scores, **kwargs)
+
+
 def _as_id_list(x) -> list[int]:
     if x is None:
         return []
     if isinstance(x, int):
         return [x]
     return [int(t) for t in x]
+
+
+def _generation_config_holders(model) -> list:
+    """``model``, and under a PEFT wrapper the transformers model too: PEFT's ``generate`` copies the wrapper's
+    generation_config into it, where restoring the wrapper's alone left it blank for good."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return [model] if inner is model else [model, inner]
 
 
 class HFEngine(RolloutEngine):
@@ -163,36 +180,44 @@ class HFEngine(RolloutEngine):
             use_cache=True,
             return_dict_in_generate=False,
         )
+        seed = sampling.seed if not seeds else int(seeds[0])  # one stream draws for the whole batch
+        if seed is None and not sampling.greedy:
+            # Drawn from the caller's stream, outside the fork below, which rewinds it: else every unseeded call
+            # would start from the same state and repeat the previous call's samples.
+            seed = int(torch.randint(0, 2**62, ()))
         was_training = self.model.training
         # generate() fills unset fields from the model's generation_config (a checkpoint's
         # repetition_penalty, top_k=50...): swap in a blank one so only this config applies.
-        saved_gen_config = getattr(self.model, "generation_config", None)
-        self.model.generation_config = GenerationConfig()
+        saved_gen_configs = [(m, getattr(m, "generation_config", None)) for m in _generation_config_holders(self.model)]
+        for m, _ in saved_gen_configs:
+            m.generation_config = GenerationConfig()
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode(), \
                     eager_layers(self.model), \
                     fp32_logits_head(self.model) if self.fp32_logits else contextlib.nullcontext():
-                seed = sampling.seed if not seeds else int(seeds[0])  # one stream draws for the whole batch
                 if seed is not None:
                     torch.manual_seed(seed)
                 sequences = self.model.generate(
                     **to_device(dict(input_ids=input_ids, attention_mask=attention_mask), device),
                     generation_config=gen_config,
                     logits_processor=LogitsProcessorList([recorder]),
-                    stopping_criteria=self._stop_string_criteria(sampling.stop),
+                    stopping_criteria=self._stop_string_criteria(sampling.stop, width),
                 )
                 logprobs = recorder.finish(sequences).float().cpu()
         finally:
             self.model.train(was_training)
-            self.model.generation_config = saved_gen_config
+            for m, saved in saved_gen_configs:
+                m.generation_config = saved
         new_tokens = sequences[:, width:].cpu()
         results = self._split(new_tokens, logprobs, limits, sampling.n, set(stop_ids))
         return cut_at_stop_strings(results, sampling.stop, self.tokenizer)
 
-    def _stop_string_criteria(self, stop: tuple[str, ...]):
-        """HF's early stop for rows whose text ends with a stop string (where it can index the vocab;
-        ``cut_at_stop_strings`` decides the cut either way, so without it rows only run longer)."""
+    def _stop_string_criteria(self, stop: tuple[str, ...], prompt_width: int = 0):
+        """HF's early stop for rows whose generated text ends with a stop string (where it can index the vocab;
+        ``cut_at_stop_strings`` decides the cut either way, so without it rows only run longer). Tokens before
+        ``prompt_width`` are the prompt's: a stop string begun there is none (the cut, like vLLM, reads the
+        completion only), and a row ended on one ran on as padding, trained on as the policy's tokens."""
         from transformers import StoppingCriteriaList
         from transformers.generation.stopping_criteria import StopStringCriteria
 
@@ -204,7 +229,9 @@ class HFEngine(RolloutEngine):
                 cache[stop] = StopStringCriteria(self.tokenizer, list(stop))
             except Exception:  # noqa: BLE001 -- a vocab HF cannot clean: no early stop, same result
                 cache[stop] = None
-        return StoppingCriteriaList([cache[stop]] if cache[stop] is not None else [])
+        if cache[stop] is None:
+            return StoppingCriteriaList()
+        return StoppingCriteriaList([_GeneratedOnly(cache[stop], prompt_width)])
 
     @staticmethod
     def _split(new_tokens, logprobs, limits, n, stop_ids) -> list[list[Completion]]:

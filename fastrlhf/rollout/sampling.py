@@ -47,6 +47,9 @@ class SamplingConfig:
             raise ValueError(
                 f"SamplingConfig.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
+        if self.temperature == 0 and self.n > 1:  # else each engine fails at generate, in its own words
+            raise ValueError(f"SamplingConfig.n must be 1 with temperature 0 (greedy): {self.n} greedy completions "
+                             "of a prompt are one completion repeated")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not (0 < self.top_p <= 1):
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):

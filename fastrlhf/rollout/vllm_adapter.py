@@ -17,9 +17,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from fastrlhf.config.rollout_checks import VLLM_MIN_TEMPERATURE  # the config refuses below it too
+
 __all__ = [
     "CPU_SUPPORTED_HEAD_SIZES",
     "VLLM_FINISH_REASONS",
+    "VLLM_MIN_TEMPERATURE",
     "IN_PLACE_UPDATERS",
     "cpu_supported_head_sizes",
     "llm_kwargs",
@@ -178,6 +181,10 @@ def asleep_bytes() -> int:
 def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None):
     from vllm import SamplingParams
 
+    if 0 < sampling.temperature < VLLM_MIN_TEMPERATURE:
+        raise ValueError(f"SamplingConfig.temperature {sampling.temperature} is below vLLM's smallest, "
+                         f"{VLLM_MIN_TEMPERATURE} (vLLM would sample at {VLLM_MIN_TEMPERATURE} and its logprobs would "
+                         "not be the trainer's): use 0 (greedy), at least 0.01, or the HF engine")
     return SamplingParams(
         n=sampling.n,
         temperature=sampling.temperature,
