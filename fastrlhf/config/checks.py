@@ -10,17 +10,12 @@ import os
 
 from . import model_checks as M
 from .errors import ConfigError
+from .errors import positive as _positive
 from .model_checks import check_model_folder as _check_model_folder  # by this name: fastrlhf plan swaps it
+from .rollout_checks import check_rollout
 from .schema import DeepSpeedConfig, LoopConfig, ModelConfig, RMConfig, SFTConfig, SFTTrainerConfig, TrainConfig
 
 __all__ = ["validate", "check_world_size"]
-
-
-def _positive(value, key: str, strict: bool = True):
-    if value is None:
-        return
-    if (value <= 0) if strict else (value < 0):
-        raise ConfigError(key, f"must be {'> 0' if strict else '>= 0'}, got {value}")
 
 
 def _check_path(path: str | None, key: str, base: str):
@@ -60,6 +55,12 @@ def _check_model(m: ModelConfig, base: str, command: str, key: str = "model") ->
         raise ConfigError(f"{key}.compile", f"cannot be combined with {key}.liger_kernels (both replace the "
                                             "layers' norm, rotary and SwiGLU kernels): set one of them")
     return hf_config
+
+
+def _check_template_kwargs(kwargs: dict) -> None:  # the arguments fastrlhf itself passes to apply_chat_template
+    if taken := sorted(set(kwargs) & {"conversation", "tools", "tokenize", "add_generation_prompt", "return_dict"}):
+        raise ConfigError("data.chat_template_kwargs", f"{taken[0]!r} is set by fastrlhf; give the template's own "
+                                                       "variables only (e.g. enable_thinking: false)")
 
 
 def _check_seed(seed: int) -> None:
@@ -150,6 +151,7 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
     if not c.data.prompt_field:
         raise ConfigError("data.prompt_field", "must be a non-empty field name")
+    _check_template_kwargs(c.data.chat_template_kwargs)
 
     r = c.reward
     if r.function is not None and r.model_path is not None:
@@ -183,32 +185,7 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(ro.n, "rollout.n")
     if c.algorithm == "grpo" and c.trainer.adv_estimator == "auto":
         _check_group_size("grpo", ro.n)
-    if ro.temperature < 0:
-        raise ConfigError("rollout.temperature", f"must be >= 0, got {ro.temperature}")
-    if ro.temperature == 0 and ro.n > 1:
-        _refuse_greedy_group(c)
-    if not 0.0 < ro.top_p <= 1.0:
-        raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
-    if ro.top_k == 0 or ro.top_k < -1:
-        raise ConfigError("rollout.top_k", f"must be -1 (off) or >= 1, got {ro.top_k}")
-    _positive(ro.max_new_tokens, "rollout.max_new_tokens")
-    for folder, key in ((actor, "model.path"), (reference, "reference.path"), (critic, "critic.path")):
-        M.check_positions(folder, c.data.max_prompt_len + ro.max_new_tokens, "rollout.max_new_tokens",
-                          "data.max_prompt_len + rollout.max_new_tokens = ", key)
-    _positive(ro.sync_bucket_bytes, "rollout.sync_bucket_bytes")
-    if ro.kv_cache_bytes != "auto":
-        _positive(ro.kv_cache_bytes, "rollout.kv_cache_bytes")
-    if ro.gpu_memory_utilization != "auto" and not 0.0 < ro.gpu_memory_utilization <= 1.0:
-        raise ConfigError("rollout.gpu_memory_utilization", f"must be in (0, 1] or auto, got "
-                                                             f"{ro.gpu_memory_utilization}")
-    _positive(ro.tensor_parallel_size, "rollout.tensor_parallel_size")
-    if ro.tensor_parallel_size > 1 and ro.engine == "hf":
-        raise ConfigError("rollout.tensor_parallel_size", "tensor parallelism is vLLM's; set rollout.engine: vllm")
-    _positive(ro.max_logprob_mismatch, "rollout.max_logprob_mismatch")
-    _positive(ro.mismatch_probe, "rollout.mismatch_probe")
-    _positive(ro.max_turns, "rollout.max_turns")
-    _positive(ro.tool_timeout_s, "rollout.tool_timeout_s")
-    _positive(ro.max_tool_tokens, "rollout.max_tool_tokens")
+    check_rollout(c, actor, reference, critic)
     if r.overlong_buffer is not None:
         if not 0 < r.overlong_buffer <= ro.max_new_tokens:
             raise ConfigError("reward.overlong_buffer", f"must be in [1, rollout.max_new_tokens = {ro.max_new_tokens}]"
@@ -218,12 +195,6 @@ def _validate_train(c: TrainConfig, base: str):
                                                         "rollout.max_new_tokens; an episode's completion holds several "
                                                         "turns and the tools' replies")
     _positive(r.overlong_penalty, "reward.overlong_penalty", strict=False)
-    if (ro.tools or ro.environment) and ro.tensor_parallel_size > 1:
-        raise ConfigError("rollout.tools", "multi-turn episodes advance each rank's engine on its own; they do not run "
-                          "with rollout.tensor_parallel_size > 1 yet")
-    if any(not isinstance(x, str) or not x for x in ro.stop):
-        raise ConfigError("rollout.stop", f"stop strings must be non-empty strings, got {ro.stop!r}")
-    M.check_stop_token_ids(ro.stop_token_ids, actor)
 
     t = c.trainer
     _check_loop(t)
@@ -396,17 +367,6 @@ def _check_adv_estimator(c) -> None:
         _check_group_size(name, c.rollout.n)
 
 
-def _refuse_greedy_group(c) -> None:
-    """``rollout.temperature`` 0 with ``rollout.n > 1``: the n completions of a prompt are one completion n times."""
-    from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS, adv_estimator_of
-
-    name = adv_estimator_of(c)
-    traits = ADV_ESTIMATOR_TRAITS.get(name)
-    why = f" ({name} compares them: every advantage would be 0)" if traits is not None and traits.needs_groups else ""
-    raise ConfigError("rollout.n", f"{c.rollout.n} greedy completions of a prompt are all the same{why}; set "
-                                   "rollout.temperature > 0, or rollout.n: 1")
-
-
 def _check_group_size(estimator: str, n: int) -> None:
     if n < 2:
         raise ConfigError("rollout.n", f"{estimator} compares completions within a group and needs rollout.n >= 2, "
@@ -426,6 +386,7 @@ def _validate_sft(c: SFTConfig, base: str):
     _positive(c.data.max_len, "data.max_len")
     M.check_positions(model, c.data.max_len, "data.max_len", "", "model.path")
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
+    _check_template_kwargs(c.data.chat_template_kwargs)
     _validate_small_trainer(c.trainer)
     _check_deepspeed(c.deepspeed, c.model)
 

@@ -1,8 +1,8 @@
-"""The one error type of run configuration."""
+"""The one error type of run configuration, and the range rule most checks use."""
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "positive"]
 
 
 class ConfigError(ValueError):
@@ -11,3 +11,11 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str):
         self.key = key
         super().__init__(f"{key}: {message}" if key else message)
+
+
+def positive(value, key: str, strict: bool = True) -> None:
+    """``key`` must be > 0 (``strict``) or >= 0; None (unset) passes."""
+    if value is None:
+        return
+    if (value <= 0) if strict else (value < 0):
+        raise ConfigError(key, f"must be {'> 0' if strict else '>= 0'}, got {value}")

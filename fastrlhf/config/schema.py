@@ -108,6 +108,9 @@ class DataConfig:
     # a `messages` row always goes through the tokenizer's chat template (with the generation prompt);
     # true: text prompts too (as one user message); auto: only chats; false: chats are bad lines
     chat_template: bool | Literal["auto"] = "auto"
+    # The template's own variables, for the prompts and every later turn of an episode (TRL's chat_template_kwargs;
+    # Qwen3: {enable_thinking: false})
+    chat_template_kwargs: dict = field(default_factory=dict)
     overlong: Literal["error", "truncate", "skip"] = "error"  # prompts over max_prompt_len (truncate keeps the end)
     # A column some rows lack (their rewards see None) is a warning at load; true: an error (data and eval.data)
     strict_columns: bool = False
@@ -309,6 +312,7 @@ class SFTDataConfig:
     max_len: int = 512  # prompt + response tokens; longer examples are reported as bad lines
     max_prompt_len: int | None = None
     chat_template: bool | Literal["auto"] = "auto"  # as data.chat_template of `fastrlhf train`
+    chat_template_kwargs: dict = field(default_factory=dict)  # as data.chat_template_kwargs of `fastrlhf train`
     # Which assistant turns of a `messages` chat the loss trains: the last (every earlier turn is prompt), or all
     # (each in the context of the turns before it; the user and tool turns between them are read, not trained)
     assistant_turns: Literal["last", "all"] = "last"

@@ -149,7 +149,7 @@ def _check_choices(chat_template, overlong=None):
 def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: int | None = None,
                  vocab_size: int | None = None, tokenizer_path: str | None = None, *,
                  chat_template: bool | str = "auto", overlong: str = "error",
-                 tools: list[dict] | None = None) -> list[PromptExample]:
+                 tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[PromptExample]:
     """RL prompts, one per row: ``{"prompt_ids": [...]}``, ``{"prompt": "text"}`` or ``{"messages": [{"role",
     "content"}, ...]}`` (the prompt field's names come from ``prompt_field``; a chat in it works too).
 
@@ -165,10 +165,11 @@ def load_prompts(path: str, prompt_field: str = "prompt_ids", max_prompt_len: in
     Every other column of a row (``answer``, ``data_source``...) travels in the example's ``meta`` (a
     :class:`Columns`, which also holds the prompt as given), so reward functions receive it; a key in
     ``meta`` itself wins over a column of the same name. ``source`` is the row's ``file:line``. ``tools``: the
-    JSON schemas the chat template lists in each chat prompt (``rollout.tools``).
+    JSON schemas the chat template lists in each chat prompt (``rollout.tools``); ``chat_template_kwargs``: the
+    template's own variables (``data.chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``).
     """
     _check_choices(chat_template, overlong)
-    tokenizer = LazyTokenizer(tokenizer_path, tools)
+    tokenizer = LazyTokenizer(tokenizer_path, tools, chat_template_kwargs)
     names = _id_and_text_names(prompt_field)
 
     def parse(row: dict, where: str) -> PromptExample:
@@ -241,7 +242,7 @@ def _not_a_prefix(context: list[int], ids: list[int], tokenizer: LazyTokenizer, 
 def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None,
                       vocab_size: int | None = None, tokenizer_path: str | None = None, *,
                       chat_template: bool | str = "auto", tools: list[dict] | None = None,
-                      assistant_turns: str = "last") -> list[SFTExample]:
+                      assistant_turns: str = "last", chat_template_kwargs: dict | None = None) -> list[SFTExample]:
     """SFT pairs: ``{"prompt_ids"/"prompt", "response_ids"/"response"}`` or ``{"messages": [..., {"role":
     "assistant", "content": ...}]}`` rows.
 
@@ -249,13 +250,14 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
     response is the last (assistant) message's text, tokenized without special tokens, plus EOS (as a text
     response). ``assistant_turns: all`` (``data.assistant_turns``) trains every assistant turn after the
     first message the same way, each in the context of the turns before it; the turns between them are read,
-    not trained (the example's ``response_mask``). ``chat_template`` and ``tools`` as in :func:`load_prompts`.
+    not trained (the example's ``response_mask``). ``chat_template``, ``tools`` and ``chat_template_kwargs`` as in
+    :func:`load_prompts`.
     """
     _check_choices(chat_template)
     if assistant_turns not in ASSISTANT_TURNS_CHOICES:
         raise ValueError(f"assistant_turns must be one of {', '.join(ASSISTANT_TURNS_CHOICES)}, "
                          f"got {assistant_turns!r}")
-    tokenizer = LazyTokenizer(tokenizer_path, tools)
+    tokenizer = LazyTokenizer(tokenizer_path, tools, chat_template_kwargs)
     pair_fields = ("prompt_ids", "prompt", "response_ids", "response")
 
     def parse(row: dict, where: str) -> SFTExample:

@@ -49,9 +49,10 @@ CHAT_FIELD = "messages"
 class LazyTokenizer:
     """Loads the tokenizer of ``model_path`` only if a text field is met (token-id data needs none)."""
 
-    def __init__(self, model_path: str | None, tools: list[dict] | None = None):
+    def __init__(self, model_path: str | None, tools: list[dict] | None = None, template_kwargs: dict | None = None):
         self.model_path = model_path
         self.tools = tools or None  # JSON schemas a chat's template lists (rollout.tools)
+        self.template_kwargs = dict(template_kwargs or {})  # the template's own variables (data.chat_template_kwargs)
         self._tokenizer = None
         self._failure: str | None = None  # why loading failed (tried once, not once per row)
 
@@ -89,7 +90,7 @@ class LazyTokenizer:
             raise _BadLine(f"field {field_name!r} needs a tokenizer with a chat template{why} ({reason})")
         try:
             out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                                **({"tools": self.tools} if self.tools else {}))
+                                                **({"tools": self.tools} if self.tools else {}), **self.template_kwargs)
         except Exception as exc:  # noqa: BLE001 -- a template that raises (roles must alternate...) is a bad line
             detail = " ".join(str(exc).split())
             raise _BadLine(f"the chat template failed on field {field_name!r} "

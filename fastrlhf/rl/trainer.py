@@ -85,7 +85,8 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
         from fastrlhf.rollout.episodes import EpisodeRunner
 
         episodes = EpisodeRunner(rollout, toolbox, tokenizer, config.rollout.max_turns,
-                                 say=(lambda line: print(line, flush=True)) if D.is_main() else None)
+                                 say=(lambda line: print(line, flush=True)) if D.is_main() else None,
+                                 chat_template_kwargs=config.data.chat_template_kwargs)
     step = RLStep(config, actor_engine, rollout, scorer, reference=reference, critic=critic, pad_token_id=pad_id,
                   rollout_shares_actor=shares, device=device, guard=guard, episodes=episodes)
     if step.kl_control is not None:
@@ -209,7 +210,8 @@ def preflight(config) -> Prepared:
     def load(path):
         return load_prompts(path, d.prompt_field, d.max_prompt_len, vocab_size=vocab, tokenizer_path=config.model.path,
                             chat_template=d.chat_template, overlong=d.overlong,
-                            tools=toolbox.schemas if toolbox is not None else None)
+                            tools=toolbox.schemas if toolbox is not None else None,
+                            chat_template_kwargs=d.chat_template_kwargs)
 
     examples = load(d.prompts)
     eval_examples = load(config.eval.data) if config.eval.data is not None else None

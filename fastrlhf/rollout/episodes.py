@@ -39,6 +39,7 @@ def with_prefix_cache_hit(metrics: dict) -> dict:
         metrics[PREFIX_CACHE_HIT] = metrics[PREFIX_CACHED] / metrics[RESUBMITTED]
     return metrics
 
+_REASONING_END = "</think>"  # Qwen3's and DeepSeek-R1's end of reasoning
 _MARK_USER, _MARK_ASSISTANT, _MARK_TOOL = "fastrlhf-user-mark", "fastrlhf-assistant-mark", "fastrlhf-tool-mark"
 
 
@@ -52,12 +53,18 @@ class TurnTemplate:
     ``between`` is read after the assistant's content in a conversation that goes on with a tool turn, never by
     cutting off a rendering where the assistant message is the last: a template may render the last assistant
     message differently (Qwen3's wraps it in an empty ``<think>`` block), and only what follows its content counts.
+
+    ``template_kwargs`` go to every rendering (``enable_thinking=False`` for Qwen3): they must be those the prompts
+    were rendered with, or later turns open differently from the first (Qwen3's non-thinking header ends with an
+    empty ``<think>`` block: without it, the policy thinks from its second turn on). ``header`` is the text that
+    opens a later assistant turn: :meth:`EpisodeRunner.generate` says once where a prompt does not end with it.
     """
 
-    def __init__(self, tokenizer, tool_schemas: Sequence[dict] = (), say=print):
+    def __init__(self, tokenizer, tool_schemas: Sequence[dict] = (), say=print, template_kwargs: dict | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("tool use needs a tokenizer with a chat template (the model's path has none)")
         self.tokenizer, self.tools = tokenizer, list(tool_schemas) or None
+        self.template_kwargs = dict(template_kwargs or {})
         self.base_messages = base = [{"role": "user", "content": _MARK_USER},
                                      {"role": "assistant", "content": _MARK_ASSISTANT}]
         if _MARK_ASSISTANT not in self.render(base):
@@ -66,6 +73,8 @@ class TurnTemplate:
         if _MARK_ASSISTANT not in probe or _MARK_TOOL not in probe.split(_MARK_ASSISTANT, 1)[1]:
             raise ValueError("the chat template does not render a tool message after an assistant message's content: "
                              "the tool turn's tokens cannot be read from it")
+        closed = self.render(base + [{"role": "tool", "name": "probe", "content": _MARK_TOOL}])
+        self.header = probe[len(closed):] if probe.startswith(closed) else ""
         self.prefix_preserving = self._prefix_preserving()
         if not self.prefix_preserving and say is not None:
             say("rollout: the chat template is not prefix-preserving (re-rendering a conversation changes its "
@@ -73,7 +82,7 @@ class TurnTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
 
     def _prefix_preserving(self) -> bool:
         """Whether rendering a conversation with one more turn keeps the earlier text (TRL's check)."""
@@ -137,30 +146,30 @@ class EpisodeRunner:
     ``tools/errors``, ``tools/timeouts`` (this call's totals), ``tools/turns`` (assistant turns per episode),
     ``tools/calls_per_episode`` and, with vLLM, ``tools/resubmitted_tokens`` (the continued episodes' histories
     sent again), ``tools/prefix_cached_tokens`` (those its prefix cache served, not recomputed) and, where some
-    were sent, ``tools/prefix_cache_hit``: their ratio.
+    were sent, ``tools/prefix_cache_hit``: their ratio. ``chat_template_kwargs``: as the prompts were rendered with
+    (:class:`TurnTemplate`).
     """
 
-    def __init__(self, engine, toolbox: Toolbox, tokenizer, max_turns: int = 4, say=print):
+    def __init__(self, engine, toolbox: Toolbox, tokenizer, max_turns: int = 4, say=print,
+                 chat_template_kwargs: dict | None = None):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.engine, self.toolbox, self.tokenizer, self.max_turns = engine, toolbox, tokenizer, max_turns
-        self.template = TurnTemplate(tokenizer, toolbox.schemas, say=say)
+        self.template = TurnTemplate(tokenizer, toolbox.schemas, say=say, template_kwargs=chat_template_kwargs)
+        self.say, self.header_checked = say, False
         self.eos_texts = {i: tokenizer.convert_ids_to_tokens(i) for i in getattr(engine, "eos_token_ids", [])}
         self.turn_ends = dict(self.eos_texts)
         self.metrics: dict[str, float] = {}
 
     def start(self, prompts: list[list[int]], metas: Sequence[dict] | None, n: int) -> list[Episode]:
-        """``n`` episodes per prompt, each with its own environment instance (reset with its row)."""
+        """``n`` episodes per prompt, each with its own environment instance (reset with its row, under the tools'
+        timeout: :meth:`fastrlhf.rollout.tools.Toolbox.new_environment`)."""
         episodes = []
         for i, prompt in enumerate(prompts):
             meta = metas[i] if metas is not None else {}
             for _ in range(n):
-                environment = self.toolbox.new_environment()
-                episode_prompt = list(prompt)
-                if environment is not None:
-                    extra = environment.reset(**dict(meta or {}))
-                    if extra is not None:
-                        episode_prompt = self._prompt_with(meta, extra, prompt)
+                environment, extra = self.toolbox.new_environment(meta, f" (prompt {i} of the rollout batch)")
+                episode_prompt = list(prompt) if extra is None else self._prompt_with(meta, extra, prompt)
                 episodes.append(Episode(len(episodes), i, episode_prompt, self.toolbox.bound(environment),
                                         environment))
         return episodes
@@ -180,6 +189,7 @@ class EpisodeRunner:
                  ) -> list[list[Completion]]:
         from dataclasses import replace
 
+        self._check_header(prompts)
         episodes = self.start(prompts, metas, sampling.n)
         # A turn ends on the model's eos or on one of rollout.stop_token_ids (an end-of-turn token the model's eos
         # list lacks): either is the start of the template's closing, generated, so not added again.
@@ -218,6 +228,20 @@ class EpisodeRunner:
             self.metrics.update({PREFIX_CACHED: float(continued[0]), RESUBMITTED: float(continued[1])})
             with_prefix_cache_hit(self.metrics)
         return [[e.completion(prompts[i]) for e in episodes[i * n:(i + 1) * n]] for i in range(len(prompts))]
+
+    def _check_header(self, prompts: list[list[int]]) -> None:
+        """Say once where the first prompt does not open its assistant turn as the template opens the later ones
+        (rendered with other chat template arguments, e.g. Qwen3's ``enable_thinking``): its episodes' turns would
+        be conditioned on two different headers."""
+        header = self.template.header
+        if self.header_checked or not prompts or not header or self.say is None:
+            return
+        self.header_checked = True
+        tail = self.tokenizer.decode(prompts[0][-4 * len(header):], skip_special_tokens=False)
+        if not tail.endswith(header):
+            self.say(f"rollout: the prompts end with {tail[-len(header) - 32:]!r}, but the chat template opens the "
+                     f"assistant turns after a tool turn with {header!r}: render the prompts with the same chat "
+                     f"template arguments (e.g. enable_thinking) as the episodes")
 
     def _take_turn(self, e: Episode, turn: Completion) -> list | None:
         """Append one generated turn; returns its tool calls where it calls tools and may go on, else None."""
@@ -278,9 +302,11 @@ class EpisodeRunner:
 
     def _call_text(self, token_ids: list[int]) -> str:
         """A turn's text as the tool-call parser reads it: special tokens kept (a tokenizer may make the call tags
-        special tokens, as vLLM's chat server assumes whenever tools are given), but not the eos it ended on."""
+        special tokens, as vLLM's chat server assumes whenever tools are given), but not the eos it ended on, nor
+        its reasoning (up to the last ``</think>``: a call drafted while thinking is not made, as vLLM's chat server
+        parses calls from the content its reasoning parser leaves)."""
         end = len(token_ids) - 1 if token_ids and token_ids[-1] in self.turn_ends else len(token_ids)
-        return self.tokenizer.decode(token_ids[:end], skip_special_tokens=False)
+        return self.tokenizer.decode(token_ids[:end], skip_special_tokens=False).rsplit(_REASONING_END, 1)[-1]
 
     @staticmethod
     def _metrics(episodes: list[Episode]) -> dict[str, float]:

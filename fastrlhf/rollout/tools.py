@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["TOOL_CALL_PARSERS", "Tool", "ToolCall", "Toolbox", "load_toolbox", "parse_hermes",
+__all__ = ["TOOL_CALL_PARSERS", "EnvironmentResetError", "Tool", "ToolCall", "Toolbox", "load_toolbox", "parse_hermes",
            "register_tool_call_parser", "run_tool_call", "run_toolbox"]
 
 
@@ -164,9 +164,30 @@ class Toolbox:
     def parse(self, text: str) -> list[ToolCall]:
         return TOOL_CALL_PARSERS[self.parser](text)
 
-    def new_environment(self):
-        """One environment instance for one episode (None without an environment)."""
-        return self.environment() if self.environment is not None else None
+    def new_environment(self, row: dict | None = None, where: str = ""):
+        """``(instance, text reset returned)`` for one episode (``(None, None)`` without an environment), made and
+        reset with ``row`` under ``timeout_s``: a reset that hangs (a sandbox that never comes up) hung the rollout,
+        and every other rank in its next collective. An EnvironmentResetError (one line, naming the class, the
+        timeout and ``where``) for one that hangs or raises."""
+        if self.environment is None:
+            return None, None
+        stage = ["making an instance"]
+
+        def start():
+            instance = self.environment()
+            stage[0] = "reset()"
+            return instance, instance.reset(**dict(row or {}))
+
+        result, exc, timed_out = _call_with_timeout(start, {}, self.timeout_s)
+        name = self.environment.__name__
+        if timed_out:
+            raise EnvironmentResetError(f"rollout.environment: {name} {stage[0]} did not return within "
+                                        f"{self.timeout_s:g} s (rollout.tool_timeout_s){where}")
+        if exc is not None:
+            detail = " ".join(str(exc).split())
+            raise EnvironmentResetError(f"rollout.environment: {name} {stage[0]} raised {type(exc).__name__}"
+                                        f"{f': {detail}' if detail else ''}{where}") from exc
+        return result
 
     def bound(self, environment) -> dict[str, Callable]:
         """Name -> callable for one episode: the functions, and the methods of its environment instance."""
@@ -222,6 +243,10 @@ def run_toolbox(config) -> Toolbox | None:
         return load_toolbox(ro.tools, ro.environment, ro.tool_parser, ro.tool_timeout_s)
     except ValueError as exc:
         raise ConfigError("", str(exc)) from None
+
+
+class EnvironmentResetError(RuntimeError):
+    """An episode's environment could not be made or reset: the rollout cannot go on without its prompt."""
 
 
 # Outcomes of a call, as the metrics count them.

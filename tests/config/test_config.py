@@ -349,7 +349,7 @@ def test_importing_config_stays_cheap():
 
     code = "import sys, fastrlhf.config; sys.exit(1 if 'torch' in sys.modules else 0)"
     root = ROOT
-    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60).returncode == 0
 
 
 def test_reward_functions_batch_text_rewards(paths):
@@ -541,3 +541,34 @@ def test_lora_on_the_lm_head_is_refused_with_the_fused_kernels(paths):
     unfused = parse_config(grpo(paths, model=lora, trainer={"max_steps": 1, "fused_loss": False}), "train",
                            on_gpu=False)
     assert "lm_head" in unfused.model.lora_targets
+
+
+@pytest.mark.parametrize("rollout, trainer, key, said", [
+    # greedy with one completion: nothing sampled to learn from, and the trainer's logprobs at T=0 raised later
+    (dict(n=1, temperature=0), {}, "rollout.temperature", "0 (greedy) samples nothing to learn from"),
+    # vLLM raises a temperature below 0.01 to 0.01 with only a log line: its logprobs then are not the trainer's
+    (dict(temperature=0.005, engine="vllm"), {}, "rollout.temperature", "vLLM samples at 0.01 at least"),
+    (dict(temperature=0.005), {}, "rollout.temperature", "vLLM samples at 0.01 at least"),  # auto may pick vLLM
+    # top-p/top-k: the engines' logprobs are renormalised over the kept tokens (TIS weights of 0.80 at top_p 0.8)
+    (dict(top_p=0.9), dict(tis_cap=2.0), "trainer.tis_cap", "over the kept tokens only"),
+    (dict(top_k=20), dict(tis_cap=2.0), "trainer.tis_cap", "over the kept tokens only"),
+])
+def test_sampling_the_trainer_cannot_score_alike_is_refused(paths, rollout, trainer, key, said):
+    err = error_of(grpo(paths, rollout={"n": 1 if rollout.get("n") == 1 else 4, **rollout},
+                        trainer={"prompts_per_step": 4, "minibatch_size": 4 if rollout.get("n") == 1 else 8,
+                                 **trainer}, **({"algorithm": "ppo", "critic": {}} if rollout.get("n") == 1 else {})))
+    assert err.key == key and said in str(err), err
+
+
+def test_a_low_temperature_runs_on_hf_and_tis_without_truncation(paths):
+    parse_config(grpo(paths, rollout={"temperature": 0.005, "engine": "hf"}))
+    parse_config(grpo(paths, trainer={"tis_cap": 2.0}))
+
+
+def test_chat_template_kwargs_are_the_templates_own_variables(paths):
+    config = parse_config(grpo(paths, data={"chat_template_kwargs": {"enable_thinking": False}}))
+    assert config.data.chat_template_kwargs == {"enable_thinking": False}
+    err = error_of(grpo(paths, data={"chat_template_kwargs": {"tools": []}}))
+    assert err.key == "data.chat_template_kwargs" and "'tools' is set by fastrlhf" in str(err), err
+    err = error_of(grpo(paths, data={"chat_template_kwargs": ["enable_thinking"]}))
+    assert err.key == "data.chat_template_kwargs", err

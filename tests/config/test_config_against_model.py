@@ -92,8 +92,8 @@ def test_greedy_completions_of_a_group_are_refused(models):
                 trainer={"minibatch_size": 2})
     assert error(ppo) == ("rollout.n: 2 greedy completions of a prompt are all the same; set rollout.temperature > 0, "
                           "or rollout.n: 1")
-    ppo["rollout"]["n"] = 1
-    assert parse_config(ppo, on_gpu=False).rollout.temperature == 0.0
+    ppo["rollout"]["n"] = 1  # one greedy completion: allowed before, then the first logprob pass raised unnamed
+    assert error(ppo).startswith("rollout.temperature: 0 (greedy) samples nothing to learn from")
 
 
 def test_stop_token_ids_are_in_the_vocabulary(models):

@@ -279,3 +279,29 @@ def test_all_turns_with_a_base_tokenizers_eos_says_so(tmp_path, chat_tokenizers)
     (problem,) = errors_of(load_sft_examples, path, 512, tokenizer_path=chat_tokenizers[1], assistant_turns="all")
     assert "ends an assistant turn with '<|im_end|>', not with the tokenizer's EOS '<|endoftext|>'" in problem
     assert len(load_sft_examples(path, 512, tokenizer_path=chat_tokenizers[0], assistant_turns="all")) == 1
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_chat_template_kwargs_reach_the_template(tmp_path, command):
+    """data.chat_template_kwargs (Qwen3's enable_thinking): prompts written as messages always got the template's
+    default (thinking), so a non-thinking run could only give pre-rendered prompts."""
+    from fastrlhf.data import load_sft_examples
+    from fastrlhf.modeling.tiny_chat import build_chat_tokenizer
+    from tests.helpers.episodes_templates import QWEN3
+
+    tokenizer = build_chat_tokenizer()
+    tokenizer.chat_template = QWEN3
+    tokenizer.save_pretrained(tmp_path / "tok")
+    user = {"role": "user", "content": "hi"}
+    path = write_lines(tmp_path / "d.jsonl", [{"messages": [user] if command == "train" else
+                                              [user, {"role": "assistant", "content": "ok"}]}])
+
+    def prompt(**kwargs):
+        if command == "train":
+            return load_prompts(path, tokenizer_path=str(tmp_path / "tok"), **kwargs)[0].prompt_ids
+        return load_sft_examples(path, 512, tokenizer_path=str(tmp_path / "tok"), **kwargs)[0].prompt_ids
+
+    thinking, plain = prompt(), prompt(chat_template_kwargs={"enable_thinking": False})
+    reading._LOADED.clear()
+    assert tokenizer.decode(plain).endswith("<think>\n\n</think>\n\n")
+    assert not tokenizer.decode(thinking).endswith("</think>\n\n")

@@ -1,0 +1,74 @@
+"""The rules of ``rollout``: how completions are sampled and what the engines and episodes may be given, each
+failure a one-line ConfigError naming the key (``fastrlhf.config.checks`` calls :func:`check_rollout`)."""
+
+from __future__ import annotations
+
+from . import model_checks as M
+from .errors import ConfigError, positive
+
+__all__ = ["check_rollout"]
+
+# vLLM samples at this temperature at least (SamplingParams' _MAX_TEMP, read in 0.32): a lower one is raised to it
+# with only a log line, its logprobs then of another distribution than the trainer's.
+VLLM_MIN_TEMPERATURE = 1e-2
+
+
+def check_rollout(c, actor: dict, reference: dict, critic: dict) -> None:
+    """``c``: a TrainConfig; ``actor``, ``reference``, ``critic``: their folders' config.json (``{}`` unread)."""
+    ro = c.rollout
+    if ro.temperature < 0:
+        raise ConfigError("rollout.temperature", f"must be >= 0, got {ro.temperature}")
+    if ro.temperature == 0 and ro.n > 1:
+        _refuse_greedy_group(c)
+    if not 0.0 < ro.top_p <= 1.0:
+        raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
+    if ro.top_k == 0 or ro.top_k < -1:
+        raise ConfigError("rollout.top_k", f"must be -1 (off) or >= 1, got {ro.top_k}")
+    positive(ro.max_new_tokens, "rollout.max_new_tokens")
+    for folder, key in ((actor, "model.path"), (reference, "reference.path"), (critic, "critic.path")):
+        M.check_positions(folder, c.data.max_prompt_len + ro.max_new_tokens, "rollout.max_new_tokens",
+                          "data.max_prompt_len + rollout.max_new_tokens = ", key)
+    positive(ro.sync_bucket_bytes, "rollout.sync_bucket_bytes")
+    if ro.kv_cache_bytes != "auto":
+        positive(ro.kv_cache_bytes, "rollout.kv_cache_bytes")
+    if ro.gpu_memory_utilization != "auto" and not 0.0 < ro.gpu_memory_utilization <= 1.0:
+        raise ConfigError("rollout.gpu_memory_utilization", f"must be in (0, 1] or auto, got "
+                                                             f"{ro.gpu_memory_utilization}")
+    positive(ro.tensor_parallel_size, "rollout.tensor_parallel_size")
+    if ro.tensor_parallel_size > 1 and ro.engine == "hf":
+        raise ConfigError("rollout.tensor_parallel_size", "tensor parallelism is vLLM's; set rollout.engine: vllm")
+    positive(ro.max_logprob_mismatch, "rollout.max_logprob_mismatch")
+    positive(ro.mismatch_probe, "rollout.mismatch_probe")
+    positive(ro.max_turns, "rollout.max_turns")
+    positive(ro.tool_timeout_s, "rollout.tool_timeout_s")
+    positive(ro.max_tool_tokens, "rollout.max_tool_tokens")
+    if (ro.tools or ro.environment) and ro.tensor_parallel_size > 1:
+        raise ConfigError("rollout.tools", "multi-turn episodes advance each rank's engine on its own; they do not run "
+                          "with rollout.tensor_parallel_size > 1 yet")
+    if any(not isinstance(x, str) or not x for x in ro.stop):
+        raise ConfigError("rollout.stop", f"stop strings must be non-empty strings, got {ro.stop!r}")
+    M.check_stop_token_ids(ro.stop_token_ids, actor)
+    if ro.temperature == 0:
+        raise ConfigError("rollout.temperature", "0 (greedy) samples nothing to learn from, and the trainer scores the "
+                                                 "completions at rollout.temperature: set it > 0 (greedy is for "
+                                                 "eval.temperature)")
+    if 0 < ro.temperature < VLLM_MIN_TEMPERATURE and ro.engine != "hf":
+        raise ConfigError("rollout.temperature", f"vLLM samples at {VLLM_MIN_TEMPERATURE} at least (it would raise "
+                                                 f"{ro.temperature} silently, its logprobs then off the trainer's): "
+                                                 f"set it >= {VLLM_MIN_TEMPERATURE}, or rollout.engine: hf")
+    if c.trainer.tis_cap is not None and (ro.top_p < 1.0 or ro.top_k != -1):
+        raise ConfigError("trainer.tis_cap", "weights tokens by the trainer's logprobs over the engine's, but with "
+                                             "rollout.top_p < 1 or rollout.top_k the engines report logprobs over the "
+                                             "kept tokens only (the weights fall below 1 by that alone): leave "
+                                             "tis_cap unset, or sample with top_p 1 and top_k -1")
+
+
+def _refuse_greedy_group(c) -> None:
+    """``rollout.temperature`` 0 with ``rollout.n > 1``: the n completions of a prompt are one completion n times."""
+    from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS, adv_estimator_of
+
+    name = adv_estimator_of(c)
+    traits = ADV_ESTIMATOR_TRAITS.get(name)
+    why = f" ({name} compares them: every advantage would be 0)" if traits is not None and traits.needs_groups else ""
+    raise ConfigError("rollout.n", f"{c.rollout.n} greedy completions of a prompt are all the same{why}; set "
+                                   "rollout.temperature > 0, or rollout.n: 1")
