@@ -41,10 +41,9 @@ def truncate_metrics(path: str, last_step: int) -> None:
                 break  # a line torn by a kill: everything after it is suspect
             if record.get("step", -1) <= last_step:
                 kept.append(json.dumps(record) + "\n")
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    from fastrlhf.engine.checkpoint import write_text_atomic
+
+    write_text_atomic(path, "".join(kept))  # fsynced: a power cut must not leave the resumed run's file empty
 
 
 def _run_id(path: str) -> str | None:

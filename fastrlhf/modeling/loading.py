@@ -367,7 +367,11 @@ def _save_hf_model(model, state: dict, out_dir: str) -> None:
         fresh.load_state_dict(state, strict=True)
         # Built in the default dtype (fp32): the merge rounds once, at this cast back to the dtype trained in (a
         # bf16 run exported fp32 weights and config.json dtype float32, twice the size, loaded in fp32)
-        fresh.merge_and_unload().to(base.dtype).save_pretrained(out_dir, safe_serialization=True)
+        merged = fresh.merge_and_unload().to(base.dtype)
+        # The checkpoint's own generation_config.json (Qwen2-Instruct's eos [151645, 151643], its sampling defaults):
+        # a model built from config.json alone has only config.json's single eos, and the export lost the rest.
+        merged.generation_config = base.generation_config
+        merged.save_pretrained(out_dir, safe_serialization=True)
         return
     model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
 

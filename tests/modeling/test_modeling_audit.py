@@ -124,3 +124,16 @@ def test_a_lora_export_keeps_the_dtype_trained_in_and_merges_base_plus_scaled_de
     base = load_file(str(tmp_path / "base" / "model.safetensors"))
     assert torch.equal(saved["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
     assert torch.equal(saved["model.layers.1.self_attn.k_proj.weight"], base["model.layers.1.self_attn.k_proj.weight"])
+
+
+def test_a_lora_export_keeps_the_checkpoints_generation_config(tmp_path):
+    """The merge model was built from config.json alone: the export's generation_config.json held its one eos and
+    no sampling defaults (Qwen2-Instruct's eos [151645, 151643] lost, so a served export ran past its turns)."""
+    from transformers import GenerationConfig
+
+    save_tiny_qwen2(tmp_path / "base", tie_word_embeddings=True, **SHAPE)
+    GenerationConfig(eos_token_id=[7, 9], top_p=0.8, do_sample=True).save_pretrained(tmp_path / "base")
+    model = load_causal_lm(ModelConfig(path=str(tmp_path / "base"), lora_r=4, lora_targets=["q_proj"]))
+    export_hf(model, str(tmp_path / "out"))
+    saved = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert saved["eos_token_id"] == [7, 9] and saved["top_p"] == 0.8, saved
