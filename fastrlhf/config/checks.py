@@ -186,6 +186,8 @@ def _validate_train(c: TrainConfig, base: str):
     if c.algorithm == "grpo" and c.trainer.adv_estimator == "auto":
         _check_group_size("grpo", ro.n)
     check_rollout(c, actor, reference, critic)
+    for folder, key in ((actor, "model.path"), (reference, "reference.path"), (critic, "critic.path")):
+        M.check_logit_terms(folder, c.trainer.packing, c.model.attention, key)
     if r.overlong_buffer is not None:
         if not 0 < r.overlong_buffer <= ro.max_new_tokens:
             raise ConfigError("reward.overlong_buffer", f"must be in [1, rollout.max_new_tokens = {ro.max_new_tokens}]"
@@ -385,6 +387,7 @@ def _validate_sft(c: SFTConfig, base: str):
     _check_path(c.data.path, "data.path", base)
     _positive(c.data.max_len, "data.max_len")
     M.check_positions(model, c.data.max_len, "data.max_len", "", "model.path")
+    M.check_logit_terms(model, c.trainer.packing, c.model.attention)
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
     _check_template_kwargs(c.data.chat_template_kwargs)
     _validate_small_trainer(c.trainer)
@@ -401,6 +404,7 @@ def _validate_rm(c: RMConfig, base: str):
     _check_path(c.data.path, "data.path", base)
     _positive(c.data.max_len, "data.max_len")
     M.check_positions(model, c.data.max_len, "data.max_len", "", "model.path")
+    M.check_logit_terms(model, c.trainer.packing, c.model.attention)
     _validate_small_trainer(c.trainer)
     _positive(c.num_labels, "num_labels")
     if c.kind == "pairwise" and c.resolved_num_labels != 1:

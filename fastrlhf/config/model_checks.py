@@ -15,7 +15,7 @@ import re
 from .errors import ConfigError
 
 __all__ = ["WEIGHT_FILES", "check_model_folder", "check_lora", "check_positions", "check_vocab_covers",
-           "check_reward_model", "check_stop_token_ids"]
+           "check_reward_model", "check_stop_token_ids", "check_logit_terms"]
 
 # In the order transformers prefers them: the first one present is the one it loads.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -25,6 +25,8 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 
 # owner/name, as the model hub names a model (Qwen/Qwen2.5-0.5B-Instruct)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# Model types whose attention adds learned sinks to the softmax (transformers passes them as ``s_aux``).
+_SINK_MODEL_TYPES = ("gpt_oss",)
 # The model types the memory plan counts need no lookup in transformers' registry (which takes a second to import).
 _COMMON_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -233,3 +235,25 @@ def check_stop_token_ids(ids: list[int], hf_config: dict) -> None:
         if token < 0 or (_is_int(vocab) and token >= vocab):
             bound = f"[0, {vocab}) (model.path's vocabulary)" if _is_int(vocab) else ">= 0"
             raise ConfigError(f"rollout.stop_token_ids[{i}]", f"must be in {bound}, got {token}")
+
+
+def check_logit_terms(hf_config: dict, packing: bool, attention: str, key: str = "model.path") -> None:
+    """A model whose logits carry more than fastrlhf computes. Its head: Gemma-2's ``final_logit_softcapping``,
+    which the logprob path (the fused kernels read the hidden states and the head's weight) does not apply. Its
+    attention, in packed rows (``fastrlhf.sequences.packed_attention``): gpt-oss's sinks run in no packed kernel,
+    Gemma-2's ``attn_logit_softcapping`` not in sdpa (``auto`` is left to the run, which refuses it at the first
+    forward). ``key``: the folder's config key."""
+    final = _field(hf_config, "final_logit_softcapping")
+    if final is not None:
+        raise ConfigError(key, f"the model caps its logits (final_logit_softcapping {final}, Gemma-2), which "
+                               "fastrlhf's logprobs do not apply yet: the trainer would score another distribution")
+    if not packing:
+        return
+    model_type = _field(hf_config, "model_type")
+    if model_type in _SINK_MODEL_TYPES:
+        raise ConfigError("trainer.packing", f"{model_type} models ({key}) add attention sinks to the softmax, which "
+                                             "no packed attention applies: set trainer.packing: false")
+    softcap = _field(hf_config, "attn_logit_softcapping")
+    if softcap is not None and attention == "sdpa":
+        raise ConfigError("model.attention", f"sdpa drops the attn_logit_softcapping ({softcap}) of {key} in packed "
+                                             "rows: set model.attention: flex (a GPU) or trainer.packing: false")

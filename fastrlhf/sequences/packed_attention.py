@@ -23,6 +23,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 NAME = "fastrlhf_packed"
 # FlexAttention's default tile: the block mask's granularity.
@@ -68,14 +69,19 @@ def sequence_bounds(position_ids: torch.Tensor) -> list[list[int]]:
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                     sliding_window=None, position_ids=None, fastrlhf_rows: PackedRows | None = None, **kwargs):
+                     sliding_window=None, position_ids=None, fastrlhf_rows: PackedRows | None = None, softcap=None,
+                     s_aux=None, **kwargs):
     """transformers attention interface: ``query`` ``[B, Hq, N, D]``, ``key``/``value`` ``[B, Hkv, N, D]``
-    -> (``[B, N, Hq, D]``, None)."""
+    -> (``[B, N, Hq, D]``, None). ``softcap`` (Gemma-2's ``attn_logit_softcapping``) runs in flex and flash-attn;
+    ``s_aux`` (gpt-oss's attention sinks) nowhere here: both are refused where they would be dropped."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def sdpa(q, k, v, mask):
         return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
 
+    backend = getattr(module, "fastrlhf_attention", "sdpa")
+    _check_logit_terms(backend if fastrlhf_rows is not None else "sdpa", softcap, s_aux,
+                       fastrlhf_rows is not None and fastrlhf_rows.segments is not None)
     if fastrlhf_rows is None:
         return _unlabelled(sdpa, query, key, value, attention_mask, position_ids, sliding_window, kwargs), None
     if sliding_window is not None and fastrlhf_rows.longest > sliding_window:  # a window no backend here applies
@@ -83,11 +89,11 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
                          f"window ({sliding_window}); set trainer.packing: false for this model")
     if query.shape[0] != 1:
         raise ValueError(f"{NAME}: a packed row is a batch of one, got {query.shape[0]}")
-    backend = getattr(module, "fastrlhf_attention", "sdpa")
     if backend == "flex":
-        return _flex(query, key, value, attention_mask, scaling), None
+        return _flex(query, key, value, attention_mask, scaling, softcap), None
     if backend == "flash_attention_2" and fastrlhf_rows.segments is None:
-        return _flash_varlen(query, key, value, fastrlhf_rows, scaling, dropout if module.training else 0.0), None
+        return _flash_varlen(query, key, value, fastrlhf_rows, scaling, dropout if module.training else 0.0,
+                             softcap), None
     if fastrlhf_rows.segments is not None:
         return _shared_prompt_attention(sdpa, query, key, value, fastrlhf_rows.segments), None
     return _per_sequence(sdpa, query, key, value, fastrlhf_rows.bounds), None
@@ -124,33 +130,57 @@ def _unlabelled(sdpa, query, key, value, attention_mask, position_ids, sliding_w
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
+def _check_logit_terms(backend: str, softcap, sinks, shared: bool) -> None:
+    """Refuse a model's attention-logit terms where the kernel that runs would drop them: sdpa applies neither a
+    softcap nor sinks (transformers' own sdpa drops them too), flex and flash-attn apply the softcap only."""
+    if sinks is not None:
+        raise ValueError(f"{NAME}: this model has attention sinks (gpt-oss `sinks`), which no packed attention here "
+                         "applies; set trainer.packing: false for this model")
+    if softcap is not None and (backend == "sdpa" or (backend == "flash_attention_2" and shared)):
+        raise ValueError(f"{NAME}: this model caps its attention logits (attn_logit_softcapping: {softcap}), which "
+                         f"the {backend} path drops; set model.attention: flex (a GPU) or trainer.packing: false")
+
+
 _compiled_flex = None
+_softcaps: dict = {}
 
 
-def _flex(query, key, value, mask, scaling) -> torch.Tensor:
+def _softcap_mod(softcap: float):
+    """Gemma-2's ``softcap * tanh(score / softcap)``, one function per value (a new one would recompile flex)."""
+    if softcap not in _softcaps:
+        _softcaps[softcap] = lambda score, b, h, q, kv: softcap * torch.tanh(score / softcap)
+    return _softcaps[softcap]
+
+
+def _flex(query, key, value, mask, scaling, softcap=None) -> torch.Tensor:
     """FlexAttention with the row's block mask: compiled on CUDA (eager FlexAttention is a dense reference)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     if not isinstance(mask, BlockMask):
         raise ValueError(f"{NAME}: the flex backend needs the packed row's block mask, got {type(mask).__name__}")
+    if isinstance(mask, LazyBlockMask):
+        mask = mask.built()
     fn = flex_attention
     if query.is_cuda:
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=True)
         fn = _compiled_flex
-    out = fn(query, key, value, block_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = fn(query, key, value, block_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+             score_mod=None if softcap is None else _softcap_mod(float(softcap)))
     return out.transpose(1, 2).contiguous()
 
 
-def _flash_varlen(query, key, value, rows: PackedRows, scaling, dropout: float) -> torch.Tensor:
-    """flash-attn's variable-length kernel over the row's sequences (it takes GQA as it is)."""
+def _flash_varlen(query, key, value, rows: PackedRows, scaling, dropout: float, softcap=None) -> torch.Tensor:
+    """flash-attn's variable-length kernel over the row's sequences (it takes GQA as it is); ``softcap`` needs
+    flash-attn 2.6 or later, so it is passed only when the model has one."""
     from flash_attn import flash_attn_varlen_func
 
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, D]
     longest = rows.longest
+    extra = {} if softcap is None else dict(softcap=float(softcap))
     out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=rows.cu, cu_seqlens_k=rows.cu, max_seqlen_q=longest,
-                                 max_seqlen_k=longest, dropout_p=dropout, softmax_scale=scaling, causal=True)
+                                 max_seqlen_k=longest, dropout_p=dropout, softmax_scale=scaling, causal=True, **extra)
     return out[None]
 
 
@@ -235,6 +265,29 @@ def block_mask(token_segments: list[tuple[int, int, int, int]], length: int, dev
     kv_num, kv_idx, full_num, full_idx = to_device((kv_num, kv_idx, full_num, full_idx), device)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
                                     seq_lengths=(length, length))
+
+
+class LazyBlockMask(BlockMask):
+    """A packed row's block mask, built (:func:`block_mask`) when first read: only the flex backend reads it, and
+    building it costs host time that grows with the row (95 ms at 181k tokens), per micro-batch. Until then it is
+    to transformers an already prepared 4-D mask (``shape``), so it builds none and reads no position ids."""
+
+    def __init__(self, segments: list[tuple[int, int, int, int]], length: int, device):
+        self._args, self._mask = (segments, length, device), None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (1, 1, self._args[1], self._args[1])
+
+    def built(self):
+        if self._mask is None:
+            self._mask = block_mask(*self._args)
+        return self._mask
+
+    def __getattr__(self, name):  # only for what __init__ did not set: the built mask's fields
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.built(), name)
 
 
 def check_model(model) -> None:

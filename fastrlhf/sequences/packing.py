@@ -302,9 +302,10 @@ class PackedLayout:
 
     def model_kwargs(self) -> dict:
         """What a forward pass of this row takes besides ``input_ids``: ``position_ids``, the row's
-        FlexAttention block mask as its attention mask and its bounds (``fastrlhf_rows``), all from the
-        host lengths (``fastrlhf.sequences.packed_attention``: the attention of a run with ``trainer.packing``)."""
-        from fastrlhf.sequences.packed_attention import PackedRows, block_mask
+        FlexAttention block mask (built when the flex backend first reads it) as its attention mask and its bounds
+        (``fastrlhf_rows``), all from the host lengths (``fastrlhf.sequences.packed_attention``: the attention of
+        a run with ``trainer.packing``)."""
+        from fastrlhf.sequences.packed_attention import LazyBlockMask, PackedRows
 
         device = self.position_ids.device
         lengths = [p + n for p, n in zip(self.prompt_lens, self.completion_lens, strict=True)]
@@ -316,7 +317,8 @@ class PackedLayout:
             segments = [(s, e, s, s) for s, e in itertools.pairwise(bounds)]
         rows = PackedRows(bounds=bounds, segments=self.segments,
                           cu=to_device(torch.tensor(bounds, dtype=torch.int32), device))
-        return dict(attention_mask=block_mask(segments, self.num_tokens, device), position_ids=self.position_ids,
+        # Built only if the flex backend reads it (sdpa and flash-attn take the bounds).
+        return dict(attention_mask=LazyBlockMask(segments, self.num_tokens, device), position_ids=self.position_ids,
                     fastrlhf_rows=rows)
 
     @property
