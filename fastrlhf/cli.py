@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastrlhf.engine.checkpoint import CheckpointError
     from fastrlhf.engine.guards import TooManySkippedSteps
     from fastrlhf.rl.rewards import RewardFunctionError
+    from fastrlhf.rollout.tools import EnvironmentResetError
 
     succeeded = False
     try:
@@ -312,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank holds the failing rank's message (one line, then the user's frames) and exit code: 1 for
         # a function that raised (a checkpoint of the last good step was saved), 2 for one wrong as written.
         _say(f"reward error: {exc}", local=True)
+        return exc.exit_code
+    except EnvironmentResetError as exc:  # agreed as reward errors are (EpisodeRunner.start_on_every_rank)
+        # 1: the last good step's checkpoint was kept, --resume retries the step; 2: rows it cannot start from
+        _say(f"environment error: {exc}", local=True)
         return exc.exit_code
     except Exception as exc:
         reason = lost_peer_reason(exc)

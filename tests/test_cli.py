@@ -679,3 +679,21 @@ def test_auto_gradient_checkpointing_is_for_train_only(tmp_path, capsys, command
     assert cli.main([command, "--config", str(tmp_path / "c.yaml")]) == 2
     assert capsys.readouterr().err.strip() == ("config error: model.gradient_checkpointing: auto is decided by the "
                                                "memory plan of `fastrlhf train`; here set true or false")
+
+
+@pytest.mark.parametrize("exit_code", [1, 2])
+def test_an_environment_that_fails_to_start_ends_in_one_line_with_its_exit_code(train_yaml, monkeypatch, capsys,
+                                                                                 exit_code):
+    """Agreed by every rank (EpisodeRunner.start_on_every_rank), it ended in a traceback, and on several ranks a
+    sandbox's "Connection reset by peer" in its message read as a lost peer."""
+    from fastrlhf.rollout.tools import EnvironmentResetError
+
+    def fails(command, config, resume):
+        raise EnvironmentResetError("rollout.environment: Box reset() raised ConnectionResetError: Connection reset by "
+                                    "peer (prompt 0 of the rollout batch)", exit_code=exit_code)
+
+    monkeypatch.setattr(cli, "_dispatch", fails)
+    assert cli.main(["train", "--config", train_yaml]) == exit_code
+    assert capsys.readouterr().err.strip() == ("environment error: rollout.environment: Box reset() raised "
+                                               "ConnectionResetError: Connection reset by peer (prompt 0 of the "
+                                               "rollout batch)")

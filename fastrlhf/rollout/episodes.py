@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
-from fastrlhf.rollout.tools import ERROR, TIMEOUT, Toolbox, run_tool_call
+from fastrlhf.rollout.tools import ERROR, TIMEOUT, EnvironmentResetError, Toolbox, run_tool_call
 
 __all__ = ["PREFIX_CACHE_HIT", "Episode", "EpisodeRunner", "TurnTemplate", "with_prefix_cache_hit"]
 
@@ -39,8 +39,30 @@ def with_prefix_cache_hit(metrics: dict) -> dict:
         metrics[PREFIX_CACHE_HIT] = metrics[PREFIX_CACHED] / metrics[RESUBMITTED]
     return metrics
 
+def _on_rank() -> str:
+    """``" on rank 3"`` where there are several ranks: an environment's failure is said on every rank."""
+    from fastrlhf.distributed.ranks import rank, world_size
+
+    return f" on rank {rank()}" if world_size() > 1 else ""
+
+
 _REASONING_END = "</think>"  # Qwen3's and DeepSeek-R1's end of reasoning
 _MARK_USER, _MARK_ASSISTANT, _MARK_TOOL = "fastrlhf-user-mark", "fastrlhf-assistant-mark", "fastrlhf-tool-mark"
+
+
+def _content_without(text: str, calls: list) -> str:
+    """A turn's text less the calls its message's ``tool_calls`` holds, as TRL's ``parse_response`` splits a turn
+    (content, then tool_calls): a chat template renders ``tool_calls`` after the content, so a call left in both was
+    rendered twice, and a reward reading the conversation saw it twice. Calls are looked for after the last
+    ``</think>`` (where they are read), as written (``ToolCall.text``), else by their JSON alone (call tags that are
+    special tokens are not in the decoded text); a malformed call stays, as the model wrote it."""
+    head, end, said = text.rpartition(_REASONING_END)
+    left = said
+    for call in calls:
+        written = next((w for w in (call.text, call.raw) if w and w in left), None)
+        if written is not None:
+            left = left.replace(written, "", 1)
+    return head + end + (left.rstrip() if left != said else said)
 
 
 class TurnTemplate:
@@ -164,22 +186,36 @@ class EpisodeRunner:
     def start(self, prompts: list[list[int]], metas: Sequence[dict] | None, n: int) -> list[Episode]:
         """``n`` episodes per prompt, each with its own environment instance (reset with its row, under the tools'
         timeout: :meth:`fastrlhf.rollout.tools.Toolbox.new_environment`)."""
-        episodes = []
+        episodes, where = [], _on_rank()
         for i, prompt in enumerate(prompts):
             meta = metas[i] if metas is not None else {}
             for _ in range(n):
-                environment, extra = self.toolbox.new_environment(meta, f" (prompt {i} of the rollout batch)")
+                environment, extra = self.toolbox.new_environment(meta, f" (prompt {i} of the rollout batch{where})")
                 episode_prompt = list(prompt) if extra is None else self._prompt_with(meta, extra, prompt)
                 episodes.append(Episode(len(episodes), i, episode_prompt, self.toolbox.bound(environment),
                                         environment))
         return episodes
 
+    def start_on_every_rank(self, prompts: list[list[int]], metas: Sequence[dict] | None, n: int) -> list[Episode]:
+        """:meth:`start`, and an EnvironmentResetError on any rank raised on every rank, before the first turn: the
+        ranks whose environments started went on into their next collective (a ZeRO-3 forward, the reward
+        agreement) and waited there for the failed one until the timeout. A collective (every caller calls
+        :meth:`generate` on every rank): one all-reduce of ``world`` floats per call where there is an environment,
+        none without one (plain tool functions cannot fail to start)."""
+        if self.toolbox.environment is None:
+            return self.start(prompts, metas, n)
+        from fastrlhf.rl.reward_results import agree_on_failure
+
+        return agree_on_failure(lambda: self.start(prompts, metas, n), EnvironmentResetError)
+
     def _prompt_with(self, meta, extra: str, prompt: list[int]) -> list[int]:
         """The row's prompt with ``extra`` appended to its last user message (TRL's ``reset`` contract)."""
         given = getattr(meta, "prompt", None)
         if not isinstance(given, list):
-            raise ValueError("rollout.environment: reset() returned text to append to the last user message, but "
-                             "the prompt rows are not chats (give them as 'messages')")
+            # The same on every rank where every row's reset returns text; where only some do, on some ranks only.
+            raise EnvironmentResetError("rollout.environment: reset() returned text to append to the last user "
+                                        "message, but the prompt rows are not chats (give them as 'messages')",
+                                        exit_code=2)
         messages = [dict(m) for m in given]
         last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
         messages[last]["content"] = f"{messages[last].get('content', '')}{extra}"
@@ -190,7 +226,7 @@ class EpisodeRunner:
         from dataclasses import replace
 
         self._check_header(prompts)
-        episodes = self.start(prompts, metas, sampling.n)
+        episodes = self.start_on_every_rank(prompts, metas, sampling.n)
         # A turn ends on the model's eos or on one of rollout.stop_token_ids (an end-of-turn token the model's eos
         # list lacks): either is the start of the template's closing, generated, so not added again.
         stop_ids = list(sampling.stop_token_ids)
@@ -252,7 +288,9 @@ class EpisodeRunner:
         calls = self.toolbox.parse(self._call_text(turn.token_ids))
         message = {"role": "assistant", "content": text}
         if calls:
-            message["tool_calls"] = [c.as_message_call() for c in calls if c.error is None]
+            made = [c for c in calls if c.error is None]
+            message["tool_calls"] = [c.as_message_call() for c in made]
+            message["content"] = _content_without(text, made)
         e.messages.append(message)
         e.finish_reason = turn.finish_reason
         if not calls:

@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fastrlhf.engine.guards import StepFailed
+
 __all__ = ["TOOL_CALL_PARSERS", "EnvironmentResetError", "Tool", "ToolCall", "Toolbox", "load_toolbox", "parse_hermes",
            "register_tool_call_parser", "run_tool_call", "run_toolbox"]
 
@@ -36,12 +38,15 @@ __all__ = ["TOOL_CALL_PARSERS", "EnvironmentResetError", "Tool", "ToolCall", "To
 @dataclass(frozen=True)
 class ToolCall:
     """One call parsed from an assistant turn: ``name`` and ``arguments`` as the model wrote them, or
-    ``error`` (the call could not be read: its text is in ``raw``)."""
+    ``error`` (the call could not be read: its text is in ``raw``). ``text``: the call as the turn's text has it,
+    its tags included (the hermes block), which the assistant message's ``content`` leaves out where its
+    ``tool_calls`` holds the call (a parser that does not set it: its ``raw`` is looked for instead)."""
 
     name: str | None
     arguments: dict | None
     raw: str = ""
     error: str | None = None
+    text: str = ""
 
     def as_message_call(self) -> dict:
         """The call in a chat message's ``tool_calls`` (OpenAI / transformers form)."""
@@ -73,7 +78,7 @@ def parse_hermes(text: str) -> list[ToolCall]:
     format; an unclosed last block is read too: a turn cut by its token budget still asked for a tool)."""
     calls = []
     for match in _HERMES.finditer(text):
-        raw = match.group(1).strip()
+        raw, text = match.group(1).strip(), match.group(0)
         try:
             obj = json.loads(raw)
         except ValueError as exc:
@@ -92,7 +97,7 @@ def parse_hermes(text: str) -> list[ToolCall]:
         if not isinstance(arguments, dict):
             calls.append(ToolCall(obj["name"], None, raw, f"the arguments of {obj['name']!r} must be a JSON object"))
             continue
-        calls.append(ToolCall(obj["name"], arguments, raw))
+        calls.append(ToolCall(obj["name"], arguments, raw, text=text))
     return calls
 
 
@@ -245,8 +250,18 @@ def run_toolbox(config) -> Toolbox | None:
         raise ConfigError("", str(exc)) from None
 
 
-class EnvironmentResetError(RuntimeError):
-    """An episode's environment could not be made or reset: the rollout cannot go on without its prompt."""
+class EnvironmentResetError(StepFailed):
+    """An episode's environment could not be made or reset: the rollout cannot go on without its prompt.
+
+    One line (``summary``). A step that fails on any rank fails on every rank alike
+    (``EpisodeRunner.start_on_every_rank``): the last good step is kept and ``--resume`` retries this one
+    (``exit_code`` 1), as for a reward function that raised (:class:`fastrlhf.rl.rewards.RewardFunctionError`);
+    ``exit_code`` 2: the run's data cannot work with the environment as written. ``local``: it failed on this rank.
+    """
+
+    def __init__(self, message: str, local: bool = True, exit_code: int = 1, user_traceback: str = ""):
+        super().__init__(message)
+        self.summary, self.user_traceback, self.local, self.exit_code = message, user_traceback, local, exit_code
 
 
 # Outcomes of a call, as the metrics count them.
