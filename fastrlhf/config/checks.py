@@ -12,6 +12,7 @@ from . import model_checks as M
 from .errors import ConfigError
 from .errors import positive as _positive
 from .model_checks import check_model_folder as _check_model_folder  # by this name: fastrlhf plan swaps it
+from .precision import refuse_fp16
 from .rollout_checks import check_rollout
 from .schema import DeepSpeedConfig, LoopConfig, ModelConfig, RMConfig, SFTConfig, SFTTrainerConfig, TrainConfig
 
@@ -94,6 +95,7 @@ def _check_deepspeed(ds: DeepSpeedConfig, model: ModelConfig):
         raise ConfigError("deepspeed.offload_param", f"needs deepspeed.zero_stage 3, got {ds.zero_stage}")
     if ds.offload_optimizer and ds.zero_stage == 0:
         raise ConfigError("deepspeed.offload_optimizer", "needs deepspeed.zero_stage 1, 2 or 3, got 0")
+    refuse_fp16(ds.extra)
     if model.dtype == "float16":
         raise ConfigError("model.dtype", "float16 training needs loss scaling, which fastrlhf does not set up; use "
                                          "bfloat16 (with deepspeed.bf16 for fp32 master weights) or auto")

@@ -19,8 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["apply_matmul_precision", "compute_dtype", "fp32_grad_accumulation", "gpu_available", "resolve_precision",
-           "trained_zero_stage"]
+__all__ = ["apply_matmul_precision", "compute_dtype", "fp32_grad_accumulation", "gpu_available", "refuse_fp16",
+           "resolve_precision", "trained_zero_stage"]
+
+
+def refuse_fp16(extra: dict) -> None:
+    """fp16 through ``deepspeed.extra`` turns on DeepSpeed's dynamic loss scaler, whose routine overflow skips while
+    it calibrates (about one per halving from 2**16) the step guard counts as bad steps: a healthy run stopped at
+    step ``trainer.max_skipped_steps`` with "lower trainer.lr"."""
+    from .errors import ConfigError
+
+    fp16 = (extra or {}).get("fp16")
+    if isinstance(fp16, dict) and fp16.get("enabled"):
+        raise ConfigError("deepspeed.extra.fp16", "fp16 training (DeepSpeed's loss scaling) is not supported; use "
+                                                  "bf16 (deepspeed.bf16: true) or fp32")
 
 
 def trained_zero_stage(ds) -> int:

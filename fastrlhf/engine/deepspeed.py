@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from fastrlhf.config.precision import fp32_grad_accumulation, trained_zero_stage
+from fastrlhf.config.precision import fp32_grad_accumulation, refuse_fp16, trained_zero_stage
 
 __all__ = ["build_frozen_engine", "build_train_engine", "deep_merge", "deepspeed_config"]
 
@@ -57,6 +57,7 @@ def deepspeed_config(ds, micro_batch_size: int = 1, grad_accum: int = 1, max_gra
         config["gradient_clipping"] = float(max_grad_norm or 0.0)
         if stage == 2 and fp32_grad_accumulation(ds):
             config["data_types"] = {"grad_accum_dtype": "fp32"}
+    refuse_fp16(ds.extra)  # also checked with the config: a config built in code comes here
     return deep_merge(config, ds.extra or {})
 
 

@@ -8,9 +8,9 @@ model share one device, and fails on a GPU at the first op that mixes it with th
 is on cpu, different from other tensors on cuda:0"). ``tests/engine/test_device_placement.py`` runs each
 command's step on an emulated second device, where such a tensor fails as it would on a GPU.
 
-The copy is ``non_blocking``: from pageable memory CUDA stages it synchronously anyway, and a
+The copy to a device is ``non_blocking``: from pageable memory CUDA stages it synchronously anyway, and a
 blocking host-to-device copy would wait for all queued device work first (a stall, and an error
-under ``torch.cuda.set_sync_debug_mode("error")``).
+under ``torch.cuda.set_sync_debug_mode("error")``). A copy to the host blocks (see :func:`to_device`).
 
 **Host reads.** ``.item()``, ``float(t)``, ``.tolist()`` and ``bool(t)`` of a device tensor wait for
 every kernel queued before it: on a CPU they are free, on a GPU each one stalls the stream. The
@@ -46,7 +46,9 @@ def model_device(model) -> torch.device:
 def to_device(batch, device: torch.device | str):
     """``batch`` (a tensor, or dicts, lists and tuples of them) on ``device``; other values as they are."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        # To the host it blocks: a non-blocking device-to-host copy returns before its data has arrived, and the
+        # host op that reads it next (a stack, a .tolist()) would read whatever the buffer held.
+        return batch.to(device, non_blocking=device is None or torch.device(device).type != "cpu")
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):

@@ -80,10 +80,12 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
     if D.is_main():
         write_run_config(config)
     metrics: dict = {}
-    step = start_step
+    step = saved = start_step  # saved: the step of the newest checkpoint (the one resumed from, or written here)
 
     def save(at: int) -> None:
+        nonlocal saved
         save_checkpoint(config.output_dir, at, stateful, keep_last=t.keep_checkpoints, identity=run_identity(config))
+        saved = at
 
     try:
         for step in range(start_step + 1, t.max_steps + 1):
@@ -109,8 +111,10 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
     except StepFailed as exc:
         # Keep the last good step: this one if it completed before failing (in validation), else the one
         # before (the failed step changed nothing, and its caller rewound its data).
+        # Not again when trainer.save_every just wrote it: that copy holds the RNG state the step began with, where
+        # one written now would hold the failed step's draws (and cost another full write of the model's state).
         good = step if getattr(exc, "completed_step", False) else step - 1
-        if good > start_step:
+        if good > saved:
             save(good)
         logger.close()
         raise

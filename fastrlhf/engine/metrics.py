@@ -107,8 +107,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
+        # What a resumed run keeps: up to its checkpoint's step. Resumed without one it starts over, validating at
+        # step 0 again (eval.before_train): the killed run's step 0 goes too, or it would be logged twice.
+        kept = start_step if start_step > 0 else -1
         if resume:
-            truncate_metrics(self.path, start_step)
+            truncate_metrics(self.path, kept)
         self._file = open(self.path, "a" if resume else "w", encoding="utf-8")
         if progress_bar_wanted():
             from tqdm import tqdm
@@ -118,7 +121,10 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+                # A resumed run rewrites the steps after its checkpoint: TensorBoard hides the killed run's events
+                # from purge_step on (without it both runs' steps show, the curve doubling back).
+                purge = kept + 1 if resume else None
+                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=purge)
             except ImportError:
                 print("warning: trainer.tensorboard is on but the tensorboard package is not installed; skipping it",
                       file=sys.stderr)

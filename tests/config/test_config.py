@@ -572,3 +572,11 @@ def test_chat_template_kwargs_are_the_templates_own_variables(paths):
     assert err.key == "data.chat_template_kwargs" and "'tools' is set by fastrlhf" in str(err), err
     err = error_of(grpo(paths, data={"chat_template_kwargs": ["enable_thinking"]}))
     assert err.key == "data.chat_template_kwargs", err
+
+
+def test_fp16_through_deepspeed_extra_is_refused_before_anything_starts(paths):
+    """DeepSpeed's loss scaler skips its calibration steps, which the step guard counted as bad steps: a healthy run
+    stopped at step 3. fastrlhf.engine.deepspeed refused it only once the models had loaded."""
+    err = error_of(grpo(paths, deepspeed={"extra": {"fp16": {"enabled": True}}}))
+    assert err.key == "deepspeed.extra.fp16", err
+    parse_config(grpo(paths, deepspeed={"extra": {"fp16": {"enabled": False}}}))
