@@ -30,7 +30,7 @@ import shutil
 import sys
 import time
 
-from fastrlhf.demo.stages import StageFailed, child_env, resolved_config, run_stage, stamp_key
+from fastrlhf.demo.stages import StageFailed, child_env, print_failure, resolved_config, run_stage, stamp_key
 from fastrlhf.distributed import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
                                    val_size=args.val_size))
             _write_report(out, entries)
     except StageFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_failure(exc, "make arithmetic")
         return 1
     _say(f"\nreport: {os.path.join(out, 'report.json')} ({time.perf_counter() - started:.0f} s in all)")
     with open(os.path.join(out, "report.md")) as f:

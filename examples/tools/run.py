@@ -28,11 +28,12 @@ import shutil
 import sys
 import time
 
-from fastrlhf.demo.stages import StageFailed, child_env, resolved_config, run_stage, stamp_key
+from fastrlhf.demo.stages import StageFailed, child_env, print_failure, resolved_config, run_stage, stamp_key
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SFT_CONFIG = os.path.join(HERE, "sft.yaml")
 GRPO_CONFIG = os.path.join(HERE, "grpo.yaml")
+DATA_FILES = ("pretrain-tool", "pretrain-direct", "sft-tool", "sft-direct", "rl", "val")  # examples.tools.data
 ARMS = ("tool", "direct")
 PRETRAIN_STEPS = 2000  # both arms: the same budget
 PRETRAIN_LR = 2e-3
@@ -68,7 +69,9 @@ def prepare(seed: int, out: str, fresh: bool, val_size: int | None = None) -> di
     paths = {"data": os.path.join(w, "data"), "init": os.path.join(w, "init")}
     key = stamp_key(*(os.path.join(HERE, f) for f in ("data.py", "model.py", "calculator.py")), seed, val_size)
     stamp = None if fresh else _read_json(os.path.join(paths["init"], "stamp.json"))
-    if stamp is not None and stamp.get("key") == key:
+    # The data files sit beside the stamped model: without them the cached stage is not whole.
+    files = (os.path.join(paths["data"], f"{name}.jsonl") for name in DATA_FILES)
+    if stamp is not None and stamp.get("key") == key and all(os.path.isfile(f) for f in files):
         _say("[1/4] data + tokenizer + model: cached")
         return {**paths, **stamp}
     _say("[1/4] data + tokenizer + model")
@@ -238,7 +241,7 @@ def main(argv=None) -> int:
                      f"{e['after']['questions']} held-out questions, "
                      f"{e['after']['tool_calls_per_episode']:.2f} tool calls per episode")
     except StageFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_failure(exc, "make tools")
         return 1
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "threads": args.threads, "seconds": round(time.perf_counter() - started, 1)}

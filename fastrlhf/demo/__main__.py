@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_matrix(args.workdir, progress=not args.no_progress)
 
     from fastrlhf.demo.pipeline import DemoOptions, run_demo
-    from fastrlhf.demo.stages import StageFailed
+    from fastrlhf.demo.stages import StageFailed, print_failure
 
     opts = DemoOptions(algo=args.algo, reward=args.reward, fresh=args.fresh, workdir=args.workdir,
                        pretrain_set=args.pretrain_set, rm_set=args.rm_set, rl_set=args.rl_set,
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run_demo(opts)
     except StageFailed as exc:
-        print(f"demo failed: {exc}", file=sys.stderr)
+        print_failure(exc, "demo")
         return 1
     run_dir = f"{args.workdir}/{args.algo}-{args.reward}"
     print(f"\nreport: {run_dir}/report.md (plots: {', '.join(report['plots'].values())})")

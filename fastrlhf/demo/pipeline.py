@@ -8,13 +8,15 @@
 6. RL with ``deepspeed --num_gpus 2 --module fastrlhf train`` (``examples/demo/{grpo,ppo}.yaml``)
 7. evaluate again, write ``report.md`` / ``report.json`` and PNG plots
 
-Stages 1-4 are cached under the work directory (a stamp records the configs they came from), so a
-second run goes straight to RL; ``--fresh`` redoes everything. Child processes write their logs to
-``<workdir>/logs/``; the progress bars here follow their ``metrics.jsonl``.
+Stages 1-4 are cached under the work directory (a stamp records the configs, seeds and code they came
+from, see ``pretrain_key``), so a second run goes straight to evaluation and RL; ``--fresh`` redoes
+everything. Child processes write their logs to ``<workdir>/logs/``; the progress bars here follow their
+``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -26,10 +28,12 @@ from fastrlhf.demo import data as demo_data
 from fastrlhf.demo.stages import child_env, resolved_config, run_stage, stamp_key
 from fastrlhf.distributed import free_port
 
-__all__ = ["DemoOptions", "run_demo", "prepare_for_prefixes"]
+__all__ = ["DemoOptions", "run_demo", "prepare_for_prefixes", "pretrain_key"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_DIR = os.path.join(ROOT, "examples", "demo")
+# The code that shapes the cached data, tokenizer and initial model: the task (vocabulary, prompt format) and data.py.
+PRETRAIN_CODE = (demo_data.task.__file__, demo_data.__file__)
 
 
 @dataclass
@@ -68,6 +72,34 @@ def _cached(folder: str, key: str) -> bool:
 def _write_stamp(folder: str, key: str, **info) -> None:
     with open(os.path.join(folder, "demo_stamp.json"), "w") as f:
         json.dump({"key": key, **info}, f, indent=1)
+
+
+def pretrain_key(opts: DemoOptions) -> str:
+    """The stamp of stages 1-3: their config and options, and the code that writes the data, the tokenizer and the
+    initial model and prepares it. Without the code a cached model made with another vocabulary (token ids) or
+    prompt format would be reused against data and rewards of the new one."""
+    return stamp_key(_config("pretrain.yaml"), opts.pretrain_set, opts.model_shape, demo_data.MODEL_SHAPE,
+                     opts.pretrain_seed, opts.threads, demo_data.split_numbers(), *PRETRAIN_CODE,
+                     inspect.getsource(prepare_for_prefixes), "v3")
+
+
+def _pretrain_cached(paths: dict, key: str) -> bool:
+    """The stamp matches and the data files the later stages read are still there (they sit beside the model)."""
+    data = [os.path.join(paths["data"], f"{name}.jsonl") for name in ("rl_prompts", "val", "eval")]
+    return _cached(paths["pretrained"], key) and all(os.path.isfile(p) for p in data)
+
+
+def _run_info(opts: DemoOptions, paths: dict, pre_key: str, pre_cached: bool) -> dict:
+    """The report's record of what the run came from (``report.json["run"]``)."""
+    try:
+        with open(os.path.join(paths["pretrained"], "demo_stamp.json")) as f:
+            pretrain_seconds = json.load(f).get("pretrain_seconds")
+    except (OSError, ValueError):
+        pretrain_seconds = None
+    return {"pretrain_seed": opts.pretrain_seed, "rl_seed": opts.rl_seed, "threads": opts.threads,
+            "ranks": opts.ranks, "pretrain_key": pre_key, "pretrained_cached": pre_cached,
+            "pretrain_seconds": pretrain_seconds, "pretrain_set": list(opts.pretrain_set),
+            "rm_set": list(opts.rm_set), "rl_set": list(opts.rl_set)}
 
 
 def _say(opts: DemoOptions, text: str) -> None:
@@ -187,9 +219,9 @@ def run_demo(opts: DemoOptions) -> dict:
 
     # ---- 1-3: data, init, pretrain, prepare (cached together)
     pretrain_cfg = _config("pretrain.yaml")
-    pre_key = stamp_key(pretrain_cfg, opts.pretrain_set, opts.model_shape, demo_data.MODEL_SHAPE, opts.pretrain_seed,
-                         opts.threads, demo_data.split_numbers(), "v2")
-    if not opts.fresh and _cached(paths["pretrained"], pre_key):
+    pre_key = pretrain_key(opts)
+    pre_cached = not opts.fresh and _pretrain_cached(paths, pre_key)
+    if pre_cached:
         for name in stages[:3]:
             announce(name, f": cached in {paths['pretrained']} (make demo FRESH=1 redoes it)")
     else:
@@ -288,5 +320,6 @@ def run_demo(opts: DemoOptions) -> dict:
     engine = _rollout_engine(rl_config, paths["pretrained"])
     report = write_report(run_dir, algo=opts.algo, reward=opts.reward, before=before, after=after,
                           stage_seconds=times, exact_log=exact_log if opts.reward == "model" else None,
-                          exact_calls_per_step=per_rank_calls, ranks=opts.ranks, rollout_engine=engine)
+                          exact_calls_per_step=per_rank_calls, ranks=opts.ranks, rollout_engine=engine,
+                          run=_run_info(opts, paths, pre_key, pre_cached))
     return report

@@ -82,7 +82,9 @@ def _plot(path: str, title: str, ylabel: str, lines: list[tuple[str, list, list,
 
 def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict, stage_seconds: dict,
                  exact_log: str | None = None, exact_calls_per_step: int | None = None, ranks: int = 2,
-                 rollout_engine: str | None = None) -> dict:
+                 rollout_engine: str | None = None, run: dict | None = None) -> dict:
+    """``run``: what the run came from that its folder does not hold (the seeds, the thread count, the pretrained
+    model's stamp and whether it was cached): without it two reports cannot be told apart or reproduced."""
     from fastrlhf.engine.metrics import read_metrics
 
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
@@ -123,6 +125,7 @@ def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict
     report = {
         "algorithm": algo,
         "reward": reward,
+        "run": dict(run or {}),
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
         "right_number_before": before["right_number"],
@@ -156,6 +159,16 @@ def write_report(run_dir: str, algo: str, reward: str, before: dict, after: dict
     return report
 
 
+def _run_line(run: dict) -> str:
+    """``Seeds: pretraining 0, RL 0; 2 threads; pretrained model 68552948dfdd06bd (cached, pretrained in 139 s).``"""
+    cached = run.get("pretrained_cached")
+    how = ("cached" if cached else "pretrained in this run") if cached is not None else ""
+    if cached and run.get("pretrain_seconds") is not None:
+        how += f", pretrained in {run['pretrain_seconds']:.0f} s"
+    return (f"Seeds: pretraining {run.get('pretrain_seed')}, RL {run.get('rl_seed')}; {run.get('threads')} threads; "
+            f"pretrained model {run.get('pretrain_key')}" + (f" ({how})." if how else "."))
+
+
 def _markdown(r: dict) -> str:
     wt = r["wall_time"]
     lines = [
@@ -184,6 +197,7 @@ def _markdown(r: dict) -> str:
         f"{wt['rl_stage_total']:.1f} |",
         "",
         "Stages (s): " + ", ".join(f"{k} {v:.1f}" for k, v in wt["stages"].items()),
+        *(["", _run_line(r["run"])] if r["run"] else []),
         "",
         "## Plots",
         "",

@@ -11,9 +11,11 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
-__all__ = ["StageFailed", "child_env", "last_metrics", "resolved_config", "run_stage", "stamp_key"]
+__all__ = ["StageFailed", "child_env", "last_metrics", "print_failure", "resolved_config", "run_stage",
+           "stamp_key"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -100,9 +102,20 @@ def run_stage(name: str, cmd: list[str], log_path: str, metrics_path: str | None
             bar.close()
     if proc.returncode != 0:
         with open(log_path, errors="replace") as f:
-            tail = f.read()[-3000:]
+            text = f.read()
+        tail = text if len(text) <= 3000 else text[-3000:].partition("\n")[2]  # whole lines only
         raise StageFailed(f"stage {name!r} failed (exit {proc.returncode}); log: {log_path}\n{tail}")
     return time.perf_counter() - started
+
+
+def print_failure(exc: StageFailed, what: str) -> None:
+    """``exc``'s log tail, then its one line (what failed, the exit code, the log) and what to do: last, where the
+    terminal ends, not buried above 3000 characters of log."""
+    summary, _, tail = str(exc).partition("\n")
+    if tail.strip():
+        print(tail.rstrip("\n"), file=sys.stderr)
+    print(f"{what} failed: {summary}; rerun once fixed: finished stages stay cached (FRESH=1 or --fresh redoes them)",
+          file=sys.stderr)
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
