@@ -77,7 +77,7 @@ bench: $(BENCH_STAMP)
 demo: $(STAMP)
 	$(PY) -m fastrlhf.demo --algo $(or $(ALGO),grpo) --reward $(or $(REWARD),rule) $(if $(FRESH),--fresh)
 
-# The demo over pretraining seeds x RL seeds, PPO, 1 thread and the learned reward (about 15 minutes on
+# The demo over pretraining seeds x RL seeds, PPO, 1 thread and the learned reward (11-20 minutes on
 # 2 cores); writes runs/demo/matrix.md. Not part of `make test`.
 demo-matrix: $(STAMP)
 	$(PY) -m fastrlhf.demo --matrix
