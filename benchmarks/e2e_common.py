@@ -39,14 +39,16 @@ RESULT_PREFIX = "E2E_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> workload; every trainer-facing knob is here so both trainers read the same numbers.
+# gradient_checkpointing: read by both trainers (TRL's GRPOConfig turns it on unless told, fastrlhf's model config
+# leaves it off: left to the defaults, TRL's runs of A and B recomputed every layer's forward in the backward).
 WORKLOADS = {
     "A": dict(model="doubling", prompts_per_step=16, n=8, max_new_tokens=8, prompt_len=13, lr=1e-3,
-              kl_coef=0.001, steps=8, warmup=2),
+              kl_coef=0.001, steps=8, warmup=2, gradient_checkpointing=False),
     "B": dict(model="llama32k", prompts_per_step=4, n=8, max_new_tokens=64, prompt_len=64, lr=1e-4,
-              kl_coef=0.001, steps=4, warmup=1),
+              kl_coef=0.001, steps=4, warmup=1, gradient_checkpointing=False),
     # prompt_len: the longest prompt (lengths drawn from prompt_len_min..prompt_len); nproc: ranks.
     "C": dict(model="qwen2_151k", prompts_per_step=4, n=4, max_new_tokens=256, prompt_len=256, prompt_len_min=16,
-              lr=1e-5, kl_coef=0.001, steps=2, warmup=1, nproc=2),
+              lr=1e-5, kl_coef=0.001, steps=2, warmup=1, nproc=2, gradient_checkpointing=True),
 }
 # Llama of workload B: 32,000 x 256 embedding + LM head (16.4M) + 4 layers (2.6M) = 19.0M parameters.
 LLAMA32K = dict(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,

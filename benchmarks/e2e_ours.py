@@ -6,7 +6,8 @@ single rank, ZeRO stage 0 (one rank has nothing to partition). Workload C: ``npr
 ``trainer.max_tokens_per_microbatch`` from the spec (``trainer`` keys), the vLLM KV cache sized by
 the plan (``kv_cache_bytes: auto``). All: fp32, fused loss, ``rollout.engine`` from the spec
 (``auto`` by default: it picks what a user gets). One optimizer step per RL step (minibatch = the
-whole rollout batch), constant learning rate, k3 KL in the loss, token-mean aggregation.
+whole rollout batch), constant learning rate, k3 KL in the loss, token-mean aggregation, gradient
+checkpointing as the workload says (``gradient_checkpointing``, the same key TRL's run reads).
 
 Timing: ``metrics.jsonl``'s ``time/*`` keys per step; the actor's old-logprob and the reference's
 logprob passes are split out of ``time/score`` by timing ``sequence_logprobs`` (the old-logprob
@@ -81,7 +82,8 @@ def main(spec: dict) -> dict:
     total_steps = spec["warmup"] + spec["steps"]
     raw = {
         "algorithm": "grpo", "output_dir": spec["out_dir"], "seed": 0,
-        "model": {"path": spec["model_dir"], "dtype": "float32", **spec.get("model_options", {})},
+        "model": {"path": spec["model_dir"], "dtype": "float32",
+                  "gradient_checkpointing": spec.get("gradient_checkpointing", False), **spec.get("model_options", {})},
         "reward": {"function": reward},
         "data": {"prompts": spec["prompts"], "max_prompt_len": max(spec["prompt_len"], 16)},
         "rollout": {"engine": spec.get("engine", "auto"), "n": spec["n"], "temperature": 1.0,
@@ -138,6 +140,7 @@ def main(spec: dict) -> dict:
         "steps": steps, "median": summarize(steps, spec["warmup"]), "final_reward": steps[-1]["reward"],
         "peak_rss_bytes": peak, "run_s": run_s, "threads": spec["threads"], "rank": 0,
         "config": {k: raw[k] for k in ("rollout", "trainer", "deepspeed")},
+        "gradient_checkpointing": raw["model"]["gradient_checkpointing"],
     }
 
 

@@ -8,7 +8,9 @@ token-level loss normalisation (``dapo`` = our ``token-mean`` on one rank), Adam
 learning rate without warm-up, grad-norm clip 1.0, no weight decay, and one generation + one
 optimizer step per RL step: ``per_device_train_batch_size`` = the whole rollout batch,
 ``gradient_accumulation_steps=1``, ``steps_per_generation=1``, ``num_iterations=1`` (so TRL, aligned,
-skips the old-logprob pass, where our trainer recomputes the actor's logprobs).
+skips the old-logprob pass, as our on-policy step does), and ``gradient_checkpointing`` from the
+workload, as ours reads it (GRPOConfig's default is True: left to it, TRL's run recomputed every
+layer's forward in the backward where ours did not).
 
 Workload C: ``nproc`` ranks under ``torch.distributed.run`` (DDP over gloo), the rollout batch split
 over them; ``per_device_train_batch_size`` = ``trl_micro_batch`` sequences with
@@ -101,6 +103,7 @@ def main(spec: dict) -> dict:
         num_generations=spec["n"], max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         optim="adamw_torch", beta=spec["kl_coef"], epsilon=0.2, scale_rewards="group", loss_type="dapo",
+        gradient_checkpointing=bool(spec.get("gradient_checkpointing", False)),
         max_steps=total_steps, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False, **spec.get("trl", {}),
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -78,9 +79,11 @@ def _child(path: str, function: str, params: dict, threads: int, repeats: int) -
 
 def measure(path: str, function: str, params: dict | None = None, threads: int = 2, repeats: int = 3,
             timeout_s: float = 300.0) -> dict:
-    """Run ``function(**params)``'s step in a fresh child; returns times, ``time_s`` (fastest run) and peak.
+    """Run ``function(**params)``'s step in a fresh child; returns times, ``time_s`` (fastest run), the spread
+    (``time_s_median``, ``time_s_max``) and peak.
 
-    The fastest of ``repeats`` runs is the figure least disturbed by other work on the machine.
+    The fastest of ``repeats`` runs is the figure least disturbed by other work on the machine; the median and
+    the slowest go with it, so that a ratio of two fastest runs is never read without the runs' spread.
     """
     cmd = [sys.executable, os.path.abspath(__file__), os.path.abspath(path), function,
            json.dumps(params or {}), str(threads), str(repeats)]
@@ -93,6 +96,8 @@ def measure(path: str, function: str, params: dict | None = None, threads: int =
         )
     result = json.loads(lines[-1][len(_RESULT_PREFIX):])
     result["time_s"] = min(result["times_s"])
+    result["time_s_median"] = statistics.median(result["times_s"])
+    result["time_s_max"] = max(result["times_s"])
     return result
 
 

@@ -4,8 +4,9 @@ Workloads (``benchmarks/e2e_common.py``): **A** the demo task's 0.34M-parameter 
 x 8 completions, up to 8 new tokens (overhead-dominated); **B** a 19M-parameter Llama with a
 32,000-token vocabulary, 4 prompts of 64 tokens x 8 completions, 64 new tokens (logits-dominated:
 a step's logits are 2048 x 32,000 fp32 = 262 MB per pass). Same prompts, group size, batch, new
-tokens, learning rate, KL coefficient (k3 in the loss), steps and precision (fp32) for both; one
-optimizer step per RL step for both; 2 torch threads each.
+tokens, learning rate, KL coefficient (k3 in the loss), steps, precision (fp32) and gradient
+checkpointing (off; asserted from what each child reports) for both; one optimizer step per RL step
+for both; 2 torch threads each.
 
 Each trainer runs in its own child process (fair peak RSS, no shared thread pools), alternated
 fastrlhf, TRL, fastrlhf, TRL; every run's first ``warmup`` steps are dropped and the medians pool the
@@ -61,9 +62,9 @@ PACKED_BUDGET = 4096
 # Workload C's runs: name -> (child script, spec keys over the workload's). "shared" also packs the
 # 4 samples of a prompt behind one copy of it (trainer.share_prompts).
 PACKED = {"packing": True, "max_tokens_per_microbatch": PACKED_BUDGET}
-# Gradient checkpointing in every run of ours, as TRL's GRPOConfig has it by default (and so in TRL's
-# run here): the update keeps one hidden state per layer instead of every activation.
-OURS_C = dict(zero_stage=2, kv_cache_bytes="auto", model_options={"gradient_checkpointing": True})
+# Gradient checkpointing in every run of C, ours and TRL's (WORKLOADS["C"]): the update keeps one hidden state per
+# layer instead of every activation.
+OURS_C = dict(zero_stage=2, kv_cache_bytes="auto")
 C_RUNS = {
     "padded": ("fastrlhf", OURS_C),
     "packed": ("fastrlhf", dict(OURS_C, trainer=PACKED)),
@@ -110,6 +111,12 @@ def _save_raw(results_dir: str, workload: str, results: dict) -> None:
         json.dump(raw, f, indent=1)
 
 
+def _assert_same_checkpointing(results: dict, workload: dict) -> None:
+    """Every run recomputed its forward in the backward, or none did: else the race times unequal work."""
+    used = {name: [r.get("gradient_checkpointing") for r in runs] for name, runs in results.items()}
+    assert all(v == [workload["gradient_checkpointing"]] * len(v) for v in used.values()), used
+
+
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("workload", ["A", "B"])
 def test_e2e_grpo_step_vs_trl(benchmark, work_dir, results_dir, workload):
@@ -128,6 +135,7 @@ def test_e2e_grpo_step_vs_trl(benchmark, work_dir, results_dir, workload):
 
     benchmark.pedantic(alternate, rounds=1, iterations=1)
     _save_raw(results_dir, workload, results)
+    _assert_same_checkpointing(results, w)
     ours, trl = pooled(results["fastrlhf"], w["warmup"]), pooled(results["trl"], w["warmup"])
     speedup = ours["trained_tokens_per_s"] / trl["trained_tokens_per_s"]
     rss_ratio = ours["peak_rss_bytes"] / trl["peak_rss_bytes"]
@@ -136,7 +144,7 @@ def test_e2e_grpo_step_vs_trl(benchmark, work_dir, results_dir, workload):
                 engine=results["fastrlhf"][0]["engine"], trl_version=results["trl"][0]["trl_version"],
                 prompts=w["prompts_per_step"], n=w["n"], max_new_tokens=w["max_new_tokens"], lr=w["lr"],
                 kl_coef=w["kl_coef"], steps_per_run=w["warmup"] + w["steps"], warmup_steps=w["warmup"],
-                runs_per_trainer=ROUNDS, threads=THREADS)
+                runs_per_trainer=ROUNDS, threads=THREADS, gradient_checkpointing=w["gradient_checkpointing"])
     _record(info, "ours", ours)
     _record(info, "trl", trl)
     info["speedup_vs_trl"] = round(speedup, 3)
@@ -175,6 +183,7 @@ def test_e2e_workload_c(benchmark, work_dir, results_dir):
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
     _save_raw(results_dir, "C", results)
+    _assert_same_checkpointing(results, w)
     total_steps = w["warmup"] + w["steps"]
     for name, runs in results.items():
         for r in runs:

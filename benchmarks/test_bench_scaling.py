@@ -8,7 +8,8 @@ Model: workload B's 19M-parameter Llama with a 32,000-token vocabulary (``benchm
 - length: 16, 32, 64 new tokens at 16 completions (2 prompts x 8).
 
 Each point runs both trainers in fresh child processes (fastrlhf first, then TRL), 1 warm-up step
-and 2 measured steps each; the figure is the median measured step time. ``test_scaling_growth``
+and 2 measured steps each; the figure is the median measured step time (with the fastest and the
+slowest measured step beside it). ``test_scaling_growth``
 turns each series into a growth exponent ``log(t_last / t_first) / log(work_last / work_first)``:
 1.0 is linear, below 1.0 means fixed costs are being amortised. Target: ours <= 1.0 over the
 measured range (reported as ``ours_*_linear_or_better``; with ``FASTRLHF_BENCH_STRICT=1`` a miss
@@ -65,6 +66,8 @@ def test_scaling_point(benchmark, work_dir, point):
         if trainer in results:
             med = results[trainer]
             info[f"{prefix}_step_s"] = round(med["step_s"], 4)
+            info[f"{prefix}_step_s_min"] = round(med["step_s_min"], 4)  # the spread of the measured steps
+            info[f"{prefix}_step_s_max"] = round(med["step_s_max"], 4)
             info[f"{prefix}_trained_tokens_per_s"] = round(med["trained_tokens_per_s"], 1)
             info[f"{prefix}_tokens_per_step"] = med["trained_tokens"]
             info[f"{prefix}_peak_rss_mib"] = round(med["peak_rss_bytes"] / (1 << 20), 1)
