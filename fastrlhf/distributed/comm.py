@@ -16,12 +16,16 @@ step, never inside a loop over micro-batches or chunks. Importing this module ne
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from fastrlhf.distributed.ranks import local_rank
 
 __all__ = [
+    "agree_on_failure",
     "agreed",
     "all_ranks_flag",
     "all_ranks_true",
@@ -178,3 +182,32 @@ def barrier() -> None:
         dist.barrier(device_ids=[device.index])
     else:
         dist.barrier()
+
+
+def agree_on_failure(call: Callable[[], object], error_type: type):
+    """``call()`` on every rank (a collective: call it on every rank). An ``error_type`` raised on any rank is raised
+    on every rank, with the first failing rank's message and exit code, so that no rank is left waiting in the next
+    collective and every rank ends the same way: one small all-reduce of the ranks' failure flags each call, and on
+    a failure one gather of the failing ranks' messages. ``error_type`` is built as
+    :class:`fastrlhf.rl.rewards.RewardFunctionError` is, ``(summary, local=, exit_code=, user_traceback=)``, and
+    has those attributes (``summary`` for the message)."""
+    from fastrlhf.distributed.ranks import rank, world_size
+
+    world, me = world_size() if is_distributed() else 1, rank() if is_distributed() else 0
+    error, result = None, None
+    try:
+        result = call()
+    except error_type as exc:
+        error = exc
+    codes = reduce_floats([float(error.exit_code if error is not None and r == me else 0)
+                                for r in range(world)], "max")
+    if not any(codes):
+        return result
+    if world == 1:
+        raise error
+    mine = b"" if error is None else json.dumps([error.summary, error.user_traceback, error.exit_code]).encode()
+    first = next(p for p in gather_bytes(mine) if p)
+    summary, user_traceback, exit_code = json.loads(first)
+    if error is not None and error.summary == summary:
+        raise error
+    raise error_type(summary, local=False, exit_code=exit_code, user_traceback=user_traceback)

@@ -7,15 +7,14 @@ reward for this completion from this function". Each scoring path (:func:`sample
 
 A failure is a :class:`RewardFunctionError`: one line naming the function, the batch (and the completion,
 for a per-sample function) and the rank, then the frames of the user's own code (:func:`user_frames`);
-:func:`agree_on_reward_failure` makes every rank end alike (:func:`agree_on_failure`, which an episode's
-environment that fails to start shares: ``fastrlhf.rollout.episodes``).
+:func:`agree_on_reward_failure` makes every rank end alike (``fastrlhf.distributed.comm.agree_on_failure``,
+which an episode's environment that fails to start shares: ``fastrlhf.rollout.episodes``).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import json
 import numbers
 import os
 import sysconfig
@@ -27,7 +26,7 @@ import torch
 
 from fastrlhf.engine.guards import StepFailed
 
-__all__ = ["NUMBER", "RewardFunctionError", "agree_on_failure", "agree_on_reward_failure", "batch_scores",
+__all__ = ["NUMBER", "RewardFunctionError", "agree_on_reward_failure", "batch_scores",
            "environment_scores", "sample_scores", "user_frames"]
 
 
@@ -204,36 +203,9 @@ def environment_scores(name: str, environments: list) -> tuple[torch.Tensor, tor
     return _tensors(values)
 
 
-def agree_on_failure(call: Callable[[], object], error_type: type):
-    """``call()`` on every rank (a collective: call it on every rank). An ``error_type`` raised on any rank is raised
-    on every rank, with the first failing rank's message and exit code, so that no rank is left waiting in the next
-    collective and every rank ends the same way: one small all-reduce of the ranks' failure flags each call, and on
-    a failure one gather of the failing ranks' messages. ``error_type`` is built as :class:`RewardFunctionError` is,
-    ``(summary, local=, exit_code=, user_traceback=)``, and has those attributes (``summary`` for the message)."""
-    from fastrlhf.distributed import comm
-    from fastrlhf.distributed.ranks import rank, world_size
-
-    world, me = world_size() if comm.is_distributed() else 1, rank() if comm.is_distributed() else 0
-    error, result = None, None
-    try:
-        result = call()
-    except error_type as exc:
-        error = exc
-    codes = comm.reduce_floats([float(error.exit_code if error is not None and r == me else 0)
-                                for r in range(world)], "max")
-    if not any(codes):
-        return result
-    if world == 1:
-        raise error
-    mine = b"" if error is None else json.dumps([error.summary, error.user_traceback, error.exit_code]).encode()
-    first = next(p for p in comm.gather_bytes(mine) if p)
-    summary, user_traceback, exit_code = json.loads(first)
-    if error is not None and error.summary == summary:
-        raise error
-    raise error_type(summary, local=False, exit_code=exit_code, user_traceback=user_traceback)
-
-
 def agree_on_reward_failure(score: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``score()`` on every rank, a :class:`RewardFunctionError` on any rank raised on every rank
-    (:func:`agree_on_failure`)."""
+    (:func:`fastrlhf.distributed.comm.agree_on_failure`)."""
+    from fastrlhf.distributed.comm import agree_on_failure
+
     return agree_on_failure(score, RewardFunctionError)

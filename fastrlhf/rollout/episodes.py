@@ -204,7 +204,7 @@ class EpisodeRunner:
         none without one (plain tool functions cannot fail to start)."""
         if self.toolbox.environment is None:
             return self.start(prompts, metas, n)
-        from fastrlhf.rl.reward_results import agree_on_failure
+        from fastrlhf.distributed.comm import agree_on_failure
 
         return agree_on_failure(lambda: self.start(prompts, metas, n), EnvironmentResetError)
 
