@@ -12,6 +12,7 @@ from fastrlhf.config.errors import ConfigError
 from fastrlhf.engine.deepspeed import deepspeed_config
 from fastrlhf.engine.guards import StepFailed, StepGuard
 from fastrlhf.engine.metrics import MetricsLogger
+from tests.helpers.loggers import NullLogger
 
 
 @pytest.fixture
@@ -83,17 +84,6 @@ def test_resumed_tensorboard_curves_hold_each_step_once(tmp_path, monkeypatch):
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50)]
 
 
-class _Logger:
-    def log(self, step, metrics):
-        pass
-
-    def message(self, line):
-        pass
-
-    def close(self):
-        pass
-
-
 def _config(tmp_path, **trainer):
     from helpers.rl_case import GRPO, make_config
 
@@ -123,7 +113,7 @@ def _run_failing(config, fail_at: int, start_step: int = 0, completed: bool = Fa
                 step_fn,
                 start_step=start_step,
                 stateful={},
-                logger=_Logger(),
+                logger=NullLogger(),
                 guard=StepGuard(3),
                 skip_reason="",
                 export_engine=None,

@@ -12,6 +12,7 @@ from fastrlhf.config import DeepSpeedConfig
 from fastrlhf.engine.checkpoint import load_latest, save_checkpoint
 from fastrlhf.engine.deepspeed import build_train_engine
 from fastrlhf.engine.guards import StepGuard
+from tests.helpers.loggers import NullLogger
 
 
 def _engine(stage: int, lr: float, warmup: int = 4):
@@ -177,17 +178,6 @@ def test_keeping_the_last_k_never_deletes_the_checkpoint_just_written(tmp_path):
     assert sorted(os.listdir(root)) == ["latest", "step-7", "step-8"]
 
 
-class _Logger:
-    def log(self, step, metrics):
-        pass
-
-    def message(self, line):
-        pass
-
-    def close(self):
-        pass
-
-
 def test_resuming_a_finished_run_exports_without_writing_its_checkpoint_again(tmp_path, monkeypatch):
     """A run killed in its export (after its final checkpoint) and resumed has no step left: it rewrote that whole
     checkpoint (minutes for a 1.5B model's optimizer state) for state it had just loaded from it."""
@@ -204,7 +194,7 @@ def test_resuming_a_finished_run_exports_without_writing_its_checkpoint_again(tm
         lambda step: pytest.fail("no step is left to run"),
         start_step=t.max_steps,
         stateful={},
-        logger=_Logger(),
+        logger=NullLogger(),
         guard=StepGuard(3),
         skip_reason="",
         export_engine=None,

@@ -15,13 +15,6 @@ from tests.helpers.tool_fixtures import ScriptedEngine
 H = "tests.helpers.tool_fixtures"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from fastrlhf.modeling.tiny_chat import build_chat_tokenizer
-
-    return build_chat_tokenizer()
-
-
 def call(name, **arguments) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 

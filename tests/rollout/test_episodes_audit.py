@@ -6,29 +6,12 @@ from __future__ import annotations
 import copy
 import json
 
-import pytest
-
 from fastrlhf.rollout import SamplingConfig
 from fastrlhf.rollout.episodes import EpisodeRunner
 from fastrlhf.rollout.tools import load_toolbox
-from tests.helpers.episodes_templates import QWEN3
 from tests.helpers.tool_fixtures import ScriptedEngine
 
 H = "tests.helpers.tool_fixtures"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from fastrlhf.modeling.tiny_chat import build_chat_tokenizer
-
-    return build_chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def qwen3(tokenizer):
-    t = copy.deepcopy(tokenizer)
-    t.chat_template = QWEN3
-    return t
 
 
 def call(name, **arguments) -> str:

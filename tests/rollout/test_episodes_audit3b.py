@@ -19,13 +19,6 @@ from tests.helpers.tool_fixtures import ScriptedEngine
 ADD = "tests.helpers.tool_fixtures:add"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from fastrlhf.modeling.tiny_chat import build_chat_tokenizer
-
-    return build_chat_tokenizer()
-
-
 def ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -3,7 +3,6 @@ the header the prompts were rendered with (Qwen3's ``enable_thinking``)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 
@@ -12,24 +11,9 @@ import pytest
 from fastrlhf.rollout import SamplingConfig
 from fastrlhf.rollout.episodes import EpisodeRunner
 from fastrlhf.rollout.tools import load_toolbox
-from tests.helpers.episodes_templates import QWEN3
 from tests.helpers.tool_fixtures import ScriptedEngine
 
 ENVS = "tests.helpers.episodes3_environments"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from fastrlhf.modeling.tiny_chat import build_chat_tokenizer
-
-    return build_chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def qwen3(tokenizer):
-    t = copy.deepcopy(tokenizer)
-    t.chat_template = QWEN3
-    return t
 
 
 def ids(tokenizer, text: str) -> list[int]:
