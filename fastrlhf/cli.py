@@ -274,9 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastrlhf.distributed.launch import discard_before_group
     from fastrlhf.distributed.multinode import NodeError, lost_peer_reason
     from fastrlhf.engine.checkpoint import CheckpointError
-    from fastrlhf.engine.guards import TooManySkippedSteps
-    from fastrlhf.rl.rewards import RewardFunctionError
-    from fastrlhf.rollout.tools import EnvironmentResetError
+    from fastrlhf.engine.guards import AgreedStepFailure, TooManySkippedSteps
 
     succeeded = False
     try:
@@ -309,14 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     except TooManySkippedSteps as exc:
         _error("error", f"{exc} (a checkpoint was saved; fix and rerun with --resume)")
         return EXIT_FAILED
-    except RewardFunctionError as exc:
-        # Every rank holds the failing rank's message (one line, then the user's frames) and exit code: 1 for
-        # a function that raised (a checkpoint of the last good step was saved), 2 for one wrong as written.
-        _say(f"reward error: {exc}", local=True)
-        return exc.exit_code
-    except EnvironmentResetError as exc:  # agreed as reward errors are (EpisodeRunner.start_on_every_rank)
-        # 1: the last good step's checkpoint was kept, --resume retries the step; 2: rows it cannot start from
-        _say(f"environment error: {exc}", local=True)
+    except AgreedStepFailure as exc:  # a reward function's, an environment's (agreed: comm.agree_on_failure)
+        # Every rank holds the failing rank's message (one line, then the user's frames) and exit code: 1, a checkpoint
+        # of the last good step was saved and --resume retries the step; 2, wrong as written.
+        _say(f"{exc.said_as}: {exc}", local=True)
         return exc.exit_code
     except Exception as exc:
         reason = lost_peer_reason(exc)

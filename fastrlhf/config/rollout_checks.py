@@ -20,6 +20,14 @@ def check_rollout(c, actor: dict, reference: dict, critic: dict) -> None:
         raise ConfigError("rollout.temperature", f"must be >= 0, got {ro.temperature}")
     if ro.temperature == 0 and ro.n > 1:
         _refuse_greedy_group(c)
+    if ro.temperature == 0:
+        raise ConfigError("rollout.temperature", "0 (greedy) samples nothing to learn from, and the trainer scores the "
+                                                 "completions at rollout.temperature: set it > 0 (greedy is for "
+                                                 "eval.temperature)")
+    if 0 < ro.temperature < VLLM_MIN_TEMPERATURE and ro.engine != "hf":
+        raise ConfigError("rollout.temperature", f"vLLM samples at {VLLM_MIN_TEMPERATURE} at least (it would raise "
+                                                 f"{ro.temperature} silently, its logprobs then off the trainer's): "
+                                                 f"set it >= {VLLM_MIN_TEMPERATURE}, or rollout.engine: hf")
     if not 0.0 < ro.top_p <= 1.0:
         raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
     if ro.top_k == 0 or ro.top_k < -1:
@@ -48,14 +56,6 @@ def check_rollout(c, actor: dict, reference: dict, critic: dict) -> None:
     if any(not isinstance(x, str) or not x for x in ro.stop):
         raise ConfigError("rollout.stop", f"stop strings must be non-empty strings, got {ro.stop!r}")
     M.check_stop_token_ids(ro.stop_token_ids, actor)
-    if ro.temperature == 0:
-        raise ConfigError("rollout.temperature", "0 (greedy) samples nothing to learn from, and the trainer scores the "
-                                                 "completions at rollout.temperature: set it > 0 (greedy is for "
-                                                 "eval.temperature)")
-    if 0 < ro.temperature < VLLM_MIN_TEMPERATURE and ro.engine != "hf":
-        raise ConfigError("rollout.temperature", f"vLLM samples at {VLLM_MIN_TEMPERATURE} at least (it would raise "
-                                                 f"{ro.temperature} silently, its logprobs then off the trainer's): "
-                                                 f"set it >= {VLLM_MIN_TEMPERATURE}, or rollout.engine: hf")
     if c.trainer.tis_cap is not None and (ro.top_p < 1.0 or ro.top_k != -1):
         raise ConfigError("trainer.tis_cap", "weights tokens by the trainer's logprobs over the engine's, but with "
                                              "rollout.top_p < 1 or rollout.top_k the engines report logprobs over the "

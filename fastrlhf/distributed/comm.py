@@ -188,9 +188,8 @@ def agree_on_failure(call: Callable[[], object], error_type: type):
     """``call()`` on every rank (a collective: call it on every rank). An ``error_type`` raised on any rank is raised
     on every rank, with the first failing rank's message and exit code, so that no rank is left waiting in the next
     collective and every rank ends the same way: one small all-reduce of the ranks' failure flags each call, and on
-    a failure one gather of the failing ranks' messages. ``error_type`` is built as
-    :class:`fastrlhf.rl.rewards.RewardFunctionError` is, ``(summary, local=, exit_code=, user_traceback=)``, and
-    has those attributes (``summary`` for the message)."""
+    a failure one gather of the failing ranks' messages. ``error_type``: a
+    :class:`fastrlhf.engine.guards.AgreedStepFailure`."""
     from fastrlhf.distributed.ranks import rank, world_size
 
     world, me = world_size() if is_distributed() else 1, rank() if is_distributed() else 0
@@ -199,8 +198,8 @@ def agree_on_failure(call: Callable[[], object], error_type: type):
         result = call()
     except error_type as exc:
         error = exc
-    codes = reduce_floats([float(error.exit_code if error is not None and r == me else 0)
-                                for r in range(world)], "max")
+    codes = reduce_floats([float(error.exit_code if error is not None and r == me else 0) for r in range(world)],
+                          "max")
     if not any(codes):
         return result
     if world == 1:

@@ -48,6 +48,20 @@ class StepFailed(RuntimeError):
     """
 
 
+class AgreedStepFailure(StepFailed):
+    """A step failure every rank ends with alike (:func:`fastrlhf.distributed.comm.agree_on_failure`), said in one
+    line prefixed ``said_as``. ``summary``: that line; ``str(exc)`` adds ``user_traceback`` (the frames of the
+    user's own code) below it. ``exit_code``: 1, ``--resume`` retries the step; 2, wrong as written. ``local``: it
+    failed on this rank (else on another, and this rank stops with it)."""
+
+    said_as = "error"
+
+    def __init__(self, message: str, local: bool = True, exit_code: int = 1, user_traceback: str = ""):
+        self.summary, self.user_traceback = message, user_traceback.rstrip("\n")
+        super().__init__(message + (f"\n{self.user_traceback}" if self.user_traceback else ""))
+        self.local, self.exit_code = local, exit_code
+
+
 class TooManySkippedSteps(RuntimeError):
     pass
 

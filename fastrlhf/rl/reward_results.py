@@ -24,13 +24,13 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from fastrlhf.engine.guards import StepFailed
+from fastrlhf.engine.guards import AgreedStepFailure
 
 __all__ = ["NUMBER", "RewardFunctionError", "agree_on_reward_failure", "batch_scores",
            "environment_scores", "sample_scores", "user_frames"]
 
 
-class RewardFunctionError(StepFailed):
+class RewardFunctionError(AgreedStepFailure):
     """A reward function raised or returned something unusable.
 
     ``str(exc)``: one line naming it (``summary``), then, for one that raised, the frames of the user's
@@ -39,10 +39,7 @@ class RewardFunctionError(StepFailed):
     length). ``local``: it failed on this rank (else: on another rank, and this rank stops with it).
     """
 
-    def __init__(self, message: str, local: bool = True, exit_code: int = 1, user_traceback: str = ""):
-        self.summary, self.user_traceback = message, user_traceback.rstrip("\n")
-        super().__init__(message + (f"\n{self.user_traceback}" if self.user_traceback else ""))
-        self.local, self.exit_code = local, exit_code
+    said_as = "reward error"
 
 
 def _not_user_code() -> tuple[str, ...]:

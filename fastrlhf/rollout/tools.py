@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fastrlhf.engine.guards import StepFailed
+from fastrlhf.engine.guards import AgreedStepFailure
 
 __all__ = ["TOOL_CALL_PARSERS", "EnvironmentResetError", "Tool", "ToolCall", "Toolbox", "load_toolbox", "parse_hermes",
            "register_tool_call_parser", "run_tool_call", "run_toolbox"]
@@ -250,7 +250,7 @@ def run_toolbox(config) -> Toolbox | None:
         raise ConfigError("", str(exc)) from None
 
 
-class EnvironmentResetError(StepFailed):
+class EnvironmentResetError(AgreedStepFailure):
     """An episode's environment could not be made or reset: the rollout cannot go on without its prompt.
 
     One line (``summary``). A step that fails on any rank fails on every rank alike
@@ -259,9 +259,7 @@ class EnvironmentResetError(StepFailed):
     ``exit_code`` 2: the run's data cannot work with the environment as written. ``local``: it failed on this rank.
     """
 
-    def __init__(self, message: str, local: bool = True, exit_code: int = 1, user_traceback: str = ""):
-        super().__init__(message)
-        self.summary, self.user_traceback, self.local, self.exit_code = message, user_traceback, local, exit_code
+    said_as = "environment error"
 
 
 # Outcomes of a call, as the metrics count them.
