@@ -142,7 +142,8 @@ whole_wheel() {
 }
 
 start=$SECONDS
-setsid "${cmd[@]}" >"$log" 2>&1 </dev/null &  # its own process group: stop_pip ends its children too
+: >"$log"  # before pip starts: the reads below may run before the background job has opened it
+setsid "${cmd[@]}" >>"$log" 2>&1 </dev/null &  # its own process group: stop_pip ends its children too
 pip_pid=$!
 next=0
 while kill -0 "$pip_pid" 2>/dev/null; do

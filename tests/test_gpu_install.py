@@ -242,6 +242,21 @@ def test_a_version_outside_the_range_or_off_its_end_fails(fake_pip, tmp_path, en
     assert os.listdir(tmpdir) == []
 
 
+@needs_linux_x86
+def test_pips_log_exists_before_pip_starts(fake_pip, tmp_path):
+    """The check reads pip's log from the first second; when the background job had not yet opened it, awk
+    failed and the check ended with exit 2 (as it did in CI). A DEBUG trap (bash reads BASH_ENV) records, in the
+    script's own shell just before it forks pip, whether the log is there."""
+    make, _, _ = fake_pip
+    record = tmp_path / "record"
+    trap = tmp_path / "trap.sh"
+    trap.write_text(f"trap '[[ $BASH_COMMAND == setsid* ]] && {{ [[ -e $log ]] && echo there || echo missing; }} "
+                    f">> {record}' DEBUG\n")
+    code, out = check({**make("26.3"), "BASH_ENV": str(trap)})
+    assert code == 0, out
+    assert record.read_text() == "there\n", out
+
+
 def test_the_check_refuses_an_unknown_argument():
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "check_gpu_install.sh"), "--lower"],
                           capture_output=True, text=True, timeout=30)
