@@ -63,8 +63,14 @@ def pretrain(init_dir: str, data_path: str, out_dir: str, steps: int, tools: lis
     full_rows, rows = model.get_input_embeddings().weight.shape[0], len(tokenizer)
     with open(data_path) as f:
         chats = [json.loads(line)["messages"] for line in f]
-    plain = [episode_tokens(tokenizer, c, None) for c in chats]
-    listed = [episode_tokens(tokenizer, c, tools) for c in chats] if tools else plain
+    # Tokenized when first drawn: a short run (the tests' 3 steps) reads 96 of the file's episodes, not all of them.
+    cache: dict[tuple[int, bool], tuple[list[int], list[int]]] = {}
+
+    def episode(i: int, with_tools: bool) -> tuple[list[int], list[int]]:
+        key = (i, with_tools and bool(tools))
+        if key not in cache:
+            cache[key] = episode_tokens(tokenizer, chats[i], tools if key[1] else None)
+        return cache[key]
 
     with torch.no_grad():
         padded = model.get_input_embeddings().weight[rows:].mean(0).clone()
@@ -81,8 +87,8 @@ def pretrain(init_dir: str, data_path: str, out_dir: str, steps: int, tools: lis
     model.train()
     with open(os.path.join(out_dir, "metrics.jsonl"), "w") as log:
         for step in range(1, steps + 1):
-            source = listed if step % with_tools_every == 0 else plain
-            batch = [source[i] for i in rng.sample(range(len(source)), batch_size)]
+            with_tools = step % with_tools_every == 0
+            batch = [episode(i, with_tools) for i in rng.sample(range(len(chats)), batch_size)]
             width = max(len(t) for t, _ in batch)
             ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
             attention = torch.zeros((batch_size, width), dtype=torch.long)
