@@ -54,7 +54,17 @@ DEADLINE=$(( $(date +%s) + CAP ))
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session-$MODE.log") 2>&1
 LOG_PID=$!  # the tee of this log: never one of the leftovers to kill
-# The races' profiled steps' timelines (benchmarks/gpu/races.py), kept outside $OUT and brought back as one archive
+# gone PID: it has exited (a zombie, not yet reaped by its parent, holds no memory and writes nothing).
+gone() { [[ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" =~ ^(Z|X|)$ ]]; }
+# The tee writes the log's last lines after this shell's own: a call that ended at once left $OUT a log without
+# them (1 call in 40 on a 2-core CPU machine, 4 in 40 beside a busy loop). At exit, its input closed, it is waited
+# for (10 s at most: a leftover that inherited the pipe would keep it open).
+finish_log() {
+  exec >&- 2>&-
+  for _ in $(seq 100); do gone "$LOG_PID" && return 0; sleep 0.1; done
+}
+trap finish_log EXIT
+# The races' profiled steps' timelines (benchmarks/gpu/grpo_ours.py), kept outside $OUT and brought back as one archive
 # at the end: a device call brings back 8 files at most.
 export FASTRLHF_RACE_TRACES=${FASTRLHF_RACE_TRACES:-/tmp/gpu-traces-$MODE}
 case "$MODE" in tests|vllm|vllm-bench|trl|bench) ;; *) echo "usage: $0 tests|vllm|vllm-bench|trl|bench [caps...]"; exit 2 ;; esac
@@ -95,7 +105,14 @@ kill_gpu_leftovers() {
   echo "the cut command left processes on the GPU: killing $pids"
   # shellcheck disable=SC2086
   kill -9 $pids 2>/dev/null
-  sleep 2
+  # Until they have exited (their GPU memory freed with them), 30 s at most; a fixed 2 s assumed a quick exit.
+  local alive
+  for _ in $(seq 300); do
+    alive=""
+    for pid in $pids; do gone "$pid" || alive=1; done
+    [ -z "$alive" ] && break
+    sleep 0.1
+  done
 }
 
 # gpu_tests CAP NAME K: `make test-gpu` on the tests matching -k K (-s: the plan tests print their comparison;
@@ -115,7 +132,7 @@ gpu_bench() {
 }
 
 # race CAP [NAME] [RUNS]: the GRPO step with vLLM against HF generate (RUNS: some of its runs, e.g. fastrlhf_hf);
-# the race skips a run that would start late and gives each the time left (benchmarks/gpu/races.py), so that a
+# the race skips a run that would start late and gives each the time left (benchmarks/gpu/grpo.py), so that a
 # cut run still leaves the other's figures.
 RACE_MIN_S=${RACE_MIN_S:-240}
 race() {  # without RUNS (empty), the benchmark's own (test_bench_gpu.py): both

@@ -242,3 +242,19 @@ def test_the_trl_call_unpacks_trl_from_beside_gpu_carry(device, tmp_path):
     rc, log, calls = run("trl", "400", "fastrlhf_vllm,fastrlhf_vllm_shared,trl_vllm")  # the runs named
     (race,) = [c for c in calls if "-k vllm_vs_trl" in c]
     assert "runs=fastrlhf_vllm,fastrlhf_vllm_shared,trl_vllm budget=" in race and rc == 0, (log, calls)
+
+
+def test_the_session_log_is_whole_when_the_call_ends(device, tmp_path):
+    """The log's tee writes after the script's own lines: a call that ended before it had left $OUT a log without
+    its last lines. A tee that starts late (a slow machine) must still have written them all when the call ends,
+    even with the script's output going to a file (the device call's), not to a pipe that waits for the tee."""
+    root, _ = device
+    slow = tmp_path / "slow-tee"
+    _exe(slow / "tee", f"#!/usr/bin/env bash\nsleep 2\nexec {shutil.which('tee')} \"$@\"\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{slow}:{os.environ['PATH']}", "OUT": str(out),
+           "FASTRLHF_RACE_TRACES": str(tmp_path / "traces"), "VPARTS": str(tmp_path / "vparts")}
+    result = subprocess.run(["bash", "scripts/gpu_session.sh", "tests", "30"], cwd=root, env=env, timeout=60,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert result.returncode == 0
+    assert (out / "session-tests.log").read_text().splitlines()[-1].startswith("== done"), out

@@ -6,9 +6,7 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -103,20 +101,11 @@ def test_sft_killed_and_resumed_reproduces_the_metrics(sft_run, workdir):
                                                           "lr": 3.0e-3})
     out = workdir / "sft_killed"
     metrics = out / "metrics.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "fastrlhf", "sft", "--config", config], cwd=ROOT, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and any(r["step"] >= 5 for r in _safe_read(metrics)):
-                break
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    # Killed just after step 5's line: past the step-3 checkpoint, before step 6's.
+    kill = os.path.join(ROOT, "tests", "helpers", "flaky_kill.py")
+    rc, log = run_group([sys.executable, kill, "5", "sft", "--config", config], timeout=180, env=ENV)
+    assert rc == -signal.SIGKILL, log[-3000:]
+    assert [r["step"] for r in read_metrics(str(metrics))] == [1, 2, 3, 4, 5]
     assert os.path.exists(out / "checkpoints" / "step-3")
     assert not os.path.exists(out / "final")
 
@@ -142,16 +131,6 @@ def test_sft_resume_with_another_seed_is_refused_before_it_loads(sft_run, workdi
     assert "was saved with seed = 0, this run has 7" in log, log[-3000:]
 
 
-def _safe_read(path):
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
 def _run_in_process(command, config_path):
     from fastrlhf.config import load_config
 
@@ -160,8 +139,13 @@ def _run_in_process(command, config_path):
         from fastrlhf.supervised.sft import run
     else:
         from fastrlhf.supervised.reward_model import run
-    os.environ.setdefault("FASTRLHF_DIST_TIMEOUT", "60")
-    return run(config), config
+    # These two for this run only: left in os.environ, they reached every later test's children (test order
+    # mattered). Only they are put back: the rank variables the run's process group set stay, as the later
+    # in-process engines here need them.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FASTRLHF_DIST_TIMEOUT", os.environ.get("FASTRLHF_DIST_TIMEOUT", "60"))
+        patch.setenv("FASTRLHF_NO_PROGRESS", "1")
+        return run(config), config
 
 
 def test_pairwise_reward_model_separates_a_toy_set(workdir):
@@ -169,7 +153,6 @@ def test_pairwise_reward_model_separates_a_toy_set(workdir):
 
     config = write_config(workdir, "rm_pairwise", data={"path": str(workdir / "pairs.jsonl")},
                           trainer={"max_steps": 12, "lr": 1.0e-2})
-    os.environ["FASTRLHF_NO_PROGRESS"] = "1"
     last, cfg = _run_in_process("rm", config)
     records = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
     assert sum(r["accuracy"] for r in records[-3:]) / 3 >= 0.9, records[-3:]
