@@ -29,7 +29,7 @@ class FusedLinearPaths:
     of the 7B head's 152,064 bf16 logits on an H100 (321 MB), far more than its 50 MB L2, so the second read may
     come from HBM; with one per SM, 132 rows (40 MB) are in flight and the second read can find its row in L2, but
     each SM has one program's loads to hide the memory's latency. Off until a GPU race says which is faster
-    (``benchmarks/gpu/races.py``: ``fused_rows_1_per_sm``, ``fused_rows_2_per_sm``)."""
+    (``benchmarks/gpu/lm_head.py``: ``fused_rows_1_per_sm``, ``fused_rows_2_per_sm``)."""
 
     gemm_fp32_sum: bool = True
     one_pass_rows: bool = True

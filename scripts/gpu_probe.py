@@ -14,7 +14,7 @@ import os
 import torch
 from fastrlhf.kernels.fused_linear_chunks import fp32_out_gemm
 
-from benchmarks.gpu.races import measure
+from benchmarks.gpu.timing import measure
 
 
 def _ms(fn, reps: int = 10) -> float:

@@ -77,7 +77,7 @@ def pytest_terminal_summary(terminalreporter):
         lines += [f"## {name}", "", "| figure | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in info.items() if isinstance(v, (int, float, str, bool)) or v is None]
         lines.append("")
-        for key, rows in info.items():  # a time-by-kernel profile (races.profile_kernels): its own table
+        for key, rows in info.items():  # a time-by-kernel profile (timing.profile_kernels): its own table
             if key.endswith("profile_top") and rows:
                 lines += [f"{key}:", "", "| kernel | calls | ms | share |", "|---|---|---|---|"]
                 lines += [f"| `{name}` | {calls} | {ms} | {share:.1%} |" for name, calls, ms, share in rows]

@@ -24,7 +24,8 @@ import statistics
 
 import torch
 
-from benchmarks.gpu.races import actor_engine, model_shape
+from benchmarks.gpu.rl_update import actor_engine
+from benchmarks.gpu.workload import model_shape
 
 LAYOUTS = {"padded": dict(packing=False), "packed": dict(packing=True), "shared": dict(packing=True,
                                                                                      share_prompts=True),
@@ -32,7 +33,7 @@ LAYOUTS = {"padded": dict(packing=False), "packed": dict(packing=True), "shared"
            # whether FlexAttention is what makes the layout slow at the GRPO races' shape.
            "shared_sdpa": dict(packing=True, share_prompts=True, attention="sdpa")}
 TARGETS = dict(packed_vs_padded_min=1.5, shared_vs_padded_min=2.0)
-# The GRPO races' batch (benchmarks.gpu.races: 8 x 8 of 128 + 256 tokens, micro-batches of 16 sequences).
+# The GRPO races' batch (benchmarks.gpu.grpo: 8 x 8 of 128 + 256 tokens, micro-batches of 16 sequences).
 # A diagnosis, not a target: its completions are all of one length, so that packing saves nothing there.
 GRPO_RACE_SHAPE = dict(prompts=8, n=8, prompt_range=(128, 128), max_new=256, max_tokens=6144, eos_every=10**9,
                        targets=False, layouts=("padded", "packed", "shared", "shared_sdpa"))

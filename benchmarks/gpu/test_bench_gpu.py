@@ -60,7 +60,8 @@ import os
 
 import pytest
 
-from benchmarks.gpu.races import LM_HEAD_7B, run_child
+from benchmarks.gpu.children import run_child
+from benchmarks.gpu.workload import LM_HEAD_7B
 
 STRICT = os.environ.get("FASTRLHF_BENCH_STRICT") == "1"
 

