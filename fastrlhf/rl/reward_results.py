@@ -181,23 +181,45 @@ def batch_scores(reward, prompts: list, completions: list, completion_ids: list[
     return _tensors(out)
 
 
-def environment_scores(name: str, environments: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each episode's ``environment.get_reward()``, read as a per-sample reward is (None: not applicable)."""
+def environment_scores(name: str, environments: list, timeout_s: float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each episode's ``environment.get_reward()``, read as a per-sample reward is (None: not applicable). Each runs
+    under ``timeout_s``, by default the ``rollout.tool_timeout_s`` its instance was made and reset under
+    (:func:`fastrlhf.rollout.tools.environment_timeout`): one that hangs hung every rank, as a ``reset()`` did. One
+    that runs past it is a RewardFunctionError (``--resume`` retries the step)."""
+    from fastrlhf.rollout.tools import call_with_timeout, environment_timeout
+
     values = []
     for b, env in enumerate(environments):
         if env is None:
             values.append(None)
             continue
         where = f"for completion {b} of a batch of {len(environments)}"
-        try:
-            value = env.get_reward()
-        except Exception as exc:  # noqa: BLE001 -- reported like a reward function that raised
+        limit = timeout_s if timeout_s is not None else environment_timeout(env)
+        if limit is None:
+            value, exc, timed_out = _called(env.get_reward)
+        else:
+            value, exc, timed_out = call_with_timeout(env.get_reward, {}, limit, f"{name}.get_reward")
+        if timed_out:
+            raise RewardFunctionError(f"reward function '{name}.get_reward' did not return within {limit:g} s "
+                                      f"(rollout.tool_timeout_s) {_where(where)}")
+        if exc is not None:
+            if not isinstance(exc, Exception):  # a KeyboardInterrupt or SystemExit the call caught: not its error
+                raise exc
             raise _raised(f"{name}.get_reward", exc, where) from exc
         try:
             values.append(_number(value))
         except TypeError:
             raise _wrong(f"{name}.get_reward", env.get_reward, _shown(value), where, NUMBER) from None
     return _tensors(values)
+
+
+def _called(fn: Callable):
+    """``(result, exception, False)`` of ``fn()``, as :func:`fastrlhf.rollout.tools.call_with_timeout` gives them."""
+    try:
+        return fn(), None, False
+    except Exception as exc:  # noqa: BLE001 -- reported like a reward function that raised
+        return None, exc, False
 
 
 def agree_on_reward_failure(score: Callable[[], torch.Tensor]) -> torch.Tensor:

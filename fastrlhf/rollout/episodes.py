@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
-from fastrlhf.rollout.tools import ERROR, TIMEOUT, EnvironmentResetError, Toolbox, run_tool_call
+from fastrlhf.rollout.tools import ERROR, REFUSED, TIMEOUT, EnvironmentResetError, Toolbox, run_tool_call
 
 __all__ = ["PREFIX_CACHE_HIT", "Episode", "EpisodeRunner", "TurnTemplate", "with_prefix_cache_hit"]
 
@@ -178,7 +178,7 @@ class EpisodeRunner:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.engine, self.toolbox, self.tokenizer, self.max_turns = engine, toolbox, tokenizer, max_turns
         self.template = TurnTemplate(tokenizer, toolbox.schemas, say=say, template_kwargs=chat_template_kwargs)
-        self.say, self.header_checked = say, False
+        self.say, self.header_checked, self.refusal_said = say, False, False
         self.eos_texts = {i: tokenizer.convert_ids_to_tokens(i) for i in getattr(engine, "eos_token_ids", [])}
         self.turn_ends = dict(self.eos_texts)
         self.metrics: dict[str, float] = {}
@@ -307,23 +307,31 @@ class EpisodeRunner:
         busy episodes x calls x tool_timeout_s, past the other ranks' collective timeout."""
         from concurrent.futures import ThreadPoolExecutor
 
+        from fastrlhf.rollout.tools import on_callers_device
+
         def run(e: Episode, episode_calls: list) -> list[dict]:
             return [{"role": "tool", "name": call.name or "unknown",
-                     "content": self._outcome(e, *run_tool_call(call, e.tools, self.toolbox.timeout_s))}
+                     "content": self._outcome(e, *run_tool_call(call, e.tools, self.toolbox.timeout_s, e.environment))}
                     for call in episode_calls]
 
         jobs = [(e, c) for e, c in zip(active, calls, strict=True) if c is not None]
         if not jobs:
             return [None] * len(active)
-        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="fastrlhf-episode") as pool:
+        # On this rank's CUDA device, as each call's own thread then is (see on_callers_device).
+        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="fastrlhf-episode",
+                                initializer=on_callers_device()) as pool:
             done = iter(list(pool.map(lambda job: run(*job), jobs)))
         return [next(done) if c is not None else None for c in calls]
 
-    @staticmethod
-    def _outcome(e: Episode, content: str, outcome: str) -> str:
+    def _outcome(self, e: Episode, content: str, outcome: str) -> str:
         e.calls += 1
         e.errors += outcome == ERROR
-        e.timeouts += outcome == TIMEOUT
+        e.timeouts += outcome in (TIMEOUT, REFUSED)
+        if outcome == REFUSED and not self.refusal_said and self.say is not None:
+            # Once: the run goes on, every call of a tool that hangs for good now answered this way.
+            self.refusal_said = True
+            self.say(f"rollout: a tool call was refused ({content.removeprefix('Error: ')}): a timed-out call's "
+                     f"thread cannot be stopped; give the tool a timeout of its own")
         return content
 
     def _go_on(self, e: Episode, turn: Completion, results: list[dict], budget: int, context: int) -> bool:

@@ -16,6 +16,11 @@ tool, wrong arguments), a tool that runs past ``rollout.tool_timeout_s`` and a r
 string each become the ``tool`` message's text, saying what went wrong, and an outcome the metrics count.
 Each call runs on a thread of its own, and the episodes of a round make their calls at the same time (each
 episode's in order): a tool function shared by every episode must be thread-safe.
+
+A call that times out keeps running (Python cannot stop a thread). While it does, its episode's environment is not
+called again (the next call would run alongside it on the same instance), and once :data:`MAX_STUCK_CALLS` such
+calls are running no call is started at all, until some return: each refused call's message says why (outcome
+:data:`REFUSED`), so a tool that hangs for good costs a bounded number of threads, not one per call.
 """
 
 from __future__ import annotations
@@ -25,14 +30,17 @@ import importlib
 import inspect
 import json
 import re
+import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastrlhf.engine.guards import AgreedStepFailure
 
-__all__ = ["TOOL_CALL_PARSERS", "EnvironmentResetError", "Tool", "ToolCall", "Toolbox", "load_toolbox", "parse_hermes",
-           "register_tool_call_parser", "run_tool_call", "run_toolbox"]
+__all__ = ["MAX_STUCK_CALLS", "TOOL_CALL_PARSERS", "EnvironmentResetError", "Tool", "ToolCall", "Toolbox",
+           "call_with_timeout", "environment_timeout", "load_toolbox", "on_callers_device", "parse_hermes",
+           "register_tool_call_parser", "run_tool_call", "run_toolbox", "stuck_calls"]
 
 
 @dataclass(frozen=True)
@@ -183,7 +191,8 @@ class Toolbox:
             stage[0] = "reset()"
             return instance, instance.reset(**dict(row or {}))
 
-        result, exc, timed_out = _call_with_timeout(start, {}, self.timeout_s)
+        _MADE_UNDER[self.environment] = self.timeout_s
+        result, exc, timed_out = call_with_timeout(start, {}, self.timeout_s, f"{self.environment.__name__}.reset")
         name = self.environment.__name__
         if timed_out:
             raise EnvironmentResetError(f"rollout.environment: {name} {stage[0]} did not return within "
@@ -262,17 +271,51 @@ class EnvironmentResetError(AgreedStepFailure):
     said_as = "environment error"
 
 
-# Outcomes of a call, as the metrics count them.
-OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+# Outcomes of a call, as the metrics count them (a refused call: as a timeout).
+OK, ERROR, TIMEOUT, REFUSED = "ok", "error", "timeout", "refused"
+
+# Calls that ran past their timeout may go on running at most this many at once (plus the calls of one round): a
+# tool that hangs for good left one thread behind per call, thousands over a run.
+MAX_STUCK_CALLS = 64
+_stuck_lock = threading.Lock()
+_stuck: list[tuple[threading.Thread, str, int | None]] = []  # (thread, what it calls, id of its environment)
+_MADE_UNDER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # environment class -> its tools' timeout
 
 
-def _call_with_timeout(fn: Callable, arguments: dict, timeout_s: float):
-    """``(result, exception, timed_out)``. The call runs in a daemon thread: one that hangs is left behind
-    (Python cannot stop a thread) and never keeps the process from exiting."""
+def stuck_calls() -> list[tuple[str, int | None]]:
+    """``(name, id of its environment or None)`` of each call that ran past its timeout and is still running."""
+    with _stuck_lock:
+        _stuck[:] = [s for s in _stuck if s[0].is_alive()]
+        return [(name, owner) for _, name, owner in _stuck]
+
+
+def environment_timeout(environment) -> float | None:
+    """The timeout (``rollout.tool_timeout_s``) of the toolbox that made ``environment``: its ``get_reward()``
+    runs under it. None for an instance no toolbox made."""
+    return _MADE_UNDER.get(type(environment))
+
+
+def on_callers_device() -> Callable[[], None]:
+    """A function that puts the thread it runs on onto the caller's CUDA device, where CUDA is in use: a new thread
+    starts on device 0 (CUDA's current device is per thread), so a tool computing on "cuda" put every rank's
+    tensors on the first GPU."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return lambda: None
+    device = torch.cuda.current_device()
+    return lambda: torch.cuda.set_device(device)
+
+
+def call_with_timeout(fn: Callable, arguments: dict, timeout_s: float, name: str = "", owner=None):
+    """``(result, exception, timed_out)``. The call runs in a daemon thread, on the caller's CUDA device: one that
+    hangs is left behind (Python cannot stop a thread), never keeps the process from exiting, and is counted in
+    :func:`stuck_calls` (as ``name``, with ``owner``: the environment it calls into) until it returns."""
     box: dict = {}
+    on_device = on_callers_device()
 
     def target():
         try:
+            on_device()
             result = fn(**arguments)
             # An ``async def`` tool (TRL takes those too) runs to its end on this thread's own event loop.
             box["result"] = asyncio.run(_awaited(result)) if inspect.isawaitable(result) else result
@@ -283,6 +326,8 @@ def _call_with_timeout(fn: Callable, arguments: dict, timeout_s: float):
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
+        with _stuck_lock:
+            _stuck.append((thread, name, None if owner is None else id(owner)))
         return None, None, True
     return box.get("result"), box.get("error"), False
 
@@ -291,8 +336,24 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def run_tool_call(call: ToolCall, tools: dict[str, Callable], timeout_s: float) -> tuple[str, str]:
-    """``(tool message text, outcome)`` of one call; never raises (see the module docstring)."""
+def _refused(name: str, environment, timeout_s: float) -> str | None:
+    """Why a call is not started (see the module docstring), or None. ``environment``: the episode's instance where
+    the tool is one of its methods."""
+    stuck = stuck_calls()
+    mine = [n for n, owner in stuck if environment is not None and owner == id(environment)]
+    if mine:
+        return (f"Error: {name} was not called: {mine[0]} on this episode's environment ran past {timeout_s:g} s "
+                f"and has not returned")
+    if len(stuck) >= MAX_STUCK_CALLS:
+        return (f"Error: {name} was not called: {len(stuck)} tool calls ran past {timeout_s:g} s "
+                f"(rollout.tool_timeout_s) and have not returned")
+    return None
+
+
+def run_tool_call(call: ToolCall, tools: dict[str, Callable], timeout_s: float, environment=None
+                  ) -> tuple[str, str]:
+    """``(tool message text, outcome)`` of one call; never raises (see the module docstring). ``environment``: the
+    episode's instance, whose methods are not called while one of its calls is stuck."""
     if call.error is not None:
         return f"Error: {call.error}", ERROR
     fn = tools.get(call.name)
@@ -305,7 +366,11 @@ def run_tool_call(call: ToolCall, tools: dict[str, Callable], timeout_s: float) 
         return f"Error: wrong arguments for {call.name}: {exc}", ERROR
     except ValueError:  # a callable whose signature cannot be read: let the call itself say
         pass
-    result, exc, timed_out = _call_with_timeout(fn, call.arguments, timeout_s)
+    owner = environment if environment is not None and getattr(fn, "__self__", None) is environment else None
+    refused = _refused(call.name, owner, timeout_s)
+    if refused is not None:
+        return refused, REFUSED
+    result, exc, timed_out = call_with_timeout(fn, call.arguments, timeout_s, call.name, owner)
     if timed_out:
         return f"Error: {call.name} did not return within {timeout_s:g} s", TIMEOUT
     if exc is not None:
