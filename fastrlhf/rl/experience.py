@@ -18,13 +18,23 @@ needs) or packed; per-token results come back in this ``[B, T]`` layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from fastrlhf.engine.device import to_device
 
+if TYPE_CHECKING:
+    from fastrlhf.sequences.packed_attention import SharedBlockMasks
+
 __all__ = ["Experience", "build_experience", "pad_response", "split_batch"]
+
+
+def _shared_block_masks() -> SharedBlockMasks:
+    from fastrlhf.sequences.packed_attention import SharedBlockMasks
+
+    return SharedBlockMasks()
 
 
 @dataclass
@@ -65,6 +75,10 @@ class Experience:
     # [B] 1 for the rows the losses train, 0 for those they leave out (trainer.mask_truncated_completions);
     # None: every row.
     loss_rows: torch.Tensor | None = None
+    # The FlexAttention block masks of this batch's packed rows, by layout: built once, read by every model that runs
+    # a micro-batch of that layout (fastrlhf.sequences.packed_attention.SharedBlockMasks). Every batch taken from this
+    # one (select, trimmed, replace) holds the same, so they go when the step's batch does.
+    block_masks: SharedBlockMasks = field(default_factory=_shared_block_masks, compare=False, repr=False)
 
     @property
     def batch_size(self) -> int:

@@ -115,7 +115,8 @@ class MicroBatch:
         padded micro-batch's is built on the device (:func:`attention_mask_for`), and without padding it needs
         no positions."""
         if self.packed:
-            return dict(input_ids=self.layout.pack_padded(self.exp.input_ids), **self.layout.model_kwargs())
+            return dict(input_ids=self.layout.pack_padded(self.exp.input_ids),
+                        **self.layout.model_kwargs(self.exp.block_masks))
         e = self.exp
         if all(p == e.prompt_width for p in e.prompt_lens) and all(n == e.response_width for n in e.completion_lens):
             return dict(input_ids=e.input_ids, attention_mask=attention_mask_for(model, e.attention_mask, False),

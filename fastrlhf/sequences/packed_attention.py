@@ -2,7 +2,8 @@
 
 A packed row (``fastrlhf.sequences.packing.PackedLayout``: sequences end to end, positions restarting at 0, or
 with shared prompts each group's prompt once) comes with :class:`PackedRows` (its bounds, known on
-the host) and a FlexAttention block mask built on the host from them (:func:`block_mask`). Passed as
+the host) and a FlexAttention block mask built on the host from them (:func:`block_mask`), once per layout for
+all the models that run it (:class:`SharedBlockMasks`). Passed as
 the attention mask, the block mask also keeps transformers from searching the position ids for the
 packing (a device read per forward on a GPU) and from building a dense ``[N, N]`` mask.
 ``fastrlhf_packed`` then runs the row with the run's backend (``model.attention``, chosen by
@@ -267,13 +268,49 @@ def block_mask(token_segments: list[tuple[int, int, int, int]], length: int, dev
                                     seq_lengths=(length, length))
 
 
+# The most bytes of block masks a batch keeps for its models to share (SharedBlockMasks); past it, built per use.
+SHARED_MASK_BYTES = 256 << 20
+
+
+def _mask_bytes(mask: BlockMask) -> int:
+    """Device bytes a built block mask holds: its block indices and the per-token data its mask function reads."""
+    cells = [c.cell_contents for c in getattr(mask.mask_mod, "__closure__", None) or ()]
+    return sum(t.numel() * t.element_size() for t in [*mask.as_tuple(), *cells] if isinstance(t, torch.Tensor))
+
+
+class SharedBlockMasks:
+    """The block masks of one batch's packed rows by layout, each built once: the actor's old logprobs, the
+    reference, the critic and the update's passes run the same micro-batch, and each built the same mask (host
+    time, copies and kernels). A mask is a function of its segments, row length, device and tile alone (a softcap
+    is flex's ``score_mod``; a sliding window shorter than a sequence is refused), so that is its key, known on the
+    host. Held as long as the batch (``fastrlhf.rl.experience.Experience.block_masks``), up to ``budget`` bytes."""
+
+    def __init__(self, budget: int | None = None):
+        self.budget, self.held, self._masks = SHARED_MASK_BYTES if budget is None else budget, 0, {}
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def get(self, segments: list[tuple[int, int, int, int]], length: int, device, block: int = BLOCK_SIZE):
+        key = (tuple(segments), int(length), torch.device(device), int(block))
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = block_mask(segments, length, device, block)
+            size = _mask_bytes(mask)
+            if self.held + size <= self.budget:
+                self._masks[key], self.held = mask, self.held + size
+        return mask
+
+
 class LazyBlockMask(BlockMask):
     """A packed row's block mask, built (:func:`block_mask`) when first read: only the flex backend reads it, and
     building it costs host time that grows with the row (95 ms at 181k tokens), per micro-batch. Until then it is
-    to transformers an already prepared 4-D mask (``shape``), so it builds none and reads no position ids."""
+    to transformers an already prepared 4-D mask (``shape``), so it builds none and reads no position ids. With
+    ``shared``, the batch's masks: one built for the same layout by another model's pass is taken from there."""
 
-    def __init__(self, segments: list[tuple[int, int, int, int]], length: int, device):
-        self._args, self._mask = (segments, length, device), None
+    def __init__(self, segments: list[tuple[int, int, int, int]], length: int, device,
+                 shared: SharedBlockMasks | None = None):
+        self._args, self._shared, self._mask = (segments, length, device), shared, None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -281,7 +318,7 @@ class LazyBlockMask(BlockMask):
 
     def built(self):
         if self._mask is None:
-            self._mask = block_mask(*self._args)
+            self._mask = block_mask(*self._args) if self._shared is None else self._shared.get(*self._args)
         return self._mask
 
     def __getattr__(self, name):  # only for what __init__ did not set: the built mask's fields

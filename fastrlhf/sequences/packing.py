@@ -300,11 +300,12 @@ class PackedLayout:
                    position_ids=long(positions).view(1, -1), hidden_index=long(hidden), token_index=long(token),
                    last_index=long(last), source_index=None if width is None else long(source), segments=segments)
 
-    def model_kwargs(self) -> dict:
+    def model_kwargs(self, shared_masks=None) -> dict:
         """What a forward pass of this row takes besides ``input_ids``: ``position_ids``, the row's
         FlexAttention block mask (built when the flex backend first reads it) as its attention mask and its bounds
         (``fastrlhf_rows``), all from the host lengths (``fastrlhf.sequences.packed_attention``: the attention of
-        a run with ``trainer.packing``)."""
+        a run with ``trainer.packing``). ``shared_masks``: a ``SharedBlockMasks`` the block mask is taken from (the
+        batch's, shared by every model that runs this layout)."""
         from fastrlhf.sequences.packed_attention import LazyBlockMask, PackedRows
 
         device = self.position_ids.device
@@ -318,8 +319,8 @@ class PackedLayout:
         rows = PackedRows(bounds=bounds, segments=self.segments,
                           cu=to_device(torch.tensor(bounds, dtype=torch.int32), device))
         # Built only if the flex backend reads it (sdpa and flash-attn take the bounds).
-        return dict(attention_mask=LazyBlockMask(segments, self.num_tokens, device), position_ids=self.position_ids,
-                    fastrlhf_rows=rows)
+        return dict(attention_mask=LazyBlockMask(segments, self.num_tokens, device, shared_masks),
+                    position_ids=self.position_ids, fastrlhf_rows=rows)
 
     @property
     def num_sequences(self) -> int:
