@@ -124,8 +124,11 @@ def _row_loss_kernel(
     # Program p takes rows p, p + num_programs, ...: one each when launched with a program per row, several when
     # fewer run (a program per SM), so that the rows being read at once fit in L2 for their second read.
     for row in range(tl.program_id(0).to(tl.int64), n_rows, num_programs):
-        _row_loss_one_row(logits_ptr + row * stride_row, labels_ptr + row, old_ptr + row, adv_ptr + row, w_ptr + row,
-                          ref_ptr + row, out_ptr + row * stride_out_row, sums_ptr + row * 6,
+        # Compiled, the loop variable is int64 already; TRITON_INTERPRET's loop yields Python ints, which times an
+        # int32 stride wrap past 2^31 elements (16,384 rows of a 151,936 vocabulary), so widen it for both.
+        r = tl.cast(row, tl.int64)
+        _row_loss_one_row(logits_ptr + r * stride_row, labels_ptr + r, old_ptr + r, adv_ptr + r, w_ptr + r,
+                          ref_ptr + r, out_ptr + r * stride_out_row, sums_ptr + r * 6,
                           V, inv_temperature, clip_low, clip_high, dual_clip, kl_coef, entropy_coef, tau_pos, tau_neg,
                           HAS_OLD, HAS_REF, KL_KIND, HAS_DUAL, LOSS_KIND, NEED_GRAD, LOG_RATIO_MAX, K3_MAX, BLOCK_V)
 
