@@ -13,7 +13,7 @@ import pytest
 from fastrlhf.rollout import SamplingConfig
 from fastrlhf.rollout.episodes import EpisodeRunner
 from fastrlhf.rollout.tools import EnvironmentResetError, load_toolbox
-from tests.helpers.episodes3b_ranks import ENVIRONMENT
+from tests.helpers.episode_ranks import FAILS_TO_START as ENVIRONMENT
 from tests.helpers.tool_fixtures import ScriptedEngine
 
 ADD = "tests.helpers.tool_fixtures:add"
@@ -52,20 +52,13 @@ def test_an_environment_that_fails_to_start_on_one_rank_stops_every_rank_alike_i
     """Rank 1's reset raised and rank 1 alone stopped; rank 0 went on into the next collective and ended on a
     'Connection closed by peer' from gloo (or, where the failed rank lingers, the collective timeout), and no
     checkpoint of the last good step was kept (the error was no StepFailed)."""
-    from tests.helpers.episodes3b_ranks import episode_rank
-    from tests.helpers.launch import spawn_ranks
+    from tests.helpers.episode_ranks import assert_every_rank_ended_alike, episode_rank
 
-    out = spawn_ranks(episode_rank)
     said = (
         "rollout.environment: FailsWhenAsked reset() raised ConnectionError: the sandbox refused the connection "
         "(prompt 0 of the rollout batch on rank 1)"
     )
-    for rank in (0, 1):
-        ended = out[rank]
-        assert ended["ended"] == "EnvironmentResetError", (rank, ended)
-        assert ended["message"] == said and ended["exit_code"] == 1 and ended["step_failed"], (rank, ended)
-        assert ended["local"] == (rank == 1) and ended["seconds"] < 20.0
-    assert "\n" not in said
+    assert_every_rank_ended_alike(episode_rank, "EnvironmentResetError", said)
 
 
 def test_a_reset_failure_is_a_step_failure_so_the_loop_keeps_the_last_good_step(tokenizer):

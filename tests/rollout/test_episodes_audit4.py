@@ -162,18 +162,13 @@ def test_get_reward_still_raises_as_a_reward_function_does(stuck):
 def test_a_get_reward_that_hangs_on_one_rank_ends_every_rank_alike(stuck):
     """Before: rank 1 hung in get_reward (here: until the helper's safety net) and rank 0 waited for it in the
     reward agreement; the run hung for as long as the grader did."""
-    from tests.helpers.episodes4_ranks import reward_rank
-    from tests.helpers.launch import spawn_ranks
+    from tests.helpers.episode_ranks import assert_every_rank_ended_alike, reward_rank
 
-    out = spawn_ranks(reward_rank)
     said = (
         "reward function 'HangsOnReward.get_reward' did not return within 3 s (rollout.tool_timeout_s) for "
         "completion 0 of a batch of 1 on rank 1"
     )
-    for rank in (0, 1):
-        ended = out[rank]
-        assert ended["ended"] == "RewardFunctionError", (rank, ended)
-        assert ended["message"] == said and ended["exit_code"] == 1 and ended["local"] == (rank == 1), (rank, ended)
+    assert_every_rank_ended_alike(reward_rank, "RewardFunctionError", said)
 
 
 # ---------------------------------------------------------------- the CUDA device of a call's thread
