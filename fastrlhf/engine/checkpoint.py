@@ -236,6 +236,48 @@ def _rank_state(path: str, identity: dict | None) -> dict:
     return state
 
 
+def _trained_names(engine) -> set[str]:
+    # ds_numel: a ZeRO-3 partition reports numel() 0 (DeepSpeed leaves only empty parameters out of its groups)
+    return {n for n, p in engine.module.named_parameters() if p.requires_grad and getattr(p, "ds_numel", p.numel())}
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _trained_set_change(engine, folder: str) -> str:
+    """Why ``engine`` cannot take the optimizer state saved in ``folder``: the parameters it trained when saved are
+    not the ones it trains now (DeepSpeed fails on that with a bare ``KeyError`` of one name deep in its load, or
+    torch with a group size mismatch); empty where they are the same, or the folder says nothing of them."""
+    import glob
+
+    files = sorted(glob.glob(os.path.join(folder, "*model_states.pt")))
+    if not files or not isinstance(getattr(engine, "module", None), torch.nn.Module):
+        return ""
+    try:  # mmap: only the small records are read, not the module's weights beside them
+        saved = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # noqa: BLE001 -- unreadable: DeepSpeed's own error stands
+        return ""
+    mine = _trained_names(engine)
+    if saved.get("param_shapes"):
+        trained = {n for group in saved["param_shapes"] for n in group}
+        frozen, thawed = sorted(trained - mine), sorted(mine - trained)
+        if not frozen and not thawed:
+            return ""
+        said = [f"trained {_some(frozen)}, which this run freezes" if frozen else "",
+                f"froze {_some(thawed)}, which this run trains" if thawed else ""]
+        what = "was saved when it " + " and ".join(s for s in said if s)
+    else:  # ZeRO stage 0: torch's optimizer state counts its parameters, it does not name them
+        counts = [len(g["params"]) for g in (saved.get("optimizer") or {}).get("param_groups", ())]
+        now = [len(g["params"]) for g in getattr(engine.optimizer, "param_groups", ())]
+        if not counts or counts == now:
+            return ""
+        what = f"was saved training {sum(counts)} parameters, this run trains {sum(now)}"
+    return (f"{what}: its optimizer state is that of the parameters it trained. A PPO critic saved before its untied "
+            f"lm_head was frozen (no gradient ever reaches it) is such a checkpoint: resume it with the fastrlhf "
+            f"version that saved it, or start again with --overwrite")
+
+
 def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states: bool = True,
                 identity: dict | None = None) -> dict | None:
     """Restore the newest checkpoint into ``engines`` and this rank's RNG; collective. ``identity``: this run's
@@ -249,9 +291,15 @@ def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states:
     state = _rank_state(path, identity)
     for name, obj in engines.items():
         if _is_engine(obj):
-            load_path, _ = obj.load_checkpoint(os.path.join(path, name), tag=_DS_TAG,
-                                               load_optimizer_states=load_optimizer_states,
-                                               load_lr_scheduler_states=load_optimizer_states)
+            try:
+                load_path, _ = obj.load_checkpoint(os.path.join(path, name), tag=_DS_TAG,
+                                                   load_optimizer_states=load_optimizer_states,
+                                                   load_lr_scheduler_states=load_optimizer_states)
+            except (KeyError, ValueError, RuntimeError):
+                changed = _trained_set_change(obj, os.path.join(path, name, _DS_TAG))
+                if changed:
+                    raise CheckpointError(f"{path}: engine {name!r} {changed}") from None
+                raise
             if load_path is None:
                 raise CheckpointError(f"{path}: engine {name!r} could not be loaded")
             scheduler = getattr(obj, "lr_scheduler", None)

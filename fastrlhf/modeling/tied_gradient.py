@@ -8,10 +8,10 @@ gradient buffer (Qwen2's 151,936 x 256 in fp32: 2 x 148 MiB).
 
 :func:`tied_gradient_handoff` routes the head's gradient to the embedding instead: the head takes the
 weight through an identity whose backward hands the gradient over and gives autograd nothing, and
-the embedding's backward adds its rows into that tensor (``index_add_``) and returns it as the
+the embedding's backward adds its rows into that tensor in place and returns it as the
 weight's only gradient. The sum is the same; repeated rows are summed in another order than
-``embedding_dense_backward``'s, so the two agree to rounding, not bitwise (on CUDA ``index_add_`` adds
-with atomics unless ``torch.use_deterministic_algorithms`` is on, which gives it a deterministic path).
+``embedding_dense_backward``'s, so the two agree to rounding, not bitwise. As there, each row's lookups
+are summed in fp32 and rounded once into a bf16 gradient (:func:`_add_rows`).
 
 Only for a weight that the embedding and the head share and that is trained as an ordinary tensor:
 not for a frozen one (LoRA), nor for a ZeRO-3 partitioned one (whose hooks gather and release it per
@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["tied_gradient_handoff"]
+
+# Devices whose index_add_ sums a low-precision tensor's repeated rows in fp32 (see _add_rows)
+INDEX_ADD_SUMS_IN_FP32 = ("cpu",)
 
 
 class _Handoff:
@@ -75,8 +78,22 @@ class _Embedding(torch.autograd.Function):
             # As nn.Embedding: the padding row gets no gradient from the lookup (a mask, not boolean
             # indexing, which would wait for the device to count the kept rows).
             grad_rows = grad_rows.masked_fill((rows == ctx.padding_idx).unsqueeze(1), 0)
-        grad.index_add_(0, rows, grad_rows)
+        _add_rows(grad, rows, grad_rows)
         return None, grad, None, None
+
+
+def _add_rows(grad: torch.Tensor, rows: torch.Tensor, grad_rows: torch.Tensor) -> None:
+    """``grad[rows[i]] += grad_rows[i]``, each row's lookups summed in fp32 and rounded to ``grad``'s dtype once, as
+    ``embedding_dense_backward`` sums them. On CUDA ``index_add_`` adds with atomics in the tensor's dtype: in bf16
+    every lookup of a row rounds (3,500 lookups of one token, those roundings simulated on a CPU: a sixth of the
+    row lost); ``index_put_``'s accumulate sorts the rows and sums each run in fp32, deterministically. On a CPU
+    it is the other way round: ``index_add_`` sums in fp32, ``index_put_`` rounds per lookup. ``unsafe``: no range
+    check of the rows (the forward's lookup made it), which in some torch versions reads their min and max on the
+    host, as autograd's own backward of indexing calls it."""
+    if grad.device.type in INDEX_ADD_SUMS_IN_FP32:
+        grad.index_add_(0, rows, grad_rows)
+    else:
+        torch._index_put_impl_(grad, (rows,), grad_rows, accumulate=True, unsafe=True)
 
 
 def _shared_trained_weight(embedding, head) -> torch.Tensor | None:

@@ -150,7 +150,10 @@ def make_qwen2_on(device: str | torch.device, dtype: torch.dtype = torch.bfloat1
     from transformers import Qwen2ForCausalLM
 
     config = tiny_qwen2_config(**shape)
-    with torch.random.fork_rng(devices=[]), torch.device(device):
+    device = torch.device(device)
+    # The seeding must not leak into the caller's generator of the device the weights are drawn on.
+    forked = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked, device_type=device.type), torch.device(device):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     return model.to(dtype).eval()
