@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastrlhf.config.precision import fp32_grad_accumulation, trained_zero_stage
 
-from .architecture import ModelShape
+from .architecture import LINEAR_MODULES, ModelShape
 
 # vLLM's KV-cache block (tokens): 16 on CUDA, 128 with the CPU attention backend.
 VLLM_BLOCK_TOKENS = {"cuda": 16, "cpu": 128}
@@ -27,6 +27,13 @@ CPU_CHUNK_BYTES = 64 << 20
 GPU_CHUNK_BYTES = 1 << 30
 GPU_FREE_MEMORY_FRACTION = 0.25
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# trainer.fused_loss false: bytes per logit besides the logits themselves, of fastrlhf.algorithms.logprobs'
+# logprobs_from_logits and entropy_from_logits on the [tokens, V] logits. No-grad, at once: the fp32 log-softmax,
+# the entropy's fp32 logits, their softmax and those logits with -inf zeroed (16). Trained: those kept for the
+# backward with the -inf mask and p * z (21 in the forward), then their fp32 gradients (33 at the backward's peak).
+# Measured on a CPU with the profiler's allocation events, fp32 and bf16 logits alike (the same eager ops as CUDA).
+UNFUSED_FORWARD_BYTES = 16
+UNFUSED_TRAINED_BYTES = 33
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -152,17 +159,19 @@ def update_micro_batch(config, micro: int) -> tuple[int, int, int]:
 
     By count: ``micro`` sequences of ``max_prompt_len + max_new_tokens``, and the ``[B, 1, T, T]``
     bool mask HF builds for SDPA. With ``trainer.max_tokens_per_microbatch``: the budget (or one
-    longest sequence, which gets a micro-batch of its own), at most the whole minibatch share; packed,
-    one ``[N, N]`` block-diagonal mask (none with flash-attention, not counted on), padded at most
-    ``tokens x T`` (its rows x T^2).
+    longest sequence, which gets a micro-batch of its own), at most the whole minibatch share, its mask
+    padded at most ``tokens x T`` (its rows x T^2). Packed (``trainer.packing``) there is no dense mask:
+    every backend takes the row's bounds (``fastrlhf.sequences.packed_attention``; flex's block mask holds
+    about ``(N / 128)^2`` indices).
     """
     t, length = config.trainer, seq_len(config)
     completion = micro * completion_len(config)
     if t.max_tokens_per_microbatch is None:
-        return micro * length, micro * length ** 2, completion
-    tokens = min(max(t.max_tokens_per_microbatch, length), micro * length)
-    mask = tokens * tokens if t.packing else tokens * length
-    return tokens, mask, min(tokens, completion)
+        tokens, mask = micro * length, micro * length ** 2
+    else:
+        tokens = min(max(t.max_tokens_per_microbatch, length), micro * length)
+        mask, completion = tokens * length, min(tokens, completion)
+    return tokens, 0 if t.packing else mask, completion
 
 
 def checkpointed_layers(model, layers: int) -> int:
@@ -228,8 +237,8 @@ def chunk_tokens(config, tokens: int, vocab: int, device: str, free: int | None,
 def fused_loss(config, shape: ModelShape, micro: int, w: int, device: str, free: int | None) -> int:
     # The head sees the completion positions only (fastrlhf.rl.forward.response_hidden).
     tokens, vocab, h = update_micro_batch(config, micro)[2], shape.vocab, shape.hidden
-    if not config.trainer.fused_loss:  # materialised logits, their fp32 log-softmax and softmax
-        return tokens * vocab * (w + 8)
+    if not config.trainer.fused_loss:  # materialised logits and their fp32 tensors, forward and backward
+        return tokens * vocab * (w + UNFUSED_TRAINED_BYTES)
     head_trained = config.model.lora_r == 0 or "lm_head" in config.model.lora_targets
     # The head's gradient: an fp32 [V, H] sum, plus a scratch of the weight's dtype for each chunk's GEMM
     # unless the GEMM sums in fp32 itself (CUDA: torch >= 2.11's out_dtype), whose budget then grows by it.
@@ -276,7 +285,7 @@ def logprob_forward(config, shape: ModelShape, micro: int, w: int, device: str, 
     tokens, _, completion = update_micro_batch(config, micro)
     vocab, h = shape.vocab, shape.hidden
     if not config.trainer.fused_loss:
-        return tokens * h * w + completion * vocab * (w + 8)
+        return tokens * h * w + completion * vocab * (w + UNFUSED_FORWARD_BYTES)
     chunk = chunk_tokens(config, completion, vocab, device, free)
     return (tokens + completion) * h * w + _chunk_buffers(config, chunk, vocab, w, device)
 
@@ -319,6 +328,17 @@ def rollout_working(config, shape: ModelShape, kind: str, seqs: int, dtype_bytes
     else:
         tokens = seqs * config.data.max_prompt_len
     return tokens * (3 * shape.intermediate + 4 * shape.hidden) * dtype_bytes + 3 * seqs * shape.vocab * 4
+
+
+def lora_merge_bytes(shape: ModelShape, targets, w: int, out: int) -> int:
+    """``fastrlhf.rl.lora_sync``'s merge of the largest adapted weight, ``W + scaling * B @ A`` in fp32: the weight
+    (a copy unless it is fp32), the product, its scaled copy and their sum at once (12 bytes per element, 16 for
+    weights of ``w`` < 4 bytes), beside the previous merged weight in the engine's dtype (``out`` bytes), which
+    the engine's loop over the stream still holds (measured on a CPU with the profiler's allocation events)."""
+    sizes = {name: fan_in * fan_out for name, (fan_in, fan_out, _) in shape.linears().items()}
+    sizes.update(embed_tokens=shape.embedding_params, lm_head=shape.vocab * shape.hidden)
+    names = LINEAR_MODULES if list(targets) == ["all-linear"] else targets
+    return max((sizes.get(name, 0) for name in names), default=0) * (12 + (4 if w != 4 else 0) + out)
 
 
 def rollout_weights(shape: ModelShape, kind: str, dtype_bytes: int, device: str, tp: int = 1,

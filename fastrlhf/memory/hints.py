@@ -14,6 +14,7 @@ HINTS = {
     "ZeRO buffers": "a smaller deepspeed.extra.zero_optimization.reduce_bucket_size",
     "rollout weights": "rollout.tensor_parallel_size or rollout.sleep",
     "weight sync bucket": "a smaller rollout.sync_bucket_bytes",
+    "LoRA merge": "model.lora_targets without the largest weights (embed_tokens, lm_head, the MLP's)",
     "rollout KV cache": "a smaller rollout.kv_cache_bytes, trainer.prompts_per_step or rollout.n",
     "rollout working memory": "a smaller trainer.prompts_per_step or rollout.n",
     # before "activations", which their names end with

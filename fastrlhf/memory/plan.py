@@ -14,14 +14,16 @@ train`` run holds at its peak, by component, without loading a weight or importi
   optimizer states. The critic is the causal LM plus a ``[h -> 1]`` value head; an untied LM head of
   it is frozen (it reads no logits).
 - **reference** (frozen, the compute dtype; none when ``kl_coef`` is 0 or with LoRA; sharded at
-  ZeRO-3) and **reward model** (``*ForSequenceClassification``, frozen, whole on every rank).
+  ZeRO-3) and **reward model** (``*ForSequenceClassification``, or with ``model_kind: value_head`` the causal LM
+  and a value head; frozen, whole on every rank).
 - **ZeRO buffers**: each trained engine's gradient-reduction bucket (``reduce_bucket_size``, 5e8
   elements by default, doubled with ``overlap_comm`` at ZeRO 1-2) and, at ZeRO-3, the parameters
   gathered for compute (up to ``stage3_max_live_parameters``, 1e9, plus the prefetch bucket; a
   smaller model stays gathered whole). A CPU only touches the part of a bucket it fills, so there it
   counts at most the trained parameters. **weight sync bucket**: a separate rollout engine is
   updated ``rollout.sync_bucket_bytes`` at a time, gathered (ZeRO-3) and/or converted to
-  ``rollout.dtype``, one copy each.
+  ``rollout.dtype``, one copy each; a LoRA actor's adapted weights merged one at a time, in fp32
+  (:func:`fastrlhf.memory.components.lora_merge_bytes`).
 - **rollout**: the HF engine generates with the actor's own module (ZeRO 0-2: no weights of its
   own); a ZeRO-3 HF engine or vLLM holds a full copy in ``rollout.dtype`` (vLLM: divided by
   ``tensor_parallel_size``; vLLM on a CPU also a packed copy of the LM head's ``[V, h]`` weight for
@@ -42,12 +44,15 @@ train`` run holds at its peak, by component, without loading a weight or importi
   see :func:`fastrlhf.memory.components.update_micro_batch`): per layer and token what autograd keeps
   (:meth:`~fastrlhf.memory.ModelShape.layer_activation_bytes_per_token`, ``16h + 10 heads d + 8I``
   bytes in bf16), for every layer plus one layer's backward; a checkpointed layer keeps only its input
-  (:func:`fastrlhf.memory.components.activations`); and the ``[B, 1, T, T]`` attention mask.
+  (:func:`fastrlhf.memory.components.activations`); and the ``[B, 1, T, T]`` attention mask of a padded batch
+  (packed rows have none).
 - **fused loss**: one chunk of logits (the kernels' chunk sizing: ``loss_chunk_size``, or the
   tokens whose fp32 logits fill ``loss_chunk_bytes``, 64 MiB on a CPU, 1 GiB on a GPU capped at a
   quarter of what the other components leave) in the input dtype, plus the torch path's fp32
   probabilities (and ``p * z`` for bf16 or a temperature), the lm_head's fp32 gradient
-  accumulator with its scratch, and the hidden states' gradient.
+  accumulator with its scratch, and the hidden states' gradient. With ``trainer.fused_loss: false`` the
+  micro-batch's whole ``[tokens, V]`` logits and the fp32 tensors of their logprobs and entropy, forward and
+  backward (:data:`fastrlhf.memory.components.UNFUSED_TRAINED_BYTES`).
 - **allocator slack** (CUDA): what torch's caching allocator reserves over what it has allocated at
   the peak, :data:`ALLOCATOR_SLACK_FRACTION` of the trainer's own allocations (not vLLM's, which it
   allocates in a few large blocks at start-up).
@@ -328,8 +333,10 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
         C.trained_engine("critic", critic.causal_lm_params() + value_head + critic_adapter, trained[-1], w, ds, gpus,
                          device, trainer, host)
     rm = read_shape(config.reward.model_path, "reward.model_path") if config.reward.model_path else None
-    if rm is not None:
-        trainer["reward model weights"] = rm.classifier_params() * w
+    if rm is not None:  # model_kind value_head: a causal LM (an untied LM head too, unread) and a [h -> 1] head
+        value_head = config.reward.model_kind == "value_head"
+        trainer["reward model weights"] = (rm.causal_lm_params() + rm.hidden + 1 if value_head
+                                           else rm.classifier_params()) * w
     trainer["ZeRO buffers"] = C.zero_buffers(config, trained, shapes, w, device)
 
     kind = C.engine_kind(config, actor, device)
@@ -400,10 +407,15 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
             update[name] = step[name] = trainer.pop(name)
     sync = {}
     if not shares_actor:  # fastrlhf.rollout.weight_sync: a bucket gathered (ZeRO-3) and/or converted at a time
-        copies = (ds.zero_stage == 3) + (rollout_bytes != w)
+        streamed = w if lora else rollout_bytes  # LoRA: the bucket as trained, each weight converted as it merges
+        copies = (ds.zero_stage == 3) + (streamed != w)
         # a weight larger than the bucket goes in a bucket of its own (Qwen2.5-7B's embedding: 1,040 MiB in bf16)
-        bucket = max(ro.sync_bucket_bytes, actor.largest_param_params() * rollout_bytes)
-        sync["weight sync bucket"] = copies * min(bucket, actor.causal_lm_params() * rollout_bytes)
+        bucket = max(ro.sync_bucket_bytes, actor.largest_param_params() * streamed)
+        sync["weight sync bucket"] = copies * min(bucket, actor.causal_lm_params() * streamed)
+        if lora:
+            # or two weights that were not adapted, converted (one the engine holds, the next)
+            converted = 2 * actor.largest_param_params() * rollout_bytes if rollout_bytes != w else 0
+            sync["LoRA merge"] = max(C.lora_merge_bytes(actor, m.lora_targets, w, rollout_bytes), converted)
     if cpu_release:
         sync["rollout weights (synced)"] = generation["rollout weights"]
     phase_parts = {"generation": generation, "scoring": scoring, "update": update, "optimizer step": step,

@@ -572,8 +572,8 @@ def test_engine_auto_follows_the_trainers_choice(tmp_path):
 
 def test_token_budget_sizes_the_update_micro_batch(tmp_path):
     # trainer.max_tokens_per_microbatch: the update's activations and head tokens are those of the
-    # budget (grad_accum 1, so by count it would be the whole 32-sequence share), the mask packed
-    # one [N, N] block or padded at most N x T.
+    # budget (grad_accum 1, so by count it would be the whole 32-sequence share); no dense mask for packed rows
+    # (a lazy block mask and their bounds), padded at most N x T.
     import dataclasses
 
     from fastrlhf.memory import components as C
@@ -588,7 +588,7 @@ def test_token_budget_sizes_the_update_micro_batch(tmp_path):
             by_count.trainer, max_tokens_per_microbatch=16384, packing=packing))
         tokens, mask, completion = C.update_micro_batch(budget, 32)
         assert (tokens, completion) == (16384, 16384)
-        assert mask == (16384 ** 2 if packing else 16384 * length)
+        assert mask == (0 if packing else 16384 * length)
         plan = plan_memory(budget, 8, 80 * GiB, "cuda")
         assert plan.components["activations"] == C.activations(budget, shape, 32, 2) < \
             plan_memory(by_count, 8, 80 * GiB, "cuda").components["activations"]
