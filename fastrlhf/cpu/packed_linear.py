@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -72,19 +73,20 @@ def build_pack_kernel(flags: tuple[str, ...]) -> tuple[object, str]:
     Raises :class:`PackingUnavailable` (no compiler, a rejected flag, a library that cannot be
     loaded, wrong results).
 
-    Built with the machine's C compiler (``$CC``, default ``cc``) into a temporary folder that is
+    Built with the machine's C compiler (``$CC``, default ``cc``; like make, ``CC`` may carry a launcher or
+    flags: ``ccache gcc``, ``gcc -m64``) into a temporary folder that is
     removed once the library is loaded, so there is never a stale binary built for another CPU.
     Which flags this machine gets is the probe's decision (``fastrlhf.cpu.probe``); tests build
     both kinds on every machine.
     """
-    cc = os.environ.get("CC", "cc")
+    cc = os.environ.get("CC") or "cc"
     folder = tempfile.mkdtemp(prefix="fastrlhf_pack_")
     library = os.path.join(folder, "cpu_pack.so")
     try:
         try:
-            built = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", library, str(_SOURCE)],
+            built = subprocess.run([*shlex.split(cc), *flags, "-shared", "-fPIC", "-o", library, str(_SOURCE)],
                                    capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as e:
+        except (OSError, subprocess.SubprocessError, ValueError) as e:  # ValueError: unbalanced quotes in CC
             raise PackingUnavailable(f"no C compiler ({e})") from None
         if built.returncode != 0:
             last = (built.stderr.strip().splitlines() or ["no output"])[-1]
