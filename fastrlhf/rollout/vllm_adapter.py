@@ -392,19 +392,22 @@ def _refresh_tied_lm_head(worker) -> None:
 def release_embedding_pack(llm) -> bool:
     """On CPU, drop vLLM's unused packed copy of the input embedding (``fastrlhf.cpu.vllm_inplace_sync``); returns
     whether it was dropped (only for the layouts the in-place update knows)."""
-    return _cpu_sync().release_embedding_pack(llm)
+    cpu = _cpu_sync()
+    return cpu is not None and cpu.release_embedding_pack(llm)  # on a GPU: nothing of the kind to drop
 
 
 def share_input_embedding(llm, weight: torch.Tensor) -> int:
     """On CPU, the engine's embedding lookup reads the trainer's ``weight`` itself
     (``fastrlhf.cpu.vllm_inplace_sync.share_input_embedding``); returns the bytes freed."""
-    return _cpu_sync().share_input_embedding(llm, weight)
+    cpu = _cpu_sync()
+    return 0 if cpu is None else cpu.share_input_embedding(llm, weight)
 
 
 def release_for_update(llm) -> int:
     """On CPU, each worker's packed GEMM weights and KV cache leave resident memory until the next
     sync rewrites them (``fastrlhf.cpu.vllm_inplace_sync.release_for_update``); returns the bytes released."""
-    return _cpu_sync().release_for_update(llm)
+    cpu = _cpu_sync()
+    return 0 if cpu is None else cpu.release_for_update(llm)
 
 
 def weights_released(llm) -> bool:

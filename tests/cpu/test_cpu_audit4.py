@@ -159,3 +159,14 @@ def test_zero_master_on_two_ranks_trains_and_resumes_as_deepspeeds_own(tmp_path)
     for stage, rank, shared, moved, diff, resume_diff in found:
         assert int(shared) > 0 and moved == "True", (stage, rank, shared, moved)
         assert float(diff) == 0.0 and float(resume_diff) == 0.0, (stage, rank, diff, resume_diff)
+
+
+def test_the_adapters_cpu_only_calls_do_nothing_on_a_gpu(monkeypatch):
+    """Every caller guards them with ``not on_cuda`` today; one that did not got an AttributeError of None."""
+    from fastrlhf.engine import platform
+    from fastrlhf.rollout import vllm_adapter
+
+    monkeypatch.setattr(platform, "cpu_tools", lambda device=None: None)
+    assert vllm_adapter.release_embedding_pack(object()) is False
+    assert vllm_adapter.share_input_embedding(object(), None) == 0
+    assert vllm_adapter.release_for_update(object()) == 0
