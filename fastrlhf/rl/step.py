@@ -18,11 +18,11 @@ the guard (``fastrlhf/engine/guards.py``) and the collectives (``fastrlhf/distri
 builds it from a config). Models come as DeepSpeed engines or as plain modules with torch
 optimizers, so a single process without DeepSpeed runs exactly the same step.
 
-Metrics (reduced over ranks: means, except times and ``*_max``: the slowest / largest rank, and
-token counts: summed): reward_mean/std (over finite rewards; NaN where there is none), reward_nonfinite
-(NaN/inf rewards: the step is skipped), reward/<name> (each text reward), truncated_fraction (completions cut at
-max_new_tokens), kl (rollout KL of the old policy to the reference), kl_coef (the coefficient the step used,
-with ``trainer.kl_target``), critic_warmup (1 on a step that trained the critic alone), entropy,
+Metrics (reduced over ranks: means, per-token ones over every rank's tokens, except times and ``*_max``: the
+slowest / largest rank, and token counts: summed): reward_mean/std (over finite rewards; NaN where there is none),
+reward_nonfinite (NaN/inf rewards: the step is skipped), reward/<name> (each text reward), truncated_fraction
+(completions cut at max_new_tokens), kl (rollout KL of the old policy to the reference), kl_coef (the coefficient
+the step used, with ``trainer.kl_target``), critic_warmup (1 on a step that trained the critic alone), entropy,
 rollout_entropy, policy_loss, value_loss, clipfrac, approx_kl, logprob_mismatch_mean/max (|actor
 recomputed - engine|), tis_weight_mean and tis_outside_fraction (completion tokens whose importance ratio
 lay beyond ``tis_cap`` / ``tis_floor``), advantage_mean, grad_norm, generated_tokens (with
@@ -75,7 +75,8 @@ from fastrlhf.rl.step_metrics import StepClock, logprob_mismatch, probe_rows, re
 from fastrlhf.rl.update import Minibatch, as_learner, minibatch_order, run_updates
 from fastrlhf.rollout.episodes import PREFIX_CACHE_HIT, with_prefix_cache_hit
 
-__all__ = ["RLStep", "empty_device_cache", "forward_micro_batch_size", "micro_batch_size", "skips_old_logprobs"]
+__all__ = ["RLStep", "empty_device_cache", "forward_micro_batch_size", "micro_batch_size", "on_policy_update",
+           "skips_old_logprobs"]
 
 
 def micro_batch_size(config, world: int) -> int:
@@ -422,7 +423,8 @@ class RLStep:
     def update_actor(self, exp: Experience, order: list[Minibatch]) -> tuple[dict[str, float], bool]:
         """The actor's optimizer steps: its metrics, and whether a non-finite loss stopped them."""
         unwrap(self.actor.module).train()
-        actor = run_updates(self.actor, exp, lambda module, mb: policy_loss_from_model(module, mb, self.config),
+        actor = run_updates(self.actor, on_policy_update(exp, order),
+                            lambda module, mb: policy_loss_from_model(module, mb, self.config),
                             order, self.config.trainer.agg, self.config.rollout.max_new_tokens)
         metrics = {"policy_loss": actor.get("loss", float("nan")), "loss_kl": actor.get("kl", float("nan")),
                    **{k: actor.get(k, float("nan")) for k in ("clipfrac", "approx_kl", "entropy")},
@@ -454,6 +456,20 @@ class RLStep:
             stats = sync_weights(source, self.rollout, bucket_bytes=bucket)
         self.rollout.wake_up(("kv_cache",))
         return {"sync_bytes": float(stats.bytes), "sync_buckets": float(stats.num_buckets)}
+
+
+def on_policy_update(exp: Experience, order: list[Minibatch]) -> Experience:
+    """The batch the actor's update trains on. One optimizer step: it starts from the policy that scored the old
+    logprobs, so its own logprobs, detached, are the old ones (ratio exactly 1, as verl's ``on_policy``); recomputed
+    ones (``tis_cap``, ``kl_in_reward``, ``old_logprobs: recompute``) differ from them by the update's dropout and by
+    rounding where the passes batch differently, which a tight clip (GSPO's 3e-4) turns into clipped tokens with no
+    gradient. More steps need the recomputed ones: each later minibatch's own would hide the steps before it."""
+    if len(order) == 1:
+        return dataclasses.replace(exp, old_logprobs=None)
+    if exp.old_logprobs is None:
+        raise ValueError(f"the update takes {len(order)} optimizer steps (trainer.minibatch_size, trainer.ppo_epochs) "
+                         "but the batch has no old logprobs: every step after the first would be unclipped")
+    return exp
 
 
 def empty_device_cache(device: torch.device) -> None:

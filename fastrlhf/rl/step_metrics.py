@@ -20,8 +20,11 @@ __all__ = ["METRICS_READ", "CountedMean", "StepClock", "logprob_mismatch", "prob
 STAGES = ("generate", "score", "train", "sync")
 METRICS_READ = "the step's metrics"
 # Masked means over the batch's completion tokens: over the ranks, each rank's weighs by its tokens (the adaptive
-# KL controller reads ``kl`` as the mean over every rank's tokens together), not the mean of the ranks' means.
-TOKEN_MEANS = ("kl", "rollout_entropy", "tis_weight_mean", "tis_outside_fraction")
+# KL controller reads ``kl`` as the mean over every rank's tokens together), not the mean of the ranks' means. The
+# update's too (each rank's sees each of its tokens ppo_epochs times): on-policy, ``entropy`` and ``loss_kl`` are
+# ``rollout_entropy`` and ``kl``, and must read the same.
+TOKEN_MEANS = ("kl", "rollout_entropy", "tis_weight_mean", "tis_outside_fraction", "advantage_mean", "entropy",
+               "loss_kl", "clipfrac", "approx_kl", "vf_clipfrac")
 COUNT_PREFIX = "count:"  # the reduced vector's slot of a CountedMean's count (not a metric)
 
 
