@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 
 from . import model_checks as M
-from .errors import ConfigError
+from .deepspeed_checks import check_extra
+from .errors import ConfigError, is_default
 from .errors import positive as _positive
 from .model_checks import check_model_folder as _check_model_folder  # by this name: fastrlhf plan swaps it
 from .precision import refuse_fp16
-from .rollout_checks import check_rollout
+from .rollout_checks import check_rollout, context_of
 from .schema import DeepSpeedConfig, LoopConfig, ModelConfig, RMConfig, SFTConfig, SFTTrainerConfig, TrainConfig
 
 __all__ = ["validate", "check_world_size"]
@@ -96,6 +97,7 @@ def _check_deepspeed(ds: DeepSpeedConfig, model: ModelConfig):
     if ds.offload_optimizer and ds.zero_stage == 0:
         raise ConfigError("deepspeed.offload_optimizer", "needs deepspeed.zero_stage 1, 2 or 3, got 0")
     refuse_fp16(ds.extra)
+    check_extra(ds)
     if model.dtype == "float16":
         raise ConfigError("model.dtype", "float16 training needs loss scaling, which fastrlhf does not set up; use "
                                          "bfloat16 (with deepspeed.bf16 for fp32 master weights) or auto")
@@ -187,9 +189,13 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(ro.n, "rollout.n")
     if c.algorithm == "grpo" and c.trainer.adv_estimator == "auto":
         _check_group_size("grpo", ro.n)
-    check_rollout(c, actor, reference, critic)
-    for folder, key in ((actor, "model.path"), (reference, "reference.path"), (critic, "critic.path")):
-        M.check_logit_terms(folder, c.trainer.packing, c.model.attention, key)
+    check_rollout(c, actor)
+    tokens, tokens_key, tokens_sum = context_of(c)
+    for key, folder in (("model.path", actor), ("reference.path", reference), ("critic.path", critic),
+                        ("reward.model_path", reward_model)):  # each model reads whole sequences
+        M.check_positions(folder, tokens, tokens_key, tokens_sum, key)
+        if key != "reward.model_path":  # a score head: no LM logits
+            M.check_logit_terms(folder, c.trainer.packing, c.model.attention, key)
     if r.overlong_buffer is not None:
         if not 0 < r.overlong_buffer <= ro.max_new_tokens:
             raise ConfigError("reward.overlong_buffer", f"must be in [1, rollout.max_new_tokens = {ro.max_new_tokens}]"
@@ -199,6 +205,9 @@ def _validate_train(c: TrainConfig, base: str):
                                                         "rollout.max_new_tokens; an episode's completion holds several "
                                                         "turns and the tools' replies")
     _positive(r.overlong_penalty, "reward.overlong_penalty", strict=False)
+    if r.overlong_buffer is None and not is_default(r, "overlong_penalty"):
+        raise ConfigError("reward.overlong_penalty", "scales the punishment that reward.overlong_buffer turns on; set "
+                                                     "reward.overlong_buffer too")
 
     t = c.trainer
     _check_loop(t)
@@ -222,10 +231,17 @@ def _validate_train(c: TrainConfig, base: str):
     if t.dual_clip is not None and t.dual_clip <= 1.0:
         raise ConfigError("trainer.dual_clip", f"must be > 1 (or null), got {t.dual_clip}")
     _positive(t.kl_coef, "trainer.kl_coef", strict=False)
+    if t.kl_coef == 0.0 and not (is_default(t, "kl_kind") and is_default(t, "kl_in_reward")):  # no KL term at all
+        name = "kl_in_reward" if t.kl_in_reward else "kl_kind"
+        raise ConfigError(f"trainer.{name}", f"shapes the KL term, which trainer.kl_coef 0 turns off; set kl_coef > 0, "
+                                             f"or remove trainer.{name}")
     _check_kl_target(t, rollout_batch)
     _positive(t.critic_warmup_steps, "trainer.critic_warmup_steps", strict=False)
     if t.critic_warmup_steps and c.algorithm != "ppo":
         raise ConfigError("trainer.critic_warmup_steps", f"warms up PPO's critic; algorithm {c.algorithm} has none")
+    if t.critic_warmup_steps >= t.max_steps:
+        raise ConfigError("trainer.critic_warmup_steps", f"must be below trainer.max_steps ({t.max_steps}), got "
+                                                         f"{t.critic_warmup_steps}: the actor would never train")
     _positive(t.entropy_coef, "trainer.entropy_coef", strict=False)
     for name in ("gamma", "lam"):
         value = getattr(t, name)
@@ -245,8 +261,12 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(t.max_sampling_rounds, "trainer.max_sampling_rounds")
     if t.filter_groups:
         _check_filter_groups(c)
+    elif not is_default(t, "max_sampling_rounds"):
+        raise ConfigError("trainer.max_sampling_rounds", "bounds trainer.filter_groups' extra generations; set "
+                                                         "trainer.filter_groups: true too")
     _validate_eval(c, base)
     _check_deepspeed(c.deepspeed, c.model)
+    return {"model.path": actor, "reference.path": reference, "critic.path": critic}
 
 
 def _check_policy_loss(t) -> None:
@@ -331,9 +351,10 @@ def _validate_eval(c: TrainConfig, base: str):
         # The engine's context, and so every generation's cap, is sized from rollout.max_new_tokens.
         raise ConfigError("eval.max_new_tokens", f"must be at most rollout.max_new_tokens ({c.rollout.max_new_tokens}"
                                                  f", which sizes the engine's context), got {e.max_new_tokens}")
-    if e.data is None:
-        for name in ("reward", "group_by", "stop_at", "max_reward"):
-            if getattr(e, name) is not None:
+    if e.data is None:  # no validation: each other eval setting would do nothing
+        for name in ("reward", "group_by", "stop_at", "max_reward", "every", "n", "temperature", "max_new_tokens",
+                     "before_train"):
+            if not is_default(e, name):
                 raise ConfigError(f"eval.{name}", "needs eval.data (the validation prompts)")
         return
     _check_path(e.data, "eval.data", base)
@@ -391,9 +412,13 @@ def _validate_sft(c: SFTConfig, base: str):
     M.check_positions(model, c.data.max_len, "data.max_len", "", "model.path")
     M.check_logit_terms(model, c.trainer.packing, c.model.attention)
     _positive(c.data.max_prompt_len, "data.max_prompt_len")
+    if c.data.max_prompt_len is not None and c.data.max_prompt_len >= c.data.max_len:
+        raise ConfigError("data.max_prompt_len", f"must be below data.max_len ({c.data.max_len}, prompt and response), "
+                                                 f"got {c.data.max_prompt_len}")
     _check_template_kwargs(c.data.chat_template_kwargs)
     _validate_small_trainer(c.trainer)
     _check_deepspeed(c.deepspeed, c.model)
+    return {"model.path": model}
 
 
 def _validate_rm(c: RMConfig, base: str):
@@ -414,6 +439,7 @@ def _validate_rm(c: RMConfig, base: str):
     if c.kind == "classifier" and c.resolved_num_labels < 2:
         raise ConfigError("num_labels", f"a classifier needs at least 2 labels, got {c.num_labels}")
     _check_deepspeed(c.deepspeed, c.model)
+    return {"model.path": model}
 
 
 def _validate_small_trainer(t: SFTTrainerConfig):
@@ -426,9 +452,10 @@ def _validate_small_trainer(t: SFTTrainerConfig):
 _VALIDATORS = {TrainConfig: _validate_train, SFTConfig: _validate_sft, RMConfig: _validate_rm}
 
 
-def validate(config, base_dir: str = ".") -> None:
-    """Every rule that needs only the config (relative paths resolved against ``base_dir``)."""
-    _VALIDATORS[type(config)](config, base_dir)
+def validate(config, base_dir: str = ".") -> dict:
+    """Every rule that needs only the config (relative paths resolved against ``base_dir``). Returns the config.json
+    of each model folder the trained models load from, by key (``{}`` for one unset)."""
+    return _VALIDATORS[type(config)](config, base_dir)
 
 
 def check_world_size(config, world: int) -> None:

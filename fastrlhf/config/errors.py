@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "positive"]
+__all__ = ["ConfigError", "is_default", "positive"]
 
 
 class ConfigError(ValueError):
@@ -19,3 +19,12 @@ def positive(value, key: str, strict: bool = True) -> None:
         return
     if (value <= 0) if strict else (value < 0):
         raise ConfigError(key, f"must be {'> 0' if strict else '>= 0'}, got {value}")
+
+
+def is_default(section, name: str) -> bool:
+    """Whether the dataclass ``section`` has its field ``name`` at the schema's default (a setting left unset)."""
+    import dataclasses
+
+    field = next(f for f in dataclasses.fields(section) if f.name == name)
+    default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+    return getattr(section, name) == default

@@ -14,6 +14,7 @@ import yaml
 
 from .checks import validate
 from .errors import ConfigError
+from .model_checks import check_logit_terms
 from .schema import SCHEMAS
 
 __all__ = ["RENAMED_KEYS", "apply_overrides", "import_modules", "parse_config", "load_config", "config_to_dict"]
@@ -306,17 +307,24 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu:
     if "imports" in raw:  # before the config is built: what they register is looked up while checking it
         import_modules(raw["imports"], "imports")
     config = _build(cls, raw, "")
-    validate(config, base_dir)
+    folders = validate(config, base_dir) or {}
     from fastrlhf.config.precision import gpu_available, resolve_precision
     from fastrlhf.sequences.attention import resolve_attention
 
     on_gpu = gpu_available() if on_gpu is None else on_gpu
-    _check_liger_kernels(config.model, on_gpu)
-    return resolve_attention(resolve_precision(config, on_gpu), on_gpu)
+    _check_liger_kernels(config.model, on_gpu, folders)
+    resolved = resolve_attention(resolve_precision(config, on_gpu), on_gpu)
+    if config.model.attention == "auto":  # validated as auto: what packed rows drop is known only now
+        for key, folder in folders.items():
+            check_logit_terms(folder, config.trainer.packing, resolved.model.attention, key)
+    return resolved
 
 
-def _check_liger_kernels(model, on_gpu: bool) -> None:
-    """``model.liger_kernels`` only where its Triton kernels can run and its package is installed."""
+def _check_liger_kernels(model, on_gpu: bool, folders: dict) -> None:
+    """``model.liger_kernels`` only where its Triton kernels can run, its package is installed, and it has kernels
+    for the model type of each folder they patch (``folders``: model.path's config.json and those of the reference
+    and critic, which load with ``model``'s settings): at load, not in each rank's model loading, after the process
+    group started (said once per rank)."""
     if not model.liger_kernels:
         return
     import importlib.util
@@ -327,6 +335,13 @@ def _check_liger_kernels(model, on_gpu: bool) -> None:
     if importlib.util.find_spec("liger_kernel") is None:
         raise ConfigError("model.liger_kernels", "needs the liger-kernel package: pip install liger-kernel "
                                                  "(or set false)")
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN as KERNELS
+
+    for key, folder in folders.items():
+        model_type = folder.get("model_type")  # None: not read (fastrlhf plan), loading will say
+        if model_type is not None and model_type not in KERNELS:
+            raise ConfigError("model.liger_kernels", f"Liger-Kernel has no kernels for model_type {model_type!r} "
+                                                     f"({key}); it has {', '.join(sorted(KERNELS))}")
 
 
 def load_config(path: str, command: str = "train", overrides: list[str] | None = None, on_gpu: bool | None = None,

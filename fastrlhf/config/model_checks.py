@@ -12,7 +12,7 @@ import json
 import os
 import re
 
-from .errors import ConfigError
+from .errors import ConfigError, is_default
 
 __all__ = ["WEIGHT_FILES", "check_model_folder", "check_lora", "check_positions", "check_vocab_covers",
            "check_reward_model", "check_stop_token_ids", "check_logit_terms"]
@@ -37,6 +37,8 @@ def check_model_folder(path: str | None, key: str, base: str) -> dict:
     A missing path shaped like a hub id whose first part is no folder here is refused with the download command."""
     if path is None:
         return {}
+    if not path.strip():  # "" would resolve to the current directory and be reported as a model-less folder
+        raise ConfigError(key, f"expected the path of a model folder, got {path!r}")
     folder = path if os.path.isabs(path) else os.path.join(base, path)
     if not os.path.exists(folder) and _HUB_ID.fullmatch(path) and not os.path.isdir(os.path.dirname(folder)):
         local = f"models/{path.split('/')[1]}"
@@ -156,6 +158,7 @@ def check_lora(m, hf_config: dict, key: str, command: str) -> None:
     """``model.lora_targets`` against the model of ``model.path`` (``hf_config``), as peft will apply them;
     ``command``: train, sft or rm (a reward model has a score head, no lm_head)."""
     if m.lora_r <= 0:
+        _refuse_lora_settings(m, key)
         return
     from fastrlhf.memory.architecture import LINEAR_MODULES, SUPPORTED_MODEL_TYPES, lora_target_problem
 
@@ -184,6 +187,14 @@ def check_lora(m, hf_config: dict, key: str, command: str) -> None:
                                        "embed_tokens out")
 
 
+def _refuse_lora_settings(m, key: str) -> None:
+    """LoRA settings with ``lora_r`` 0 (no adapter): the run would silently train every weight instead."""
+    for name in ("lora_targets", "lora_alpha", "lora_dropout"):
+        if not is_default(m, name):
+            raise ConfigError(f"{key}.{name}", f"sets up a LoRA adapter, which {key}.lora_r 0 turns off (every weight "
+                                               f"trains): set {key}.lora_r > 0, or remove {key}.{name}")
+
+
 def check_positions(hf_config: dict, total: int, key: str, what: str, folder_key: str) -> None:
     """``total`` tokens (``what``, the setting ``key`` sizes) within the positions of ``folder_key``'s model."""
     limit = _field(hf_config, "max_position_embeddings")
@@ -202,6 +213,11 @@ def check_vocab_covers(hf_config: dict, key: str, actor: dict, reads: str) -> No
 def check_reward_model(r, hf_config: dict, base: str) -> None:
     """``reward.model_kind`` and ``reward.label_index`` against the folder of ``reward.model_path``: a classifier
     with that label, or for ``value_head`` a value head to read (a fresh head would score at random)."""
+    if r.model_path is None:  # the settings of a reward model, without one: a function scores, they do nothing
+        for name in ("model_kind", "label_index"):
+            if not is_default(r, name):
+                raise ConfigError(f"reward.{name}", "says how to read the reward model of reward.model_path, which is "
+                                                    f"not set; remove reward.{name} (or set reward.model_path)")
     if not hf_config:
         return
     architectures = hf_config.get("architectures") or []
@@ -241,8 +257,8 @@ def check_logit_terms(hf_config: dict, packing: bool, attention: str, key: str =
     """A model whose logits carry more than fastrlhf computes. Its head: Gemma-2's ``final_logit_softcapping``,
     which the logprob path (the fused kernels read the hidden states and the head's weight) does not apply. Its
     attention, in packed rows (``fastrlhf.sequences.packed_attention``): gpt-oss's sinks run in no packed kernel,
-    Gemma-2's ``attn_logit_softcapping`` not in sdpa (``auto`` is left to the run, which refuses it at the first
-    forward). ``key``: the folder's config key."""
+    Gemma-2's ``attn_logit_softcapping`` not in sdpa (``auto``: checked again once resolved, see
+    ``fastrlhf.config.loading.parse_config``). ``key``: the folder's config key."""
     final = _field(hf_config, "final_logit_softcapping")
     if final is not None:
         raise ConfigError(key, f"the model caps its logits (final_logit_softcapping {final}, Gemma-2), which "

@@ -6,15 +6,15 @@ from __future__ import annotations
 from . import model_checks as M
 from .errors import ConfigError, positive
 
-__all__ = ["check_rollout"]
+__all__ = ["check_rollout", "context_of"]
 
 # vLLM samples at this temperature at least (SamplingParams' _MAX_TEMP, read in 0.32): a lower one is raised to it
 # with only a log line, its logprobs then of another distribution than the trainer's.
 VLLM_MIN_TEMPERATURE = 1e-2
 
 
-def check_rollout(c, actor: dict, reference: dict, critic: dict) -> None:
-    """``c``: a TrainConfig; ``actor``, ``reference``, ``critic``: their folders' config.json (``{}`` unread)."""
+def check_rollout(c, actor: dict) -> None:
+    """``c``: a TrainConfig; ``actor``: model.path's config.json (``{}`` unread)."""
     ro = c.rollout
     if ro.temperature < 0:
         raise ConfigError("rollout.temperature", f"must be >= 0, got {ro.temperature}")
@@ -33,9 +33,6 @@ def check_rollout(c, actor: dict, reference: dict, critic: dict) -> None:
     if ro.top_k == 0 or ro.top_k < -1:
         raise ConfigError("rollout.top_k", f"must be -1 (off) or >= 1, got {ro.top_k}")
     positive(ro.max_new_tokens, "rollout.max_new_tokens")
-    for folder, key in ((actor, "model.path"), (reference, "reference.path"), (critic, "critic.path")):
-        M.check_positions(folder, c.data.max_prompt_len + ro.max_new_tokens, "rollout.max_new_tokens",
-                          "data.max_prompt_len + rollout.max_new_tokens = ", key)
     positive(ro.sync_bucket_bytes, "rollout.sync_bucket_bytes")
     if ro.kv_cache_bytes != "auto":
         positive(ro.kv_cache_bytes, "rollout.kv_cache_bytes")
@@ -61,6 +58,18 @@ def check_rollout(c, actor: dict, reference: dict, critic: dict) -> None:
                                              "rollout.top_p < 1 or rollout.top_k the engines report logprobs over the "
                                              "kept tokens only (the weights fall below 1 by that alone): leave "
                                              "tis_cap unset, or sample with top_p 1 and top_k -1")
+
+
+def context_of(c) -> tuple[int, str, str]:
+    """``(tokens, key, sum)``: the most tokens one sequence may hold, the key that sizes it, and the sum. An episode's
+    tool turns count where the engine may be vLLM, whose context is sized so (``fastrlhf.memory.components.seq_len``)
+    and which refuses one past the model's positions once the models are loaded (HF's generate reads no such bound)."""
+    ro = c.rollout
+    total = c.data.max_prompt_len + ro.max_new_tokens
+    if (not ro.tools and ro.environment is None) or ro.engine == "hf":
+        return total, "rollout.max_new_tokens", "data.max_prompt_len + rollout.max_new_tokens = "
+    return (total + ro.max_tool_tokens, "rollout.max_tool_tokens",
+            "data.max_prompt_len + rollout.max_new_tokens + rollout.max_tool_tokens = ")
 
 
 def _refuse_greedy_group(c) -> None:
