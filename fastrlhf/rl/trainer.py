@@ -282,10 +282,13 @@ def build_validator(config, eval_examples, rl_step, tokenizer):
                               top_k=ro.top_k if e.temperature else -1,
                               max_new_tokens=e.max_new_tokens or ro.max_new_tokens,
                               stop_token_ids=tuple(ro.stop_token_ids), stop=tuple(ro.stop), seed=config.seed)
+    # The HF engine generates a call's sequences at once: no more than a step's per rank, which the plan sizes for.
+    step_sequences = -(-config.trainer.prompts_per_step // D.world_size()) * ro.n
     return Validator([x.prompt_ids for x in eval_examples], [x.meta for x in eval_examples], score,
                      rl_step.episodes or rl_step.rollout,
                      sampling, max_reward=_max_reward(config), group_by=e.group_by, rank=D.rank(),
-                     world=D.world_size(), output_dir=config.output_dir, tokenizer=tokenizer)
+                     world=D.world_size(), output_dir=config.output_dir, tokenizer=tokenizer,
+                     max_sequences_per_call=step_sequences if getattr(rl_step.rollout, "kind", None) == "hf" else None)
 
 
 def rank_prompts(examples: list, indices: list[int], balance: bool, rank: int, world: int) -> list:

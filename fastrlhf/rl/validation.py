@@ -11,6 +11,10 @@ Metrics, reduced over ranks in one collective:
   still gets wrong).
 
 Rank 0 writes every completion (gathered from all ranks) to ``<output_dir>/eval/step-N.jsonl``.
+
+With ``max_sequences_per_call`` (the HF engine's: a step's sequences per rank, what the memory plan sizes its KV
+cache for) a rank's shard is generated in calls of at most that many sequences: GSM8K's 1,319 prompts x ``eval.n``
+4 over 8 ranks asked one ``generate`` for 660 sequences, a KV cache five times the step's. vLLM schedules its own.
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ class Validator:
 
     def __init__(self, prompts: Sequence[list[int]], metas: Sequence[dict], score: Callable, rollout, sampling,
                  max_reward: float = 1.0, group_by: str | None = None, rank: int = 0, world: int = 1,
-                 output_dir: str | None = None, tokenizer=None):
+                 output_dir: str | None = None, tokenizer=None, max_sequences_per_call: int | None = None):
         if not prompts:
             raise ValueError("validation needs at least one prompt")
         self.score, self.rollout, self.sampling = score, rollout, sampling
         self.max_reward, self.group_by = float(max_reward), group_by
         self.output_dir, self.tokenizer, self.rank = output_dir, tokenizer, rank
+        self.prompts_per_call = None if max_sequences_per_call is None else max(1, max_sequences_per_call // sampling.n)
         # Every rank knows every group, so the reduced vector has the same layout on all of them.
         self.groups = sorted({self._group(m) for m in metas}) if group_by else []
         mine = range(rank, len(prompts), world)
@@ -59,8 +64,12 @@ class Validator:
         if self.prompts:
             from fastrlhf.rollout.episodes import EpisodeRunner
 
-            extra = {"metas": self.metas} if isinstance(self.rollout, EpisodeRunner) else {}
-            completions = self.rollout.generate(self.prompts, self.sampling, **extra)
+            episodes = isinstance(self.rollout, EpisodeRunner)
+            size = self.prompts_per_call or len(self.prompts)
+            completions = []
+            for i in range(0, len(self.prompts), size):
+                extra = {"metas": self.metas[i:i + size]} if episodes else {}
+                completions += self.rollout.generate(self.prompts[i:i + size], self.sampling, **extra)
             rewards = self.score(self.prompts, completions, self.metas).double().cpu().view(len(self.prompts), n)
             correct = rewards >= self.max_reward
             sums[:5] = torch.stack([rewards.sum(), correct.sum(), torch.tensor(float(rewards.numel())),

@@ -88,3 +88,29 @@ def test_every_completion_is_written_per_step_in_prompt_order(tmp_path):
 def test_no_prompts_is_an_error():
     with pytest.raises(ValueError, match="at least one prompt"):
         Validator([], [], exact, RecordingEngine(), GREEDY)
+
+
+def test_a_shard_is_generated_in_calls_of_at_most_the_steps_sequences():
+    """GSM8K's 1,319 prompts x eval.n 4 on 8 ranks asked the HF engine for 660 sequences in one call, a KV cache
+    the memory plan (sized by the step's batch) never counted. The metrics are those of one call."""
+    sampled = SamplingConfig(n=2, temperature=1.0, max_new_tokens=4)
+    engine = RecordingEngine()
+    chunked = Validator(PROMPTS, METAS, exact, engine, sampled, group_by="kind", max_sequences_per_call=5)(step=1)
+    assert [len(prompts) for prompts, _ in engine.calls] == [2, 2, 1]  # 5 sequences fit 2 prompts of n = 2
+    whole = Validator(PROMPTS, METAS, exact, RecordingEngine(), sampled, group_by="kind")(step=1)
+    assert chunked == whole
+
+
+@pytest.mark.parametrize("kind, per_call", [("hf", 6), ("vllm", None)])
+def test_the_run_caps_an_hf_engines_calls_at_the_steps_sequences_per_rank(kind, per_call):
+    """prompts_per_step 3 on one rank, rollout.n 2: 6 sequences a step, so 6 // eval.n eval prompts a call."""
+    from types import SimpleNamespace
+
+    from fastrlhf.rl.trainer import build_validator
+    from tests.helpers.rl_case import make_config
+
+    config = make_config(n=2, prompts_per_step=3)
+    eval_examples = [SimpleNamespace(prompt_ids=p, meta=m) for p, m in zip(PROMPTS, METAS, strict=True)]
+    rl_step = SimpleNamespace(rollout=SimpleNamespace(kind=kind), episodes=None, score_rollout=exact)
+    validator = build_validator(config, eval_examples, rl_step, tokenizer=None)
+    assert validator.prompts_per_call == (per_call and per_call // config.eval.n)
