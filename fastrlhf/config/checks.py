@@ -10,7 +10,7 @@ import os
 
 from . import model_checks as M
 from .deepspeed_checks import check_extra
-from .errors import ConfigError, is_default
+from .errors import ConfigError
 from .errors import positive as _positive
 from .model_checks import check_model_folder as _check_model_folder  # by this name: fastrlhf plan swaps it
 from .precision import refuse_fp16
@@ -205,9 +205,6 @@ def _validate_train(c: TrainConfig, base: str):
                                                         "rollout.max_new_tokens; an episode's completion holds several "
                                                         "turns and the tools' replies")
     _positive(r.overlong_penalty, "reward.overlong_penalty", strict=False)
-    if r.overlong_buffer is None and not is_default(r, "overlong_penalty"):
-        raise ConfigError("reward.overlong_penalty", "scales the punishment that reward.overlong_buffer turns on; set "
-                                                     "reward.overlong_buffer too")
 
     t = c.trainer
     _check_loop(t)
@@ -231,10 +228,6 @@ def _validate_train(c: TrainConfig, base: str):
     if t.dual_clip is not None and t.dual_clip <= 1.0:
         raise ConfigError("trainer.dual_clip", f"must be > 1 (or null), got {t.dual_clip}")
     _positive(t.kl_coef, "trainer.kl_coef", strict=False)
-    if t.kl_coef == 0.0 and not (is_default(t, "kl_kind") and is_default(t, "kl_in_reward")):  # no KL term at all
-        name = "kl_in_reward" if t.kl_in_reward else "kl_kind"
-        raise ConfigError(f"trainer.{name}", f"shapes the KL term, which trainer.kl_coef 0 turns off; set kl_coef > 0, "
-                                             f"or remove trainer.{name}")
     _check_kl_target(t, rollout_batch)
     _positive(t.critic_warmup_steps, "trainer.critic_warmup_steps", strict=False)
     if t.critic_warmup_steps and c.algorithm != "ppo":
@@ -261,9 +254,6 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(t.max_sampling_rounds, "trainer.max_sampling_rounds")
     if t.filter_groups:
         _check_filter_groups(c)
-    elif not is_default(t, "max_sampling_rounds"):
-        raise ConfigError("trainer.max_sampling_rounds", "bounds trainer.filter_groups' extra generations; set "
-                                                         "trainer.filter_groups: true too")
     _validate_eval(c, base)
     _check_deepspeed(c.deepspeed, c.model)
     return {"model.path": actor, "reference.path": reference, "critic.path": critic}
@@ -351,10 +341,10 @@ def _validate_eval(c: TrainConfig, base: str):
         # The engine's context, and so every generation's cap, is sized from rollout.max_new_tokens.
         raise ConfigError("eval.max_new_tokens", f"must be at most rollout.max_new_tokens ({c.rollout.max_new_tokens}"
                                                  f", which sizes the engine's context), got {e.max_new_tokens}")
-    if e.data is None:  # no validation: each other eval setting would do nothing
-        for name in ("reward", "group_by", "stop_at", "max_reward", "every", "n", "temperature", "max_new_tokens",
-                     "before_train"):
-            if not is_default(e, name):
+    if e.data is None:
+        # Settings that only say how to validate are left alone (a run switches validation off with eval.data: null)
+        for name in ("reward", "group_by", "stop_at", "max_reward"):
+            if getattr(e, name) is not None:
                 raise ConfigError(f"eval.{name}", "needs eval.data (the validation prompts)")
         return
     _check_path(e.data, "eval.data", base)

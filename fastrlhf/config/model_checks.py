@@ -213,11 +213,6 @@ def check_vocab_covers(hf_config: dict, key: str, actor: dict, reads: str) -> No
 def check_reward_model(r, hf_config: dict, base: str) -> None:
     """``reward.model_kind`` and ``reward.label_index`` against the folder of ``reward.model_path``: a classifier
     with that label, or for ``value_head`` a value head to read (a fresh head would score at random)."""
-    if r.model_path is None:  # the settings of a reward model, without one: a function scores, they do nothing
-        for name in ("model_kind", "label_index"):
-            if not is_default(r, name):
-                raise ConfigError(f"reward.{name}", "says how to read the reward model of reward.model_path, which is "
-                                                    f"not set; remove reward.{name} (or set reward.model_path)")
     if not hf_config:
         return
     architectures = hf_config.get("architectures") or []

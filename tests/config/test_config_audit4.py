@@ -108,19 +108,14 @@ def test_lora_settings_without_a_rank_are_refused(paths, name, value):
     parse_config(grpo(paths, model={name: value, "lora_r": 8}), on_gpu=False)
 
 
-@pytest.mark.parametrize("section, key", [
-    ({"model_kind": "value_head"}, "reward.model_kind"), ({"label_index": 3}, "reward.label_index"),
-    ({"overlong_penalty": 2.0}, "reward.overlong_penalty")])
-def test_reward_settings_without_what_they_shape_are_refused(paths, section, key):
-    assert error(grpo(paths, reward=section)).startswith(f"{key}: ")
-
-
-@pytest.mark.parametrize("trainer, key", [
-    ({"kl_coef": 0.0, "kl_kind": "k1"}, "trainer.kl_kind"), ({"kl_coef": 0.0, "kl_in_reward": True},
-                                                            "trainer.kl_in_reward"),
-    ({"max_sampling_rounds": 5}, "trainer.max_sampling_rounds")])
-def test_trainer_settings_that_would_do_nothing_are_refused(paths, trainer, key):
-    assert error(grpo(paths, trainer=trainer)).startswith(f"{key}: ")
+@pytest.mark.parametrize("section, override", [
+    ("trainer", {"kl_coef": 0.0, "kl_kind": "k1", "kl_in_reward": True}), ("trainer", {"max_sampling_rounds": 5}),
+    ("reward", {"overlong_penalty": 2.0}), ("reward", {"model_kind": "value_head"}),
+    ("eval", {"every": 5, "n": 4, "temperature": 0.5, "before_train": False})])
+def test_switching_a_feature_off_leaves_its_settings_allowed(paths, section, override):
+    """An ablation sets kl_coef 0, filter_groups false, eval.data null on a config that tunes them: refusing the
+    settings that then do nothing would make every such switch a hunt for the keys that go with it."""
+    parse_config(grpo(paths, **{section: override}), on_gpu=False)
 
 
 @pytest.mark.parametrize("warmup", [10, 20])
@@ -132,13 +127,6 @@ def test_a_critic_warmup_over_every_step_is_refused(paths, warmup):
                           "would never train")
     raw["trainer"]["critic_warmup_steps"] = 9
     parse_config(raw, on_gpu=False)
-
-
-@pytest.mark.parametrize("name, value", [("every", 5), ("n", 4), ("temperature", 0.5), ("max_new_tokens", 8),
-                                         ("before_train", False)])
-def test_eval_settings_need_eval_data(paths, name, value):
-    raw = grpo(paths, eval={name: value, **({"temperature": 1.0} if name == "n" else {})})
-    assert error(raw) == f"eval.{name}: needs eval.data (the validation prompts)"
 
 
 def test_sft_max_prompt_len_must_leave_room_for_a_response(paths):
