@@ -320,11 +320,11 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu:
     return resolved
 
 
-def _check_liger_kernels(model, on_gpu: bool, folders: dict) -> None:
+def _check_liger_kernels(model, on_gpu: bool, folders: dict | None = None) -> None:
     """``model.liger_kernels`` only where its Triton kernels can run, its package is installed, and it has kernels
     for the model type of each folder they patch (``folders``: model.path's config.json and those of the reference
-    and critic, which load with ``model``'s settings): at load, not in each rank's model loading, after the process
-    group started (said once per rank)."""
+    and critic, which load with ``model``'s settings; none: not read): at load, not in each rank's model loading,
+    after the process group started (said once per rank)."""
     if not model.liger_kernels:
         return
     import importlib.util
@@ -337,7 +337,7 @@ def _check_liger_kernels(model, on_gpu: bool, folders: dict) -> None:
                                                  "(or set false)")
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN as KERNELS
 
-    for key, folder in folders.items():
+    for key, folder in (folders or {}).items():
         model_type = folder.get("model_type")  # None: not read (fastrlhf plan), loading will say
         if model_type is not None and model_type not in KERNELS:
             raise ConfigError("model.liger_kernels", f"Liger-Kernel has no kernels for model_type {model_type!r} "
