@@ -78,4 +78,7 @@ def _compare(stage: int, folder: str) -> None:
 
 
 if __name__ == "__main__":
+    from fastrlhf.cli import exit_with
+
     main()
+    exit_with(0)  # as a launched fastrlhf rank leaves: torch's c10d stores abort some plain exits on two CPU ranks
