@@ -35,6 +35,19 @@ def tiny_actor(seed=0):
     return make_tiny_llama(seed=seed, vocab_size=96, hidden_size=32, num_layers=2, num_heads=1).train()
 
 
+def lora_dropout_actor(dropout: float):
+    """A LoRA actor (q and v, rank 4) with ``dropout`` and a non-zero adapter, so that dropout changes its outputs."""
+    from peft import LoraConfig, get_peft_model
+
+    actor = get_peft_model(tiny_actor(), LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                    target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    return actor
+
+
 def tiny_critic():
     from fastrlhf.modeling import CausalLMWithValueHead
 

@@ -5,7 +5,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.rl_case import PAD, PROMPTS, SCORES, FixedScorer, fixed_completions, make_config, tiny_actor
+from helpers.rl_case import (
+    PAD,
+    PROMPTS,
+    SCORES,
+    FixedScorer,
+    fixed_completions,
+    lora_dropout_actor,
+    make_config,
+    tiny_actor,
+)
 
 from fastrlhf.distributed import comm
 from fastrlhf.rl.experience import build_experience
@@ -20,16 +29,8 @@ GSPO = dict(policy_loss="gspo", agg="seq-mean-token-mean", clip_low=3e-4, clip_h
 
 def _dropout_actor():
     """A LoRA actor with dropout 0.05 (a common LoRA setting) and a non-zero adapter."""
-    from peft import LoraConfig, get_peft_model
-
     torch.manual_seed(0)
-    actor = get_peft_model(tiny_actor(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05,
-                                                    target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for name, p in actor.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.2)
-    return actor
+    return lora_dropout_actor(0.05)
 
 
 @pytest.mark.parametrize("change", [dict(tis_cap=100.0), dict(old_logprobs="recompute")], ids=["tis", "recompute"])

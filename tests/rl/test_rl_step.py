@@ -25,6 +25,7 @@ from helpers.rl_case import (
     fixed_completions,
     flat,
     guarded_step,
+    lora_dropout_actor,
     make_config,
     tiny_actor,
     tiny_critic,
@@ -580,14 +581,7 @@ def test_lora_actor_uses_disabled_adapter_as_reference():
 def test_the_no_grad_passes_run_without_dropout():
     """LoRA dropout 0.3: the old logprobs are the adapted policy's without dropout (two passes in train mode
     differed by up to 0.36 nats), and the update trains with it on again."""
-    from peft import LoraConfig, get_peft_model
-
-    actor = get_peft_model(tiny_actor(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3,
-                                                    target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for name, p in actor.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.2)
+    actor = lora_dropout_actor(0.3)
     hp = make_config(GRPO, tis_cap=None)
     rl = RLStep(hp, actor, rollout=None, scorer=FixedScorer(SCORES), reference=None, pad_token_id=PAD,
                 actor_optimizer=torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-2),
