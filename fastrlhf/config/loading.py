@@ -335,13 +335,12 @@ def _check_liger_kernels(model, on_gpu: bool, folders: dict | None = None) -> No
     if importlib.util.find_spec("liger_kernel") is None:
         raise ConfigError("model.liger_kernels", "needs the liger-kernel package: pip install liger-kernel "
                                                  "(or set false)")
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN as KERNELS
+    from fastrlhf.modeling.loading import liger_apply_fn
 
     for key, folder in (folders or {}).items():
         model_type = folder.get("model_type")  # None: not read (fastrlhf plan), loading will say
-        if model_type is not None and model_type not in KERNELS:
-            raise ConfigError("model.liger_kernels", f"Liger-Kernel has no kernels for model_type {model_type!r} "
-                                                     f"({key}); it has {', '.join(sorted(KERNELS))}")
+        if model_type is not None:
+            liger_apply_fn(model_type, key)
 
 
 def load_config(path: str, command: str = "train", overrides: list[str] | None = None, on_gpu: bool | None = None,
