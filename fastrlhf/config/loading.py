@@ -335,7 +335,7 @@ def _check_liger_kernels(model, on_gpu: bool, folders: dict | None = None) -> No
     if importlib.util.find_spec("liger_kernel") is None:
         raise ConfigError("model.liger_kernels", "needs the liger-kernel package: pip install liger-kernel "
                                                  "(or set false)")
-    from fastrlhf.modeling.loading import liger_apply_fn
+    from .model_checks import liger_apply_fn
 
     for key, folder in (folders or {}).items():
         model_type = folder.get("model_type")  # None: not read (fastrlhf plan), loading will say

@@ -15,7 +15,7 @@ import re
 from .errors import ConfigError, is_default
 
 __all__ = ["WEIGHT_FILES", "check_model_folder", "check_lora", "check_positions", "check_vocab_covers",
-           "check_reward_model", "check_stop_token_ids", "check_logit_terms"]
+           "check_reward_model", "check_stop_token_ids", "check_logit_terms", "liger_apply_fn"]
 
 # In the order transformers prefers them: the first one present is the one it loads.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -268,3 +268,18 @@ def check_logit_terms(hf_config: dict, packing: bool, attention: str, key: str =
     if softcap is not None and attention == "sdpa":
         raise ConfigError("model.attention", f"sdpa drops the attn_logit_softcapping ({softcap}) of {key} in packed "
                                              "rows: set model.attention: flex (a GPU) or trainer.packing: false")
+
+
+def liger_apply_fn(model_type: str | None, where: str = ""):
+    """Liger-Kernel's ``apply_liger_kernel_to_<model_type>``; a :class:`ConfigError` naming ``model.liger_kernels``
+    where the package or its kernels for ``model_type`` are missing (``where``: the folder's key, said with it)."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as exc:
+        raise ConfigError("model.liger_kernels", f"needs the liger-kernel package ({exc})") from None
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:
+        raise ConfigError("model.liger_kernels", f"Liger-Kernel has no kernels for model_type {model_type!r}"
+                                                 f"{f' ({where})' if where else ''}; it has "
+                                                 f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}")
+    return apply

@@ -138,26 +138,11 @@ def apply_liger_layers(model) -> None:
     :class:`ConfigError` naming ``model.liger_kernels`` where the package or the model type is missing."""
     import inspect
 
+    from fastrlhf.config.model_checks import liger_apply_fn
+
     apply = liger_apply_fn(getattr(model.config, "model_type", None))
     takes = inspect.signature(apply).parameters
     apply(model=model, **{k: v for k, v in LIGER_LAYERS.items() if k in takes})
-
-
-def liger_apply_fn(model_type: str | None, where: str = ""):
-    """Liger-Kernel's ``apply_liger_kernel_to_<model_type>``; a :class:`ConfigError` naming ``model.liger_kernels``
-    where the package or its kernels for ``model_type`` are missing (``where``: the folder's key, said with it)."""
-    from fastrlhf.config import ConfigError
-
-    try:
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-    except ImportError as exc:
-        raise ConfigError("model.liger_kernels", f"needs the liger-kernel package ({exc})") from None
-    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
-    if apply is None:
-        raise ConfigError("model.liger_kernels", f"Liger-Kernel has no kernels for model_type {model_type!r}"
-                                                 f"{f' ({where})' if where else ''}; it has "
-                                                 f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}")
-    return apply
 
 
 def _fuse_layers(model, model_cfg) -> None:
