@@ -7,6 +7,7 @@ Layout under ``output_dir/checkpoints``::
       rank-0.pt         per-rank state: step, RNG states, state of non-engine objects
     latest              text file "step-40", replaced atomically after the rename
     .tmp-step-50/       a checkpoint being written (a crash leaves it; the next save removes it)
+    .old-step-30/       a checkpoint being deleted (the same)
 
 A run killed at any moment therefore resumes from the last complete checkpoint.
 """
@@ -25,7 +26,7 @@ from fastrlhf import distributed as D
 from fastrlhf.distributed import comm
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_latest", "latest_checkpoint", "capture_rng", "restore_rng",
-           "checkpoint_root", "run_identity"]
+           "checkpoint_root", "run_identity", "trained_when_saved"]
 
 
 
@@ -152,6 +153,14 @@ def _prune(root: str, step: int, keep_last: int) -> None:
         _discard(root, name)
 
 
+def _sweep(root: str) -> None:
+    """What kills left behind: a save's ``.tmp-step-N``, a delete's ``.old-step-N`` (a checkpoint's size each). Only
+    a later save of that same step removed them; the step just saved is in place, so none of them is needed."""
+    for name in os.listdir(root):
+        if name.startswith((".tmp-step-", ".old-step-")):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], keep_last: int = 0,
                     identity: dict | None = None) -> str:
     """Write checkpoint ``step`` atomically; collective (call on every rank). Returns its folder.
@@ -192,6 +201,7 @@ def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], keep_la
         shutil.rmtree(stale, ignore_errors=True)
         if keep_last > 0:
             _prune(root, step, keep_last)
+        _sweep(root)
     comm.barrier()
     return final
 
@@ -245,37 +255,49 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _trained_set_change(engine, folder: str) -> str:
-    """Why ``engine`` cannot take the optimizer state saved in ``folder``: the parameters it trained when saved are
-    not the ones it trains now (DeepSpeed fails on that with a bare ``KeyError`` of one name deep in its load, or
-    torch with a group size mismatch); empty where they are the same, or the folder says nothing of them."""
+def trained_when_saved(path: str, name: str) -> set[str] | int | None:
+    """What engine ``name`` of checkpoint ``path`` trained when saved: its parameters' names (ZeRO 1-3), or their
+    count (stage 0: torch's optimizer state counts them, it does not name them); None where the folder says
+    neither (no such engine, an unreadable file)."""
     import glob
 
-    files = sorted(glob.glob(os.path.join(folder, "*model_states.pt")))
-    if not files or not isinstance(getattr(engine, "module", None), torch.nn.Module):
-        return ""
+    files = sorted(glob.glob(os.path.join(path, name, _DS_TAG, "*model_states.pt")))
+    if not files:
+        return None
     try:  # mmap: only the small records are read, not the module's weights beside them
         saved = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
-    except Exception:  # noqa: BLE001 -- unreadable: DeepSpeed's own error stands
-        return ""
-    mine = _trained_names(engine)
+    except Exception:  # noqa: BLE001 -- unreadable: the load's own error says so
+        return None
     if saved.get("param_shapes"):
-        trained = {n for group in saved["param_shapes"] for n in group}
+        return {n for group in saved["param_shapes"] for n in group}
+    counts = [len(g["params"]) for g in (saved.get("optimizer") or {}).get("param_groups", ())]
+    return sum(counts) if counts else None
+
+
+def _trained_set_change(engine, path: str, name: str) -> str:
+    """Why ``engine`` cannot take the optimizer state saved for engine ``name`` in ``path``: the parameters it trained
+    when saved are not the ones it trains now (DeepSpeed fails on that with a bare ``KeyError`` of one name deep in
+    its load, or torch with a group size mismatch); empty where they are the same, or the folder says nothing of
+    them."""
+    if not isinstance(getattr(engine, "module", None), torch.nn.Module):
+        return ""
+    trained = trained_when_saved(path, name)
+    if isinstance(trained, set):
+        mine = _trained_names(engine)
         frozen, thawed = sorted(trained - mine), sorted(mine - trained)
         if not frozen and not thawed:
             return ""
         said = [f"trained {_some(frozen)}, which this run freezes" if frozen else "",
                 f"froze {_some(thawed)}, which this run trains" if thawed else ""]
         what = "was saved when it " + " and ".join(s for s in said if s)
-    else:  # ZeRO stage 0: torch's optimizer state counts its parameters, it does not name them
-        counts = [len(g["params"]) for g in (saved.get("optimizer") or {}).get("param_groups", ())]
-        now = [len(g["params"]) for g in getattr(engine.optimizer, "param_groups", ())]
-        if not counts or counts == now:
+    else:
+        now = sum(len(g["params"]) for g in getattr(engine.optimizer, "param_groups", ()))
+        if trained is None or trained == now:
             return ""
-        what = f"was saved training {sum(counts)} parameters, this run trains {sum(now)}"
+        what = f"was saved training {trained} parameters, this run trains {now}"
     return (f"{what}: its optimizer state is that of the parameters it trained. A PPO critic saved before its untied "
-            f"lm_head was frozen (no gradient ever reaches it) is such a checkpoint: resume it with the fastrlhf "
-            f"version that saved it, or start again with --overwrite")
+            f"lm_head was frozen (no gradient ever reaches it) is such a checkpoint: fastrlhf train --resume trains "
+            f"that head again for it; otherwise start again with --overwrite")
 
 
 def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states: bool = True,
@@ -296,7 +318,7 @@ def load_latest(output_dir: str, engines: dict[str, Any], load_optimizer_states:
                                                    load_optimizer_states=load_optimizer_states,
                                                    load_lr_scheduler_states=load_optimizer_states)
             except (KeyError, ValueError, RuntimeError):
-                changed = _trained_set_change(obj, os.path.join(path, name, _DS_TAG))
+                changed = _trained_set_change(obj, path, name)
                 if changed:
                     raise CheckpointError(f"{path}: engine {name!r} {changed}") from None
                 raise

@@ -81,6 +81,18 @@ def step_line(step: int, total_steps: int, record: dict, line_keys: Iterable[tup
     return " ".join(parts)
 
 
+def _say_dropped_wandb_steps(run, start_step: int) -> None:
+    """Where the W&B run goes past the checkpoint resumed from (the killed run logged steps after it), W&B drops
+    the steps logged again (its steps only increase: one warning per step, no reason given) and keeps the killed
+    run's values for them: said once, with where the resumed run's values are. (TRL's W&B callback logs them again
+    on a ``train/global_step`` axis, points beside the killed run's; OpenRLHF opens a new W&B run.)"""
+    ahead = getattr(run, "step", 0)
+    if isinstance(ahead, int) and ahead > start_step + 1:
+        print(f"note: W&B run {run.id} already holds steps up to {ahead - 1}, past the checkpoint of step "
+              f"{start_step}: W&B keeps the killed run's values there and drops this run's steps {start_step + 1}-"
+              f"{ahead - 1} (its steps only increase); metrics.jsonl and TensorBoard have this run's", file=sys.stderr)
+
+
 class MetricsLogger:
     """Writes only on the main rank; other ranks get a silent logger, so callers need no rank checks.
 
@@ -144,6 +156,8 @@ class MetricsLogger:
                                                 dir=output_dir, config=run_config or {}, **same_run)
                 os.makedirs(os.path.dirname(id_path), exist_ok=True)
                 write_text_atomic(id_path, f"{self._wandb.id}\n")
+                if previous:
+                    _say_dropped_wandb_steps(self._wandb, start_step)
             except ImportError:
                 print("warning: trainer.wandb is on but the wandb package is not installed; skipping it",
                       file=sys.stderr)

@@ -15,10 +15,11 @@ from typing import Any, NamedTuple
 
 from fastrlhf.rl import rollout_setup
 
-__all__ = ["run", "build_rl_step", "build_validator", "preflight"]
+__all__ = ["run", "build_rl_step", "build_validator", "critic_as_saved", "preflight"]
 
 
-def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokenizer=None, plan=None, toolbox=None):
+def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokenizer=None, plan=None, toolbox=None,
+                  resume: bool = False):
     """Load models, build engines; returns ``(rl_step, stateful objects for checkpoints)``.
 
     ``tokenizer``: the policy's (for text rewards, stop strings and tool turns); ``text_rewards``: resolved
@@ -67,6 +68,8 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
         # ZeRO-3: partitioned at load, as the actor (a full replica per rank first would need world x its size)
         critic_model = load_value_model(config.model, config.critic.path, zero3_config=actor_ds)
         use_attention(critic_model.lm, t.packing, t.share_prompts, attention)
+        if resume:
+            critic_as_saved(critic_model, config.output_dir, config.model.lora_r > 0)
         critic = build_train_engine(critic_model, ds, lr=config.critic.lr, weight_decay=t.weight_decay,
                                     warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
                                     max_grad_norm=t.max_grad_norm, guard=guard)
@@ -93,6 +96,38 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
         stateful["kl_control"] = step.kl_control
     step.setup_memory = setup_memory(device)
     return step, stateful
+
+
+def critic_as_saved(critic_model, output_dir: str, lora: bool) -> bool:
+    """The untied lm_head of ``critic_model`` trained again where the checkpoint a run resumes from trained it (one
+    saved before the head was frozen, :func:`fastrlhf.modeling.loading.load_value_model`): its optimizer state
+    holds the head's, which an engine without it cannot load. The head gets no gradient either way (the values
+    read the decoder's hidden states); trained, it only holds its optimizer state again, as when it was saved.
+    Collective (every rank builds the same engine); returns whether the head trains."""
+    from fastrlhf import distributed as D
+    from fastrlhf.distributed import comm
+    from fastrlhf.engine.checkpoint import latest_checkpoint, trained_when_saved
+    from fastrlhf.modeling import base_model
+
+    head = base_model(critic_model.lm).get_output_embeddings()
+    head_params = {id(p) for p in head.parameters()} if head is not None else set()
+    # Those the run trained before the freeze: a LoRA critic trained the adapter on the head, not its weight.
+    frozen = {n: p for n, p in critic_model.named_parameters()
+              if id(p) in head_params and not p.requires_grad and (not lora or "lora_" in n)}
+    folder = latest_checkpoint(output_dir)
+    trained = trained_when_saved(folder, "critic") if folder is not None and frozen else None
+    if isinstance(trained, set):
+        saved_so = set(frozen) <= trained
+    else:  # ZeRO stage 0 counts them: as many more as the head has
+        saved_so = trained == sum(p.requires_grad for p in critic_model.parameters()) + len(frozen)
+    if not comm.any_rank_true(bool(frozen) and saved_so):
+        return False
+    for p in frozen.values():
+        p.requires_grad_(True)
+    if D.is_main():
+        print(f"note: {folder} trained the critic's lm_head (saved before it was frozen): this resumed run trains it "
+              "too; start again with --overwrite to leave it frozen", flush=True)
+    return True
 
 
 def _reward_model(config, device):
@@ -191,7 +226,7 @@ def preflight(config) -> Prepared:
     for key, spec in (("reward.function", config.reward.function), ("eval.reward", config.eval.reward)):
         if spec is not None:
             try:
-                resolve_reward_function(spec)
+                resolve_reward_function(spec, key)
             except ValueError as exc:
                 raise ConfigError(key, str(exc)) from None
     from fastrlhf.rollout.tools import run_toolbox
@@ -362,7 +397,7 @@ def run(config, resume: bool = False) -> dict:
     seed_everything(config.seed)
     guard = StepGuard(t.max_skipped_steps)
     rl_step, stateful = build_rl_step(config, guard, tokenizer, prepared.text_rewards, prepared.reward_tokenizer,
-                                      prepared.plan, prepared.toolbox)
+                                      prepared.plan, prepared.toolbox, resume=resume)
     config = _with_engine_used(config, rl_step.rollout.kind)
     sampler = EpochSampler(len(examples), seed=config.seed)
     stateful.update(sampler=sampler, guard=guard)
