@@ -63,7 +63,8 @@ def check_rollout(c, actor: dict) -> None:
 def context_of(c) -> tuple[int, str, str]:
     """``(tokens, key, sum)``: the most tokens one sequence may hold, the key that sizes it, and the sum. An episode's
     tool turns count where the engine may be vLLM, whose context is sized so (``fastrlhf.memory.components.seq_len``)
-    and which refuses one past the model's positions once the models are loaded (HF's generate reads no such bound)."""
+    and which refuses one past the model's positions once the models are loaded (the HF engine ends an episode at the
+    model's positions instead: ``fastrlhf.rollout.hf_engine``)."""
     ro = c.rollout
     total = c.data.max_prompt_len + ro.max_new_tokens
     if (not ro.tools and ro.environment is None) or ro.engine == "hf":

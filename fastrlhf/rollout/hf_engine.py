@@ -91,12 +91,33 @@ class _GeneratedOnly:
         return self.criterion(input_ids[:, self.prompt_width :], scores, **kwargs)
 
 
+class _RowLimits:
+    """A stopping criterion that ends each row at its own limit: ``max_new_tokens`` is the batch's largest, and a row
+    past its limit (an episode's last budget) kept the batch decoding, every token of it then cut."""
+
+    def __init__(self, limits: torch.Tensor, prompt_width: int):
+        self.limits, self.prompt_width = limits, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return self.limits <= input_ids.shape[1] - self.prompt_width
+
+
 def _as_id_list(x) -> list[int]:
     if x is None:
         return []
     if isinstance(x, int):
         return [x]
     return [int(t) for t in x]
+
+
+def _within_positions(max_model_len: int | None, config) -> int:
+    """``max_model_len`` (a tool run's is prompt + new + tool tokens), at most the model's positions: past them a
+    learned position table is indexed out of range (a device-side assert on CUDA) and rotary positions run on where
+    the model never saw any, silently. An episode's turns end at the model's positions instead."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions < 2:
+        return int(max_model_len or config.max_position_embeddings)
+    return min(int(max_model_len or positions), positions)
 
 
 def _generation_config_holders(model) -> list:
@@ -127,7 +148,7 @@ class HFEngine(RolloutEngine):
             )
         self.model = model
         self._vocab_size = int(config.vocab_size)
-        self._max_model_len = int(max_model_len or config.max_position_embeddings)
+        self._max_model_len = _within_positions(max_model_len, config)
         gen_config = getattr(model, "generation_config", None)
         if eos_token_id is None:
             eos_token_id = getattr(gen_config, "eos_token_id", None)
@@ -202,7 +223,7 @@ class HFEngine(RolloutEngine):
                     **to_device(dict(input_ids=input_ids, attention_mask=attention_mask), device),
                     generation_config=gen_config,
                     logits_processor=LogitsProcessorList([recorder]),
-                    stopping_criteria=self._stop_string_criteria(sampling.stop, width),
+                    stopping_criteria=self._stopping_criteria(sampling, limits, width, device),
                 )
                 logprobs = recorder.finish(sequences).float().cpu()
         finally:
@@ -212,6 +233,15 @@ class HFEngine(RolloutEngine):
         new_tokens = sequences[:, width:].cpu()
         results = self._split(new_tokens, logprobs, limits, sampling.n, set(stop_ids))
         return cut_at_stop_strings(results, sampling.stop, self.tokenizer)
+
+    def _stopping_criteria(self, sampling: SamplingConfig, limits: list[int], width: int, device):
+        """The stop strings' criterion, and the rows' own limits where they differ (no read of the device: a
+        criterion's verdict stays there)."""
+        criteria = self._stop_string_criteria(sampling.stop, width)
+        if len(set(limits)) > 1:  # each prompt's limit for each of its n rows
+            per_row = torch.tensor(limits, dtype=torch.long).repeat_interleave(sampling.n)
+            criteria.append(_RowLimits(to_device(per_row, device), width))
+        return criteria
 
     def _stop_string_criteria(self, stop: tuple[str, ...], prompt_width: int = 0):
         """HF's early stop for rows whose generated text ends with a stop string (where it can index the vocab;

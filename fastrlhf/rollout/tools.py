@@ -17,10 +17,15 @@ string each become the ``tool`` message's text, saying what went wrong, and an o
 Each call runs on a thread of its own, and the episodes of a round make their calls at the same time (each
 episode's in order): a tool function shared by every episode must be thread-safe.
 
-A call that times out keeps running (Python cannot stop a thread). While it does, its episode's environment is not
-called again (the next call would run alongside it on the same instance), and once :data:`MAX_STUCK_CALLS` such
-calls are running no call is started at all, until some return: each refused call's message says why (outcome
-:data:`REFUSED`), so a tool that hangs for good costs a bounded number of threads, not one per call.
+A call that times out is interrupted where it runs Python code: :class:`ToolTimeout` is raised in its thread (a busy
+loop, model-written code run by an ``exec`` tool, ends there instead of taking a share of the interpreter from the
+training loop for the rest of the run). One inside a C call (a sleep, a socket, a regex) keeps running until that
+returns; one that holds the interpreter lock all along (a catastrophic regex, a huge integer power) stalls the whole
+rank past its timeout, which no thread can prevent: run such tools in a process of their own. While a call runs on,
+its episode's environment is not called again (the next call would run alongside it on the same instance), and
+once :data:`MAX_STUCK_CALLS` such calls are running no call is started at all, until some return: each refused
+call's message says why (outcome :data:`REFUSED`), so a tool that hangs for good costs a bounded number of threads,
+not one per call.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from fastrlhf.engine.guards import AgreedStepFailure
 
 __all__ = ["MAX_STUCK_CALLS", "TOOL_CALL_PARSERS", "EnvironmentResetError", "Tool", "ToolCall", "Toolbox",
            "call_with_timeout", "environment_timeout", "load_toolbox", "on_callers_device", "parse_hermes",
-           "register_tool_call_parser", "run_tool_call", "run_toolbox", "stuck_calls"]
+           "register_tool_call_parser", "run_tool_call", "run_toolbox", "stuck_calls", "ToolTimeout"]
 
 
 @dataclass(frozen=True)
@@ -307,9 +312,10 @@ def on_callers_device() -> Callable[[], None]:
 
 
 def call_with_timeout(fn: Callable, arguments: dict, timeout_s: float, name: str = "", owner=None):
-    """``(result, exception, timed_out)``. The call runs in a daemon thread, on the caller's CUDA device: one that
-    hangs is left behind (Python cannot stop a thread), never keeps the process from exiting, and is counted in
-    :func:`stuck_calls` (as ``name``, with ``owner``: the environment it calls into) until it returns."""
+    """``(result, exception, timed_out)``. The call runs in a daemon thread, on the caller's CUDA device. One past
+    ``timeout_s`` gets :class:`ToolTimeout` raised in it; one still running after that (inside a C call) is left
+    behind, never keeps the process from exiting, and is counted in :func:`stuck_calls` (as ``name``, with
+    ``owner``: the environment it calls into) until it returns."""
     box: dict = {}
     on_device = on_callers_device()
 
@@ -325,11 +331,32 @@ def call_with_timeout(fn: Callable, arguments: dict, timeout_s: float, name: str
     thread = threading.Thread(target=target, name="fastrlhf-tool", daemon=True)
     thread.start()
     thread.join(timeout_s)
+    if not thread.is_alive():
+        return box.get("result"), box.get("error"), False
+    if _interrupt(thread):
+        thread.join(_INTERRUPT_GRACE_S)  # where it runs Python, it ends within a few switch intervals
     if thread.is_alive():
         with _stuck_lock:
             _stuck.append((thread, name, None if owner is None else id(owner)))
-        return None, None, True
-    return box.get("result"), box.get("error"), False
+    return None, None, True
+
+
+class ToolTimeout(BaseException):  # noqa: N818 -- not an Exception: a tool's own ``except Exception`` lets it through
+    """Raised in a tool's thread once its call has run past ``rollout.tool_timeout_s``."""
+
+
+_INTERRUPT_GRACE_S = 0.05
+
+
+def _interrupt(thread: threading.Thread) -> bool:
+    """Raise :class:`ToolTimeout` in ``thread`` at its next Python bytecode; whether it was still there to take it."""
+    import ctypes
+
+    set_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    hit = set_exc(ctypes.c_ulong(thread.ident), ctypes.py_object(ToolTimeout))
+    if hit > 1:  # cannot happen for one live thread's id; undone as CPython's documentation asks
+        set_exc(ctypes.c_ulong(thread.ident), None)
+    return hit == 1
 
 
 async def _awaited(awaitable):

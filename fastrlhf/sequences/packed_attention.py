@@ -21,6 +21,7 @@ Everything else (a padded batch with its mask, generation with a cache) runs sdp
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +63,10 @@ def set_backend(model: torch.nn.Module, backend: str) -> None:
 def sequence_bounds(position_ids: torch.Tensor) -> list[list[int]]:
     """Per row of ``position_ids`` ``[B, N]``: the start offsets of its sequences plus its length. A sequence starts
     wherever a position is not the previous one plus 1 (transformers' rule, ``find_packed_sequence_indices``).
-    One device read for all the rows (a read per row stalled a GPU B times per layer)."""
+    One device read for all the rows (a read per row stalled a GPU B times per layer): the starts are found on the
+    host, as a nonzero on the device reads its count and then the indices."""
     bounds = [[0] for _ in range(position_ids.shape[0])]
-    for row, column in torch.nonzero(position_ids[:, 1:] != position_ids[:, :-1] + 1).tolist():
+    for row, column in torch.nonzero((position_ids[:, 1:] != position_ids[:, :-1] + 1).cpu()).tolist():
         bounds[row].append(column + 1)
     return [b + [position_ids.shape[1]] for b in bounds]
 
@@ -110,17 +112,12 @@ def _per_sequence(sdpa, query, key, value, bounds: list[int]) -> torch.Tensor:
 
 def _unlabelled(sdpa, query, key, value, attention_mask, position_ids, sliding_window, kwargs) -> torch.Tensor:
     """A call without :class:`PackedRows`: a padded batch or generation (sdpa with its mask), or rows given by their
-    position ids alone (bounds read from them: one device read per layer, fine on a CPU). HF generate's prefill of
+    position ids alone (bounds read from them once per forward, :func:`_bounds_once`). HF generate's prefill of
     unpadded prompts is one of these (transformers drops an all-ones mask): its rows hold one sequence each."""
     packed = attention_mask is None and position_ids is not None and query.shape[2] == key.shape[2] > 1
     if not packed:
         return sdpa(query, key, value, attention_mask)
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None and query.shape[0] == 1:
-        bounds = [cu.tolist()]
-    else:
-        pos = position_ids.expand(query.shape[0], -1) if position_ids.shape[0] != query.shape[0] else position_ids
-        bounds = sequence_bounds(pos)
+    bounds = _bounds_once(kwargs.get("cu_seq_lens_q"), position_ids, query.shape[0])
     longest = max(e - s for b in bounds for s, e in itertools.pairwise(b))
     if sliding_window is not None and longest > sliding_window:
         raise ValueError(f"{NAME}: a sequence of {longest} tokens is longer than the model's sliding window "
@@ -129,6 +126,27 @@ def _unlabelled(sdpa, query, key, value, attention_mask, position_ids, sliding_w
         return sdpa(query, key, value, None)
     rows = [_per_sequence(sdpa, query[i:i + 1], key[i:i + 1], value[i:i + 1], b) for i, b in enumerate(bounds)]
     return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+# The last bounds read, with a weak reference to the tensor read: every layer of a forward gets the same one.
+_last_bounds: tuple | None = None
+
+
+def _bounds_once(cu, position_ids: torch.Tensor, rows: int) -> list[list[int]]:
+    """Per row the bounds of its sequences, from ``cu`` (transformers' ``cu_seq_lens_q``, one row) or else the
+    position ids: read from the device once per forward, not in each layer (a GPU stall per layer per forward)."""
+    global _last_bounds
+    source = cu if cu is not None and rows == 1 else position_ids
+    version = None if source.is_inference() else source._version  # an inference tensor keeps no version
+    last = _last_bounds
+    if last is not None and last[0]() is source and last[1:3] == (version, rows):
+        return last[3]
+    if source is cu:
+        bounds = [cu.tolist()]
+    else:
+        bounds = sequence_bounds(position_ids.expand(rows, -1) if position_ids.shape[0] != rows else position_ids)
+    _last_bounds = (weakref.ref(source), version, rows, bounds)
+    return bounds
 
 
 def _check_logit_terms(backend: str, softcap, sinks, shared: bool) -> None:

@@ -146,10 +146,10 @@ def test_flash_attention_gets_what_its_kernel_requires_from_a_bf16_gqa_model(mon
 # ----------------------------------------------------------------------------------------------
 
 
-def test_unpadded_generation_reads_the_positions_once_per_layer_not_per_row(monkeypatch):
+def test_unpadded_generation_reads_the_positions_once_per_forward_not_per_layer_or_row(monkeypatch):
     """HF generate on unpadded prompts (transformers drops their all-ones mask) reaches the attention with position
-    ids and no mask: their bounds are read once per layer for the whole batch (it was once per row and layer, a GPU
-    stall each), and the tokens are plain sdpa's."""
+    ids and no mask: their bounds are read once per forward for the whole batch (it was once per row and layer, then
+    once per layer, a GPU stall each), and the tokens are plain sdpa's."""
     import copy
 
     from fastrlhf.sequences import packed_attention
@@ -167,7 +167,7 @@ def test_unpadded_generation_reads_the_positions_once_per_layer_not_per_row(monk
         want = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
                                   do_sample=False, pad_token_id=PAD)
     assert torch.equal(got, want)
-    assert len(reads) == 3, reads  # the prefill: 3 layers, all 4 rows at once
+    assert len(reads) == 1, reads  # the prefill: 3 layers, all 4 rows, one read
     # Rows that do pack several sequences still get one sdpa call per sequence, from the same single read.
     assert original(torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]])) == [[0, 2, 5], [0, 5]]
 
