@@ -49,6 +49,7 @@ __all__ = [
     "micro_batches",
     "policy_loss_from_model",
     "reward_model_scores",
+    "right_padded",
     "sequence_logprobs",
     "token_values",
     "unwrap",
@@ -404,25 +405,43 @@ def reward_model_scores(reward_model, exp: Experience, kind: str = "classifier",
                         packed: bool = False) -> torch.Tensor:
     """[B] score of each whole sequence (prompt + completion) at its last real token.
 
-    ``classifier``: a ``*ForSequenceClassification``; its body runs and its score head is applied to
-    the last attended position (not to the last non-pad id, which breaks when a completion emits the
-    pad id). ``value_head``: a model with per-position scalar outputs, read at the last token.
+    ``classifier``: a decoder's ``*ForSequenceClassification`` (a ``score`` head); its body runs and the head is
+    applied to the last attended position (not to the last non-pad id, which breaks when a completion emits the
+    pad id). An encoder's (BERT, RoBERTa, DeBERTa: a ``classifier`` head, which pools the first token, most through a
+    pooler of their own) runs its own forward on :func:`right_padded` rows, as it was trained, never packed.
+    ``value_head``: a model with per-position scalar outputs, read at the last token.
     Micro-batches as :func:`sequence_logprobs`.
     """
     if kind not in ("classifier", "value_head"):
         raise ValueError(f"reward model_kind must be 'classifier' or 'value_head', got {kind!r}")
     m = unwrap(reward_model)
+    pools_itself = kind == "classifier" and getattr(m, "score", None) is None
     out = torch.zeros(exp.batch_size, dtype=torch.float32, device=exp.input_ids.device)
     with torch.no_grad():
-        for rows, mb in micro_batches(exp, groups, micro_batch, packed):
-            inputs = mb.model_inputs(m)
+        for rows, mb in micro_batches(exp, groups, micro_batch, packed and not pools_itself):
             if kind == "value_head":
-                values = _per_token_outputs(m, **inputs)
+                values = _per_token_outputs(m, **mb.model_inputs(m))
                 _scatter_rows(out, rows, mb.at_last_token(values))
                 continue
-            body, head = classifier_body_and_head(m)
-            logits = head(mb.at_last_token(_decoder_hidden(body, inputs)))
+            if pools_itself:
+                logits = m(**right_padded(mb.exp, getattr(m.config, "pad_token_id", None) or 0)).logits
+            else:
+                body, head = classifier_body_and_head(m)
+                logits = head(mb.at_last_token(_decoder_hidden(body, mb.model_inputs(m))))
             if not 0 <= label_index < logits.shape[-1]:
                 raise ValueError(f"reward label_index {label_index} out of range for {logits.shape[-1]} labels")
             _scatter_rows(out, rows, logits[:, label_index].float())
     return out
+
+
+def right_padded(exp: Experience, pad_id: int) -> dict:
+    """``input_ids`` and ``attention_mask`` of ``exp``'s rows with each sequence from column 0, padded on the right
+    only, as an encoder reads a batch: its positions count columns (the batch's prompts are left-padded). Built
+    from the host lengths: no device read."""
+    exp = exp.with_lengths()
+    lengths = torch.tensor([p + n for p, n in zip(exp.prompt_lens, exp.completion_lens, strict=True)])
+    columns = torch.arange(int(lengths.max()))
+    start = exp.prompt_width - torch.tensor(exp.prompt_lens)
+    index = (start[:, None] + columns).clamp(max=exp.input_ids.shape[1] - 1)
+    index, mask = to_device((index, (columns < lengths[:, None]).long()), exp.input_ids.device)
+    return dict(input_ids=torch.where(mask > 0, exp.input_ids.gather(1, index), pad_id), attention_mask=mask)

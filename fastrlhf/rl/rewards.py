@@ -85,10 +85,11 @@ def match_answer_reward(prompt_ids, completion_ids, meta) -> float:
     return float(bool(answer) and list(completion_ids[: len(answer)]) == answer)
 
 
-def resolve_reward_function(spec: str) -> RewardFn:
-    """A registered name or ``package.module:function``; raises a one-line ValueError otherwise."""
+def resolve_reward_function(spec: str, key: str = "reward.function") -> RewardFn:
+    """A registered name or ``package.module:function``; raises a one-line ValueError naming ``key`` (the setting
+    that gave ``spec``) otherwise."""
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"reward.function must be a registered name or 'module:function', got {spec!r}")
+        raise ValueError(f"{key} must be a registered name or 'module:function', got {spec!r}")
     if ":" not in spec:
         if spec not in REWARD_FUNCTIONS:
             raise ValueError(f"unknown reward function {spec!r}; registered: {', '.join(sorted(REWARD_FUNCTIONS))} "
@@ -101,10 +102,10 @@ def resolve_reward_function(spec: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward.function {spec!r}: cannot import module {module_name!r} ({e})") from None
+        raise ValueError(f"{key} {spec!r}: cannot import module {module_name!r} ({e})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward.function {spec!r}: module {module_name!r} has no callable {attr!r}")
+        raise ValueError(f"{key} {spec!r}: module {module_name!r} has no callable {attr!r}")
     return fn
 
 
@@ -118,8 +119,8 @@ class TextReward:
 def resolve_text_rewards(specs) -> list[TextReward]:
     """``reward.functions`` entries (``function``, ``weight``) -> resolved :class:`TextReward` s."""
     rewards = []
-    for spec in specs:
-        fn = resolve_reward_function(spec.function)
+    for i, spec in enumerate(specs):
+        fn = resolve_reward_function(spec.function, f"reward.functions[{i}].function")
         rewards.append(TextReward(getattr(fn, "__name__", spec.function), fn, float(spec.weight)))
     return rewards
 

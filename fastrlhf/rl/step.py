@@ -177,10 +177,7 @@ class RLStep:
             name = adv_estimator_of(self.config)
             exp.advantages, exp.returns = ADV_ESTIMATORS[name](exp, self.config.trainer)
             if self.critic is not None and exp.returns is None:
-                from fastrlhf.config import ConfigError
-
-                raise ConfigError("trainer.adv_estimator", f"{name} returns no returns, which the critic of "
-                                                           "algorithm ppo is trained on")
+                raise _no_returns_error(name)
             prep["advantage_mean"] = masked_mean(exp.advantages, exp.response_mask)
             # Decided by all ranks together, before any parameter moves: the score stage's one host read.
             inputs_ok = self.check_scored(exp, prep)
@@ -270,6 +267,8 @@ class RLStep:
                     "environments": [c.extra.get("environment") for c in flat]} if self.episodes is not None else {}
         scores = agree_on_reward_failure(lambda: self.scorer(exp, *map(list, zip(*rows, strict=True)),
                                                              **episodes).float())
+        # A scorer of its own may score on the host (as rule rewards do): every later use mixes them with the batch's.
+        scores = to_device(scores, exp.input_ids.device)
         r = self.config.reward
         if overlong and r.overlong_buffer is not None:
             lengths = to_device(torch.tensor([len(c.token_ids) for c in flat]), scores.device)
@@ -389,7 +388,7 @@ class RLStep:
                                 exp.returns, exp.is_weights) if t is not None]
         ok = self.guard.inputs_ok(*consumed, largest={"mismatch": metrics["logprob_mismatch_mean"]} if watched
                                   else None)
-        if watched:
+        if watched and ok:  # a non-finite input skips the step (counted) before any mismatch is judged
             self.check_engine_weights(self.guard.largest["mismatch"])
         return ok
 
@@ -397,12 +396,13 @@ class RLStep:
         """Stop (on every rank) before training on completions of an engine whose weights are not the
         actor's: a sync or sleep/wake that left it stale. ``worst``: the largest mismatch of any rank."""
         ro = self.config.rollout
-        if worst > ro.max_logprob_mismatch:
-            from fastrlhf.engine.guards import StepFailed
+        if not worst <= ro.max_logprob_mismatch:  # NaN too: an engine whose logprobs are NaN is broken
+            from fastrlhf.engine.guards import AgreedStepFailure
 
-            raise StepFailed(f"the rollout engine's logprobs differ from the actor's by {worst:.3g} nats per token "
-                             f"(rollout.max_logprob_mismatch {ro.max_logprob_mismatch}): it is generating with "
-                             "other weights than the actor's (a failed weight sync or wake-up?)")
+            # Agreed: every rank read the same worst, so the command line says it once (not a traceback per rank).
+            raise AgreedStepFailure(f"the rollout engine's logprobs differ from the actor's by {worst:.3g} nats per "
+                                    f"token (rollout.max_logprob_mismatch {ro.max_logprob_mismatch}): it is generating "
+                                    "with other weights than the actor's (a failed weight sync or wake-up?)")
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
         """The actor's (then the critic's) optimizer steps over shuffled minibatches of the batch."""
@@ -470,6 +470,18 @@ def on_policy_update(exp: Experience, order: list[Minibatch]) -> Experience:
         raise ValueError(f"the update takes {len(order)} optimizer steps (trainer.minibatch_size, trainer.ppo_epochs) "
                          "but the batch has no old logprobs: every step after the first would be unclipped")
     return exp
+
+
+def _no_returns_error(estimator: str):
+    """The error of an estimator that gave the critic no returns: one registered without ``EstimatorTraits``, which the
+    config checks could not refuse. Every rank's estimator returned None alike, so the command line says it once
+    (``comm.agreed``), not once per rank."""
+    from fastrlhf.config import ConfigError
+    from fastrlhf.distributed import comm
+
+    return comm.agreed(ConfigError("trainer.adv_estimator", f"{estimator} returns no returns, which the critic of "
+                                   "algorithm ppo is trained on: run it with algorithm grpo (registered with "
+                                   "EstimatorTraits(gives_returns=False), it is refused before any model loads)"))
 
 
 def empty_device_cache(device: torch.device) -> None:

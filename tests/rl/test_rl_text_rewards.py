@@ -371,7 +371,7 @@ def test_a_raising_text_reward_ends_the_run_with_one_line_naming_it(text_model):
                      "\"no column 'missing' in this batch\""], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     proc, _ = _run(text_model, "text_unknown", [{"function": "text_rewards:nope"}])
-    assert proc.returncode == 2 and "config error: reward.functions: reward.function 'text_rewards:nope'" \
+    assert proc.returncode == 2 and "config error: reward.functions: reward.functions[0].function 'text_rewards:nope'" \
         in proc.stderr, proc.stderr[-3000:]
 
 
