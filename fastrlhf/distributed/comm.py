@@ -90,14 +90,34 @@ def _op(name: str):
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
-    """Reduce ``t`` over ranks in place (wherever it lives) and return it; a no-op on one rank."""
+    """Reduce ``t`` over ranks in place (wherever it lives) and return it; a no-op on one rank. A NaN on any rank
+    makes the max (or min) NaN on every rank, under every backend (:func:`_extreme_keeping_nan_`)."""
     reduce_op = _op(op)
     if not is_distributed():
         return t
+    if op != "sum" and t.is_floating_point():
+        return _extreme_keeping_nan_(t, op, group)
     staged = to_collective_device(t, group)
     dist.all_reduce(staged, op=reduce_op, group=group)
     if staged is not t:
         t.copy_(staged)
+    return t
+
+
+def _extreme_keeping_nan_(t: torch.Tensor, op: str, group=None) -> torch.Tensor:
+    """``t``'s elementwise max (or min) over ranks in place, NaN where a rank has NaN, as ``torch.max`` gives it.
+
+    The backends' own MAX does not say so: NCCL's is ``fmax``, which drops a NaN wherever another rank has a
+    number, and gloo's keeps or drops it by rank order. So a NaN (a rank's engine logprobs, a metric) would vanish
+    on a GPU run that a CPU test saw. One collective: the values (NaN as the identity, negated for a min) and
+    their NaN flags, in one MAX."""
+    sign = 1.0 if op == "max" else -1.0
+    flat = t.detach().reshape(-1)
+    nan = torch.isnan(flat)
+    staged = to_collective_device(torch.cat([torch.where(nan, float("-inf"), flat * sign), nan.to(flat.dtype)]), group)
+    dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group)
+    n = flat.numel()
+    t.copy_(torch.where(staged[n:] > 0, float("nan"), staged[:n] * sign).reshape(t.shape))
     return t
 
 

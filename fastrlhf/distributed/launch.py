@@ -59,6 +59,10 @@ def init_distributed(timeout_s: float | None = None, shared_dir: str | None = No
         # would both bind it (EADDRINUSE), and nothing outside this process needs to find it.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
+    elif problem := _missing_launch_problem():
+        error = multinode.NodeError(problem)
+        error.exit_code, error.local = 2, True
+        raise error
     import torch
 
     problem = multinode.timeout_problem() if timeout_s is None else None
@@ -109,6 +113,24 @@ def _unset_rank_problem() -> str | None:
                     "`torchrun`, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for each process "
                     "(for separate runs, one per process: RANK=0 and WORLD_SIZE=1)")
     return None
+
+
+# What a launcher sets beside RANK (``deepspeed`` and ``torchrun`` set them all).
+_LAUNCH_VARIABLES = ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _missing_launch_problem() -> str | None:
+    """Why a process with RANK cannot join its group, or None: a launch variable is unset. Without one,
+    DeepSpeed's ``init_distributed`` (0.19) takes the launch for an MPI one and asks mpi4py: "No module named
+    'mpi4py'", or, with mpi4py installed, a world of one process outside ``mpirun``, so that the rank silently
+    runs the whole job alone as rank 0 of 1; and the start gate needs MASTER_ADDR and MASTER_PORT."""
+    missing = [name for name in _LAUNCH_VARIABLES if not os.environ.get(name)]
+    if not missing:
+        return None
+    return (f"distributed error: RANK is set ({os.environ['RANK']}) but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: a launched rank needs RANK, WORLD_SIZE, LOCAL_RANK (its "
+            "number on its node: 0 with one process per node), MASTER_ADDR and MASTER_PORT; start the ranks with "
+            "`deepspeed` or `torchrun`, which set them all, or set the missing ones for each process")
 
 
 def _new_groups_take_timeout(timeout: timedelta) -> None:

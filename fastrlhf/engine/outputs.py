@@ -2,12 +2,12 @@
 
 Every command writes the same files there (rank 0, see ``fastrlhf.distributed.multinode``):
 ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, ``final/``, and with the options that make them
-``eval/``, ``tensorboard/`` and ``wandb/``. A folder that holds any of them is *used*: a new run there
-(no ``--resume``) would truncate the metrics, replace ``config.yaml`` and ``final/``, and leave the old
-checkpoints beside the new ones with ``latest`` repointed. So the command line refuses it in one line
-(exit 2, before any model loads) unless ``--overwrite`` is given, which replaces those files (and
-nothing else: other files the user keeps there stay). A missing or empty folder, or one with only
-other files, is not used.
+``eval/``, ``tensorboard/``, ``wandb/`` and ``profile/`` (``trainer.profile_step``, written by every rank).
+A folder that holds any of them is *used*: a new run there (no ``--resume``) would truncate the metrics,
+replace ``config.yaml`` and ``final/``, and leave the old checkpoints beside the new ones with ``latest``
+repointed. So the command line refuses it in one line (exit 2, before any model loads) unless ``--overwrite``
+is given, which replaces those files (and nothing else: other files the user keeps there stay). A missing or
+empty folder, or one with only other files, is not used.
 
 ``--overwrite`` loses nothing until the new run is under way (:class:`Overwrite`): rank 0 moves the
 earlier run into ``output_dir/.fastrlhf-overwritten/`` (a rename in the same folder: instant, no copy)
@@ -34,7 +34,7 @@ from fastrlhf.config.errors import ConfigError
 __all__ = ["RUN_FILES", "ASIDE", "run_files", "check_output_dir", "check_writable", "under_way", "Overwrite"]
 
 # What a run writes in output_dir (folders without their slash); any of them makes the folder used.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "eval", "tensorboard", "wandb")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "eval", "tensorboard", "wandb", "profile")
 # Replaced by --overwrite too, though they alone do not make a folder used: what a kill may leave
 # (the export's folders: fastrlhf.modeling.loading.export_hf).
 _LEFTOVERS = ("config.yaml.tmp", "metrics.jsonl.tmp", "final.tmp", "final.old")
