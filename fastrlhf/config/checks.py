@@ -422,6 +422,7 @@ def _validate_rm(c: RMConfig, base: str):
     _positive(c.data.max_len, "data.max_len")
     M.check_positions(model, c.data.max_len, "data.max_len", "", "model.path")
     M.check_logit_terms(model, c.trainer.packing, c.model.attention)
+    _check_template_kwargs(c.data.chat_template_kwargs)
     _validate_small_trainer(c.trainer)
     _positive(c.num_labels, "num_labels")
     if c.kind == "pairwise" and c.resolved_num_labels != 1:

@@ -343,6 +343,9 @@ class SFTConfig:
 class RMDataConfig:
     path: str
     max_len: int = 512
+    # As data.chat_template_kwargs of `fastrlhf train`: a reward model scores the prompts as the RL run renders them
+    # (Qwen3's enable_thinking: false puts an empty think block before every completion)
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

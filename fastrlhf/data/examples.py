@@ -17,6 +17,7 @@ from fastrlhf.data.reading import (
     LazyTokenizer,
     _BadLine,
     _check_len,
+    _check_text,
     _check_vocab,
     _collect,
     _short,
@@ -104,6 +105,7 @@ def _chat(value, field_name: str) -> list[dict]:
                 or not isinstance(message.get("content"), str):
             raise _BadLine(f"field {field_name!r}: message {i} must be an object with text 'role' and 'content', "
                            f"got {_short(message)}")
+        _check_text(message["content"], f"{field_name!r}: message {i}'s content")
         messages.append({k: v for k, v in message.items() if v is not None})
     return messages
 
@@ -127,6 +129,7 @@ def _prompt(row: dict, names: tuple[str, ...], tokenizer: LazyTokenizer, vocab_s
                            "set data.chat_template to true or auto")
         ids, given = tokenizer.chat_ids(messages, name), messages
     elif isinstance(value, str) and chat_template is True:
+        _check_text(value, repr(name))
         ids = tokenizer.chat_ids([{"role": "user", "content": value}], name, why=" (data.chat_template is true)") \
             if value else []
         given = value
@@ -243,7 +246,8 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
                       vocab_size: int | None = None, tokenizer_path: str | None = None, *,
                       chat_template: bool | str = "auto", tools: list[dict] | None = None,
                       assistant_turns: str = "last", chat_template_kwargs: dict | None = None) -> list[SFTExample]:
-    """SFT pairs: ``{"prompt_ids"/"prompt", "response_ids"/"response"}`` or ``{"messages": [..., {"role":
+    """SFT pairs: ``{"prompt_ids"/"prompt", "response_ids"/"response"}`` rows (TRL's ``completion`` for the
+    response: text, ids, or the assistant turn(s) after a ``prompt`` chat) or ``{"messages": [..., {"role":
     "assistant", "content": ...}]}`` rows.
 
     A chat's prompt is the template of all its messages but the last, with the generation prompt; its
@@ -258,25 +262,53 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
         raise ValueError(f"assistant_turns must be one of {', '.join(ASSISTANT_TURNS_CHOICES)}, "
                          f"got {assistant_turns!r}")
     tokenizer = LazyTokenizer(tokenizer_path, tools, chat_template_kwargs)
-    pair_fields = ("prompt_ids", "prompt", "response_ids", "response")
 
     def parse(row: dict, where: str) -> SFTExample:
-        if row.get(CHAT_FIELD) is not None and all(row.get(k) is None for k in pair_fields):
+        no_response = all(row.get(k) is None for k in ("response_ids", "response"))
+        if no_response and _is_chat(row.get("completion")):
+            example = _assistant_turns(_prompt_and_completion(row, chat_template), tokenizer, vocab_size,
+                                       assistant_turns)
+        # A chat unless a response is given beside it: a prompt column alone does not make the row a pair, as in
+        # HuggingFaceH4/ultrachat_200k, whose rows repeat the chat's first user turn in a text ``prompt``
+        elif row.get(CHAT_FIELD) is not None and no_response:
             messages = _chat(row[CHAT_FIELD], CHAT_FIELD)
             if chat_template is False:
                 raise _BadLine(f"field {CHAT_FIELD!r} is a chat but data.chat_template is false; "
                                "set data.chat_template to true or auto")
             example = _assistant_turns(messages, tokenizer, vocab_size, assistant_turns)
+        elif row.get("text") is not None and all(row.get(k) is None for k in (*SFT_FIELDS, CHAT_FIELD)):
+            raise _BadLine("field 'text' (a language-modelling row) has no prompt to train a response after: "
+                           "give 'prompt' with 'response' or 'completion', or a 'messages' chat")
         else:
             prompt, _ = _prompt(row, ("prompt_ids", "prompt"), tokenizer, vocab_size, chat_template)
-            response = _tokens(row, ("response_ids", "response"), "response", tokenizer, vocab_size, special=False,
-                               append_eos=True)
+            response = _tokens(row, ("response_ids", "response", "completion"), "response", tokenizer, vocab_size,
+                               special=False, append_eos=True)
             example = SFTExample(prompt, response)
         _check_len(example.prompt_ids, max_prompt_len, "prompt")
         _check_len(example.prompt_ids + example.response_ids, max_len, "prompt + response")
         return example
 
     return _collect(path, parse)
+
+
+# An SFT row's fields besides a chat: a pair as fastrlhf names it, or as TRL's prompt-completion datasets do
+SFT_FIELDS = ("prompt_ids", "prompt", "response_ids", "response", "completion")
+
+
+def _prompt_and_completion(row: dict, chat_template: bool | str) -> list[dict]:
+    """TRL's conversational prompt-completion row as one chat: the ``prompt`` turns (text: one user message), then
+    the ``completion`` turns, which hold the trained assistant turn(s)."""
+    if chat_template is False:
+        raise _BadLine("field 'completion' is a chat but data.chat_template is false; set data.chat_template to true "
+                       "or auto")
+    prompt = row.get("prompt")
+    if prompt is None:
+        raise _BadLine("field 'completion' is a chat without its 'prompt' (a chat, or text as one user message)")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    elif not _is_chat(prompt):
+        raise _BadLine(f"field 'prompt' must be a chat or text beside a 'completion' chat, got {_short(prompt)}")
+    return _chat(prompt, "prompt") + _chat(row["completion"], "completion")
 
 
 def _scored_chat(messages: list[dict], tokenizer: LazyTokenizer, vocab_size: int | None, field_name: str) -> list[int]:
@@ -292,22 +324,33 @@ def _scored_chat(messages: list[dict], tokenizer: LazyTokenizer, vocab_size: int
 
 
 def _pair_of_chats(row: dict, tokenizer: LazyTokenizer, vocab_size: int | None) -> PairExample:
-    """A pair in TRL's conversational form: ``chosen`` and ``rejected`` chats, each a whole conversation or the
-    reply to a ``prompt`` (a chat, or text as one user message). The pair's prompt is the tokens both share."""
+    """A pair in TRL's conversational form: ``chosen`` and ``rejected`` chats, each a whole conversation (which may
+    start with a ``prompt`` given beside it) or the reply to a ``prompt`` (a chat, or text as one user message). The
+    pair's prompt is the tokens both share."""
     prompt = row.get("prompt")
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     prompt = _chat(prompt, "prompt") if prompt is not None else []
-    sides = []
+    chats = {}
     for name in ("chosen", "rejected"):
         if not _is_chat(row.get(name)):
             raise _BadLine(f"field {name!r} must be a chat like the other side's, got {_short(row.get(name))}")
-        sides.append(_scored_chat(prompt + _chat(row[name], name), tokenizer, vocab_size, name))
+        chats[name] = _chat(row[name], name)
+    # A whole conversation that already opens with the prompt (HuggingFaceH4/ultrafeedback_binarized: a text prompt
+    # beside [user, assistant] chats) is not prefixed with it again: the reward model would score the prompt twice
+    sides = [_scored_chat(chat if _starts_with(chat, prompt) else prompt + chat, tokenizer, vocab_size, name)
+             for name, chat in chats.items()]
     chosen, rejected = sides
     shared = 0
     while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
         shared += 1
     return PairExample(chosen[:shared], chosen[shared:], rejected[shared:])
+
+
+def _starts_with(chat: list[dict], prompt: list[dict]) -> bool:
+    """Whether ``chat`` opens with the ``prompt`` messages (their roles and contents)."""
+    return len(chat) > len(prompt) and all((m["role"], m["content"]) == (p["role"], p["content"])
+                                           for m, p in zip(chat, prompt, strict=False))
 
 
 def _margin(row: dict) -> float:
@@ -320,14 +363,14 @@ def _margin(row: dict) -> float:
     return float(margin)
 
 
-def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = None,
-                           tokenizer_path: str | None = None) -> list[PairExample]:
+def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = None, tokenizer_path: str | None = None,
+                           *, chat_template_kwargs: dict | None = None) -> list[PairExample]:
     """Preference pairs: ``{"prompt", "chosen", "rejected"}`` (text, which gets EOS as a response does, or ``*_ids``
     token lists, as given; prompt optional), or TRL's conversational form: ``chosen`` and ``rejected`` chats (whole
     conversations, or replies to a ``prompt`` chat), through the tokenizer's chat template as :func:`_scored_chat`
     renders them. An optional ``margin`` (a number, as TRL's) goes into the loss: -logsigmoid(chosen - rejected -
-    margin)."""
-    tokenizer = LazyTokenizer(tokenizer_path)
+    margin). ``chat_template_kwargs``: the template's own variables, as in :func:`load_prompts`."""
+    tokenizer = LazyTokenizer(tokenizer_path, template_kwargs=chat_template_kwargs)
 
     def parse(row: dict, where: str) -> PairExample:
         if _is_chat(row.get("chosen")) or _is_chat(row.get("rejected")):
@@ -350,10 +393,12 @@ def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = Non
 
 
 def load_classification_examples(path: str, max_len: int, num_labels: int, vocab_size: int | None = None,
-                                 tokenizer_path: str | None = None) -> list[ClassificationExample]:
+                                 tokenizer_path: str | None = None, *,
+                                 chat_template_kwargs: dict | None = None) -> list[ClassificationExample]:
     """Labelled sequences: ``{"text"/"input_ids"/"messages", "label"}`` lines, label in [0, num_labels); a chat
-    through the tokenizer's chat template as :func:`_scored_chat` renders it."""
-    tokenizer = LazyTokenizer(tokenizer_path)
+    through the tokenizer's chat template as :func:`_scored_chat` renders it (``chat_template_kwargs`` as in
+    :func:`load_prompts`)."""
+    tokenizer = LazyTokenizer(tokenizer_path, template_kwargs=chat_template_kwargs)
 
     def parse(row: dict, where: str) -> ClassificationExample:
         chat = next((name for name in ("text", CHAT_FIELD) if _is_chat(row.get(name))), None)

@@ -66,7 +66,8 @@ class LazyTokenizer:
 
                     self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
                 except Exception as exc:  # noqa: BLE001 -- any loading failure means "no usable tokenizer"
-                    self._failure = type(exc).__name__
+                    # Its message too: it often names the fix (a package to install, the file that is broken)
+                    self._failure = f"{type(exc).__name__}: {_short_message(exc)}"
             if self._tokenizer is None:
                 raise _BadLine(f"text field given but {self.model_path} has no usable tokenizer "
                                f"({self._failure}); give token ids instead")
@@ -107,6 +108,12 @@ class LazyTokenizer:
         return self.get().eos_token_id
 
 
+def _short_message(exc: Exception, limit: int = 300) -> str:
+    """An exception's message on one line, cut to ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _plain(value):
     """numpy / arrow values (``datasets`` rows, Parquet) -> Python lists, dicts and scalars."""
     if value is None or isinstance(value, (str, bytes, bool, int, float)):
@@ -134,9 +141,12 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
         except Exception as exc:  # noqa: BLE001
             problem = f"{name}: not a datasets folder saved with save_to_disk ({type(exc).__name__}: {exc})"
             raise DataError([problem + _data_files_hint(path)]) from None
-        if hasattr(dataset, "keys") and not hasattr(dataset, "column_names"):  # DatasetDict
+        # A DatasetDict (what load_dataset(...).save_to_disk writes) is a dict of splits; it has column_names too,
+        # so only its type tells it from a Dataset (iterated, it gives the split names as rows)
+        if isinstance(dataset, dict):
             if "train" not in dataset:
-                raise DataError([f"{name}: a DatasetDict without a 'train' split (has {', '.join(dataset.keys())})"])
+                raise DataError([f"{name}: a DatasetDict without a 'train' split (has {', '.join(dataset.keys())}); "
+                                 f"give one split's folder, e.g. {os.path.join(path, next(iter(dataset), ''))}"])
             dataset = dataset["train"]
         for i, row in enumerate(dataset):
             yield f"{name}:row {i}", _plain(row)
@@ -409,6 +419,7 @@ def _tokens(row: dict, names: tuple[str, ...], what: str, tokenizer: LazyTokeniz
             return []
         raise _BadLine(f"missing field {' or '.join(repr(n) for n in names)}")
     if isinstance(value, str):
+        _check_text(value, repr(name))
         ids = tokenizer.encode(value, add_special_tokens=special) if value else []
         # Not a second EOS after text that ends with it (TRL's add_eos): the pair would train EOS -> EOS
         if append_eos and ids and tokenizer.eos_token_id is not None and ids[-1] != tokenizer.eos_token_id:
@@ -421,6 +432,17 @@ def _tokens(row: dict, names: tuple[str, ...], what: str, tokenizer: LazyTokeniz
         raise _BadLine(f"empty {what}")
     _check_vocab(ids, vocab_size, what)
     return ids
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_text(text: str, what: str) -> None:
+    """A bad line for text holding half of a UTF-16 surrogate pair (a JSON ``\\ud83d`` escape whose other half was
+    cut off, as scraped text has): no tokenizer reads it, and a fast one raises a TypeError naming no row."""
+    if (found := _SURROGATE.search(text)) is not None:
+        raise _BadLine(f"field {what} holds an unpaired surrogate \\u{ord(found.group()):04x} at character "
+                       f"{found.start()}, which is not text a tokenizer reads (half of an emoji cut off?)")
 
 
 def _short(value) -> str:

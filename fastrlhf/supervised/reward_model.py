@@ -33,17 +33,22 @@ def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 
 def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False) -> torch.Tensor:
-    """``[S, num_labels]`` fp32 logits of each sequence at its last token: the model's body runs and its score head
+    """``[S, num_labels]`` fp32 logits of each sequence at its last token: a decoder's body runs and its score head
     is applied to each sequence's last hidden state, as the RL step scores (``fastrlhf.rl.forward.
     reward_model_scores``). ``packed``: all sequences in one row (``fastrlhf.sequences.packing.PackedLayout``);
     otherwise right-padded. Not the model's own forward: transformers pools at the last id that is not the pad
     id, which skips a sequence's closing eos where the pad id is the eos (a config without a pad id), and the
-    head would learn a token the RL step never reads."""
+    head would learn a token the RL step never reads. An encoder's head pools the first token: its own forward."""
     from fastrlhf.rl.forward import attention_mask_for, check_segments, classifier_body_and_head
     from fastrlhf.sequences.packing import PackedLayout
 
     device = model_device(engine)
     model = base_model(unwrap(engine))
+    if getattr(model, "score", None) is None:
+        # An encoder's (BERT, RoBERTa, DeBERTa) head pools the first token, most through a pooler of its own: its
+        # own forward on right-padded rows, never packed, as the RL step reads it (reward_model_scores)
+        input_ids, attention_mask = to_device(pad_batch(sequences, pad_id), device)
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
     body, head = classifier_body_and_head(model)
     if not packed:
         input_ids, attention_mask = to_device(pad_batch(sequences, pad_id), device)
@@ -112,11 +117,12 @@ def build_job(config: RMConfig, model, examples: list) -> SupervisedJob:
 
 
 def load_examples(config: RMConfig) -> list:
-    vocab = vocab_size(config.model.path)
+    vocab, kwargs = vocab_size(config.model.path), config.data.chat_template_kwargs
     if config.kind == "pairwise":
-        return load_pairwise_examples(config.data.path, config.data.max_len, vocab, config.model.path)
+        return load_pairwise_examples(config.data.path, config.data.max_len, vocab, config.model.path,
+                                      chat_template_kwargs=kwargs)
     return load_classification_examples(config.data.path, config.data.max_len, config.resolved_num_labels, vocab,
-                                        config.model.path)
+                                        config.model.path, chat_template_kwargs=kwargs)
 
 
 def run(config: RMConfig, resume: bool = False) -> dict:

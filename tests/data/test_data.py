@@ -103,7 +103,7 @@ def test_sft_pairs_and_classifier_validation(tmp_path):
                                                {"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6]}])
     with pytest.raises(DataError) as info:
         load_sft_examples(sft, max_len=5)
-    assert info.value.problems == ["sft.jsonl:2: missing field 'response_ids' or 'response'",
+    assert info.value.problems == ["sft.jsonl:2: missing field 'response_ids' or 'response' or 'completion'",
                                    "sft.jsonl:3: prompt + response of 6 tokens is longer than the limit of 5"]
 
     pairs = write_lines(tmp_path / "pairs.jsonl", [{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]},
