@@ -319,6 +319,7 @@ class SFTDataConfig:
     # Tools ('module:function', as rollout.tools) whose schemas the chat template lists in each chat's prompt:
     # SFT on tool-using demonstrations sees the prompt the RL run's episodes start from
     tools: list[str] = field(default_factory=list)
+    overlong: Literal["error", "skip"] = "error"  # examples over max_len / max_prompt_len: bad lines, or left out
 
 
 @dataclass(frozen=True)
@@ -346,6 +347,7 @@ class RMDataConfig:
     # As data.chat_template_kwargs of `fastrlhf train`: a reward model scores the prompts as the RL run renders them
     # (Qwen3's enable_thinking: false puts an empty think block before every completion)
     chat_template_kwargs: dict = field(default_factory=dict)
+    overlong: Literal["error", "skip"] = "error"  # pairs or rows over max_len: bad lines, or left out (counted)
 
 
 @dataclass(frozen=True)

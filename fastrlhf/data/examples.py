@@ -245,7 +245,8 @@ def _not_a_prefix(context: list[int], ids: list[int], tokenizer: LazyTokenizer, 
 def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None,
                       vocab_size: int | None = None, tokenizer_path: str | None = None, *,
                       chat_template: bool | str = "auto", tools: list[dict] | None = None,
-                      assistant_turns: str = "last", chat_template_kwargs: dict | None = None) -> list[SFTExample]:
+                      assistant_turns: str = "last", chat_template_kwargs: dict | None = None,
+                      overlong: str = "error") -> list[SFTExample]:
     """SFT pairs: ``{"prompt_ids"/"prompt", "response_ids"/"response"}`` rows (TRL's ``completion`` for the
     response: text, ids, or the assistant turn(s) after a ``prompt`` chat) or ``{"messages": [..., {"role":
     "assistant", "content": ...}]}`` rows.
@@ -255,12 +256,14 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
     response). ``assistant_turns: all`` (``data.assistant_turns``) trains every assistant turn after the
     first message the same way, each in the context of the turns before it; the turns between them are read,
     not trained (the example's ``response_mask``). ``chat_template``, ``tools`` and ``chat_template_kwargs`` as in
-    :func:`load_prompts`.
+    :func:`load_prompts`. ``overlong`` (``data.overlong``): an example over ``max_len`` or ``max_prompt_len`` is a
+    bad line (``error``) or left out (``skip``, counted; as TRL's reward trainer filters its pairs).
     """
     _check_choices(chat_template)
     if assistant_turns not in ASSISTANT_TURNS_CHOICES:
         raise ValueError(f"assistant_turns must be one of {', '.join(ASSISTANT_TURNS_CHOICES)}, "
                          f"got {assistant_turns!r}")
+    skip = _overlong_skips(overlong)
     tokenizer = LazyTokenizer(tokenizer_path, tools, chat_template_kwargs)
 
     def parse(row: dict, where: str) -> SFTExample:
@@ -284,11 +287,19 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
             response = _tokens(row, ("response_ids", "response", "completion"), "response", tokenizer, vocab_size,
                                special=False, append_eos=True)
             example = SFTExample(prompt, response)
-        _check_len(example.prompt_ids, max_prompt_len, "prompt")
-        _check_len(example.prompt_ids + example.response_ids, max_len, "prompt + response")
+        _check_len(example.prompt_ids, max_prompt_len, "prompt", skip)
+        _check_len(example.prompt_ids + example.response_ids, max_len, "prompt + response", skip)
         return example
 
-    return _collect(path, parse)
+    return _collect(path, parse, skipped_as=f"longer than data.max_len ({max_len} tokens)" + (
+        f" or with a prompt over data.max_prompt_len ({max_prompt_len})" if max_prompt_len is not None else ""))
+
+
+def _overlong_skips(overlong: str) -> bool:
+    """``data.overlong`` of SFT and RM data: whether an overlong example is left out (``skip``) or a bad line."""
+    if overlong not in ("error", "skip"):
+        raise ValueError(f"overlong must be error or skip, got {overlong!r}")
+    return overlong == "skip"
 
 
 # An SFT row's fields besides a chat: a pair as fastrlhf names it, or as TRL's prompt-completion datasets do
@@ -364,12 +375,14 @@ def _margin(row: dict) -> float:
 
 
 def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = None, tokenizer_path: str | None = None,
-                           *, chat_template_kwargs: dict | None = None) -> list[PairExample]:
+                           *, chat_template_kwargs: dict | None = None, overlong: str = "error") -> list[PairExample]:
     """Preference pairs: ``{"prompt", "chosen", "rejected"}`` (text, which gets EOS as a response does, or ``*_ids``
     token lists, as given; prompt optional), or TRL's conversational form: ``chosen`` and ``rejected`` chats (whole
     conversations, or replies to a ``prompt`` chat), through the tokenizer's chat template as :func:`_scored_chat`
     renders them. An optional ``margin`` (a number, as TRL's) goes into the loss: -logsigmoid(chosen - rejected -
-    margin). ``chat_template_kwargs``: the template's own variables, as in :func:`load_prompts`."""
+    margin). ``chat_template_kwargs``: the template's own variables, as in :func:`load_prompts`; ``overlong`` as in
+    :func:`load_sft_examples`."""
+    skip = _overlong_skips(overlong)
     tokenizer = LazyTokenizer(tokenizer_path, template_kwargs=chat_template_kwargs)
 
     def parse(row: dict, where: str) -> PairExample:
@@ -385,19 +398,21 @@ def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = Non
                              append_eos=True)
             rejected = _tokens(row, ("rejected_ids", "rejected"), "rejected", tokenizer, vocab_size,
                                special=not prompt, append_eos=True)
-        _check_len(prompt + chosen, max_len, "prompt + chosen")
-        _check_len(prompt + rejected, max_len, "prompt + rejected")
+        _check_len(prompt + chosen, max_len, "prompt + chosen", skip)
+        _check_len(prompt + rejected, max_len, "prompt + rejected", skip)
         return PairExample(prompt, chosen, rejected, _margin(row))
 
-    return _collect(path, parse)
+    return _collect(path, parse, skipped_as=f"longer than data.max_len ({max_len} tokens)")
 
 
 def load_classification_examples(path: str, max_len: int, num_labels: int, vocab_size: int | None = None,
                                  tokenizer_path: str | None = None, *,
-                                 chat_template_kwargs: dict | None = None) -> list[ClassificationExample]:
+                                 chat_template_kwargs: dict | None = None,
+                                 overlong: str = "error") -> list[ClassificationExample]:
     """Labelled sequences: ``{"text"/"input_ids"/"messages", "label"}`` lines, label in [0, num_labels); a chat
     through the tokenizer's chat template as :func:`_scored_chat` renders it (``chat_template_kwargs`` as in
-    :func:`load_prompts`)."""
+    :func:`load_prompts`, ``overlong`` as in :func:`load_sft_examples`)."""
+    skip = _overlong_skips(overlong)
     tokenizer = LazyTokenizer(tokenizer_path, template_kwargs=chat_template_kwargs)
 
     def parse(row: dict, where: str) -> ClassificationExample:
@@ -406,15 +421,15 @@ def load_classification_examples(path: str, max_len: int, num_labels: int, vocab
             ids = _scored_chat(_chat(row[chat], chat), tokenizer, vocab_size, chat)
         else:
             ids = _tokens(row, ("input_ids", "text"), "text", tokenizer, vocab_size, special=True)
-        _check_len(ids, max_len, "text")
         if "label" not in row:
             raise _BadLine("missing field 'label'")
         label = row["label"]
         if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_labels:
             raise _BadLine(f"label must be an integer in [0, {num_labels}), got {_short(label)}")
+        _check_len(ids, max_len, "text", skip)
         return ClassificationExample(ids, label)
 
-    return _collect(path, parse)
+    return _collect(path, parse, skipped_as=f"longer than data.max_len ({max_len} tokens)")
 
 
 def check_columns(examples: list[PromptExample], required: dict[str, list[str]]) -> None:

@@ -450,8 +450,11 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_len(ids: list[int], limit: int | None, what: str):
+def _check_len(ids: list[int], limit: int | None, what: str, skip: bool = False):
+    """A bad line where ``ids`` pass ``limit``; with ``skip`` (``data.overlong: skip``) the row is left out."""
     if limit is not None and len(ids) > limit:
+        if skip:
+            raise _Skip
         raise _BadLine(f"{what} of {len(ids)} tokens is longer than the limit of {limit}")
 
 

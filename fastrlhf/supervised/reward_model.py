@@ -117,12 +117,12 @@ def build_job(config: RMConfig, model, examples: list) -> SupervisedJob:
 
 
 def load_examples(config: RMConfig) -> list:
-    vocab, kwargs = vocab_size(config.model.path), config.data.chat_template_kwargs
+    d, vocab = config.data, vocab_size(config.model.path)
+    kwargs = dict(chat_template_kwargs=d.chat_template_kwargs, overlong=d.overlong)
     if config.kind == "pairwise":
-        return load_pairwise_examples(config.data.path, config.data.max_len, vocab, config.model.path,
-                                      chat_template_kwargs=kwargs)
-    return load_classification_examples(config.data.path, config.data.max_len, config.resolved_num_labels, vocab,
-                                        config.model.path, chat_template_kwargs=kwargs)
+        return load_pairwise_examples(d.path, d.max_len, vocab, config.model.path, **kwargs)
+    return load_classification_examples(d.path, d.max_len, config.resolved_num_labels, vocab, config.model.path,
+                                        **kwargs)
 
 
 def run(config: RMConfig, resume: bool = False) -> dict:

@@ -150,7 +150,8 @@ def load_examples(config: SFTConfig) -> list:
         raise ConfigError("", str(exc)) from None
     return load_sft_examples(d.path, d.max_len, d.max_prompt_len, vocab_size=vocab_size(config.model.path),
                              tokenizer_path=config.model.path, chat_template=d.chat_template, tools=tools,
-                             assistant_turns=d.assistant_turns, chat_template_kwargs=d.chat_template_kwargs)
+                             assistant_turns=d.assistant_turns, chat_template_kwargs=d.chat_template_kwargs,
+                             overlong=d.overlong)
 
 
 def run(config: SFTConfig, resume: bool = False) -> dict:

@@ -242,3 +242,53 @@ def test_fastrlhf_rm_scores_an_encoder_as_its_own_forward_does(name):
         expected = torch.cat([model(input_ids=torch.tensor([s])).logits for s in sequences])
         got = scores(model, sequences, pad_id=0)
     torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-4)
+
+
+def test_overlong_sft_and_rm_examples_are_bad_lines_or_left_out_and_counted(tmp_path, capsys):
+    """Hub sets hold a few rows over any max_len: a bad line each stopped the run (``data.overlong: error``, the
+    default, still does); ``skip`` leaves them out and says how many, as TRL's reward trainer filters its pairs."""
+    from fastrlhf.data import load_classification_examples
+    from fastrlhf.supervised.reward_model import load_examples as rm_examples
+
+    sft = write_rows(
+        tmp_path / "s.jsonl",
+        [
+            {"prompt_ids": [1, 2], "response_ids": [3]},
+            {"prompt_ids": [1, 2], "response_ids": [3, 4, 5, 6]},
+            {"prompt_ids": [1, 2, 3, 4], "response_ids": [5]},
+        ],
+    )
+    with pytest.raises(DataError) as e:
+        load_sft_examples(sft, 4, max_prompt_len=3)
+    assert e.value.problems == [
+        "s.jsonl:2: prompt + response of 6 tokens is longer than the limit of 4",
+        "s.jsonl:3: prompt of 4 tokens is longer than the limit of 3",
+    ]
+    assert len(load_sft_examples(sft, 4, max_prompt_len=3, overlong="skip")) == 1
+    assert "skipped 2 of 3 rows" in capsys.readouterr().err
+    pairs = write_rows(
+        tmp_path / "p.jsonl",
+        [{"chosen_ids": [1, 2], "rejected_ids": [3]}, {"chosen_ids": [1], "rejected_ids": [3, 4, 5]}],
+    )
+    labelled = write_rows(
+        tmp_path / "c.jsonl",
+        [{"input_ids": [1, 2], "label": 0}, {"input_ids": [1, 2, 3], "label": 1}, {"input_ids": [1, 2, 3], "label": 7}],
+    )  # a bad label stays a bad line
+    assert len(load_pairwise_examples(pairs, 2, overlong="skip")) == 1
+    with pytest.raises(DataError, match="c.jsonl:3: label must be an integer in"):
+        load_classification_examples(labelled, 2, 2, overlong="skip")
+    with pytest.raises(ValueError, match="overlong must be error or skip, got 'truncate'"):
+        load_pairwise_examples(pairs, 2, overlong="truncate")
+    from fastrlhf.config import ConfigError, parse_config
+    from tests.helpers.model_folders import fake_model_folder
+
+    raw = {
+        "output_dir": str(tmp_path / "out"),
+        "model": {"path": fake_model_folder(tmp_path / "m")},
+        "data": {"path": pairs, "max_len": 2, "overlong": "skip"},
+        "trainer": {"max_steps": 1},
+    }
+    assert len(rm_examples(parse_config(raw, "rm"))) == 1
+    raw["data"]["overlong"] = "truncate"
+    with pytest.raises(ConfigError, match="data.overlong"):
+        parse_config(raw, "rm")
