@@ -4,6 +4,7 @@ stale engine); a scorer's host scores reach the batch's device; an encoder rewar
 import pytest
 import torch
 from helpers.other_device import OtherDevice
+from helpers.reward_classifiers import tiny_classifier
 from helpers.rl_case import (
     GRPO,
     PAD,
@@ -87,28 +88,13 @@ def test_a_stale_engine_stops_every_rank_with_one_line_not_a_traceback_each():
     assert raised.value.exit_code == 1
 
 
-def _classifier(name: str):
-    """A tiny one-label ``*ForSequenceClassification``: encoders (their head pools the first token) and a decoder."""
-    import transformers
-
-    torch.manual_seed(0)
-    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                 num_labels=1, max_position_embeddings=64, pad_token_id=0)
-    config, model = {"deberta-v2": ("DebertaV2Config", "DebertaV2ForSequenceClassification"),
-                     "bert": ("BertConfig", "BertForSequenceClassification"),
-                     "roberta": ("RobertaConfig", "RobertaForSequenceClassification"),
-                     "llama": ("LlamaConfig", "LlamaForSequenceClassification")}[name]
-    extra = {"llama": dict(num_key_value_heads=2), "deberta-v2": dict(pooler_hidden_size=32)}.get(name, {})
-    return getattr(transformers, model)(getattr(transformers, config)(**small, **extra)).eval()
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("name", ["deberta-v2", "bert", "roberta", "llama"])
 def test_a_reward_model_scores_each_sequence_as_its_own_forward_does(name, packed):
     """An encoder reward model (a DeBERTa-v3 one is a popular RLHF reward model, read re-tokenized) pools the first
     token through a pooler of its own. Its 'classifier' head applied to the last token's hidden state scored
     [-0.0107, 0.0876] where the model scores [0.0043, 0.0083] (DeBERTa-v2), and RoBERTa's head raised IndexError."""
-    model = _classifier(name)
+    model = tiny_classifier(name)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12]]  # left-padded to different widths
     completions = [[Completion([13, 14], [0.0] * 2, "stop")], [Completion([15, 16, 17], [0.0] * 3, "stop")],
                    [Completion([18], [0.0], "length")]]

@@ -217,26 +217,11 @@ def test_fastrlhf_rm_scores_an_encoder_as_its_own_forward_does(name):
     most through a pooler of its own) at its last token without the pooler, which the RL step no longer reads that
     way; a decoder's score head is read at the last token as before."""
     import torch
-    import transformers
 
     from fastrlhf.supervised.reward_model import scores
+    from tests.helpers.reward_classifiers import tiny_classifier
 
-    torch.manual_seed(0)
-    small = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=1,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    if name == "bert":
-        model = transformers.BertForSequenceClassification(transformers.BertConfig(**small))
-    else:
-        model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**small, num_key_value_heads=2))
-    model.eval()
+    model = tiny_classifier(name)
     sequences = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     with torch.no_grad():
         expected = torch.cat([model(input_ids=torch.tensor([s])).logits for s in sequences])
