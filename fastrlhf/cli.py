@@ -97,15 +97,16 @@ def _group_started() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def _failed_checks(line: str) -> int:
+def _failed_checks(line: str, gate: bool = True) -> int:
     """This rank's own check failed (``line``). Before the process group on several nodes, the other nodes
     may have passed theirs and wait at the start gate: tell them (``fastrlhf.distributed.multinode``).
-    Returns exit 2."""
+    Not with ``gate`` false (``--dry-run``): no rank goes to the gate then, and rank 0 would wait there for
+    the others until FASTRLHF_DIST_TIMEOUT. Returns exit 2."""
     from fastrlhf.distributed import multinode
 
     several = multinode.is_multi_node() and not _group_started()
     _say(line, local=several)
-    if several:
+    if several and gate:
         try:
             multinode.start_gate(failure=line)
         except multinode.NodeError as exc:
@@ -252,23 +253,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dry_run:
             _claim_output_dir(config.output_dir, args.resume, args.overwrite)
     except ConfigError as exc:
-        return _failed_checks(f"config error: {exc}")
+        return _failed_checks(f"config error: {exc}", gate=not args.dry_run)
     except KeyboardInterrupt:
         _say("interrupted (Ctrl-C) before the run started")
         return EXIT_INTERRUPTED
     if args.dry_run:
-        if (code := _dry_run_checks(args.command, config)) is not None:
-            return code
-        import yaml
-
-        from fastrlhf.config import config_to_dict
-
-        config, decided = _decide_auto(args.command, config)
-        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
-        for note in decided:
-            print(f"# {note}")
-        _print_cpu_fast_paths(args.command, config)
-        return 0
+        try:
+            return _dry_run(args.command, config)
+        except KeyboardInterrupt:  # reading a large data set or a tokenizer can take a while
+            _say("interrupted (Ctrl-C) before the run started")
+            return EXIT_INTERRUPTED
 
     from fastrlhf.data import DataError
     from fastrlhf.distributed.launch import discard_before_group
@@ -325,6 +319,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _dry_run(command: str, config) -> int:
+    """``--dry-run``: the checks, then the config with its ``auto`` settings decided, printed by rank 0 (under a
+    launcher every rank checks, with the launch's world size). Returns the exit code."""
+    if (code := _dry_run_checks(command, config)) is not None:
+        return code
+    if not _is_main_process():
+        return 0
+    import yaml
+
+    from fastrlhf.config import config_to_dict
+
+    config, decided = _decide_auto(command, config)
+    print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+    for note in decided:
+        print(f"# {note}")
+    _print_cpu_fast_paths(command, config)
+    return 0
+
+
 def _dry_run_checks(command: str, config) -> int | None:
     """``--dry-run``: the checks the run itself makes before a model loads, so that a dry run passes no config
     the run would refuse there: ``output_dir`` can be written (whether it is used is for the real run's flags
@@ -353,9 +366,9 @@ def _dry_run_checks(command: str, config) -> int | None:
 
                 load_examples(config)
     except ConfigError as exc:
-        return _failed_checks(f"config error: {exc}")
+        return _failed_checks(f"config error: {exc}", gate=False)
     except DataError as exc:
-        return _failed_checks(_data_error_lines(exc))
+        return _failed_checks(_data_error_lines(exc), gate=False)
     return None
 
 

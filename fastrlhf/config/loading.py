@@ -208,7 +208,8 @@ def _join(prefix: str, name: str) -> str:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``key.sub=value`` strings (values parsed as YAML scalars) to a raw config mapping."""
+    """Apply ``key.sub=value`` strings (values parsed as YAML; a mapping merges into the one it replaces) to a
+    raw config mapping."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError("--set", f"expected key=value, got {item!r}")
@@ -226,9 +227,19 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             elif not isinstance(child, dict):
                 raise ConfigError(".".join(parts[: i + 1]),
                                   f"is {child!r}, not a section, so --set {dotted} cannot apply")
+            else:  # a copy: a YAML alias (critic: *ref) shares the mapping with its anchor, which --set leaves as is
+                child = node[part] = dict(child)
             node = child
-        node[parts[-1]] = value
+        node[parts[-1]] = _merged(node.get(parts[-1]), value)
     return raw
+
+
+def _merged(old, new):
+    """``new`` set over ``old``: a mapping over a mapping sets only the keys it names, the others stay (as
+    Hydra's overrides merge): ``--set rollout={n: 8}`` must not reset the file's other rollout settings."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,6 +315,7 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu:
         # An empty `critic:` section means "all defaults", which is how a PPO config says "use a value head".
         if "critic" in raw and raw["critic"] is None:
             raw = {**raw, "critic": {}}
+    _check_command(raw, command)
     if "imports" in raw:  # before the config is built: what they register is looked up while checking it
         import_modules(raw["imports"], "imports")
     config = _build(cls, raw, "")
@@ -318,6 +330,22 @@ def parse_config(raw: dict, command: str = "train", base_dir: str = ".", on_gpu:
         for key, folder in folders.items():
             check_logit_terms(folder, config.trainer.packing, resolved.model.attention, key)
     return resolved
+
+
+# Top-level keys of one command's config only: a config given to another command (`fastrlhf train --config sft.yaml`)
+# is named as such, not reported as an unknown or a missing key.
+_COMMAND_KEYS = {"algorithm": "train", "reward": "train", "rollout": "train", "kind": "rm", "num_labels": "rm"}
+
+
+def _check_command(raw: dict, command: str) -> None:
+    for key, owner in _COMMAND_KEYS.items():
+        if key in raw and owner != command:
+            raise ConfigError(key, f"is a key of `fastrlhf {owner}` configs: run this config with `fastrlhf {owner}`, "
+                                   f"or remove {key} for `fastrlhf {command}`")
+    data = raw.get("data")
+    if command == "train" and "algorithm" not in raw and isinstance(data, dict) and "path" in data:
+        raise ConfigError("algorithm", "missing required key, and data.path is the data of `fastrlhf sft` or `fastrlhf "
+                                       "rm` (train reads data.prompts): run this config with one of those")
 
 
 def _check_liger_kernels(model, on_gpu: bool, folders: dict | None = None) -> None:

@@ -44,7 +44,9 @@ def check_model_folder(path: str | None, key: str, base: str) -> dict:
         local = f"models/{path.split('/')[1]}"
         raise ConfigError(key, f"{path} is not a local folder, and fastrlhf reads models from local folders only "
                                f"(no model hub): download it first with `hf download {path} --local-dir {local}` "
-                               f"(huggingface-cli download on huggingface_hub < 1.0), then set {key}: {local}")
+                               f"(huggingface-cli download on huggingface_hub < 1.0), then set {key}: {local}; "
+                               # a local folder not made yet (runs/tiny-chat), or a run started elsewhere
+                               f"no folder {os.path.abspath(folder)} exists either")
     if not os.path.exists(folder):
         raise ConfigError(key, f"path does not exist: {path}")
     if not os.path.isdir(folder):

@@ -27,12 +27,14 @@ def _config_json_only():
         checks._check_path, checks._check_model_folder = saved
 
 
-def load_plan_config(path: str, overrides: list[str] | None = None, device: str = "cuda"):
-    """The ``TrainConfig`` of a YAML file, validated except for the files a plan does not read."""
+def load_plan_config(path: str, overrides: list[str] | None = None, device: str = "cuda",
+                     imports: list[str] | None = None):
+    """The ``TrainConfig`` of a YAML file, validated except for the files a plan does not read; ``imports`` as
+    ``fastrlhf train --import`` (a policy loss or estimator the config names is checked against the registry)."""
     from fastrlhf.config import load_config
 
     with _config_json_only():
-        return load_config(path, "train", overrides, on_gpu=device == "cuda")
+        return load_config(path, "train", overrides, on_gpu=device == "cuda", imports=imports)
 
 
 PLAN_HELP = "whether an RL run fits in memory: per-GPU bytes by component, from the config and config.json"
@@ -47,6 +49,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="plan a GPU (default) or CPU run")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set deepspeed.zero_stage=3 (repeatable)")
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first, as `fastrlhf train --import` does (repeatable)")
 
 
 def main(args) -> int:
@@ -58,7 +62,7 @@ def main(args) -> int:
             budget = parse_bytes(args.gpu_memory, unit=GiB) if args.gpu_memory is not None else None
         except ValueError as exc:
             raise PlanError(f"--gpu-memory: {exc}") from None
-        config = load_plan_config(args.config, args.overrides, args.device)
+        config = load_plan_config(args.config, args.overrides, args.device, args.imports)
         plan = plan_memory(config, args.gpus, budget, args.device)
         print(plan.table())
         plan.check()

@@ -92,7 +92,7 @@ def test_the_chat_template_renders_messages_with_and_without_tools():
 HUB_LINE = ("config error: model.path: Qwen/Qwen2.5-0.5B-Instruct is not a local folder, and fastrlhf reads models "
             "from local folders only (no model hub): download it first with `hf download Qwen/Qwen2.5-0.5B-Instruct "
             "--local-dir models/Qwen2.5-0.5B-Instruct` (huggingface-cli download on huggingface_hub < 1.0), then set "
-            "model.path: models/Qwen2.5-0.5B-Instruct")
+            f"model.path: models/Qwen2.5-0.5B-Instruct; no folder {ROOT}/Qwen/Qwen2.5-0.5B-Instruct exists either")
 
 
 def test_a_hub_id_is_refused_in_one_line_naming_the_download_command(tiny_chat, tmp_path):
