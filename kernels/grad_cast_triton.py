@@ -2,7 +2,7 @@
 accumulator), scaled by ``grad_output`` and written in the weight's bf16/fp16, in one vectorized pass.
 
 torch's ``mul`` of an fp32 tensor into a bf16 ``out`` takes its casting elementwise kernel: on an H100 that pass
-took 2.45 ms for the 7B head's sum (3.27 GB moved, about half the copy rate; 2026-11-28 profile in
+took 2.45 ms for the 7B head's sum (3.27 GB moved, about half the copy rate; the profile in
 ``benchmarks/results/history/2026-11-28-h100-session.md``). This kernel reads each fp32 value once, multiplies it by
 the one ``grad_output`` value it loads from the device (no host read) and stores the product rounded once, as
 torch's ``mul`` does: on a GPU the two agree bit for bit (TRITON_INTERPRET's bf16 conversion truncates, so under

@@ -53,7 +53,7 @@ def fp32_grad_accumulation(ds) -> bool:
 
     The bf16 default rounds every micro-batch's sum to bf16, and the step then flattens that bf16 partition
     and casts it to fp32, both copies at once: for 1.5B parameters on one GPU 8.6 GiB, the run's peak
-    (measured on an H100, 2026-11-27). In fp32, DeepSpeed adds each micro-batch's reduced gradient into one
+    (measured on an H100). In fp32, DeepSpeed adds each micro-batch's reduced gradient into one
     fp32 partition, which the step uses as it is and frees. ZeRO-1 is left as it is: DeepSpeed would swap in
     its ``BF16_Optimizer``, with a full-model fp32 gradient buffer that is never freed and a bf16 reduction of
     the sum. The engine config and the memory plan both ask here."""

