@@ -302,8 +302,8 @@ def _token_rewards(exp, cfg, scores: torch.Tensor) -> torch.Tensor:
     mask = exp.response_mask
     if cfg.kl_in_reward and cfg.kl_coef != 0.0:
         return shape_rewards(scores, exp.old_logprobs, exp.ref_logprobs, mask, cfg.kl_coef, cfg.kl_kind)
-    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    return shape_rewards(scores, zeros, zeros, mask, 0.0, "k1")
+    zeros = torch.zeros(mask.shape, dtype=torch.promote_types(scores.dtype, torch.float32), device=mask.device)
+    return shape_rewards(scores, zeros, zeros, mask, 0.0, "k1")  # rewards in the scores' precision, fp32 at least
 
 
 @register_adv_est("gae", EstimatorTraits(needs_values=True, gives_returns=True, takes_kl_in_reward=True))

@@ -160,6 +160,8 @@ def value_loss(
     """Clipped value loss ``0.5 * agg(max((v-R)^2, (old + clamp(v-old, -clip, clip) - R)^2))``; None: unclipped.
     ``weights``: precomputed aggregation weights instead of ``agg`` (:func:`loss_weights`)."""
     check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
+    # Zeros at masked positions first: a NaN or inf there would make the values' gradient NaN (0 * NaN).
+    values, old_values, returns = (_zero_masked(t, mask) for t in (values, old_values, returns))
     clip = math.inf if clip is None else clip
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     unclipped_sq = (values - returns).square()
@@ -277,6 +279,9 @@ def gspo_policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=3e-4,
     """
     if logprobs.dim() != 2:
         raise ValueError(f"gspo needs [B, T] logprobs (whole sequences), got shape {tuple(logprobs.shape)}")
+    # In fp32 at least: GSPO's clips (1 +- 4e-4) are below bf16's step at 1 (1/128), so a bf16 ratio is 1 or far off.
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    logprobs, old_logprobs, advantages = logprobs.to(dtype), old_logprobs.to(dtype), advantages.to(dtype)
     seq_log_ratio = masked_mean(logprobs - old_logprobs, mask, dim=-1).detach()
     log_ratio = (logprobs - logprobs.detach() + seq_log_ratio[:, None]).clamp(max=LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -337,6 +342,11 @@ def actor_loss_per_token(
     is_clipped, kl)``, ``kl`` None without ``ref_logprobs``; aggregate ``loss_mat`` with
     :func:`aggregate_loss` (or its :func:`aggregation_weights`, as the fused kernels do).
     """
+    # Zeros at masked positions first, as the fused kernels do: a NaN or inf there (an estimator's 0/0 on padding)
+    # would turn a zero upstream gradient into NaN on its way back through the loss.
+    logprobs, old_logprobs, advantages = (_zero_masked(t, mask) for t in (logprobs, old_logprobs, advantages))
+    if ref_logprobs is not None:
+        ref_logprobs = _zero_masked(ref_logprobs, mask)
     loss_mat, is_clipped = get_policy_loss(policy_loss).fn(logprobs, old_logprobs, advantages, mask,
                                                            clip_low=clip_low, clip_high=clip_high,
                                                            dual_clip=dual_clip, **(policy_loss_args or {}))
@@ -348,6 +358,10 @@ def actor_loss_per_token(
     if entropy_coef != 0.0:
         loss_mat = loss_mat - entropy_coef * entropy
     return loss_mat, is_clipped, kl
+
+
+def _zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(_keep(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
