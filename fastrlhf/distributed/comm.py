@@ -11,7 +11,9 @@ DeepSpeed's own collectives (ZeRO's gradient reduce-scatter, parameter gathers) 
 on DeepSpeed's accelerator themselves and do not come through here.
 
 Host-side values (metrics, flags) cost one small copy each way on a GPU; they are reduced once per
-step, never inside a loop over micro-batches or chunks. Importing this module needs only torch.
+step, never inside a loop over micro-batches or chunks. The copy back (or the read of a device flag) waits for the
+device, so each is a named :func:`fastrlhf.engine.device.host_read`, as every deliberate read is. Importing this
+module needs only torch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fastrlhf.distributed.ranks import local_rank
+from fastrlhf.engine.device import host_read
 
 __all__ = [
     "agree_on_failure",
@@ -125,7 +128,8 @@ def reduce_floats(values: list[float], op: str = "sum") -> list[float]:
     """Python floats reduced over ranks in one float64 collective (one copy each way on a GPU)."""
     if not is_distributed() or not values:
         return [float(v) for v in values]
-    return all_reduce_(torch.tensor(values, dtype=torch.float64), op).tolist()
+    with host_read(f"floats reduced over the ranks ({op})"):  # on NCCL: reduced on the device, copied back
+        return all_reduce_(torch.tensor(values, dtype=torch.float64), op).tolist()
 
 
 def _flag(flag) -> torch.Tensor:
@@ -142,12 +146,14 @@ def all_ranks_flag(flag) -> torch.Tensor:
 
 def any_rank_true(flag) -> bool:
     """``flag`` (a bool, or a 0-dim tensor on any device) OR-ed over ranks; collective when distributed."""
-    return bool(all_reduce_(_flag(flag).clone(), "max").item())
+    with host_read("a flag OR-ed over the ranks"):
+        return bool(all_reduce_(_flag(flag).clone(), "max").item())
 
 
 def all_ranks_true(flag) -> bool:
     """``flag`` AND-ed over ranks, so every rank takes the same branch; collective when distributed."""
-    return bool(all_ranks_flag(flag).item())
+    with host_read("a flag AND-ed over the ranks"):
+        return bool(all_ranks_flag(flag).item())
 
 
 def gather_bytes(data: bytes) -> list[bytes]:
@@ -160,7 +166,8 @@ def gather_bytes(data: bytes) -> list[bytes]:
     size = to_collective_device(torch.tensor([len(data)], dtype=torch.int64))
     sizes = [to_collective_device(torch.zeros(1, dtype=torch.int64)) for _ in range(n)]
     dist.all_gather(sizes, size)
-    lengths = [int(s.item()) for s in sizes]
+    with host_read("the sizes of the ranks' gathered bytes"):
+        lengths = [int(v) for v in torch.cat(sizes).tolist()]
     width = max(max(lengths), 1)
     payload = torch.zeros(width, dtype=torch.uint8)
     if data:
@@ -168,7 +175,8 @@ def gather_bytes(data: bytes) -> list[bytes]:
     payload = to_collective_device(payload)
     parts = [to_collective_device(torch.zeros(width, dtype=torch.uint8)) for _ in range(n)]
     dist.all_gather(parts, payload)
-    return [p[:k].cpu().numpy().tobytes() for p, k in zip(parts, lengths, strict=True)]
+    with host_read("the ranks' gathered bytes"):
+        return [p[:k].cpu().numpy().tobytes() for p, k in zip(parts, lengths, strict=True)]
 
 
 def agreed(exc: BaseException) -> BaseException:

@@ -10,7 +10,8 @@ The protocol, shared by the RL step and the supervised (SFT, RM) loop::
     optimizer.step()             # GuardedAdamW (or TorchLearner) asks guard.should_skip(grads_finite), once:
                                  # ZeRO-3's further sub-group steps follow that decision until note_loss/carry
     guard.carried()              # the carried values, as floats
-    skipped = guard.end_step()   # closes the step: counted, reported in the metrics
+    skipped = guard.end_step()   # closes the step: counted, reported in the metrics (a step whose update stopped
+                                 # after some optimizer step moved weights is not skipped: :attr:`stopped_part_way`)
     guard.check_budget(step)     # the loop, after logging: raises TooManySkippedSteps after too many
 
 Every question is answered for all ranks together (one tiny collective), so ranks never take
@@ -84,6 +85,13 @@ class StepGuard:
         self.max_skipped_in_row = max_skipped_in_row
         self.skipped_total = 0
         self.skipped_in_row = 0
+        # Steps whose update a bad value stopped after an optimizer step had moved weights (PPO: the critic's, after
+        # the actor's whole update), counted apart: the weights changed, so the step is not a skipped one.
+        self.stopped_total = 0
+        self.stopped_in_row = 0
+        self.stopped_part_way = False  # the step end_step just closed was one of them
+        self.moved_steps = 0  # optimizer steps of the step end_step just closed that moved weights
+        self._moved = 0  # those of this training step so far (decided on every rank alike)
         self.update_skipped = False  # this step's update is (being) skipped, on every rank
         # This optimizer step is decided: ZeRO-3 steps its sub-groups (sub_group_size, 1e9 parameters)
         # one optimizer.step() each, and the first one decides for all (see GuardedAdamW.step).
@@ -162,6 +170,7 @@ class StepGuard:
         skip = not ok or self.update_skipped
         self.update_skipped, self.decided = skip, True
         self.step_empty = not skip and empty_everywhere
+        self._moved += not (skip or self.step_empty)
         return skip or self.step_empty
 
     def settle(self, grads_finite=True) -> None:
@@ -187,14 +196,22 @@ class StepGuard:
         return [bool(v) for v in values[:len(flags)]], {k: read[k] if k in read else float(v) for k, v in carry.items()}
 
     def end_step(self) -> bool:
-        """Close a training step; returns True if its update was skipped."""
+        """Close a training step; returns True if its update was skipped: no weight moved. One that a bad value
+        stopped after an optimizer step had moved weights returns False and sets :attr:`stopped_part_way`."""
         self.settle()
-        skipped, self.update_skipped, self.decided, self.step_empty = self.update_skipped, False, False, False
+        bad, self.moved_steps = self.update_skipped, self._moved
+        self.update_skipped, self.decided, self.step_empty, self._moved = False, False, False, 0
+        skipped, self.stopped_part_way = bad and not self.moved_steps, bad and self.moved_steps > 0
         if skipped:
             self.skipped_total += 1
             self.skipped_in_row += 1
         else:
             self.skipped_in_row = 0
+        if self.stopped_part_way:
+            self.stopped_total += 1
+            self.stopped_in_row += 1
+        elif not skipped:
+            self.stopped_in_row = 0
         return skipped
 
     def check_budget(self, step: int, reason: str = "non-finite loss or gradient") -> None:
@@ -204,13 +221,24 @@ class StepGuard:
                 f"stopping at step {step}: {self.skipped_in_row} steps in a row had a {reason} "
                 f"(trainer.max_skipped_steps = {self.max_skipped_in_row}); lower trainer.lr or check the data"
             )
+        if self.stopped_in_row >= self.max_skipped_in_row:
+            raise TooManySkippedSteps(
+                f"stopping at step {step}: {self.stopped_in_row} steps in a row had a {reason} part-way through "
+                f"their update (trainer.max_skipped_steps = {self.max_skipped_in_row}); lower trainer.lr (critic.lr "
+                "where the critic's update stops) or check the data"
+            )
 
     def state_dict(self) -> dict:
-        return {"skipped_total": self.skipped_total, "skipped_in_row": self.skipped_in_row}
+        state = {"skipped_total": self.skipped_total, "skipped_in_row": self.skipped_in_row}
+        if self.stopped_total:  # a run without such a step keeps the checkpoint's earlier form
+            state.update(stopped_total=self.stopped_total, stopped_in_row=self.stopped_in_row)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_total = state["skipped_total"]
         self.skipped_in_row = state["skipped_in_row"]
+        self.stopped_total = state.get("stopped_total", 0)
+        self.stopped_in_row = state.get("stopped_in_row", 0)
 
 
 def grads_finite(params) -> torch.Tensor | bool:

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 
 from fastrlhf import distributed as D
-from fastrlhf.engine.checkpoint import load_latest, run_identity, save_checkpoint
+from fastrlhf.engine.checkpoint import load_latest, run_identity, save_checkpoint, write_text_atomic
 from fastrlhf.engine.guards import StepFailed, TooManySkippedSteps
 from fastrlhf.engine.step_profile import profile_step
 
@@ -28,10 +28,9 @@ def write_run_config(config) -> None:
     from fastrlhf.config import config_to_dict
 
     os.makedirs(config.output_dir, exist_ok=True)
-    path = os.path.join(config.output_dir, "config.yaml")
-    with open(f"{path}.tmp", "w") as f:
-        yaml.safe_dump(config_to_dict(config), f, sort_keys=False)
-    os.replace(f"{path}.tmp", path)
+    # fsynced before the rename: a power cut must not leave the run's config.yaml empty
+    write_text_atomic(os.path.join(config.output_dir, "config.yaml"), yaml.safe_dump(config_to_dict(config),
+                                                                                     sort_keys=False))
 
 
 def resume_step(output_dir: str, stateful: dict, resume: bool, config=None) -> int:
@@ -92,11 +91,18 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
             with profile_step(config, step, D.rank()):
                 metrics = step_fn(step)
             stop = bool(metrics.pop("stop", False))
-            if step % t.log_every == 0 or step == t.max_steps or stop or metrics["skipped"]:
+            stopped = getattr(guard, "stopped_part_way", False)
+            if stopped:  # not a skipped step: weights moved (and reached the rollout engine)
+                metrics["update_stopped"] = 1
+            if step % t.log_every == 0 or step == t.max_steps or stop or metrics["skipped"] or stopped:
                 logger.log(step, metrics)
             if metrics["skipped"]:
                 logger.message(f"step {step}: {skip_reason}, update skipped "
                                f"({guard.skipped_in_row} in a row, {guard.skipped_total} in all)")
+            elif stopped:
+                logger.message(f"step {step}: {skip_reason} after {guard.moved_steps} optimizer steps had moved the "
+                               "weights: the update stopped there, its remaining optimizer steps skipped "
+                               f"({guard.stopped_in_row} in a row, {guard.stopped_total} in all)")
             guard.check_budget(step, skip_reason)
             if stop:
                 logger.message(f"step {step}: stopping early, the validation target is reached")

@@ -47,7 +47,26 @@ def completion_len(config) -> int:
 
 
 def seq_len(config) -> int:
-    return config.data.max_prompt_len + completion_len(config)
+    """The most tokens one sequence holds. The HF engine ends an episode at the model's positions
+    (``fastrlhf.rollout.hf_engine._within_positions``), where tool turns may run past them as written (the config
+    check lets them, for it alone): what it holds is counted. Every other context is checked within them."""
+    length = config.data.max_prompt_len + completion_len(config)
+    positions = model_positions(config.model.path) if config.rollout.engine == "hf" else None
+    return min(length, positions) if positions is not None else length
+
+
+def model_positions(folder: str) -> int | None:
+    """``max_position_embeddings`` of the model folder's config.json, as the HF engine takes it (an int of 2 or
+    more); None where it has none or the folder holds no readable config.json (then nothing is capped)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions >= 2 else None
 
 
 def engine_kind(config, shape: ModelShape, device: str) -> str:

@@ -150,7 +150,8 @@ def _reward_model(config, device):
 
     model = AutoModelForSequenceClassification.from_pretrained(
         r.model_path, dtype=torch_dtype(compute_dtype(config))).eval().requires_grad_(False).to(device)
-    use_attention(model, t.packing, backend=config.model.attention)
+    if getattr(model, "score", None) is not None:  # an encoder (a classifier head) runs its own forward, never packed
+        use_attention(model, t.packing, backend=config.model.attention)
     return model
 
 

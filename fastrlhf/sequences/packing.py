@@ -267,38 +267,45 @@ class PackedLayout:
         for b, g in enumerate(groups):
             members.setdefault(g, []).append(b)
         width = None if prompt_width is None else int(prompt_width) + T
-        positions, source, hidden, token, segments = [], [], [], [], []
+        # A loop over the pieces (each group's prompt, then its members' completions), never over tokens: each
+        # piece's tokens follow on from its first position and source, and are laid out below in a few tensor ops.
+        pieces, completions, segments = [], [], []  # pieces: (tokens, first position, first source)
         last = [0] * len(prompt_lens)
+        at = 0
         for rows in members.values():
             p = prompt_lens[rows[0]]
             if any(prompt_lens[b] != p for b in rows):
                 lengths = sorted({prompt_lens[b] for b in rows})
                 raise ValueError(f"sequences of one prompt group have prompts of {lengths} "
                                  "tokens: a shared prompt must be the same prompt")
-            start = len(positions)
-            positions += range(p)
-            if width is not None:
-                first = rows[0] * width + int(prompt_width) - p
-                source += range(first, first + p)
+            start = at
+            pieces.append((p, 0, 0 if width is None else rows[0] * width + int(prompt_width) - p))
             segments.append((start, start + p, start, start))
+            at += p
             for b in rows:
-                n, at = completion_lens[b], len(positions)
-                positions += range(p, p + n)
-                if width is not None:
-                    first = b * width + int(prompt_width)
-                    source += range(first, first + n)
-                hidden += [start + p - 1] + list(range(at, at + n - 1)) if n else []
-                token += range(b * T, b * T + n)
+                n = completion_lens[b]
+                pieces.append((n, p, 0 if width is None else b * width + int(prompt_width)))
                 last[b] = at + n - 1 if n else start + p - 1
                 if n:
+                    completions.append((at, n, b, start + p - 1))  # its first token is predicted by the prompt's last
                     segments.append((at, at + n, start, start + p))
+                at += n
 
-        def long(values):
-            return to_device(torch.tensor(values, dtype=torch.long), device)
+        def columns(records: list[tuple], fields: int) -> tuple[torch.Tensor, ...]:
+            return torch.tensor(records, dtype=torch.long).reshape(-1, fields).unbind(1)
 
-        return cls(prompt_lens=prompt_lens, completion_lens=completion_lens, response_width=T,
-                   position_ids=long(positions).view(1, -1), hidden_index=long(hidden), token_index=long(token),
-                   last_index=long(last), source_index=None if width is None else long(source), segments=segments)
+        tokens, first_position, first_source = columns(pieces, 3)
+        piece = torch.repeat_interleave(torch.arange(len(pieces)), tokens)
+        offset = torch.arange(at) - (tokens.cumsum(0) - tokens)[piece]
+        c_at, c_len, c_row, c_before = columns(completions, 4)
+        of = torch.repeat_interleave(torch.arange(len(completions)), c_len)  # each completion token's completion
+        t = torch.arange(int(c_len.sum())) - (c_len.cumsum(0) - c_len)[of]
+        hidden = torch.where(t == 0, c_before[of], c_at[of] + t - 1)
+        # Built on the host from the host lengths, then moved in one place (fastrlhf.engine.device).
+        return cls(prompt_lens=prompt_lens, completion_lens=completion_lens, response_width=T, segments=segments,
+                   **to_device(dict(position_ids=(first_position[piece] + offset).view(1, -1), hidden_index=hidden,
+                                    token_index=c_row[of] * T + t, last_index=torch.tensor(last, dtype=torch.long),
+                                    source_index=None if width is None else first_source[piece] + offset), device))
 
     def model_kwargs(self, shared_masks=None) -> dict:
         """What a forward pass of this row takes besides ``input_ids``: ``position_ids``, the row's
