@@ -74,12 +74,17 @@ def launched_world() -> int:
     return (_env_int("WORLD_SIZE") or 1) if "RANK" in os.environ else 1
 
 
+def local_size() -> int | None:
+    """The ranks on this node as the launcher says it (DeepSpeed: LOCAL_SIZE, torchrun: LOCAL_WORLD_SIZE), or None."""
+    return _env_int("LOCAL_SIZE", "LOCAL_WORLD_SIZE")
+
+
 def num_nodes() -> int:
     """The number of nodes of this launch (1 when the launcher does not say)."""
     nodes = _env_int("CROSS_SIZE", "GROUP_WORLD_SIZE")
     if nodes:
         return nodes
-    local = _env_int("LOCAL_SIZE", "LOCAL_WORLD_SIZE")
+    local = local_size()
     return max(launched_world() // local, 1) if local else 1
 
 

@@ -259,17 +259,19 @@ def plan_for_launch(config, world: int | None = None) -> MemoryPlan:
     """The plan of a run on this machine, for the trainer to call before any model loads.
 
     ``world``: the ranks (None: ``WORLD_SIZE``, else 1). On CUDA the budget is this rank's GPU's
-    total memory; on a CPU the host's ``MemAvailable`` over the ranks on this host
-    (``LOCAL_WORLD_SIZE``, else ``world``). Call ``.check()`` to fail with one line when it does not
-    fit; ``.gpu_memory_utilization`` and ``.kv_cache_bytes`` are what ``auto`` settings of vLLM take.
+    total memory; on a CPU the host's ``MemAvailable`` over the ranks on this host (``LOCAL_SIZE`` under
+    DeepSpeed's launcher, ``LOCAL_WORLD_SIZE`` under torchrun, else ``world``). Call ``.check()`` to fail with one
+    line when it does not fit; ``.gpu_memory_utilization`` and ``.kv_cache_bytes`` are what ``auto`` settings of
+    vLLM take.
     """
     from fastrlhf.config.precision import gpu_available
 
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
     if gpu_available():
         return plan_memory(config, world, None, "cuda")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return plan_memory(config, world, _host_budget(local), "cpu")
+    from fastrlhf.distributed.multinode import local_size
+
+    return plan_memory(config, world, _host_budget(local_size() or world), "cpu")
 
 
 def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: str = "cuda") -> MemoryPlan:

@@ -542,11 +542,12 @@ def test_plan_matches_a_grpo_run_with_vllm(tiny_run):
     assert 0.75 <= ratio <= 1.25
 
 
-def test_plan_for_launch_on_a_cpu_host(small, monkeypatch):
+@pytest.mark.parametrize("local", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])  # torchrun's, DeepSpeed's launcher's
+def test_plan_for_launch_on_a_cpu_host(small, monkeypatch, local):
     from fastrlhf.memory.plan import plan_for_launch
 
     monkeypatch.setenv("WORLD_SIZE", "8")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv(local, "4")
     plan = plan_for_launch(gpu_grpo(small, 2, engine="hf"))
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))

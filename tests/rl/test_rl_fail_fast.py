@@ -75,6 +75,9 @@ CASES = {
                        "(data.strict_columns is true)", ""),
     "eval_under_ranks": ({"eval": {"data": "one.jsonl"}}, "config error: eval.data: has 1 prompts, fewer than the 2 "
                          "ranks", ""),
+    # vLLM-CPU runs one engine per rank: a tensor-parallel engine failed only once the models had loaded.
+    "cpu_tensor_parallel": ({"rollout": {"engine": "vllm", "tensor_parallel_size": 2}},
+                            "config error: rollout.tensor_parallel_size: 2 needs CUDA", ""),
     "overlong": ({"data": {"prompts": "long.jsonl"}},
                  "data error: long.jsonl:1: prompt of 37 tokens is longer than the limit of 16", ""),
 }
