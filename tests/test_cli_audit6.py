@@ -3,7 +3,7 @@
 
 import pytest
 import yaml
-from helpers.model_folders import fake_model_folder
+from helpers.model_folders import fake_model_folder, fake_train_yaml
 
 from fastrlhf import cli
 from fastrlhf.config import load_config
@@ -11,20 +11,7 @@ from fastrlhf.config import load_config
 
 @pytest.fixture
 def train_yaml(tmp_path):
-    fake_model_folder(tmp_path / "model")  # checked, never loaded
-    (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [3, 4]}\n')
-    raw = {
-        "algorithm": "grpo",
-        "output_dir": str(tmp_path / "out"),
-        "model": {"path": str(tmp_path / "model")},
-        "reward": {"function": "length"},
-        "data": {"prompts": str(tmp_path / "prompts.jsonl")},
-        "rollout": {"engine": "hf", "n": 4, "temperature": 0.7, "max_new_tokens": 32},
-        "trainer": {"max_steps": 2, "prompts_per_step": 4, "minibatch_size": 8},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return str(path)
+    return fake_train_yaml(tmp_path, engine="hf", temperature=0.7, max_new_tokens=32)
 
 
 def test_a_mapping_set_on_a_section_keeps_the_files_other_keys(train_yaml):

@@ -218,10 +218,9 @@ def preflight(config) -> Prepared:
     from fastrlhf.rl.rewards import required_columns, resolve_reward_function, resolve_text_rewards
 
     check_world_size(config, D.world_size())
-    if config.rollout.tensor_parallel_size > 1 and not gpu_available():
-        raise ConfigError("rollout.tensor_parallel_size", f"{config.rollout.tensor_parallel_size} needs CUDA (vLLM's "
-                                                          "tensor parallelism); on a CPU each rank runs its own engine: "
-                                                          "set 1")
+    if (tp := config.rollout.tensor_parallel_size) > 1 and not gpu_available():
+        raise ConfigError("rollout.tensor_parallel_size", f"{tp} needs CUDA (vLLM's tensor parallelism); on a CPU "
+                                                          "each rank runs its own engine: set 1")
     if config.rollout.engine == "vllm" and (why := rollout_setup.vllm_cannot_run(config)):
         raise ConfigError("rollout.engine", f"vllm cannot run this model: {why}")
     plan = _memory_plan(config, D.world_size())

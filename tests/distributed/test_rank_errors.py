@@ -12,9 +12,8 @@ import sys
 import time
 
 import pytest
-import yaml
 from helpers.launch import start_group, wait_groups
-from helpers.model_folders import fake_model_folder
+from helpers.model_folders import fake_train_yaml
 from helpers.paths import ROOT
 
 from fastrlhf import cli
@@ -27,20 +26,7 @@ TIMEOUT_S = 60
 
 @pytest.fixture
 def train_yaml(tmp_path):
-    fake_model_folder(tmp_path / "model")  # checked, never loaded
-    (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [3, 4]}\n')
-    raw = {
-        "algorithm": "grpo",
-        "output_dir": str(tmp_path / "out"),
-        "model": {"path": str(tmp_path / "model")},
-        "reward": {"function": "length"},
-        "data": {"prompts": str(tmp_path / "prompts.jsonl")},
-        "rollout": {"n": 4},
-        "trainer": {"max_steps": 2, "prompts_per_step": 4, "minibatch_size": 8},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return str(path)
+    return fake_train_yaml(tmp_path)
 
 
 def run_two_ranks(tmp_path, config: str, failing: str, kind: str):

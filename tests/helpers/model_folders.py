@@ -22,3 +22,24 @@ def fake_classifier_folder(path, model_type: str = "llama", num_labels: int = 1)
     cls = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}[model_type]
     return fake_model_folder(path, {"model_type": model_type, "architectures": [cls],
                                     "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)}})
+
+
+def fake_train_yaml(tmp_path, **rollout) -> str:
+    """A GRPO run's config file under ``tmp_path`` whose model folder is checked, never loaded
+    (:func:`fake_model_folder`), with one prompt of token ids; ``rollout``: that section's keys (default ``n: 4``)."""
+    import yaml
+
+    fake_model_folder(tmp_path / "model")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [3, 4]}\n')
+    raw = {
+        "algorithm": "grpo",
+        "output_dir": str(tmp_path / "out"),
+        "model": {"path": str(tmp_path / "model")},
+        "reward": {"function": "length"},
+        "data": {"prompts": str(tmp_path / "prompts.jsonl")},
+        "rollout": {"n": 4, **rollout},
+        "trainer": {"max_steps": 2, "prompts_per_step": 4, "minibatch_size": 8},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
