@@ -57,6 +57,8 @@ def test_a_failed_dry_run_on_several_nodes_waits_at_no_start_gate(train_yaml, mo
 
     gate = []
     monkeypatch.setattr(multinode, "start_gate", lambda *a, **k: gate.append(k))
+    # Before the process group, as a launched rank is (an earlier in-process test may have left one up here)
+    monkeypatch.setattr(cli, "_group_started", lambda: False)
     for name, value in {
         "WORLD_SIZE": "2",
         "RANK": "0",
