@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fastrlhf.algorithms.masked import _keep, check_same_shape
+from fastrlhf.algorithms.masked import check_same_shape, zero_masked
 
 __all__ = [
     "K3_CLAMP", "LOG_RATIO_CLAMP", "KL_KINDS", "entropy_from_logits", "kl_penalty", "logprobs_from_logits"
@@ -75,7 +75,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
     diff = _upcast(logprobs) - _upcast(ref_logprobs)  # bf16 steps by 1/128 near 1: k3's exp(d) would be noise
     if mask is not None:
         check_same_shape(logprobs=logprobs, mask=mask)
-        diff = torch.where(_keep(mask), diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
+        diff = zero_masked(diff, mask)
     if kind == "k1":
         return diff
     if kind == "abs":

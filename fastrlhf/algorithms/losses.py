@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fastrlhf.algorithms.logprobs import LOG_RATIO_CLAMP, kl_penalty
-from fastrlhf.algorithms.masked import _keep, check_same_shape, masked_mean, masked_sum
+from fastrlhf.algorithms.masked import _keep, check_same_shape, masked_mean, masked_sum, zero_masked
 
 __all__ = [
     "AGG_MODES", "POLICY_LOSSES", "PolicyLoss", "actor_loss_per_token", "aggregate_loss",
@@ -161,7 +161,7 @@ def value_loss(
     ``weights``: precomputed aggregation weights instead of ``agg`` (:func:`loss_weights`)."""
     check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     # Zeros at masked positions first: a NaN or inf there would make the values' gradient NaN (0 * NaN).
-    values, old_values, returns = (_zero_masked(t, mask) for t in (values, old_values, returns))
+    values, old_values, returns = (zero_masked(t, mask) for t in (values, old_values, returns))
     clip = math.inf if clip is None else clip
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     unclipped_sq = (values - returns).square()
@@ -344,9 +344,9 @@ def actor_loss_per_token(
     """
     # Zeros at masked positions first, as the fused kernels do: a NaN or inf there (an estimator's 0/0 on padding)
     # would turn a zero upstream gradient into NaN on its way back through the loss.
-    logprobs, old_logprobs, advantages = (_zero_masked(t, mask) for t in (logprobs, old_logprobs, advantages))
+    logprobs, old_logprobs, advantages = (zero_masked(t, mask) for t in (logprobs, old_logprobs, advantages))
     if ref_logprobs is not None:
-        ref_logprobs = _zero_masked(ref_logprobs, mask)
+        ref_logprobs = zero_masked(ref_logprobs, mask)
     loss_mat, is_clipped = get_policy_loss(policy_loss).fn(logprobs, old_logprobs, advantages, mask,
                                                            clip_low=clip_low, clip_high=clip_high,
                                                            dual_clip=dual_clip, **(policy_loss_args or {}))
@@ -358,10 +358,6 @@ def actor_loss_per_token(
     if entropy_coef != 0.0:
         loss_mat = loss_mat - entropy_coef * entropy
     return loss_mat, is_clipped, kl
-
-
-def _zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(_keep(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "check_same_shape", "masked_mean", "masked_sum", "masked_var", "masked_whiten", "whiten_with_stats"
+    "check_same_shape", "masked_mean", "masked_sum", "masked_var", "masked_whiten", "whiten_with_stats", "zero_masked"
 ]
 
 
@@ -29,9 +29,15 @@ def _keep(mask: torch.Tensor) -> torch.Tensor:
     return mask > 0
 
 
+def zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with 0 at masked positions, whatever they held (NaN, inf): nothing there reaches a result or, through
+    ``torch.where``, a gradient."""
+    return torch.where(_keep(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     check_same_shape(x=x, mask=mask)
-    kept = torch.where(_keep(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    kept = zero_masked(x, mask)
     return kept.sum() if dim is None else kept.sum(dim)
 
 
@@ -50,7 +56,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     n = int(_keep(mask).sum())
     if n == 0 or (unbiased and n == 1):
         raise ValueError(f"masked_var needs at least {2 if unbiased else 1} unmasked elements, got {n}")
-    centered = torch.where(_keep(mask), x - masked_mean(x, mask), torch.zeros((), dtype=x.dtype, device=x.device))
+    centered = zero_masked(x - masked_mean(x, mask), mask)
     var = masked_mean(centered.square(), mask)
     return var * (n / (n - 1)) if unbiased else var
 
@@ -67,4 +73,4 @@ def whiten_with_stats(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor, v
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(_keep(mask), whitened, torch.zeros((), dtype=whitened.dtype, device=whitened.device))
+    return zero_masked(whitened, mask)

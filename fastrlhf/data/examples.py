@@ -124,9 +124,7 @@ def _prompt(row: dict, names: tuple[str, ...], tokenizer: LazyTokenizer, vocab_s
         raise _BadLine(f"missing field {' or '.join(repr(n) for n in fields)}")
     if name == CHAT_FIELD or _is_chat(value):
         messages = _chat(value, name)
-        if chat_template is False:
-            raise _BadLine(f"field {name!r} is a chat but data.chat_template is false; "
-                           "set data.chat_template to true or auto")
+        _check_template_on(chat_template, name)
         ids, given = tokenizer.chat_ids(messages, name), messages
     elif isinstance(value, str) and chat_template is True:
         _check_text(value, repr(name))
@@ -140,6 +138,13 @@ def _prompt(row: dict, names: tuple[str, ...], tokenizer: LazyTokenizer, vocab_s
         raise _BadLine("empty prompt")
     _check_vocab(ids, vocab_size, "prompt")
     return ids, given
+
+
+def _check_template_on(chat_template: bool | str, name: str) -> None:
+    """A bad line for a chat in field ``name`` where ``data.chat_template`` is false: nothing may render it."""
+    if chat_template is False:
+        raise _BadLine(f"field {name!r} is a chat but data.chat_template is false; set data.chat_template to true or "
+                       "auto")
 
 
 def _check_choices(chat_template, overlong=None):
@@ -275,9 +280,7 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
         # HuggingFaceH4/ultrachat_200k, whose rows repeat the chat's first user turn in a text ``prompt``
         elif row.get(CHAT_FIELD) is not None and no_response:
             messages = _chat(row[CHAT_FIELD], CHAT_FIELD)
-            if chat_template is False:
-                raise _BadLine(f"field {CHAT_FIELD!r} is a chat but data.chat_template is false; "
-                               "set data.chat_template to true or auto")
+            _check_template_on(chat_template, CHAT_FIELD)
             example = _assistant_turns(messages, tokenizer, vocab_size, assistant_turns)
         elif row.get("text") is not None and all(row.get(k) is None for k in (*SFT_FIELDS, CHAT_FIELD)):
             raise _BadLine("field 'text' (a language-modelling row) has no prompt to train a response after: "
@@ -309,9 +312,7 @@ SFT_FIELDS = ("prompt_ids", "prompt", "response_ids", "response", "completion")
 def _prompt_and_completion(row: dict, chat_template: bool | str) -> list[dict]:
     """TRL's conversational prompt-completion row as one chat: the ``prompt`` turns (text: one user message), then
     the ``completion`` turns, which hold the trained assistant turn(s)."""
-    if chat_template is False:
-        raise _BadLine("field 'completion' is a chat but data.chat_template is false; set data.chat_template to true "
-                       "or auto")
+    _check_template_on(chat_template, "completion")
     prompt = row.get("prompt")
     if prompt is None:
         raise _BadLine("field 'completion' is a chat without its 'prompt' (a chat, or text as one user message)")

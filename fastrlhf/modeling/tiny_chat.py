@@ -146,21 +146,19 @@ def save_chat_model(out_dir: str | os.PathLike, model, tokenizer) -> dict:
     """``save_pretrained`` model and tokenizer into ``out_dir`` (written beside it, then renamed into place,
     replacing a previous one); returns a summary.
 
-    The previous folder is renamed aside, not deleted, before the new one takes its name, and deleted only after:
-    a kill at any moment leaves a whole model in ``out_dir``, or (between the two renames) in ``out_dir.old``,
-    which the next call puts back first."""
+    Replaced as ``export_hf`` replaces ``final/`` (``fastrlhf.modeling.loading._replace_folder``): a kill at any
+    moment leaves a whole model in ``out_dir``, or (between its two renames) in ``out_dir.old``, which the next call
+    puts back first."""
+    from fastrlhf.modeling.loading import _replace_folder
+
     out_dir = os.fspath(out_dir).rstrip(os.sep)
     tmp, old = f"{out_dir}.tmp", f"{out_dir}.old"
     if os.path.isdir(old) and not os.path.exists(out_dir):
         os.rename(old, out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    if os.path.exists(out_dir):
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    _replace_folder(tmp, out_dir)
     return {"parameters": sum(p.numel() for p in model.parameters()),
             "embedding_parameters": model.get_input_embeddings().weight.numel(),
             "tokenizer_vocab": len(tokenizer), "model_vocab": model.config.vocab_size}

@@ -48,6 +48,7 @@ __all__ = [
     "check_segments",
     "micro_batches",
     "policy_loss_from_model",
+    "pools_its_own",
     "reward_model_scores",
     "right_padded",
     "sequence_logprobs",
@@ -391,6 +392,13 @@ def token_values(critic, exp: Experience, micro_batch: int | None = None, grad: 
     return out
 
 
+def pools_its_own(classifier) -> bool:
+    """Whether a ``*ForSequenceClassification`` reward model is an encoder's (BERT, RoBERTa, DeBERTa: a ``classifier``
+    head that pools the first token, most through a pooler of its own), scored by its own forward on right-padded
+    rows and never packed, rather than a decoder's, whose ``score`` head is read at the last token."""
+    return getattr(unwrap(classifier), "score", None) is None
+
+
 def classifier_body_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(decoder body, score head) of a ``*ForSequenceClassification`` reward model."""
     m = unwrap(model)
@@ -415,7 +423,7 @@ def reward_model_scores(reward_model, exp: Experience, kind: str = "classifier",
     if kind not in ("classifier", "value_head"):
         raise ValueError(f"reward model_kind must be 'classifier' or 'value_head', got {kind!r}")
     m = unwrap(reward_model)
-    pools_itself = kind == "classifier" and getattr(m, "score", None) is None
+    pools_itself = kind == "classifier" and pools_its_own(m)
     out = torch.zeros(exp.batch_size, dtype=torch.float32, device=exp.input_ids.device)
     with torch.no_grad():
         for rows, mb in micro_batches(exp, groups, micro_batch, packed and not pools_itself):

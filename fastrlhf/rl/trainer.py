@@ -150,7 +150,9 @@ def _reward_model(config, device):
 
     model = AutoModelForSequenceClassification.from_pretrained(
         r.model_path, dtype=torch_dtype(compute_dtype(config))).eval().requires_grad_(False).to(device)
-    if getattr(model, "score", None) is not None:  # an encoder (a classifier head) runs its own forward, never packed
+    from fastrlhf.rl.forward import pools_its_own
+
+    if not pools_its_own(model):  # an encoder runs its own forward, never packed
         use_attention(model, t.packing, backend=config.model.attention)
     return model
 

@@ -39,14 +39,12 @@ def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False
     otherwise right-padded. Not the model's own forward: transformers pools at the last id that is not the pad
     id, which skips a sequence's closing eos where the pad id is the eos (a config without a pad id), and the
     head would learn a token the RL step never reads. An encoder's head pools the first token: its own forward."""
-    from fastrlhf.rl.forward import attention_mask_for, check_segments, classifier_body_and_head
+    from fastrlhf.rl.forward import attention_mask_for, check_segments, classifier_body_and_head, pools_its_own
     from fastrlhf.sequences.packing import PackedLayout
 
     device = model_device(engine)
     model = base_model(unwrap(engine))
-    if getattr(model, "score", None) is None:
-        # An encoder's (BERT, RoBERTa, DeBERTa) head pools the first token, most through a pooler of its own: its
-        # own forward on right-padded rows, never packed, as the RL step reads it (reward_model_scores)
+    if pools_its_own(model):  # as the RL step reads it (reward_model_scores)
         input_ids, attention_mask = to_device(pad_batch(sequences, pad_id), device)
         return model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
     body, head = classifier_body_and_head(model)
