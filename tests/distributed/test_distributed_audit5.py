@@ -3,29 +3,17 @@
 import os
 
 import pytest
+from helpers.launch import clear_launch_env
 
 from fastrlhf import cli
 from fastrlhf.distributed import free_port
-
-LAUNCH = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "SLURM_STEP_NUM_TASKS",
-    "OMPI_COMM_WORLD_SIZE",
-    "PMI_SIZE",
-)
 
 
 def launched_without(monkeypatch, missing: str, rank: str = "1") -> None:
     """This process as rank ``rank`` of 2 of a launch that set every rendezvous variable but ``missing``."""
     import torch.distributed as dist
 
-    for name in LAUNCH:
-        monkeypatch.setenv(name, "")  # restored (or removed) after the test, whatever init_distributed sets
-        monkeypatch.delenv(name)
+    clear_launch_env(monkeypatch)
     env = {
         "RANK": rank,
         "WORLD_SIZE": "2",

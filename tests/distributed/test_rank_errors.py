@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from helpers.launch import start_group, wait_groups
+from helpers.launch import clear_launch_env, start_group, wait_groups
 from helpers.model_folders import fake_train_yaml
 from helpers.paths import ROOT
 
@@ -146,18 +146,7 @@ def test_processes_started_by_srun_or_mpirun_without_rank_do_not_each_run_the_jo
 
     from fastrlhf.distributed import launch, multinode
 
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_STEP_NUM_TASKS",
-        "OMPI_COMM_WORLD_SIZE",
-        "PMI_SIZE",
-    ):
-        monkeypatch.setenv(var, "")  # restored (or removed) after the test, whatever init_distributed sets
-        monkeypatch.delenv(var)
+    clear_launch_env(monkeypatch)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
 
     def joined(**kwargs):

@@ -12,6 +12,18 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# What the launchers set for a rank (torchrun/deepspeed, srun, mpirun): a test that plays a launch starts without them.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_NUM_TASKS",
+                    "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def clear_launch_env(monkeypatch) -> None:
+    """This process as one no launcher started; each variable restored (or removed) after the test, whatever
+    ``init_distributed`` sets meanwhile."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
 
 def run_group(argv, timeout: float, env=None, cwd=ROOT) -> tuple[int, str]:
     """``(exit code, stdout + stderr)`` of ``argv`` run in a new session (its own process group)."""

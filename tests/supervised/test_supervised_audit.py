@@ -124,16 +124,6 @@ def test_a_text_response_that_ends_with_eos_gets_no_second_one(tmp_path):
     assert chat.response_ids == plain.response_ids
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory):
-    from fastrlhf.modeling.tiny_chat import build_chat_tokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    tokenizer = build_chat_tokenizer()
-    tokenizer.save_pretrained(folder)
-    return str(folder), tokenizer
-
-
 def write_rows(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return str(path)

@@ -12,16 +12,6 @@ QUESTION = "what is two plus two"
 USER = {"role": "user", "content": QUESTION}
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory):
-    from fastrlhf.modeling.tiny_chat import build_chat_tokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    tokenizer = build_chat_tokenizer()
-    tokenizer.save_pretrained(folder)
-    return str(folder), tokenizer
-
-
 def write_rows(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
