@@ -6,7 +6,7 @@ import yaml
 from helpers.model_folders import fake_model_folder, fake_train_yaml
 
 from fastrlhf import cli
-from fastrlhf.config import load_config
+from fastrlhf.config import ConfigError, load_config
 
 
 @pytest.fixture
@@ -169,3 +169,27 @@ def test_set_on_a_yaml_alias_leaves_its_anchor_alone(tmp_path):
     )
     config = load_config(str(tmp_path / "ppo.yaml"), "train", [f"critic.path={tmp_path / 'rm'}"], on_gpu=False)
     assert (config.reference.path, config.critic.path) == (str(tmp_path / "sft"), str(tmp_path / "rm"))
+
+
+def test_set_reaches_a_lists_item_by_its_index(tmp_path):
+    """verl's and Hydra's users write ``reward.functions[0].weight=2``; it was an unknown key (a bracket in a name).
+    An item merges like a section; an index past the list, or into what is no list, is one line naming the key."""
+    raw = yaml.safe_load(open(fake_train_yaml(tmp_path, engine="hf")))
+    raw["reward"] = {"functions": [{"function": "length", "weight": 1.0}, {"function": "length", "weight": 0.5}]}
+    raw["rollout"]["stop"] = ["\n\n"]
+    path = tmp_path / "list.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load_config(str(path), "train", ["reward.functions[1].weight=2", "rollout.stop[0]=END"], on_gpu=False)
+    assert [(f.function, f.weight) for f in config.reward.functions] == [("length", 1.0), ("length", 2.0)]
+    assert config.rollout.stop == ["END"]
+    config = load_config(str(path), "train", ["reward.functions[0]={weight: 3}"], on_gpu=False)
+    assert [(f.function, f.weight) for f in config.reward.functions] == [("length", 3.0), ("length", 0.5)]
+    for override, message in [
+        ("reward.functions[2].weight=2", "reward.functions: has 2 items, so --set reward.functions[2].weight cannot"),
+        ("rollout.n[0]=1", "rollout.n: is 4, not a list, so --set rollout.n[0] cannot apply"),
+        ("reward.functions[x]=1", "--set: expected key=value (a list's item as key[0]), got 'reward.functions[x]=1'"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(str(path), "train", [override], on_gpu=False)
+        assert str(info.value).startswith(message), str(info.value)
+    assert raw["reward"]["functions"][1]["weight"] == 0.5  # the file's mapping is left as it was

@@ -208,30 +208,55 @@ def _join(prefix: str, name: str) -> str:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``key.sub=value`` strings (values parsed as YAML; a mapping merges into the one it replaces) to a
-    raw config mapping."""
+    """Apply ``key.sub=value`` strings (values parsed as YAML; a mapping merges into the one it replaces; a list's
+    item as ``key[i]``, e.g. ``reward.functions[0].weight=2``) to a raw config mapping."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError("--set", f"expected key=value, got {item!r}")
         dotted, text = item.split("=", 1)
         dotted = dotted.strip()
-        if not dotted or any(not part for part in dotted.split(".")):
-            raise ConfigError("--set", f"expected key=value, got {item!r}")
+        steps = _override_steps(dotted)
+        if not steps:
+            raise ConfigError("--set", f"expected key=value (a list's item as key[0]), got {item!r}")
         value = _yaml_load(text, f"--set {dotted}") if text.strip() else None
         node = raw
-        parts = dotted.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(".".join(parts[: i + 1]),
-                                  f"is {child!r}, not a section, so --set {dotted} cannot apply")
-            else:  # a copy: a YAML alias (critic: *ref) shares the mapping with its anchor, which --set leaves as is
-                child = node[part] = dict(child)
+        for i, step in enumerate(steps):
+            if isinstance(step, int) and step >= len(node):
+                raise ConfigError(_step_name(steps[:i]), f"has {len(node)} items, so --set {dotted} cannot apply")
+            if i == len(steps) - 1:
+                break
+            child = node[step] if isinstance(step, int) else node.get(step)
+            want = list if isinstance(steps[i + 1], int) else dict
+            if child is None and want is dict:
+                child = {}
+            elif not isinstance(child, want):
+                kind = "a list" if want is list else "a section"
+                raise ConfigError(_step_name(steps[: i + 1]), f"is {child!r}, not {kind}, so --set {dotted} cannot "
+                                                               "apply")
+            # a copy: a YAML alias (critic: *ref) shares the mapping with its anchor, which --set leaves as is
+            node[step] = child = want(child)
             node = child
-        node[parts[-1]] = _merged(node.get(parts[-1]), value)
+        old = node[step] if isinstance(step, int) else node.get(step)
+        node[step] = _merged(old, value)
     return raw
+
+
+_OVERRIDE_PART = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
+
+
+def _override_steps(dotted: str) -> list[str | int]:
+    """``a.b[0].c`` -> ``["a", "b", 0, "c"]``; ``[]`` when it is not such a key."""
+    steps: list[str | int] = []
+    for part in dotted.split("."):
+        match = _OVERRIDE_PART.fullmatch(part)
+        if match is None:
+            return []
+        steps += [match.group(1), *map(int, re.findall(r"\d+", match.group(2)))]
+    return steps
+
+
+def _step_name(steps: list[str | int]) -> str:
+    return "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in steps).lstrip(".")
 
 
 def _merged(old, new):

@@ -47,6 +47,9 @@ def check_rollout(c, actor: dict) -> None:
     positive(ro.max_turns, "rollout.max_turns")
     positive(ro.tool_timeout_s, "rollout.tool_timeout_s")
     positive(ro.max_tool_tokens, "rollout.max_tool_tokens")
+    env = ro.environment
+    if env is not None and (not isinstance(env, str) or env.count(":") != 1 or not all(env.split(":"))):
+        raise ConfigError("rollout.environment", f"expected 'module:Class' (or null for none), got {env!r}")
     if (ro.tools or ro.environment) and ro.tensor_parallel_size > 1:
         raise ConfigError("rollout.tools", "multi-turn episodes advance each rank's engine on its own; they do not run "
                           "with rollout.tensor_parallel_size > 1 yet")

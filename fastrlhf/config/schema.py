@@ -319,7 +319,9 @@ class SFTDataConfig:
     # Tools ('module:function', as rollout.tools) whose schemas the chat template lists in each chat's prompt:
     # SFT on tool-using demonstrations sees the prompt the RL run's episodes start from
     tools: list[str] = field(default_factory=list)
-    overlong: Literal["error", "skip"] = "error"  # examples over max_len / max_prompt_len: bad lines, or left out
+    # examples over max_len / max_prompt_len: bad lines, left out (skip), or cut (truncate: a prompt keeps its end,
+    # then the example its first max_len tokens, as TRL's SFTTrainer); skipped and truncated ones are counted
+    overlong: Literal["error", "skip", "truncate"] = "error"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fastrlhf.data.overlong import overlong_skips, say_truncated, truncated
 from fastrlhf.data.reading import (
     CHAT_FIELD,
     DataError,
@@ -262,14 +263,16 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
     first message the same way, each in the context of the turns before it; the turns between them are read,
     not trained (the example's ``response_mask``). ``chat_template``, ``tools`` and ``chat_template_kwargs`` as in
     :func:`load_prompts`. ``overlong`` (``data.overlong``): an example over ``max_len`` or ``max_prompt_len`` is a
-    bad line (``error``) or left out (``skip``, counted; as TRL's reward trainer filters its pairs).
+    bad line (``error``), left out (``skip``, counted; as TRL's reward trainer filters its pairs), or cut
+    (``truncate``, counted: see :func:`fastrlhf.data.overlong.truncated`).
     """
     _check_choices(chat_template)
     if assistant_turns not in ASSISTANT_TURNS_CHOICES:
         raise ValueError(f"assistant_turns must be one of {', '.join(ASSISTANT_TURNS_CHOICES)}, "
                          f"got {assistant_turns!r}")
-    skip = _overlong_skips(overlong)
+    skip = overlong_skips(overlong, ("error", "skip", "truncate"))
     tokenizer = LazyTokenizer(tokenizer_path, tools, chat_template_kwargs)
+    cut_rows = []
 
     def parse(row: dict, where: str) -> SFTExample:
         no_response = all(row.get(k) is None for k in ("response_ids", "response"))
@@ -290,19 +293,23 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
             response = _tokens(row, ("response_ids", "response", "completion"), "response", tokenizer, vocab_size,
                                special=False, append_eos=True)
             example = SFTExample(prompt, response)
+        if overlong == "truncate":
+            cut = truncated(example.prompt_ids, example.response_ids, example.response_mask, max_len, max_prompt_len)
+            if cut is None:
+                raise _Skip
+            if cut[0] is not example.prompt_ids or cut[1] is not example.response_ids:
+                cut_rows.append(where)
+            return SFTExample(*cut)
         _check_len(example.prompt_ids, max_prompt_len, "prompt", skip)
         _check_len(example.prompt_ids + example.response_ids, max_len, "prompt + response", skip)
         return example
 
-    return _collect(path, parse, skipped_as=f"longer than data.max_len ({max_len} tokens)" + (
-        f" or with a prompt over data.max_prompt_len ({max_prompt_len})" if max_prompt_len is not None else ""))
-
-
-def _overlong_skips(overlong: str) -> bool:
-    """``data.overlong`` of SFT and RM data: whether an overlong example is left out (``skip``) or a bad line."""
-    if overlong not in ("error", "skip"):
-        raise ValueError(f"overlong must be error or skip, got {overlong!r}")
-    return overlong == "skip"
+    examples = _collect(path, parse, skipped_as="left with no response token within data.max_len" if overlong ==
+                        "truncate" else f"longer than data.max_len ({max_len} tokens)" + (
+                            f" or with a prompt over data.max_prompt_len ({max_prompt_len})"
+                            if max_prompt_len is not None else ""))
+    say_truncated(path, len(cut_rows), len(examples), max_len, max_prompt_len)
+    return examples
 
 
 # An SFT row's fields besides a chat: a pair as fastrlhf names it, or as TRL's prompt-completion datasets do
@@ -383,7 +390,7 @@ def load_pairwise_examples(path: str, max_len: int, vocab_size: int | None = Non
     renders them. An optional ``margin`` (a number, as TRL's) goes into the loss: -logsigmoid(chosen - rejected -
     margin). ``chat_template_kwargs``: the template's own variables, as in :func:`load_prompts`; ``overlong`` as in
     :func:`load_sft_examples`."""
-    skip = _overlong_skips(overlong)
+    skip = overlong_skips(overlong)
     tokenizer = LazyTokenizer(tokenizer_path, template_kwargs=chat_template_kwargs)
 
     def parse(row: dict, where: str) -> PairExample:
@@ -413,7 +420,7 @@ def load_classification_examples(path: str, max_len: int, num_labels: int, vocab
     """Labelled sequences: ``{"text"/"input_ids"/"messages", "label"}`` lines, label in [0, num_labels); a chat
     through the tokenizer's chat template as :func:`_scored_chat` renders it (``chat_template_kwargs`` as in
     :func:`load_prompts`, ``overlong`` as in :func:`load_sft_examples`)."""
-    skip = _overlong_skips(overlong)
+    skip = overlong_skips(overlong)
     tokenizer = LazyTokenizer(tokenizer_path, template_kwargs=chat_template_kwargs)
 
     def parse(row: dict, where: str) -> ClassificationExample:

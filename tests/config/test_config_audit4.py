@@ -173,3 +173,11 @@ def test_liger_kernels_for_an_unknown_model_type_fail_at_load(paths, liger):
                trainer={"prompts_per_step": 8})
     assert error(raw, on_gpu=True) == ("model.liger_kernels: Liger-Kernel has no kernels for model_type 'mistral' "
                                        "(critic.path); it has llama")
+
+
+@pytest.mark.parametrize("environment", ["", "envs", "envs:", ":Env", "a:b:C"])
+def test_an_environment_not_module_colon_class_is_named(paths, environment):
+    """``rollout.environment: ""`` was taken as set (the error then named rollout.max_tool_tokens, a context limit
+    the user never set); one not ``module:Class`` failed in preflight, after the config was accepted."""
+    assert error(grpo(paths, rollout={"environment": environment})) == (
+        f"rollout.environment: expected 'module:Class' (or null for none), got {environment!r}")

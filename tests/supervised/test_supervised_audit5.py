@@ -252,7 +252,7 @@ def test_overlong_sft_and_rm_examples_are_bad_lines_or_left_out_and_counted(tmp_
     assert len(load_pairwise_examples(pairs, 2, overlong="skip")) == 1
     with pytest.raises(DataError, match="c.jsonl:3: label must be an integer in"):
         load_classification_examples(labelled, 2, 2, overlong="skip")
-    with pytest.raises(ValueError, match="overlong must be error or skip, got 'truncate'"):
+    with pytest.raises(ValueError, match="overlong must be one of error, skip, got 'truncate'"):
         load_pairwise_examples(pairs, 2, overlong="truncate")
     from fastrlhf.config import ConfigError, parse_config
     from tests.helpers.model_folders import fake_model_folder
@@ -267,3 +267,28 @@ def test_overlong_sft_and_rm_examples_are_bad_lines_or_left_out_and_counted(tmp_
     raw["data"]["overlong"] = "truncate"
     with pytest.raises(ConfigError, match="data.overlong"):
         parse_config(raw, "rm")
+
+
+def test_overlong_sft_examples_are_truncated_as_trl_does_and_counted(tmp_path, capsys):
+    """``data.overlong: truncate`` for SFT (there was only error or skip): a prompt over max_prompt_len keeps its end,
+    as an RL prompt does; then the example keeps its first max_len tokens (TRL's SFTTrainer, keep_start); one left
+    with no trained response token is skipped. Both counts are said."""
+    from fastrlhf.data.examples import SFTExample
+
+    sft = write_rows(
+        tmp_path / "s.jsonl",
+        [
+            {"prompt_ids": [1, 2], "response_ids": [3]},  # within both limits: as it is
+            {"prompt_ids": [1, 2], "response_ids": [3, 4, 5, 6]},  # the response loses its end
+            {"prompt_ids": [1, 2, 3, 4], "response_ids": [5, 6, 7]},  # the prompt its start, the response its end
+            {"prompt_ids": [1, 2, 3, 4, 5, 6], "response_ids": [7]},  # without max_prompt_len, no room left: skipped
+        ],
+    )
+    got = load_sft_examples(sft, 5, max_prompt_len=3, overlong="truncate")
+    assert got == [SFTExample([1, 2], [3]), SFTExample([1, 2], [3, 4, 5]), SFTExample([2, 3, 4], [5, 6]),
+                   SFTExample([4, 5, 6], [7])]
+    assert "truncated 3 of 4 examples" in capsys.readouterr().err
+    got = load_sft_examples(sft, 5, overlong="truncate")
+    assert got == [SFTExample([1, 2], [3]), SFTExample([1, 2], [3, 4, 5]), SFTExample([1, 2, 3, 4], [5])]
+    err = capsys.readouterr().err
+    assert "truncated 2 of 3 examples" in err and "skipped 1 of 4 rows" in err
