@@ -24,6 +24,7 @@ import torch
 
 from fastrlhf import distributed as D
 from fastrlhf.distributed import comm
+from fastrlhf.engine.durable import fsync_path, fsync_tree, write_text_atomic
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_latest", "latest_checkpoint", "capture_rng", "restore_rng",
            "checkpoint_root", "run_identity", "trained_when_saved"]
@@ -103,31 +104,6 @@ def _is_engine(obj) -> bool:
     return hasattr(obj, "save_checkpoint") and hasattr(obj, "load_checkpoint")
 
 
-def _fsync_path(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: str) -> None:
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            _fsync_path(os.path.join(dirpath, name))
-        _fsync_path(dirpath, directory=True)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """``text`` to ``path`` whole or not at all (a kill mid-write leaves the old file)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _step_dirs(root: str) -> list[tuple[int, str]]:
     if not os.path.isdir(root):
         return []
@@ -190,14 +166,14 @@ def save_checkpoint(output_dir: str, step: int, engines: dict[str, Any], keep_la
     comm.barrier()
 
     if D.is_main():
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         stale = os.path.join(root, f".old-step-{step}")
         shutil.rmtree(stale, ignore_errors=True)
         if os.path.exists(final):  # re-saving a step (e.g. after a resume): the old copy goes only once replaced
             os.rename(final, stale)
         os.rename(tmp, final)
         write_text_atomic(os.path.join(root, "latest"), f"step-{step}\n")
-        _fsync_path(root, directory=True)
+        fsync_path(root, directory=True)
         shutil.rmtree(stale, ignore_errors=True)
         if keep_last > 0:
             _prune(root, step, keep_last)

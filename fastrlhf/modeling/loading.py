@@ -13,6 +13,8 @@ import shutil
 import torch
 from torch import nn
 
+from fastrlhf.engine.durable import fsync_path, fsync_tree
+
 __all__ = [
     "torch_dtype",
     "zero3_loading",
@@ -56,11 +58,37 @@ def apply_lora(model, model_cfg, task_type: str = "CAUSAL_LM"):
     from peft import LoraConfig, get_peft_model
 
     targets = list(model_cfg.lora_targets)
+    _check_targets(model, targets)
     # peft expands its all-linear shorthand (every Linear but the output layer or a classifier's score head) only
     # from a string; in a list it is a module name that matches nothing
     lora = LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha, lora_dropout=model_cfg.lora_dropout,
                       target_modules=targets[0] if targets == [ALL_LINEAR] else targets, task_type=task_type)
     return get_peft_model(model, lora)
+
+
+def _check_targets(model, targets: list[str]) -> None:
+    """What the config check cannot see before the model loads, as a ConfigError naming ``model.lora_targets``.
+    A target matching no module as peft matches a list (the name, or its ending after a dot): peft ignores it where
+    another matches, and else raises an error naming no setting (Phi-3 under the default q_proj, v_proj: it has one
+    qkv_proj). An adapter on a head tied to the embedding where config.json does not say so (the model type's
+    default ties): trained, the head runs without the delta; merged (export, weight sync), the shared weight has it."""
+    from fastrlhf.config.errors import ConfigError
+
+    where = f"{model.config.name_or_path} (a {model.config.model_type} model)"
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if t != ALL_LINEAR and not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, (nn.Linear, nn.Embedding))})
+        raise ConfigError("model.lora_targets", f"{missing[0]!r} is no module of {where}; its Linear and Embedding "
+                                                f"modules: {', '.join(leaves)}, or all-linear")
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    adapted = [name for name in targets if name in ("embed_tokens", "lm_head")]
+    if adapted and head is not None and embedding is not None and head.weight is embedding.weight:
+        raise ConfigError("model.lora_targets", f"{adapted[0]}: {where} ties lm_head to embed_tokens, so merging the "
+                                                "adapter would write its delta into the shared weight and the "
+                                                "exported model would not be the trained one; leave lm_head and "
+                                                "embed_tokens out")
 
 
 def _finish(model, model_cfg, task_type: str):
@@ -362,7 +390,9 @@ def _save_hf_model(model, state: dict, out_dir: str) -> None:
         merged = fresh.merge_and_unload().to(base.dtype)
         # The checkpoint's own generation_config.json (Qwen2-Instruct's eos [151645, 151643], its sampling defaults):
         # a model built from config.json alone has only config.json's single eos, and the export lost the rest.
-        merged.generation_config = base.generation_config
+        # A classifier (a reward model's score head) has none.
+        if getattr(base, "generation_config", None) is not None:
+            merged.generation_config = base.generation_config
         merged.save_pretrained(out_dir, safe_serialization=True)
         return
     model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
@@ -384,15 +414,17 @@ def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from
     if D.is_main():
         tmp = f"{out_dir.rstrip(os.sep)}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(model, CausalLMWithValueHead):
-            from safetensors.torch import save_file
+        lm = model.lm if isinstance(model, CausalLMWithValueHead) else model
+        with _inference_config(base_model(lm)):
+            if lm is not model:
+                from safetensors.torch import save_file
 
-            lm_state = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
-            head_state = {k[len("v_head."):]: v.contiguous() for k, v in state.items() if k.startswith("v_head.")}
-            _save_hf_model(model.lm, lm_state, tmp)
-            save_file(head_state, os.path.join(tmp, VALUE_HEAD_FILE))
-        else:
-            _save_hf_model(model, state, tmp)
+                lm_state = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
+                head_state = {k[len("v_head."):]: v.contiguous() for k, v in state.items() if k.startswith("v_head.")}
+                _save_hf_model(lm, lm_state, tmp)
+                save_file(head_state, os.path.join(tmp, VALUE_HEAD_FILE))
+            else:
+                _save_hf_model(model, state, tmp)
         if tokenizer_from:
             for name in _TOKENIZER_FILES:
                 src = os.path.join(tokenizer_from, name)
@@ -403,11 +435,27 @@ def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from
     return out_dir
 
 
+@contextlib.contextmanager
+def _inference_config(hf):
+    """Inside, ``hf.config`` says ``use_cache: true`` again where gradient checkpointing turned the KV cache off for
+    training (:func:`_finish`): saved so, the exported model's forward would build no cache (``past_key_values``
+    None) wherever a caller does not pass ``use_cache``."""
+    if not getattr(hf, "is_gradient_checkpointing", False):
+        yield
+        return
+    use_cache, hf.config.use_cache = hf.config.use_cache, True
+    try:
+        yield
+    finally:
+        hf.config.use_cache = use_cache
+
+
 def _replace_folder(new: str, out_dir: str) -> None:
     """``new`` renamed to ``out_dir``, replacing the folder there: the old one is renamed aside first and
     deleted only once the new one is in place, so a kill at any moment leaves a whole ``out_dir`` or a whole
     ``<out_dir>.old`` (removing the old one first could leave only the temporary folder)."""
     old = f"{out_dir.rstrip(os.sep)}.old"
+    fsync_tree(new)  # on disk before the renames: a power cut must not leave its files empty, the old one gone
     if os.path.lexists(out_dir):
         shutil.rmtree(old, ignore_errors=True)  # a kill's leftover, older than out_dir
         os.rename(out_dir, old)
@@ -417,4 +465,5 @@ def _replace_folder(new: str, out_dir: str) -> None:
         if os.path.lexists(old) and not os.path.lexists(out_dir):
             os.rename(old, out_dir)
         raise
+    fsync_path(os.path.dirname(os.path.abspath(out_dir)), directory=True)  # the renames themselves
     shutil.rmtree(old, ignore_errors=True)
