@@ -133,9 +133,22 @@ class ModelShape:
         attention = h + 5 * self.q_dim + 2 * self.kv_dim
         return a * (2 * h + 2 * d + max(mlp, attention))
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of every layer for one token."""
-        return self.layers * 2 * self.kv_dim * dtype_bytes
+    def kv_heads_per_rank(self, tp: int = 1) -> int:
+        """The KV heads each rank of a vLLM tensor-parallel group of ``tp`` holds: the heads split over the ranks,
+        replicated where there are fewer than ranks, so at least one (vLLM's ``ModelConfig.get_num_kv_heads``):
+        Qwen2.5-1.5B's 2 at ``tp`` 4 leave each rank 1, half of them, not a quarter."""
+        return max(1, self.kv_heads // tp)
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
+        """K and V of every layer for one token, on one rank of a vLLM tensor-parallel group of ``tp``."""
+        return self.layers * 2 * self.kv_heads_per_rank(tp) * self.head_dim * dtype_bytes
+
+    def tp_rank_params(self, tp: int) -> int:
+        """The causal LM's parameters on one rank of a vLLM tensor-parallel group of ``tp``: a ``1 / tp`` share of
+        each weight, except k and v, whose heads are replicated where there are fewer than ranks
+        (:meth:`kv_heads_per_rank`; the norms, also whole on each rank, are left at a share: a few MiB)."""
+        kv = self.layers * 2 * self.kv_dim * (self.hidden + (1 if self.qkv_bias else 0))
+        return (self.causal_lm_params() - kv) // tp + kv * self.kv_heads_per_rank(tp) // self.kv_heads
 
     def layer_activation_bytes_per_token(self, dtype_bytes: int) -> int:
         """What autograd keeps for backward, per token, in one decoder layer of the HF implementation.

@@ -154,6 +154,16 @@ def zero_buffers(config, trained_counts: list[int], shapes: list[ModelShape], w:
     return total
 
 
+def offload_gradient_buffers(ds, trained_counts: list[int], shapes: list[ModelShape], w: int, device: str) -> int:
+    """ZeRO 1-2 with ``offload_optimizer`` on CUDA: each trained engine's (``shapes``, in ``trained_counts``' order)
+    device buffer of its largest trained weight in the compute dtype, through which DeepSpeed copies each gradient
+    to the host (``DeepSpeedZeroOptimizer.temp_grad_buffer_for_gpu_offload``, made at start-up and kept); a LoRA
+    adapter's is no larger than the adapter."""
+    if device != "cuda" or not ds.offload_optimizer or trained_zero_stage(ds) not in (1, 2):
+        return 0
+    return sum(min(s.largest_param_params(), t) for s, t in zip(shapes, trained_counts, strict=True)) * w
+
+
 def optimizer_step_temporaries(ds, trained_counts: list[int], gpus: int, device: str, w: int = 4) -> int:
     """The optimizer step's transient memory, for the larger trained engine (actor and critic step in
     turn): ZeRO 1-3 flatten the rank's gradient partition into fp32 (per ``sub_group_size`` at ZeRO-3);
@@ -286,7 +296,8 @@ def recomputes_old_logprobs(config) -> bool:
     taken (the estimator's traits live with torch): a plan may count a pass the run skips, never the reverse."""
     t = config.trainer
     single_update = t.ppo_epochs == 1 and t.minibatch_size == config.rollout_batch_size
-    return not (t.old_logprobs == "auto" and single_update and t.tis_cap is None and not t.kl_in_reward)
+    return not (t.old_logprobs == "auto" and single_update and t.tis_cap is None and not t.kl_in_reward
+                and t.top_entropy_quantile == 1.0)
 
 
 def forward_activations(config, shape: ModelShape, micro: int, a: int) -> int:
@@ -365,10 +376,11 @@ def rollout_weights(shape: ModelShape, kind: str, dtype_bytes: int, device: str,
     """A separate rollout engine's copy of the policy. vLLM on a CPU also keeps a packed copy of the LM
     head's ``[V, h]`` weight for its logits GEMM (tied or not: with tied embeddings the lookup reads the
     embedding, the GEMM its own packed copy); its linear layers keep only their packed weights.
-    ``shares_embedding``: the lookup reads the actor's own embedding (``VLLMEngine.share_input_embedding``)."""
-    weights = shape.causal_lm_params()
+    ``shares_embedding``: the lookup reads the actor's own embedding (``VLLMEngine.share_input_embedding``).
+    ``tp``: a rank's share of a vLLM tensor-parallel group's weights (:meth:`ModelShape.tp_rank_params`)."""
+    weights = shape.causal_lm_params() if tp == 1 else shape.tp_rank_params(tp)
     if kind == "vllm" and device == "cpu":
         weights += shape.vocab * shape.hidden
     if shares_embedding:
         weights -= shape.embedding_params
-    return weights * dtype_bytes // tp
+    return weights * dtype_bytes

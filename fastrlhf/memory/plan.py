@@ -20,15 +20,19 @@ train`` run holds at its peak, by component, without loading a weight or importi
   elements by default, doubled with ``overlap_comm`` at ZeRO 1-2) and, at ZeRO-3, the parameters
   gathered for compute (up to ``stage3_max_live_parameters``, 1e9, plus the prefetch bucket; a
   smaller model stays gathered whole). A CPU only touches the part of a bucket it fills, so there it
-  counts at most the trained parameters. **weight sync bucket**: a separate rollout engine is
+  counts at most the trained parameters. With ``offload_optimizer`` at ZeRO 1-2 on CUDA, also each trained
+  engine's buffer of its largest trained weight's gradient
+  (:func:`fastrlhf.memory.components.offload_gradient_buffers`). **weight sync bucket**: a separate rollout engine is
   updated ``rollout.sync_bucket_bytes`` at a time, gathered (ZeRO-3) and/or converted to
   ``rollout.dtype``, one copy each; a LoRA actor's adapted weights merged one at a time, in fp32
   (:func:`fastrlhf.memory.components.lora_merge_bytes`).
 - **rollout**: the HF engine generates with the actor's own module (ZeRO 0-2: no weights of its
   own); a ZeRO-3 HF engine or vLLM holds a full copy in ``rollout.dtype`` (vLLM: divided by
-  ``tensor_parallel_size``; vLLM on a CPU also a packed copy of the LM head's ``[V, h]`` weight for
-  its logits GEMM). The KV cache: vLLM allocates ``rollout.kv_cache_bytes``; the HF engine
-  what the batch takes (:func:`kv_cache_bytes_for`). Working memory: the MLP of the tokens one
+  ``tensor_parallel_size``, but for k and v, whose heads it replicates where there are fewer than ranks; vLLM on a
+  CPU also a packed copy of the LM head's ``[V, h]`` weight for its logits GEMM). The KV cache: vLLM allocates
+  ``rollout.kv_cache_bytes``; the HF engine what the batch takes (:func:`kv_cache_bytes_for`; under tensor
+  parallelism a rank caches its group's sequences with at least one KV head). vLLM's CUDA graphs are not counted
+  (vLLM measures them by capturing; the plan notes it). Working memory: the MLP of the tokens one
   forward takes (``3 I + 4 h`` activations each) and three copies of the sampler's fp32 logits;
   for vLLM on CUDA those of its start-up profile (``max_num_batched_tokens``, ``max_num_seqs``),
   which it keeps; for vLLM on a CPU (which frees the profile's) and for HF the generation's own
@@ -212,14 +216,17 @@ def _resolved(config, device: str):
     return resolve_precision(config, on_gpu=device == "cuda")
 
 
-def kv_cache_bytes_for(config, world: int, device: str | None = None, shape: ModelShape | None = None) -> int:
+def kv_cache_bytes_for(config, world: int, device: str | None = None, shape: ModelShape | None = None,
+                       tp: int | None = None) -> int:
     """KV-cache bytes one rank's engine needs to hold its whole batch at once.
 
     ``trainer.prompts_per_step / world * rollout.n`` sequences of ``max_prompt_len +
     max_new_tokens`` tokens, each rounded up to vLLM's block (16 tokens on CUDA, 128 on a CPU), x
     layers x 2 (K, V) x kv_heads x head_dim x ``rollout.dtype`` bytes. What ``rollout.kv_cache_bytes``
     should be for vLLM (a smaller cache makes vLLM generate the batch in waves). ``device``: "cuda"
-    or "cpu" (None: this machine).
+    or "cpu" (None: this machine). ``tp`` (None: ``rollout.tensor_parallel_size``): a rank of a tensor-parallel
+    group caches the group's sequences (``TensorParallelGroup`` generates its ranks' prompts at once) with its own
+    KV heads (:meth:`ModelShape.kv_heads_per_rank`); vLLM sizes its blocks per rank by those heads.
     """
     if device is None:
         from fastrlhf.config.precision import gpu_available
@@ -227,9 +234,11 @@ def kv_cache_bytes_for(config, world: int, device: str | None = None, shape: Mod
         device = "cuda" if gpu_available() else "cpu"
     config = _resolved(config, device)
     shape = shape or read_shape(config.model.path)
+    tp = config.rollout.tensor_parallel_size if tp is None else tp
     block = C.VLLM_BLOCK_TOKENS[device]
     tokens = -(-C.seq_len(config) // block) * block
-    return C.sequences(config, world) * tokens * shape.kv_bytes_per_token(C.dtype_bytes(config.rollout.dtype))
+    per_token = shape.kv_bytes_per_token(C.dtype_bytes(config.rollout.dtype), tp)
+    return C.sequences(config, world) * tp * tokens * per_token
 
 
 def _host_budget(gpus: int) -> int:
@@ -339,7 +348,8 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
         value_head = config.reward.model_kind == "value_head"
         trainer["reward model weights"] = (rm.causal_lm_params() + rm.hidden + 1 if value_head
                                            else rm.classifier_params()) * w
-    trainer["ZeRO buffers"] = C.zero_buffers(config, trained, shapes, w, device)
+    trainer["ZeRO buffers"] = C.zero_buffers(config, trained, shapes, w, device) + C.offload_gradient_buffers(
+        ds, trained, [s for s in (actor, critic) if s is not None], w, device)
 
     kind = C.engine_kind(config, actor, device)
     shares_actor = kind == "hf" and ds.zero_stage < 3
@@ -347,8 +357,8 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
     trainer["CUDA context" if device == "cuda" else "runtime"] = \
         CUDA_CONTEXT_BYTES if device == "cuda" else CPU_RUNTIME_BYTES
     # The rollout engine's own memory (vLLM on CUDA: the share gpu_memory_utilization gives it).
-    seqs, need_kv = C.sequences(config, gpus), kv_cache_bytes_for(config, gpus, device, actor)
     tp = ro.tensor_parallel_size if kind == "vllm" else 1
+    seqs, need_kv = C.sequences(config, gpus), kv_cache_bytes_for(config, gpus, device, actor, tp)
     # As rl.rollout_setup.build_rollout decides: an in-process CPU vLLM reads the actor's whole embedding.
     shares_embedding = (kind == "vllm" and device == "cpu" and tp == 1 and ds.zero_stage < 3 and not lora
                         and rollout_bytes == w)
@@ -364,6 +374,11 @@ def plan_memory(config, gpus: int, gpu_memory_bytes: int | None = None, device: 
             engine["vLLM runtime"] = CPU_VLLM_RUNTIME_BYTES
         else:
             engine["rollout working memory"] = working
+            if ro.enforce_eager is not True:
+                # vLLM has no formula for them to mirror: it captures two graphs and extrapolates, and skips even
+                # that where it is given its KV cache's size (vllm/v1/worker/gpu_worker.py, determine_available_memory).
+                notes.append("vLLM's CUDA graphs are not counted: vLLM captures them after its KV cache, outside "
+                             "what rollout.sleep frees (rollout.enforce_eager: true captures none)")
         if kv < need_kv:
             notes.append(f"rollout.kv_cache_bytes ({_gib(kv)} GiB) holds {kv / need_kv:.0%} of the batch's KV "
                          f"cache ({_gib(need_kv)} GiB): vLLM generates it in waves")
