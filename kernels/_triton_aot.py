@@ -83,7 +83,13 @@ def token_loss_specs():
     (``policy_loss_triton.py``), which reads fp32 token vectors whatever the logits' dtype."""
     from fastrlhf.algorithms.logprobs import K3_CLAMP, LOG_RATIO_CLAMP
 
-    from .policy_loss_triton import BLOCK, KL_KIND_CODES, POLICY_LOSS_CODES, token_loss_kernels
+    from .policy_loss_triton import (
+        BLOCK,
+        KL_KIND_CODES,
+        KL_STRAIGHT_THROUGH_CODES,
+        POLICY_LOSS_CODES,
+        token_loss_kernels,
+    )
 
     kernel = token_loss_kernels().loss
     sig = {name: "*fp32" for name in ("lp_ptr", "ent_ptr", "old_ptr", "adv_ptr", "w_ptr", "ref_ptr", "grad_lp_ptr",
@@ -94,7 +100,8 @@ def token_loss_specs():
     vanilla = [(True, False), (True, True), (False, False), (False, True)]  # (old, dual): CISPO and SAPO no dual
     for loss, code in POLICY_LOSS_CODES.items():
         for has_old, has_dual in vanilla if loss == "vanilla" else vanilla[::2]:
-            for has_ref, kind in [(False, 0)] + [(True, code) for code in KL_KIND_CODES.values()]:
+            kinds = [*KL_KIND_CODES.values(), *KL_STRAIGHT_THROUGH_CODES.values()]
+            for has_ref, kind in [(False, 0)] + [(True, code) for code in kinds]:
                 constexprs = {"HAS_OLD": has_old, "HAS_REF": has_ref, "KL_KIND": kind, "HAS_DUAL": has_dual,
                               "LOSS_KIND": POLICY_LOSS_CODES[loss], "LOG_RATIO_MAX": LOG_RATIO_CLAMP,
                               "K3_MAX": K3_CLAMP, "BLOCK": BLOCK}
@@ -112,7 +119,7 @@ def row_loss_specs(logits_dtype: str, block_v: int, every_option: bool = False):
     from fastrlhf.algorithms.logprobs import K3_CLAMP, LOG_RATIO_CLAMP
 
     from .logprob_entropy_triton import _num_warps
-    from .policy_loss_triton import KL_KIND_CODES, POLICY_LOSS_CODES, token_loss_kernels
+    from .policy_loss_triton import KL_KIND_CODES, KL_STRAIGHT_THROUGH_CODES, POLICY_LOSS_CODES, token_loss_kernels
 
     ptr = _POINTER[logits_dtype]
     sig = {"logits_ptr": ptr, "stride_row": "i64", "labels_ptr": "*i64", "old_ptr": "*fp32", "adv_ptr": "*fp32",
@@ -125,7 +132,8 @@ def row_loss_specs(logits_dtype: str, block_v: int, every_option: bool = False):
     options += [(True, True, k3, False, True, code) for loss, code in POLICY_LOSS_CODES.items() if loss != "vanilla"]
     if every_option:
         options += [(False, False, 0, True, True, vanilla)] + [
-            (True, True, code, False, True, vanilla) for kind, code in KL_KIND_CODES.items() if kind != "k3"]
+            (True, True, code, False, True, vanilla) for kind, code in KL_KIND_CODES.items() if kind != "k3"] + [
+            (True, True, code, False, True, vanilla) for code in KL_STRAIGHT_THROUGH_CODES.values()]
     specs = []
     for has_old, has_ref, kind, has_dual, need_grad, loss in options:
         constexprs = {"HAS_OLD": has_old, "HAS_REF": has_ref, "KL_KIND": kind, "HAS_DUAL": has_dual,

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import torch
 
-from fastrlhf.algorithms import _check_temperature, loss_weights
+from fastrlhf.algorithms import _check_temperature, loss_weights, resolve_kl_kind
 from fastrlhf.memory.components import balanced_chunk_rows, chunk_budget_without_head_scratch
 
 from ._backend import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES, chunk_budget_bytes, on_cpu, resolve_backend
@@ -466,6 +466,7 @@ def fused_linear_policy_loss(
                                                            chunk_bytes)
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError(f"kl_coef is {kl_coef} but ref_logprobs is None; pass ref_logprobs or set kl_coef=0")
+    resolve_kl_kind(kl_kind)  # an unknown kind raises here, not only where a chunk keeps a token
     flat = {
         name: _flat_token_tensor(name, t, labels.shape)
         for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask),

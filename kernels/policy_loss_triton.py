@@ -1,6 +1,6 @@
 """The per-token policy loss in Triton: PPO's clipped surrogate (clip-higher, dual clip), CISPO or SAPO, the KL
-penalty (k1, abs, k2, k3) and the entropy bonus, with each token's gradient in its logprob and entropy and the loss
-and metric sums.
+penalty (k1, abs, k2, k3, and their "+" kinds: the value with k2's gradient) and the entropy bonus, with each
+token's gradient in its logprob and entropy and the loss and metric sums.
 Two kernels share that math (``policy_loss_triton_jit._token_loss_math``, one ``@triton.jit`` helper):
 
 * ``loss``: a block of tokens' logprobs and entropies in, their gradients and the block's sums out; one launch
@@ -32,15 +32,18 @@ import types
 import torch
 
 from fastrlhf.algorithms import KL_KINDS
-from fastrlhf.algorithms.logprobs import _KL_ALIASES, K3_CLAMP, LOG_RATIO_CLAMP
+from fastrlhf.algorithms.logprobs import K3_CLAMP, LOG_RATIO_CLAMP, STRAIGHT_THROUGH, resolve_kl_kind
 
 from ._checks import check_token_inputs
 
-__all__ = ["KL_KIND_CODES", "LOOPING_BLOCK_V", "POLICY_LOSS_CODES", "SUM_COLUMNS", "row_block_v", "token_loss_kernels",
-           "triton_policy_loss_from_token_stats", "triton_row_loss_and_grad"]
+__all__ = ["KL_KIND_CODES", "KL_STRAIGHT_THROUGH_CODES", "LOOPING_BLOCK_V", "POLICY_LOSS_CODES", "SUM_COLUMNS",
+           "row_block_v", "token_loss_kernels", "triton_policy_loss_from_token_stats", "triton_row_loss_and_grad"]
 
 # KL kind -> the kernels' KL_KIND constexpr.
 KL_KIND_CODES = {kind: code for code, kind in enumerate(KL_KINDS)}
+# A "+" kind (verl's k3+: the estimate's value with k2's gradient) -> its code, 4 + its estimator's (k2+ is k2).
+KL_STRAIGHT_THROUGH_CODES = {kind + STRAIGHT_THROUGH: len(KL_KINDS) + code for kind, code in KL_KIND_CODES.items()
+                             if kind != "k2"}
 # The registered policy losses the kernels compute (fastrlhf.algorithms.losses) -> their LOSS_KIND constexpr.
 POLICY_LOSS_CODES = {"vanilla": 0, "cispo": 1, "sapo": 2}
 # What each block (``loss``) or row (``rows``) writes, in this order: its loss, then the metric sums of
@@ -78,10 +81,9 @@ def _check_loss_options(policy_loss, dual_clip, kl_kind, what, policy_loss_args=
     tau_pos, tau_neg = float(options.get("tau_pos", 1.0)), float(options.get("tau_neg", 1.0))
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"tau_pos and tau_neg must be > 0, got {options['tau_pos']} and {options['tau_neg']}")
-    kind = _KL_ALIASES.get(kl_kind, kl_kind)
-    if kind not in KL_KIND_CODES:
-        raise ValueError(f"unknown KL kind {kl_kind!r}; expected one of {', '.join(KL_KINDS)}")
-    return dict(KL_KIND=KL_KIND_CODES[kind], LOSS_KIND=POLICY_LOSS_CODES[policy_loss],
+    kind, straight_through = resolve_kl_kind(kl_kind)  # raises on an unknown kind, as the reference does
+    code = KL_STRAIGHT_THROUGH_CODES[kind + STRAIGHT_THROUGH] if straight_through else KL_KIND_CODES[kind]
+    return dict(KL_KIND=code, LOSS_KIND=POLICY_LOSS_CODES[policy_loss],
                 HAS_DUAL=policy_loss == "vanilla" and dual_clip is not None, tau_pos=tau_pos, tau_neg=tau_neg)
 
 

@@ -17,7 +17,9 @@ def _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip, kl_
                      HAS_REF: tl.constexpr, KL_KIND: tl.constexpr, HAS_DUAL: tl.constexpr, LOSS_KIND: tl.constexpr,
                      LOG_RATIO_MAX: tl.constexpr, K3_MAX: tl.constexpr):
     """Per token (a block or a scalar): (loss, d loss / d lp, whether clipped, kl); d loss / d ent is
-    -entropy_coef. Inputs already sanitised: masked tokens hold 0. ``LOSS_KIND``: 0 vanilla, 1 CISPO, 2 SAPO."""
+    -entropy_coef. Inputs already sanitised: masked tokens hold 0. ``LOSS_KIND``: 0 vanilla, 1 CISPO, 2 SAPO.
+    ``KL_KIND``: 0 k1, 1 |k1|, 2 k2, 3 k3, and 4 + those for their "+" kinds (``policy_loss_triton``'s
+    ``KL_KIND_CODES`` and ``KL_STRAIGHT_THROUGH_CODES``)."""
     # ratio = exp(clamp(lp - old)), d ratio / d lp = ratio inside the clamp, 0 outside
     x = lp - old
     ratio = tl.exp(tl.minimum(tl.maximum(x, -LOG_RATIO_MAX), LOG_RATIO_MAX))
@@ -53,13 +55,13 @@ def _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip, kl_
     kl = tl.zeros_like(lp)
     if HAS_REF:
         diff = lp - ref
-        if KL_KIND == 0:  # k1
+        if KL_KIND % 4 == 0:  # k1
             kl = diff
             d_kl = tl.zeros_like(diff) + 1.0
-        elif KL_KIND == 1:  # |k1|
+        elif KL_KIND % 4 == 1:  # |k1|
             kl = tl.abs(diff)
             d_kl = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
-        elif KL_KIND == 2:  # k2
+        elif KL_KIND % 4 == 2:  # k2
             kl = 0.5 * diff * diff
             d_kl = diff
         else:  # k3 = exp(-diff) + diff - 1, both clamps as the reference
@@ -73,6 +75,8 @@ def _token_loss_math(lp, ent, old, adv, ref, clip_low, clip_high, dual_clip, kl_
             kl = tl.minimum(tl.maximum(v, -K3_MAX), K3_MAX)
             inner = (nd >= -LOG_RATIO_MAX) & (nd <= LOG_RATIO_MAX) & (v >= -K3_MAX) & (v <= K3_MAX)
             d_kl = tl.where(inner, 1.0 - e, 0.0)
+        if KL_KIND >= 4:  # a "+" kind (verl's k3+): the estimate's value with k2's gradient, through no clamp
+            d_kl = diff
         loss = loss + kl_coef * kl
         g_lp = g_lp + kl_coef * d_kl
     loss = loss - entropy_coef * ent

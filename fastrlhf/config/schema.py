@@ -232,7 +232,10 @@ class TrainerConfig(LoopConfig):
     agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: float = 0.0
     kl_coef: float = 0.001
-    kl_kind: Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"] = "k3"  # verl's names accepted
+    # verl's names accepted; a "+" kind (verl's k1+, k3+, low_var_kl+) is the estimate's value with k2's gradient
+    # in the loss (a straight-through estimator: unbiased gradient of KL(policy || ref)), the plain kind elsewhere
+    kl_kind: Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl",
+                     "k1+", "abs+", "k3+", "kl+", "low_var_kl+"] = "k3"
     kl_in_reward: bool = False
     # The adaptive KL coefficient (fastrlhf.algorithms.kl_control): kl_coef starts the coefficient, which then moves
     # to keep the measured kl at kl_target, by at most 0.2 x (completions per step) / kl_horizon of itself per step
@@ -250,7 +253,8 @@ class TrainerConfig(LoopConfig):
     scale_by_std: bool | Literal["batch"] = True
     # Importance weights against the rollout engine's logprobs (fastrlhf.algorithms.rollout_is_weights), on when
     # tis_cap is set: the ratio of each token, of each completion (sequence) or its per-token geometric mean,
-    # capped at tis_cap (truncate: TIS) or zeroed above tis_cap and below tis_floor (mask: TRL's *_mask, ICEPOP)
+    # clamped into [tis_floor, tis_cap] (truncate: TIS, TRL's *_truncate) or zeroed above tis_cap and below tis_floor
+    # (mask: TRL's *_mask, ICEPOP)
     tis_cap: float | None = None
     tis_level: Literal["token", "sequence", "geometric"] = "token"
     tis_mode: Literal["truncate", "mask"] = "truncate"
@@ -271,6 +275,9 @@ class TrainerConfig(LoopConfig):
     # DAPO's overlong filtering (TRL's mask_truncated_completions): completions cut at rollout.max_new_tokens are
     # left out of the losses (still scored, still in their group's statistics and in the metrics)
     mask_truncated_completions: bool = False
+    # TRL's top_entropy_quantile ("Beyond the 80/20 rule"): only the tokens whose entropy is in this top fraction
+    # of the step's completion tokens train the policy term; 1.0: every token. Not with entropy_coef
+    top_entropy_quantile: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,15 @@ from helpers.paths import ROOT as CHECKOUT
 
 ROOT = Path(CHECKOUT)
 KERNEL_VARIANTS_PER_DTYPE_AND_BLOCK = 1 + 3 * 2  # stats + grad x (lp/ent switches) x (out dtype)
-# The per-token loss: (old logprobs or on-policy) x (dual clip or not) x (no reference, or each of 4 KL kinds) for
-# the vanilla loss; CISPO and SAPO, which take no dual clip, the same without it.
-TOKEN_LOSS_VARIANTS = 2 * 2 * 5 + 2 * (2 * 5)
+# The per-token loss: (old logprobs or on-policy) x (dual clip or not) x (no reference, or each of 4 KL kinds and
+# 3 straight-through ones: k1+, abs+, k3+) for the vanilla loss; CISPO and SAPO, which take no dual clip, the same
+# without it.
+TOKEN_LOSS_VARIANTS = 2 * 2 * 8 + 2 * (2 * 8)
 # The row kernel: with and without its gradient pass at every dtype and block, CISPO's and SAPO's with it, and once
-# (bf16, the first block) on-policy without a reference with dual clip, and each KL kind other than k3.
+# (bf16, the first block) on-policy without a reference with dual clip, and each KL kind other than k3 (3 plain, 3
+# straight-through).
 ROW_LOSS_VARIANTS_PER_DTYPE_AND_BLOCK = 2 + 2
-ROW_LOSS_EXTRA_VARIANTS = 1 + 3
+ROW_LOSS_EXTRA_VARIANTS = 1 + 3 + 3
 # The row kernel looping on a few programs (bf16, its own block of policy_loss_triton.LOOPING_BLOCK_V, 32 warps).
 ROW_LOSS_LOOPING_VARIANTS = 2 + 2
 GRAD_CAST_VARIANTS = 2 * 2  # fp32 sums into bf16 and into fp16; bf16 and fp16 scaled in place
