@@ -8,11 +8,12 @@ masked position (-inf logprobs of padding, NaN values) can never leak into a res
 What differs between PPO and GRPO lives in two registries, verl-style:
 
 * :data:`ADV_ESTIMATORS` (``@register_adv_est``): ``gae`` (PPO, with a critic), ``grpo``, ``rloo``,
-  ``reinforce_plus_plus`` and ``reinforce_plus_plus_baseline``; ``ADV_ESTIMATOR_OF[algorithm]`` says which one an
-  algorithm uses, :data:`ADV_ESTIMATOR_TRAITS` what each needs (values, groups) and gives (returns).
+  ``reinforce_plus_plus`` and ``reinforce_plus_plus_baseline``, and verl's ``grpo_passk``, ``opo`` and ``gpg``;
+  ``ADV_ESTIMATOR_OF[algorithm]`` says which one an algorithm uses, :data:`ADV_ESTIMATOR_TRAITS` what each
+  needs (values, groups) and gives (returns).
 * :data:`POLICY_LOSSES` (``@register_policy_loss``): ``vanilla`` (clipped surrogate, clip-higher,
-  dual clip), ``cispo``, ``gspo`` and ``sapo``; chosen by ``trainer.policy_loss``, with its own options in
-  ``trainer.policy_loss_args``.
+  dual clip), ``cispo``, ``gspo`` and ``sapo``, and verl's ``gpg``, ``clip_cov`` and ``kl_cov``; chosen by
+  ``trainer.policy_loss``, with its own options in ``trainer.policy_loss_args``.
 
 Adding a loss is one registered function. ``token_level=True`` says each token's loss depends on
 that token alone; such a loss runs inside the token-chunked fused kernels
@@ -21,10 +22,11 @@ A loss that needs a whole sequence (GSPO's sequence-level ratio) is registered w
 ``token_level=False`` and trained through the fused logprob kernel plus autograd instead; neither
 path materialises the ``[tokens, vocab]`` logits.
 
-The formulas live in five modules, all re-exported here: ``masked`` (masked reductions), ``logprobs``
+The formulas live in seven modules, all re-exported here: ``masked`` (masked reductions), ``logprobs``
 (logprobs, entropy and KL from logits), ``advantages`` (GAE, GRPO, the estimator registry), ``losses``
-(aggregation, the policy-loss registry, value, SFT and reward-model losses) and ``kl_control`` (the adaptive
-KL coefficient).
+(aggregation, the policy-loss registry, value, SFT and reward-model losses), ``kl_control`` (the adaptive
+KL coefficient), and ``verl_estimators`` and ``verl_losses`` (verl's estimators and losses that the others lack;
+importing them registers them).
 """
 
 from fastrlhf.algorithms.advantages import *  # noqa: F403
@@ -38,5 +40,9 @@ from fastrlhf.algorithms.losses import *  # noqa: F403
 from fastrlhf.algorithms.losses import __all__ as _losses
 from fastrlhf.algorithms.masked import *  # noqa: F403
 from fastrlhf.algorithms.masked import __all__ as _masked
+from fastrlhf.algorithms.verl_estimators import *  # noqa: F403
+from fastrlhf.algorithms.verl_estimators import __all__ as _verl_estimators
+from fastrlhf.algorithms.verl_losses import *  # noqa: F403
+from fastrlhf.algorithms.verl_losses import __all__ as _verl_losses
 
-__all__ = [*_masked, *_logprobs, *_advantages, *_losses, *_kl_control]
+__all__ = [*_masked, *_logprobs, *_advantages, *_losses, *_kl_control, *_verl_estimators, *_verl_losses]

@@ -189,15 +189,13 @@ def rollout_is_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
     ``exp(old - engine)`` corrects the mismatch; bounding it keeps the variance bounded. ``level``: the ratio
     of each token (``token``), of each completion (``sequence``: the exponent is the completion's summed
     log-ratio) or its per-token geometric mean (``geometric``: the mean log-ratio, which does not grow with
-    the length); a completion's ratio weights all its tokens. ``mode``: ``truncate`` caps the ratio at ``cap``
-    (TIS); ``mask`` zeroes it where it is above ``cap`` or below ``floor`` (TRL's ``*_mask`` modes, ICEPOP
-    with a floor).
+    the length); a completion's ratio weights all its tokens. ``mode``: ``truncate`` clamps the ratio into
+    ``[floor, cap]`` (TIS; TRL's ``*_truncate`` modes with ``vllm_importance_sampling_min``); ``mask`` zeroes it
+    where it is above ``cap`` or below ``floor`` (TRL's ``*_mask`` modes, ICEPOP with a floor).
     """
     check_same_shape(old_logprobs=old_logprobs, engine_logprobs=engine_logprobs, mask=mask)
     if level not in TIS_LEVELS or mode not in TIS_MODES:
         raise ValueError(f"level must be one of {TIS_LEVELS} and mode one of {TIS_MODES}, got {level!r}, {mode!r}")
-    if floor is not None and mode != "mask":
-        raise ValueError("a floor bounds the mask mode only (truncation caps from above)")
     keep = _keep(mask)
     log_r = torch.where(keep, old_logprobs.float() - engine_logprobs.float(), 0.0)
     if level != "token":
@@ -209,7 +207,8 @@ def rollout_is_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
     if floor is not None:
         outside |= log_r < math.log(floor)
     # Clamped before exp: a sequence's summed log-ratio can reach hundreds, and exp(-20) is 0 in effect.
-    weights = torch.exp(log_r.clamp(-LOG_RATIO_CLAMP, log_cap))
+    log_floor = -LOG_RATIO_CLAMP if floor is None else max(math.log(floor), -LOG_RATIO_CLAMP)
+    weights = torch.exp(log_r.clamp(log_floor, log_cap))
     if mode == "mask":
         weights = torch.where(outside, 0.0, weights)
     return torch.where(keep, weights, 0.0), keep & outside
@@ -222,18 +221,23 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # see vanilla_p
 class PolicyLoss:
     fn: PolicyLossFn
     token_level: bool  # True: fusable into the token-chunked kernels (a token's loss needs that token only)
+    # True: each token's policy term is its advantage times a factor that no advantage moves (0 at advantage 0),
+    # so weighting a token's advantage weights its term: the importance weights (trainer.tis_cap) and the entropy
+    # mask (trainer.top_entropy_quantile) act on the advantages. Not so for a loss that picks tokens by their
+    # advantages or has a term of its own (Clip-Cov, KL-Cov): the config checks refuse those settings with it.
+    scales_with_advantage: bool = True
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_policy_loss(name: str, *, token_level: bool = True):
-    """Decorator: make ``fn`` available as ``trainer.policy_loss: <name>``."""
+def register_policy_loss(name: str, *, token_level: bool = True, scales_with_advantage: bool = True):
+    """Decorator: make ``fn`` available as ``trainer.policy_loss: <name>`` (the flags: :class:`PolicyLoss`)."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"a policy loss named {name!r} is already registered")
-        POLICY_LOSSES[name] = PolicyLoss(fn, token_level)
+        POLICY_LOSSES[name] = PolicyLoss(fn, token_level, scales_with_advantage)
         return fn
 
     return decorator

@@ -76,7 +76,8 @@ def test_traits_say_what_each_estimator_needs_and_where_the_kl_goes():
     t = ADV_ESTIMATOR_TRAITS
     assert t["gae"].needs_values and t["gae"].gives_returns and t["gae"].takes_kl_in_reward
     assert not any(t[n].needs_values or t[n].gives_returns for n in ("grpo", "rloo", "reinforce_plus_plus"))
-    assert [n for n in sorted(t) if t[n].needs_groups] == ["grpo", "reinforce_plus_plus_baseline", "rloo"]
+    assert [n for n in sorted(t) if t[n].needs_groups] == ["gpg", "grpo", "grpo_passk", "opo",
+                                                            "reinforce_plus_plus_baseline", "rloo"]
 
     def config(algorithm, estimator, in_reward):
         return SimpleNamespace(algorithm=algorithm, trainer=SimpleNamespace(adv_estimator=estimator,

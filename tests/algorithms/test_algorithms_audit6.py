@@ -213,7 +213,8 @@ def ours_and_verl(name, lp, old, adv, mask):
     )
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+# verl's gpg, clip_cov and kl_cov: tests/algorithms/test_verl_estimators_and_losses.py
+@pytest.mark.parametrize("name", ["cispo", "gspo", "sapo", "vanilla"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_policy_loss_against_verl_value_and_gradient(name, seed):
     lp, old, _, adv, mask = batch(seed, spread=3e-4 if name == "gspo" else 0.3)
