@@ -9,6 +9,16 @@ from __future__ import annotations
 import os
 
 from . import model_checks as M
+from .algorithm_checks import (
+    check_adv_estimator,
+    check_advantage_scaling,
+    check_filter_groups,
+    check_group_size,
+    check_kl_target,
+    check_policy_loss,
+    check_tis,
+    check_top_entropy_quantile,
+)
 from .deepspeed_checks import check_extra
 from .errors import ConfigError
 from .errors import positive as _positive
@@ -137,7 +147,6 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
             raise ConfigError(f"{prefix}.{name}", f"needs {prefix}.wandb (offline or online), which is off")
 
 
-
 def _validate_train(c: TrainConfig, base: str):
     _check_seed(c.seed)
     actor = _check_model(c.model, base, "train")
@@ -188,7 +197,7 @@ def _validate_train(c: TrainConfig, base: str):
     ro = c.rollout
     _positive(ro.n, "rollout.n")
     if c.algorithm == "grpo" and c.trainer.adv_estimator == "auto":
-        _check_group_size("grpo", ro.n)
+        check_group_size("grpo", ro.n)
     check_rollout(c, actor)
     tokens, tokens_key, tokens_sum = context_of(c)
     for key, folder in (("model.path", actor), ("reference.path", reference), ("critic.path", critic),
@@ -212,9 +221,9 @@ def _validate_train(c: TrainConfig, base: str):
     _positive(t.minibatch_size, "trainer.minibatch_size")
     _positive(t.ppo_epochs, "trainer.ppo_epochs")
     if t.policy_loss != "vanilla" or t.policy_loss_args:  # the default needs no torch import
-        _check_policy_loss(t)
+        check_policy_loss(t)
     if t.adv_estimator != "auto":  # auto (gae or grpo, by the algorithm) needs no torch import
-        _check_adv_estimator(c)
+        check_adv_estimator(c)
     rollout_batch = c.rollout_batch_size
     if rollout_batch % t.minibatch_size:
         raise ConfigError("trainer.minibatch_size", f"{t.minibatch_size} does not divide the rollout batch of "
@@ -228,7 +237,7 @@ def _validate_train(c: TrainConfig, base: str):
     if t.dual_clip is not None and t.dual_clip <= 1.0:
         raise ConfigError("trainer.dual_clip", f"must be > 1 (or null), got {t.dual_clip}")
     _positive(t.kl_coef, "trainer.kl_coef", strict=False)
-    _check_kl_target(t, rollout_batch)
+    check_kl_target(t, rollout_batch)
     _positive(t.critic_warmup_steps, "trainer.critic_warmup_steps", strict=False)
     if t.critic_warmup_steps and c.algorithm != "ppo":
         raise ConfigError("trainer.critic_warmup_steps", f"warms up PPO's critic; algorithm {c.algorithm} has none")
@@ -242,7 +251,9 @@ def _validate_train(c: TrainConfig, base: str):
             raise ConfigError(f"trainer.{name}", f"must be in [0, 1], got {value}")
     _positive(t.vf_clip, "trainer.vf_clip")
     _positive(t.vf_coef, "trainer.vf_coef", strict=False)
-    _check_tis(t)
+    check_tis(t)
+    check_top_entropy_quantile(t)
+    check_advantage_scaling(t)
     if t.share_prompts and not t.packing:
         raise ConfigError("trainer.share_prompts",
                           "needs trainer.packing: true (prompts are shared within a packed row)")
@@ -253,78 +264,10 @@ def _validate_train(c: TrainConfig, base: str):
                                                          "sizes the no-grad passes too; set one of them")
     _positive(t.max_sampling_rounds, "trainer.max_sampling_rounds")
     if t.filter_groups:
-        _check_filter_groups(c)
+        check_filter_groups(c)
     _validate_eval(c, base)
     _check_deepspeed(c.deepspeed, c.model)
     return {"model.path": actor, "reference.path": reference, "critic.path": critic}
-
-
-def _check_policy_loss(t) -> None:
-    """The policy loss by its registered name, and its options (numbers, as the loader made sure) by its own
-    arguments and checks."""
-    import torch
-
-    from fastrlhf.algorithms import POLICY_LOSSES, policy_loss_options
-
-    if t.policy_loss not in POLICY_LOSSES:
-        raise ConfigError("trainer.policy_loss", f"unknown policy loss {t.policy_loss!r}; registered: "
-                                                 f"{', '.join(sorted(POLICY_LOSSES))}")
-    options = policy_loss_options(t.policy_loss)
-    for key in t.policy_loss_args:
-        if key not in options:
-            takes = f"its options: {', '.join(sorted(options))}" if options else "it takes none"
-            raise ConfigError(f"trainer.policy_loss_args.{key}",
-                              f"is not an option of policy loss {t.policy_loss} ({takes})")
-    if t.policy_loss_args:  # the loss's own checks of its options, on one sequence of one token
-        one = torch.ones(1, 1)
-        try:
-            POLICY_LOSSES[t.policy_loss].fn(one, one, one, one, clip_low=t.clip_low, clip_high=t.clip_high,
-                                            dual_clip=t.dual_clip, **t.policy_loss_args)
-        except ValueError as err:
-            raise ConfigError("trainer.policy_loss_args", str(err)) from None
-
-
-def _check_tis(t) -> None:
-    _positive(t.tis_cap, "trainer.tis_cap")
-    _positive(t.tis_floor, "trainer.tis_floor")
-    if t.tis_cap is None:
-        for name, default in (("tis_level", "token"), ("tis_mode", "truncate"), ("tis_floor", None)):
-            if getattr(t, name) != default:
-                raise ConfigError(f"trainer.{name}", "shapes the importance weights that trainer.tis_cap turns on; "
-                                                     "set trainer.tis_cap too")
-    if t.tis_floor is not None:
-        if t.tis_mode != "mask":
-            raise ConfigError("trainer.tis_floor", "bounds trainer.tis_mode: mask from below; truncate caps only")
-        if t.tis_floor >= t.tis_cap:
-            raise ConfigError("trainer.tis_floor", f"must be below trainer.tis_cap ({t.tis_cap}), got {t.tis_floor}")
-
-
-def _check_kl_target(t, rollout_batch: int) -> None:
-    _positive(t.kl_target, "trainer.kl_target")
-    _positive(t.kl_horizon, "trainer.kl_horizon")
-    if t.kl_target is None:
-        return
-    from fastrlhf.algorithms.kl_control import KL_ERROR_CLIP
-
-    if t.kl_horizon <= KL_ERROR_CLIP * rollout_batch:
-        # One step changes the coefficient by up to KL_ERROR_CLIP x rollout_batch / kl_horizon of itself.
-        raise ConfigError("trainer.kl_horizon", f"must be > {KL_ERROR_CLIP:g} x the {rollout_batch} completions of a "
-                                                f"step, got {t.kl_horizon}: one step could take the coefficient to 0 "
-                                                "or below")
-    if t.kl_coef == 0.0:
-        raise ConfigError("trainer.kl_target", "adapts trainer.kl_coef, its starting value, which is 0 (no KL term and "
-                                               "no reference model); set kl_coef > 0, e.g. 0.001")
-
-
-def _check_filter_groups(c) -> None:
-    from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS, adv_estimator_of
-
-    name = adv_estimator_of(c)
-    traits = ADV_ESTIMATOR_TRAITS.get(name)
-    if traits is None or not traits.needs_groups:
-        raise ConfigError("trainer.filter_groups", f"sets aside groups of equal scores, which only an estimator that "
-                                                   f"compares a group's completions ignores; {name} does not (use "
-                                                   "grpo, rloo or reinforce_plus_plus_baseline)")
 
 
 def _validate_eval(c: TrainConfig, base: str):
@@ -361,31 +304,6 @@ def _no_auto_micro_tokens(t: LoopConfig):
     if t.max_tokens_per_microbatch == "auto":
         raise ConfigError("trainer.max_tokens_per_microbatch", "auto is decided by the memory plan of `fastrlhf "
                                                                "train`; here set a number of tokens or null")
-
-
-def _check_adv_estimator(c) -> None:
-    """A registered ``trainer.adv_estimator`` that the algorithm can run: values only with PPO's critic, returns
-    for it to train on, groups of ``rollout.n >= 2`` where it compares completions of a prompt."""
-    from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS, ADV_ESTIMATORS
-
-    name = c.trainer.adv_estimator
-    if name not in ADV_ESTIMATORS:
-        raise ConfigError("trainer.adv_estimator", f"unknown advantage estimator {name!r}; registered: "
-                                                   f"{', '.join(sorted(ADV_ESTIMATORS))} (or auto)")
-    traits = ADV_ESTIMATOR_TRAITS[name]
-    if traits.needs_values and c.algorithm != "ppo":
-        raise ConfigError("trainer.adv_estimator", f"{name} needs a critic's values: algorithm ppo")
-    if traits.gives_returns is False and c.algorithm == "ppo":
-        raise ConfigError("trainer.adv_estimator", f"{name} gives no returns for algorithm ppo's critic to train on; "
-                                                   "run it with algorithm grpo (no critic)")
-    if traits.needs_groups:
-        _check_group_size(name, c.rollout.n)
-
-
-def _check_group_size(estimator: str, n: int) -> None:
-    if n < 2:
-        raise ConfigError("rollout.n", f"{estimator} compares completions within a group and needs rollout.n >= 2, "
-                                       f"got {n}")
 
 
 def _validate_sft(c: SFTConfig, base: str):

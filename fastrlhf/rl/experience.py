@@ -59,6 +59,9 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # truncated importance-sampling weights (tis_cap)
+    # [B, T] the old policy's per-token entropy, from the old-logprob pass to the step's entropy threshold
+    # (trainer.top_entropy_quantile, fastrlhf.rl.entropy_mask), which releases it; None otherwise
+    entropy: torch.Tensor | None = None
     # Host-side token counts of each row (known from the rollout: grouping and packing read them,
     # never the device); None: counted once from the masks by :meth:`with_lengths`.
     prompt_lens: list[int] | None = None

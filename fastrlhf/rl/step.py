@@ -25,7 +25,9 @@ reward_nonfinite (NaN/inf rewards: the step is skipped), reward/<name> (each tex
 the step used, with ``trainer.kl_target``), critic_warmup (1 on a step that trained the critic alone), entropy,
 rollout_entropy, policy_loss, value_loss, clipfrac, approx_kl, logprob_mismatch_mean/max (|actor
 recomputed - engine|), tis_weight_mean and tis_outside_fraction (completion tokens whose importance ratio
-lay beyond ``tis_cap`` / ``tis_floor``), advantage_mean, grad_norm, generated_tokens (with
+lay beyond ``tis_cap`` / ``tis_floor``), entropy_kept_fraction and entropy_threshold (``top_entropy_quantile``:
+the share of the trained tokens whose policy term trained, and its entropy bound: ``rl/entropy_mask.py``),
+advantage_mean, grad_norm, generated_tokens (with
 ``trainer.filter_groups``: of every sampling round, as are ``sampling/*``: see ``rl/dynamic_sampling.py``),
 tokens_per_second, time/generate, time/score, time/reward, time/train, time/sync, step_time,
 sync_bytes, skipped (this step) and skipped_steps (total), rank_tokens and rank_tokens_max (real
@@ -62,6 +64,7 @@ from fastrlhf.algorithms import (
 )
 from fastrlhf.engine.device import to_device
 from fastrlhf.engine.guards import StepGuard
+from fastrlhf.rl.entropy_mask import keep_high_entropy_tokens
 from fastrlhf.rl.experience import Experience, build_experience
 from fastrlhf.rl.forward import (
     critic_loss,
@@ -72,7 +75,7 @@ from fastrlhf.rl.forward import (
     unwrap,
 )
 from fastrlhf.rl.step_metrics import StepClock, logprob_mismatch, probe_rows, reduce_step_metrics
-from fastrlhf.rl.update import Minibatch, as_learner, minibatch_order, run_updates
+from fastrlhf.rl.update import Minibatch, as_learner, minibatch_order, on_policy_update, run_updates
 from fastrlhf.rollout.episodes import PREFIX_CACHE_HIT, with_prefix_cache_hit
 
 __all__ = ["RLStep", "empty_device_cache", "forward_micro_batch_size", "micro_batch_size", "on_policy_update",
@@ -96,11 +99,13 @@ def skips_old_logprobs(config) -> bool:
     With one optimizer step per rollout batch (one epoch, one minibatch) the parameters the update
     starts from ARE the old policy, so old = the update's own logprobs, detached (ratio 1, as TRL
     and verl do): a whole forward pass saved. Not with TIS (its weights compare the trainer's old
-    logprobs with the engine's) nor with PPO's KL-shaped rewards (they need the old logprobs first).
+    logprobs with the engine's) nor with PPO's KL-shaped rewards (they need the old logprobs first), nor with
+    ``top_entropy_quantile`` (its threshold over the whole batch needs the pass's entropies before the update).
     """
     t = config.trainer
     single_update = t.ppo_epochs == 1 and t.minibatch_size == config.rollout_batch_size
-    return (t.old_logprobs == "auto" and single_update and t.tis_cap is None and not kl_in_reward(config))
+    return (t.old_logprobs == "auto" and single_update and t.tis_cap is None and not kl_in_reward(config)
+            and t.top_entropy_quantile == 1.0)
 
 
 class RLStep:
@@ -179,7 +184,10 @@ class RLStep:
             if self.critic is not None and exp.returns is None:
                 raise _no_returns_error(name)
             prep["advantage_mean"] = masked_mean(exp.advantages, exp.response_mask)
-            # Decided by all ranks together, before any parameter moves: the score stage's one host read.
+            if exp.entropy is not None:  # trainer.top_entropy_quantile (rl/entropy_mask.py)
+                prep.update(keep_high_entropy_tokens(exp, self.config.trainer.top_entropy_quantile))
+            # Decided by all ranks together, before any parameter moves: the score stage's one host read (with
+            # top_entropy_quantile on several ranks the second: its gather's size, once every pass is queued).
             inputs_ok = self.check_scored(exp, prep)
         with clock("train"):
             train = self.update(exp, step) if inputs_ok else {}
@@ -312,6 +320,7 @@ class RLStep:
             exp.old_logprobs, old_entropy = sequence_logprobs(self.actor.module, exp, groups=groups, **lp_kwargs)
             metrics.update(logprob_mismatch(exp.old_logprobs, exp.engine_logprobs, mask),
                            rollout_entropy=masked_mean(old_entropy, mask))
+            exp.entropy = old_entropy if t.top_entropy_quantile < 1.0 else None
         else:
             probe = exp.select(probe_rows(exp.token_parts(), self.config.rollout.mismatch_probe))
             actor_logprobs, _ = sequence_logprobs(self.actor.module, probe, groups=self.forward_groups(probe, micro),
@@ -456,20 +465,6 @@ class RLStep:
             stats = sync_weights(source, self.rollout, bucket_bytes=bucket)
         self.rollout.wake_up(("kv_cache",))
         return {"sync_bytes": float(stats.bytes), "sync_buckets": float(stats.num_buckets)}
-
-
-def on_policy_update(exp: Experience, order: list[Minibatch]) -> Experience:
-    """The batch the actor's update trains on. One optimizer step: it starts from the policy that scored the old
-    logprobs, so its own logprobs, detached, are the old ones (ratio exactly 1, as verl's ``on_policy``); recomputed
-    ones (``tis_cap``, ``kl_in_reward``, ``old_logprobs: recompute``) differ from them by the update's dropout and by
-    rounding where the passes batch differently, which a tight clip (GSPO's 3e-4) turns into clipped tokens with no
-    gradient. More steps need the recomputed ones: each later minibatch's own would hide the steps before it."""
-    if len(order) == 1:
-        return dataclasses.replace(exp, old_logprobs=None)
-    if exp.old_logprobs is None:
-        raise ValueError(f"the update takes {len(order)} optimizer steps (trainer.minibatch_size, trainer.ppo_epochs) "
-                         "but the batch has no old logprobs: every step after the first would be unclipped")
-    return exp
 
 
 def _no_returns_error(estimator: str):

@@ -31,7 +31,7 @@ from fastrlhf.engine.guards import StepGuard, grads_finite
 from fastrlhf.rl.experience import Experience, split_batch
 
 __all__ = ["DeepSpeedLearner", "Minibatch", "TorchLearner", "UpdateResult", "as_learner", "minibatch_order",
-           "run_updates"]
+           "on_policy_update", "run_updates"]
 
 
 class TorchLearner:
@@ -240,3 +240,17 @@ def run_updates(learner, exp: Experience, loss_fn: Callable, order: list[Minibat
     result["empty_minibatches"] = float(empty)
     result["aborted"] = aborted
     return result
+
+
+def on_policy_update(exp: Experience, order: list[Minibatch]) -> Experience:
+    """The batch the actor's update trains on. One optimizer step: it starts from the policy that scored the old
+    logprobs, so its own logprobs, detached, are the old ones (ratio exactly 1, as verl's ``on_policy``); recomputed
+    ones (``tis_cap``, ``kl_in_reward``, ``old_logprobs: recompute``) differ from them by the update's dropout and by
+    rounding where the passes batch differently, which a tight clip (GSPO's 3e-4) turns into clipped tokens with no
+    gradient. More steps need the recomputed ones: each later minibatch's own would hide the steps before it."""
+    if len(order) == 1:
+        return replace(exp, old_logprobs=None)
+    if exp.old_logprobs is None:
+        raise ValueError(f"the update takes {len(order)} optimizer steps (trainer.minibatch_size, trainer.ppo_epochs) "
+                         "but the batch has no old logprobs: every step after the first would be unclipped")
+    return exp

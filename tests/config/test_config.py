@@ -101,7 +101,7 @@ def test_valid_grpo_config_has_defaults(paths):
         ({"model": {"gradient_checkpointing": True, "checkpoint_layers": 0}}, "model.checkpoint_layers", "> 0"),
         ({"trainer": {"dual_clip": 0.5}}, "trainer.dual_clip", "> 1"),
         ({"trainer": {"filter_groups": True, "adv_estimator": "reinforce_plus_plus"}}, "trainer.filter_groups",
-         "reinforce_plus_plus does not (use grpo, rloo or reinforce_plus_plus_baseline)"),
+         "reinforce_plus_plus does not (use gpg, grpo, grpo_passk, opo, reinforce_plus_plus_baseline, rloo)"),
         ({"trainer": {"max_sampling_rounds": 0}}, "trainer.max_sampling_rounds", "> 0"),
         ({"trainer": {"profile_step": 0}}, "trainer.profile_step", "> 0"),
         ({"trainer": {"profile_step": 1.5}}, "trainer.profile_step", "expected an integer"),
@@ -114,7 +114,12 @@ def test_valid_grpo_config_has_defaults(paths):
         ({"trainer": {"tis_mode": "mask"}}, "trainer.tis_mode", "set trainer.tis_cap too"),
         ({"trainer": {"tis_level": "sequence"}}, "trainer.tis_level", "set trainer.tis_cap too"),
         ({"trainer": {"tis_level": "sentence", "tis_cap": 2.0}}, "trainer.tis_level", "'token' | 'sequence'"),
-        ({"trainer": {"tis_cap": 2.0, "tis_floor": 0.5}}, "trainer.tis_floor", "truncate caps only"),
+        ({"trainer": {"tis_cap": 2.0, "tis_floor": 2.5}}, "trainer.tis_floor",
+         "must be below trainer.tis_cap (2.0), got 2.5"),
+        ({"trainer": {"tis_cap": 2.0, "policy_loss": "kl_cov"}}, "trainer.tis_cap",
+         "acts on each token's policy term through its advantage, which policy loss kl_cov does not scale with"),
+        ({"trainer": {"top_entropy_quantile": 0.2, "policy_loss": "clip_cov"}}, "trainer.top_entropy_quantile",
+         "which policy loss clip_cov does not scale with"),
         ({"trainer": {"tis_cap": 2.0, "tis_mode": "mask", "tis_floor": 2.0}}, "trainer.tis_floor",
          "must be below trainer.tis_cap (2.0), got 2.0"),
         ({"trainer": {"tis_cap": 2.0, "tis_mode": "mask", "tis_floor": 0.0}}, "trainer.tis_floor", "> 0"),
@@ -278,7 +283,7 @@ def test_policy_loss(paths):
     assert parse_config(grpo(paths, trainer={"policy_loss": "gspo"})).trainer.policy_loss == "gspo"
     assert error_of(grpo(paths, trainer={"policy_loss": ""})).key == "trainer.policy_loss"
     assert error_of(grpo(paths, trainer={"policy_loss": 3})).key == "trainer.policy_loss"
-    assert "unknown policy loss 'ppo2'; registered: cispo, gspo, sapo, vanilla" in str(
+    assert "unknown policy loss 'ppo2'; registered: cispo, clip_cov, gpg, gspo, kl_cov, sapo, vanilla" in str(
         error_of(grpo(paths, trainer={"policy_loss": "ppo2"})))
 
 
@@ -429,7 +434,7 @@ def test_an_import_that_raises_names_the_line_of_the_users_file(paths, plugin, t
 
 def test_adv_estimator_names_a_registered_one(paths):
     unknown = error_of(grpo(paths, trainer={"adv_estimator": "nope"}))
-    assert ("unknown advantage estimator 'nope'; registered: gae, grpo, reinforce_plus_plus, "
+    assert ("unknown advantage estimator 'nope'; registered: gae, gpg, grpo, grpo_passk, opo, reinforce_plus_plus, "
             "reinforce_plus_plus_baseline, rloo (or auto)") in str(unknown)
     assert str(error_of(grpo(paths, trainer={"adv_estimator": "gae"}))) == ("trainer.adv_estimator: gae needs a "
                                                                            "critic's values: algorithm ppo")
