@@ -156,7 +156,8 @@ def test_the_mirrors_agree_with_the_step(folders):
     base = gpu_grpo(actor, 2)
     single = dict(minibatch_size=1024, grad_accum=16)
     cases = [{}, single, {**single, "kl_coef": 0.0}, {**single, "tis_cap": 2.0},
-             {**single, "old_logprobs": "recompute"}, {**single, "ppo_epochs": 2}, {"forward_micro_batch": 3}]
+             {**single, "old_logprobs": "recompute"}, {**single, "ppo_epochs": 2}, {"forward_micro_batch": 3},
+             {**single, "top_entropy_quantile": 0.2}]
     for changes in cases:
         for algorithm in ("grpo", "ppo"):
             config = dataclasses.replace(with_trainer(base, **changes), algorithm=algorithm,
