@@ -82,14 +82,15 @@ def test_logprob_entropy_at_v151936(where, backend, dtype, temperature):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_fused_policy_loss_at_v151936(where, backend, dtype):
+@pytest.mark.parametrize("kl_kind", ["k3", "k3+"])  # k3+: verl's straight-through kind, k2's gradient
+def test_fused_policy_loss_at_v151936(where, backend, dtype, kl_kind):
     d, _ = case(where, dtype, sizes(where)[0])
     logits = leaf(d["logits"], dtype)
     loss, _ = fused_policy_loss(logits, d["labels"], d["old"], d["adv"], d["mask"], ref_logprobs=d["ref"],
-                                temperature=0.7, backend=backend, **LOSS)
+                                temperature=0.7, backend=backend, **{**LOSS, "kl_kind": kl_kind})
     got = grads(loss, [logits])
     ref = leaf(logits.detach().double(), torch.float64)
-    want_loss = reference_loss(ref, d, temperature=0.7)
+    want_loss = reference_loss(ref, d, temperature=0.7, kl_kind=kl_kind)
     want = grads(want_loss, [ref])
     close(loss.detach(), want_loss.detach(), dtype, "loss")
     close(got[0], want[0], dtype, "grad of the logits")
@@ -127,14 +128,14 @@ def test_fused_linear_paths_at_v151936(where, backend, paths, dtype):
         close(a, e, dtype, f"grad of the {name}")
 
 
-def reference_loss(logits, d, temperature):
+def reference_loss(logits, d, temperature, kl_kind=LOSS["kl_kind"]):
     """``fastrlhf.algorithms``' actor loss (policy term + KL - entropy bonus), aggregated by token mean."""
     lp = A.logprobs_from_logits(logits, d["labels"], temperature)
     ent = A.entropy_from_logits(logits, temperature)
     loss, _, _ = A.actor_loss_per_token(lp, ent, d["old"].double(), d["adv"].double(), d["mask"].double(),
                                         d["ref"].double(), policy_loss="vanilla", clip_low=LOSS["clip_low"],
                                         clip_high=LOSS["clip_high"], dual_clip=None, kl_coef=LOSS["kl_coef"],
-                                        kl_kind=LOSS["kl_kind"], entropy_coef=LOSS["entropy_coef"])
+                                        kl_kind=kl_kind, entropy_coef=LOSS["entropy_coef"])
     return A.aggregate_loss(loss, d["mask"].double(), "token-mean")
 
 

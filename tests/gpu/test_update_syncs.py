@@ -87,8 +87,10 @@ class CheckedStep(RLStep):
 
 
 @pytest.mark.slow
-# unpadded: prompts of one length, completions all at the token limit (fastrlhf.sequences.masks)
-@pytest.mark.parametrize("layout", ["padded", "packed", "shared", "unpadded"])
+# unpadded: prompts of one length, completions all at the token limit (fastrlhf.sequences.masks); entropy-mask:
+# padded, with TRL's top_entropy_quantile (its threshold over the step's tokens, fastrlhf.rl.entropy_mask) and
+# verl's straight-through k3+ in the fused loss
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared", "unpadded", "entropy-mask"])
 def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
     D.init_distributed(timeout_s=120)
     device = torch.device(where, torch.cuda.current_device()) if where == "cuda" else torch.device("cpu")
@@ -96,7 +98,8 @@ def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
     n, prompts_per_step = 4, 4
     packing, shared = layout in ("packed", "shared"), layout == "shared"
     trainer = TrainerConfig(max_steps=1, prompts_per_step=prompts_per_step, minibatch_size=8, grad_accum=2,
-                            ppo_epochs=1, kl_coef=0.01, packing=packing, share_prompts=shared, lr=1e-6)  # 2 steps
+                            ppo_epochs=1, kl_coef=0.01, packing=packing, share_prompts=shared, lr=1e-6,  # 2 steps
+                            **(dict(top_entropy_quantile=0.2, kl_kind="k3+") if layout == "entropy-mask" else {}))
     config = TrainConfig(output_dir="unused", model=ModelConfig(path="unused", gradient_checkpointing=True),
                          data=DataConfig(prompts="unused"), trainer=trainer, algorithm="grpo",
                          rollout=RolloutConfig(n=n, max_new_tokens=32 if where == "cuda" else 8,
@@ -129,3 +132,5 @@ def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
         # Outside it, one read before the update (its inputs' check) and one of the step's metrics.
         assert step.step_reads == [INPUTS_READ, DECISION, DECISION, METRICS_READ], (n_step, step.step_reads)
         assert metrics["grad_norm"] > 0 and metrics["policy_loss"] == metrics["policy_loss"], metrics
+        if layout == "entropy-mask":
+            assert 0.15 <= metrics["entropy_kept_fraction"] <= 0.3, metrics
