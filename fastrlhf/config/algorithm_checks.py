@@ -9,7 +9,7 @@ from .errors import ConfigError
 from .errors import positive as _positive
 
 __all__ = ["check_adv_estimator", "check_advantage_scaling", "check_filter_groups", "check_group_size",
-           "check_kl_target", "check_policy_loss", "check_tis", "check_top_entropy_quantile"]
+           "check_kl_in_reward", "check_kl_target", "check_policy_loss", "check_tis", "check_top_entropy_quantile"]
 
 
 def check_policy_loss(t) -> None:
@@ -76,6 +76,29 @@ def check_advantage_scaling(t) -> None:
         raise ConfigError(on[0], f"acts on each token's policy term through its advantage, which policy loss "
                                  f"{t.policy_loss} does not scale with (it picks tokens by their advantages or has a "
                                  f"term of its own): use another policy loss, or leave {on[0]} unset")
+
+
+def check_kl_in_reward(c) -> None:
+    """``trainer.kl_in_reward`` with an estimator that takes no token rewards (GRPO's and the other group estimators,
+    which read each completion's score alone) would leave the KL in the loss, a different objective than asked for
+    (an OpenRLHF ``group_norm`` run with its KL in the rewards): refused while a KL term is on."""
+    t = c.trainer
+    if not t.kl_in_reward or t.kl_coef == 0.0:
+        return
+    if t.adv_estimator == "auto":
+        name, takes = ("gae", True) if c.algorithm == "ppo" else ("grpo", False)  # no torch import for the defaults
+    else:
+        from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS
+
+        traits = ADV_ESTIMATOR_TRAITS.get(t.adv_estimator)
+        name, takes = t.adv_estimator, traits is None or traits.takes_kl_in_reward
+    if not takes:
+        from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS
+
+        takers = sorted(n for n, tr in ADV_ESTIMATOR_TRAITS.items() if tr.takes_kl_in_reward)
+        raise ConfigError("trainer.kl_in_reward", f"advantage estimator {name} takes no token rewards, so the KL would "
+                                                  f"stay in the loss: set kl_in_reward false (the KL in the loss), or "
+                                                  f"an estimator that takes it ({', '.join(takers)})")
 
 
 def check_kl_target(t, rollout_batch: int) -> None:

@@ -14,6 +14,7 @@ from .algorithm_checks import (
     check_advantage_scaling,
     check_filter_groups,
     check_group_size,
+    check_kl_in_reward,
     check_kl_target,
     check_policy_loss,
     check_tis,
@@ -126,6 +127,8 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
     _positive(t.grad_accum, f"{prefix}.grad_accum")
     _positive(t.weight_decay, f"{prefix}.weight_decay", strict=False)
     _positive(t.warmup_steps, f"{prefix}.warmup_steps", strict=False)
+    if not 0.0 <= t.min_lr_ratio <= 1.0:  # NaN too
+        raise ConfigError(f"{prefix}.min_lr_ratio", f"must be in [0, 1] (of {prefix}.lr), got {t.min_lr_ratio}")
     _positive(t.max_grad_norm, f"{prefix}.max_grad_norm")
     _positive(t.loss_chunk_size, f"{prefix}.loss_chunk_size")
     _positive(t.loss_chunk_bytes, f"{prefix}.loss_chunk_bytes")
@@ -238,6 +241,7 @@ def _validate_train(c: TrainConfig, base: str):
         raise ConfigError("trainer.dual_clip", f"must be > 1 (or null), got {t.dual_clip}")
     _positive(t.kl_coef, "trainer.kl_coef", strict=False)
     check_kl_target(t, rollout_batch)
+    check_kl_in_reward(c)
     _positive(t.critic_warmup_steps, "trainer.critic_warmup_steps", strict=False)
     if t.critic_warmup_steps and c.algorithm != "ppo":
         raise ConfigError("trainer.critic_warmup_steps", f"warms up PPO's critic; algorithm {c.algorithm} has none")
