@@ -181,7 +181,11 @@ class LoopConfig:
     grad_accum: int = 1
     lr: float = 1.0e-5
     weight_decay: float = 0.0
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # optimizer steps of linear warmup
+    # After warmup: constant, or decayed over the run's optimizer steps to min_lr_ratio x lr, linearly (TRL's
+    # default) or on a half cosine (OpenRLHF's cosine_with_min_lr, verl's cosine)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
     loss_chunk_size: int | None = None  # tokens per fused-loss chunk; null: from loss_chunk_bytes
     loss_chunk_bytes: int | None = None  # fp32 logits per chunk; null: 64 MiB on CPU, 1 GiB on GPU (free-memory cap)

@@ -7,6 +7,8 @@ the weights) come through the one switch :func:`fastrlhf.engine.platform.cpu_too
 from __future__ import annotations
 
 import copy
+import functools
+import math
 
 from fastrlhf.config.precision import fp32_grad_accumulation, refuse_fp16, trained_zero_stage
 
@@ -61,17 +63,27 @@ def deepspeed_config(ds, micro_batch_size: int = 1, grad_accum: int = 1, max_gra
     return deep_merge(config, ds.extra or {})
 
 
-def _warmup(warmup_steps: int):
-    def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-
-    return factor
+def lr_factor(step: int, warmup_steps: int = 0, schedule: str = "constant", total_steps: int | None = None,
+              min_ratio: float = 0.0) -> float:
+    """The learning rate of optimizer step ``step`` (from 0) over the peak: linear warmup to 1 over ``warmup_steps``
+    (the first step at ``1 / warmup_steps``), then ``trainer.lr_schedule`` over the rest of ``total_steps``: 1
+    (constant), or from 1 down towards ``min_ratio`` at ``total_steps``, linearly (transformers' linear schedule,
+    TRL's) or on a half cosine."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps is None or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
 
 
 def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_steps: int = 0,
                        micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float | None = None,
-                       guard=None):
-    """A trainable DeepSpeed engine (ZeRO ``ds.zero_stage``) with a guarded torch AdamW and linear warmup."""
+                       guard=None, lr_schedule: str = "constant", total_steps: int | None = None,
+                       min_lr_ratio: float = 0.0):
+    """A trainable DeepSpeed engine (ZeRO ``ds.zero_stage``) with a guarded torch AdamW, linear warmup and the
+    decay of :func:`lr_factor` over ``total_steps`` optimizer steps."""
     import deepspeed
     import torch
 
@@ -91,7 +103,9 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
     clip_in_optimizer = trained_zero_stage(ds) == 0
     optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, guard=guard,
                              max_grad_norm=(max_grad_norm or float("inf")) if clip_in_optimizer else None)
-    scheduler = GuardedLambdaLR(optimizer, _warmup(warmup_steps), guard)
+    scheduler = GuardedLambdaLR(optimizer, functools.partial(
+        lr_factor, warmup_steps=warmup_steps, schedule=lr_schedule, total_steps=total_steps, min_ratio=min_lr_ratio),
+        guard)
     config = deepspeed_config(ds, micro_batch_size, grad_accum, None if clip_in_optimizer else max_grad_norm,
                               trainable=True)
     from fastrlhf.engine.platform import cpu_tools

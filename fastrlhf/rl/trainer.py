@@ -48,9 +48,13 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     pad_id = pad_token_id(actor.config)
     # A ZeRO-3 partitioned parameter reports numel() 0; ds_numel is its full size.
     num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in {id(p): p for p in actor.parameters()}.values())
-    actor_engine = build_train_engine(actor, ds, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
-                                      micro_batch_size=micro, grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm,
-                                      guard=guard)
+    # Optimizer steps over the run, for trainer.lr_schedule: each step's minibatches times its epochs (the actor's
+    # not during the critic's warmup)
+    per_step = t.ppo_epochs * (config.rollout_batch_size // t.minibatch_size)
+    schedule = dict(lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio, warmup_steps=t.warmup_steps)
+    actor_engine = build_train_engine(actor, ds, lr=t.lr, weight_decay=t.weight_decay, micro_batch_size=micro,
+                                      grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm, guard=guard,
+                                      total_steps=(t.max_steps - t.critic_warmup_steps) * per_step, **schedule)
     stateful = {"actor": actor_engine}
     device = actor_engine.device  # where DeepSpeed put the actor: every batch tensor lives there
 
@@ -71,8 +75,8 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
         if resume:
             critic_as_saved(critic_model, config.output_dir, config.model.lora_r > 0)
         critic = build_train_engine(critic_model, ds, lr=config.critic.lr, weight_decay=t.weight_decay,
-                                    warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
-                                    max_grad_norm=t.max_grad_norm, guard=guard)
+                                    micro_batch_size=micro, grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm,
+                                    guard=guard, total_steps=t.max_steps * per_step, **schedule)
         stateful["critic"] = critic
 
     reward_model = _reward_model(config, device) if config.reward.model_path else None

@@ -144,7 +144,8 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
     apply_matmul_precision(config)
     engine = build_train_engine(job.model, config.deepspeed, lr=t.lr, weight_decay=t.weight_decay,
                                 warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
-                                max_grad_norm=t.max_grad_norm, guard=guard)
+                                max_grad_norm=t.max_grad_norm, guard=guard, lr_schedule=t.lr_schedule,
+                                total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
     sampler = EpochSampler(len(job.examples), seed=config.seed)
     stateful = {"model": engine, "sampler": sampler, "guard": guard}
 

@@ -103,6 +103,15 @@ def test_valid_grpo_config_has_defaults(paths):
         ({"trainer": {"filter_groups": True, "adv_estimator": "reinforce_plus_plus"}}, "trainer.filter_groups",
          "reinforce_plus_plus does not (use gpg, grpo, grpo_passk, opo, reinforce_plus_plus_baseline, rloo)"),
         ({"trainer": {"max_sampling_rounds": 0}}, "trainer.max_sampling_rounds", "> 0"),
+        ({"trainer": {"min_lr_ratio": 1.5}}, "trainer.min_lr_ratio", "must be in [0, 1] (of trainer.lr), got 1.5"),
+        ({"trainer": {"lr_schedule": "step"}}, "trainer.lr_schedule", "'constant' | 'linear' | 'cosine'"),
+        # the KL would have stayed in the loss, silently (an OpenRLHF group_norm run ported with its KL in the rewards)
+        ({"trainer": {"kl_in_reward": True}}, "trainer.kl_in_reward",
+         "advantage estimator grpo takes no token rewards, so the KL would stay in the loss: set kl_in_reward false "
+         "(the KL in the loss), or an estimator that takes it (gae, reinforce_plus_plus, "
+         "reinforce_plus_plus_baseline)"),
+        ({"trainer": {"kl_in_reward": True, "adv_estimator": "grpo_passk"}}, "trainer.kl_in_reward",
+         "advantage estimator grpo_passk takes no token rewards"),
         ({"trainer": {"profile_step": 0}}, "trainer.profile_step", "> 0"),
         ({"trainer": {"profile_step": 1.5}}, "trainer.profile_step", "expected an integer"),
         ({"trainer": {"kl_target": 0.02, "kl_coef": 0.0}}, "trainer.kl_target", "which is 0 (no KL term"),
