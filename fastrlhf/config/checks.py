@@ -127,6 +127,9 @@ def _check_loop(t: LoopConfig, prefix: str = "trainer"):
     _positive(t.grad_accum, f"{prefix}.grad_accum")
     _positive(t.weight_decay, f"{prefix}.weight_decay", strict=False)
     _positive(t.warmup_steps, f"{prefix}.warmup_steps", strict=False)
+    if len(t.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in t.adam_betas):
+        raise ConfigError(f"{prefix}.adam_betas", f"must be two numbers in [0, 1), got {t.adam_betas}")
+    _positive(t.adam_eps, f"{prefix}.adam_eps")
     if not 0.0 <= t.min_lr_ratio <= 1.0:  # NaN too
         raise ConfigError(f"{prefix}.min_lr_ratio", f"must be in [0, 1] (of {prefix}.lr), got {t.min_lr_ratio}")
     _positive(t.max_grad_norm, f"{prefix}.max_grad_norm")

@@ -186,6 +186,8 @@ class LoopConfig:
     # default) or on a half cosine (OpenRLHF's cosine_with_min_lr, verl's cosine)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     min_lr_ratio: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's (OpenRLHF's default: 0.9, 0.95)
+    adam_eps: float = 1.0e-8
     max_grad_norm: float = 1.0
     loss_chunk_size: int | None = None  # tokens per fused-loss chunk; null: from loss_chunk_bytes
     loss_chunk_bytes: int | None = None  # fp32 logits per chunk; null: 64 MiB on CPU, 1 GiB on GPU (free-memory cap)

@@ -81,7 +81,7 @@ def lr_factor(step: int, warmup_steps: int = 0, schedule: str = "constant", tota
 def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_steps: int = 0,
                        micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float | None = None,
                        guard=None, lr_schedule: str = "constant", total_steps: int | None = None,
-                       min_lr_ratio: float = 0.0):
+                       min_lr_ratio: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
     """A trainable DeepSpeed engine (ZeRO ``ds.zero_stage``) with a guarded torch AdamW, linear warmup and the
     decay of :func:`lr_factor` over ``total_steps`` optimizer steps."""
     import deepspeed
@@ -101,7 +101,7 @@ def build_train_engine(model, ds, lr: float, weight_decay: float = 0.0, warmup_s
     # get_global_grad_norm() would report nothing; there the optimizer clips instead and keeps the
     # norm where the engine reads it. (Stages 1-3 and bf16 compute the norm themselves.)
     clip_in_optimizer = trained_zero_stage(ds) == 0
-    optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, guard=guard,
+    optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, guard=guard,
                              max_grad_norm=(max_grad_norm or float("inf")) if clip_in_optimizer else None)
     scheduler = GuardedLambdaLR(optimizer, functools.partial(
         lr_factor, warmup_steps=warmup_steps, schedule=lr_schedule, total_steps=total_steps, min_ratio=min_lr_ratio),

@@ -51,7 +51,8 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
     # Optimizer steps over the run, for trainer.lr_schedule: each step's minibatches times its epochs (the actor's
     # not during the critic's warmup)
     per_step = t.ppo_epochs * (config.rollout_batch_size // t.minibatch_size)
-    schedule = dict(lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio, warmup_steps=t.warmup_steps)
+    schedule = dict(lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio, warmup_steps=t.warmup_steps,
+                    betas=tuple(t.adam_betas), eps=t.adam_eps)
     actor_engine = build_train_engine(actor, ds, lr=t.lr, weight_decay=t.weight_decay, micro_batch_size=micro,
                                       grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm, guard=guard,
                                       total_steps=(t.max_steps - t.critic_warmup_steps) * per_step, **schedule)

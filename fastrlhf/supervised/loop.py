@@ -145,7 +145,8 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
     engine = build_train_engine(job.model, config.deepspeed, lr=t.lr, weight_decay=t.weight_decay,
                                 warmup_steps=t.warmup_steps, micro_batch_size=micro, grad_accum=t.grad_accum,
                                 max_grad_norm=t.max_grad_norm, guard=guard, lr_schedule=t.lr_schedule,
-                                total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
+                                total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio, betas=tuple(t.adam_betas),
+                                eps=t.adam_eps)
     sampler = EpochSampler(len(job.examples), seed=config.seed)
     stateful = {"model": engine, "sampler": sampler, "guard": guard}
 

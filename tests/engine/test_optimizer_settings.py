@@ -1,7 +1,7 @@
-"""``trainer.lr_schedule``: after the linear warmup the learning rate stays (constant), or decays over the run's
-optimizer steps to ``min_lr_ratio`` of ``trainer.lr``, linearly (TRL's default, transformers' linear schedule) or
-on a half cosine (OpenRLHF's ``cosine_with_min_lr``). There was no decay at all: a TRL or OpenRLHF recipe moved
-over trained at its peak rate to the end."""
+"""The optimizer's settings. ``trainer.lr_schedule``: after the linear warmup the learning rate stays (constant), or
+decays over the run's optimizer steps to ``min_lr_ratio`` of ``trainer.lr``, linearly (TRL's default, transformers'
+linear schedule) or on a half cosine (OpenRLHF's ``cosine_with_min_lr``); there was no decay at all, so a TRL or
+OpenRLHF recipe moved over trained at its peak rate to the end. ``trainer.adam_betas`` and ``adam_eps``."""
 
 import math
 import subprocess
@@ -59,3 +59,31 @@ def test_an_rl_run_decays_over_its_optimizer_steps(tmp_path):
     expected = [1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 2 * s / 8))) for s in (1, 2, 3, 4)]
     assert logged == pytest.approx(expected, rel=1e-6)
     assert logged[-1] == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_adams_betas_and_eps_reach_the_optimizer(zero_stage):
+    """``trainer.adam_betas`` / ``adam_eps`` (OpenRLHF trains with betas 0.9, 0.95): torch's defaults were fixed."""
+    from fastrlhf import distributed as D
+    from fastrlhf.config import DeepSpeedConfig
+    from fastrlhf.engine.deepspeed import build_train_engine
+    from fastrlhf.modeling.tiny import make_tiny_llama
+
+    D.init_distributed(timeout_s=60)
+    engine = build_train_engine(make_tiny_llama(vocab_size=32, hidden_size=32, num_layers=1).train(),
+                                DeepSpeedConfig(zero_stage=zero_stage), lr=1e-3, betas=(0.9, 0.95), eps=1e-6)
+    groups = engine.basic_optimizer.param_groups
+    assert {(tuple(g["betas"]), g["eps"]) for g in groups} == {((0.9, 0.95), 1e-6)}
+
+
+def test_adam_settings_are_checked():
+    from fastrlhf.config import ConfigError
+    from fastrlhf.config.checks import _check_loop
+    from fastrlhf.config.schema import SFTTrainerConfig
+
+    for bad, message in [({"adam_betas": [0.9]}, "trainer.adam_betas: must be two numbers in [0, 1), got [0.9]"),
+                         ({"adam_betas": [0.9, 1.0]}, "trainer.adam_betas: must be two numbers in [0, 1)"),
+                         ({"adam_eps": 0.0}, "trainer.adam_eps: must be > 0")]:
+        with pytest.raises(ConfigError) as info:
+            _check_loop(SFTTrainerConfig(max_steps=1, **bad))
+        assert str(info.value).startswith(message), str(info.value)
