@@ -254,8 +254,8 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
                       assistant_turns: str = "last", chat_template_kwargs: dict | None = None,
                       overlong: str = "error") -> list[SFTExample]:
     """SFT pairs: ``{"prompt_ids"/"prompt", "response_ids"/"response"}`` rows (TRL's ``completion`` for the
-    response: text, ids, or the assistant turn(s) after a ``prompt`` chat) or ``{"messages": [..., {"role":
-    "assistant", "content": ...}]}`` rows.
+    response: text, ids, or the assistant turn(s) after a ``prompt`` chat), ``{"messages": [..., {"role":
+    "assistant", "content": ...}]}`` rows, or TRL's language-modelling ``{"text": ...}`` rows (every token trains).
 
     A chat's prompt is the template of all its messages but the last, with the generation prompt; its
     response is the last (assistant) message's text, tokenized without special tokens, plus EOS (as a text
@@ -286,8 +286,7 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
             _check_template_on(chat_template, CHAT_FIELD)
             example = _assistant_turns(messages, tokenizer, vocab_size, assistant_turns)
         elif row.get("text") is not None and all(row.get(k) is None for k in (*SFT_FIELDS, CHAT_FIELD)):
-            raise _BadLine("field 'text' (a language-modelling row) has no prompt to train a response after: "
-                           "give 'prompt' with 'response' or 'completion', or a 'messages' chat")
+            example = _language_modelling(row, tokenizer, vocab_size)
         else:
             prompt, _ = _prompt(row, ("prompt_ids", "prompt"), tokenizer, vocab_size, chat_template)
             response = _tokens(row, ("response_ids", "response", "completion"), "response", tokenizer, vocab_size,
@@ -310,6 +309,16 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
                             if max_prompt_len is not None else ""))
     say_truncated(path, len(cut_rows), len(examples), max_len, max_prompt_len)
     return examples
+
+
+def _language_modelling(row: dict, tokenizer: LazyTokenizer, vocab_size: int | None) -> SFTExample:
+    """TRL's language-modelling row (``text``, its default ``dataset_text_field``): every token after the first
+    trains (the first has none before it to be predicted from), the text tokenized with the tokenizer's special
+    tokens (a BOS where it adds one) and EOS appended, as TRL's SFTTrainer does; no chat template."""
+    ids = _tokens(row, ("text",), "text", tokenizer, vocab_size, special=True, append_eos=True)
+    if len(ids) < 2:
+        raise _BadLine("field 'text' holds fewer than 2 tokens: nothing to train")
+    return SFTExample(ids[:1], ids[1:])
 
 
 # An SFT row's fields besides a chat: a pair as fastrlhf names it, or as TRL's prompt-completion datasets do

@@ -151,11 +151,26 @@ def test_trls_prompt_completion_rows_train_the_completion(chat_tokenizer, tmp_pa
     conversational, chat, standard, pair = load_sft_examples(path, 128, tokenizer_path=folder)
     assert conversational == chat and standard == pair
     assert tokenizer.decode(conversational.response_ids).startswith("four")
-    bad = write_rows(tmp_path / "t.jsonl", [{"text": "two plus two is four"}, {"completion": answer}])
+    bad = write_rows(tmp_path / "t.jsonl", [{"text": "two"}, {"completion": answer}])
     with pytest.raises(DataError) as e:
         load_sft_examples(bad, 128, tokenizer_path=folder)
-    assert "t.jsonl:1: field 'text' (a language-modelling row)" in str(e.value)
     assert "t.jsonl:2: field 'completion' is a chat without its 'prompt'" in str(e.value)
+
+
+def test_trls_language_modelling_rows_train_every_token_after_the_first(chat_tokenizer, tmp_path):
+    """TRL's SFTTrainer reads ``{"text": ...}`` rows (its default dataset_text_field) as language modelling: every
+    token trains but the first, with EOS appended and no chat template. They were bad lines."""
+    folder, tokenizer = chat_tokenizer
+    text = "two plus two is four"
+    path = write_rows(tmp_path / "t.jsonl", [{"text": text}, {"text": [5, 6, 7]}, {"text": "", "label": 1}])
+    with pytest.raises(DataError) as e:
+        load_sft_examples(path, 128, tokenizer_path=folder)
+    assert e.value.problems == ["t.jsonl:3: empty text"]
+    path = write_rows(tmp_path / "t.jsonl", [{"text": text}, {"text": [5, 6, 7]}])
+    words, ids = load_sft_examples(path, 128, tokenizer_path=folder)
+    expected = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    assert words.prompt_ids + words.response_ids == expected and len(words.prompt_ids) == 1
+    assert (ids.prompt_ids, ids.response_ids) == ([5], [6, 7])  # token ids as given (no EOS added to ids)
 
 
 def test_rm_data_takes_the_chat_template_kwargs_the_rl_run_renders_with(tmp_path):
