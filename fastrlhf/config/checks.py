@@ -220,6 +220,8 @@ def _validate_train(c: TrainConfig, base: str):
                                                         "rollout.max_new_tokens; an episode's completion holds several "
                                                         "turns and the tools' replies")
     _positive(r.overlong_penalty, "reward.overlong_penalty", strict=False)
+    if r.clip_range is not None and (len(r.clip_range) != 2 or not r.clip_range[0] < r.clip_range[1]):
+        raise ConfigError("reward.clip_range", f"must be [low, high] with low < high, got {r.clip_range}")
 
     t = c.trainer
     _check_loop(t)

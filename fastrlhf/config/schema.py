@@ -94,6 +94,9 @@ class RewardConfig:
     # loses overlong_penalty x (its excess / overlong_buffer) of its score; null: none
     overlong_buffer: int | None = None
     overlong_penalty: float = 1.0
+    # [low, high]: each score clamped into it before the penalties and advantages (OpenRLHF's --reward.clip_range,
+    # [-10, 10] there by default); validation scores stay unclamped. null: none
+    clip_range: list[float] | None = None
     # The form of `functions`' prompts and completions. trl: as TRL's GRPOTrainer passes them (a messages row:
     # its messages and [{"role": "assistant", "content": text}]; a text row: strings); text: strings, the prompt
     # as the model saw it (chat template and special tokens included)

@@ -256,11 +256,13 @@ class RLStep:
                               max_new_tokens=ro.max_new_tokens, stop_token_ids=tuple(ro.stop_token_ids),
                               stop=tuple(ro.stop), seed=seed)
 
-    def score(self, exp: Experience, prompts, completions, metas, overlong: bool = True) -> torch.Tensor:
+    def score(self, exp: Experience, prompts, completions, metas, training: bool = True) -> torch.Tensor:
         """[B] fp32 scores, one row per (prompt, sample) in the batch's prompt-major order.
 
-        ``reward.overlong_buffer`` subtracts DAPO's overlong penalty (a training signal: not with ``overlong=False``,
-        as validation scores); then ``reward.truncated_reward`` replaces the score of a completion cut at the cap. A
+        ``reward.clip_range`` clamps the scorer's scores (OpenRLHF's ``--reward.clip_range``) and
+        ``reward.overlong_buffer`` subtracts DAPO's overlong penalty, both training signals (not with
+        ``training=False``, as validation scores); then ``reward.truncated_reward`` replaces the score of a completion
+        cut at the cap. A
         reward function that fails on one rank fails the step on every rank, with that rank's message
         (:func:`fastrlhf.rl.rewards.agree_on_reward_failure`), so no rank is left waiting in the next
         collective.
@@ -278,7 +280,9 @@ class RLStep:
         # A scorer of its own may score on the host (as rule rewards do): every later use mixes them with the batch's.
         scores = to_device(scores, exp.input_ids.device)
         r = self.config.reward
-        if overlong and r.overlong_buffer is not None:
+        if training and r.clip_range is not None:  # a NaN stays NaN, for the step's guard
+            scores = scores.clamp(*r.clip_range)
+        if training and r.overlong_buffer is not None:
             lengths = to_device(torch.tensor([len(c.token_ids) for c in flat]), scores.device)
             scores = scores + overlong_penalty(lengths, self.config.rollout.max_new_tokens, r.overlong_buffer,
                                                r.overlong_penalty)
@@ -290,9 +294,9 @@ class RLStep:
 
     def score_rollout(self, prompts, completions, metas) -> torch.Tensor:
         """[B] scores of completions generated outside a step (validation), as a step scores them, without the
-        overlong penalty: validation measures the task, not the length shaping."""
+        overlong penalty and clip: validation measures the task, not the reward shaping."""
         exp = build_experience(prompts, completions, self.pad_token_id, self.device)
-        return self.score(exp, prompts, completions, metas, overlong=False)
+        return self.score(exp, prompts, completions, metas, training=False)
 
     def logprobs_and_values(self, exp: Experience) -> dict[str, torch.Tensor]:
         """Old logprobs (recomputed by the actor), reference logprobs, TIS weights and values.

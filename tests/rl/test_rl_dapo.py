@@ -263,6 +263,20 @@ def test_the_overlong_penalty_shapes_training_scores_not_validation_scores():
     assert math.isfinite(float(expected.sum()))
 
 
+def test_reward_clip_range_clamps_training_scores_not_validation_scores():
+    """``reward.clip_range`` (OpenRLHF's --reward.clip_range): training scores clamped, before the overlong
+    penalty; validation scores as scored."""
+    completions = completions_of(tiny_actor(), ROUND_1, 0.8)
+    exp = build_experience(ROUND_1, completions, PAD)
+    raw = score_by_prompt(exp, [p for p in ROUND_1 for _ in range(N)], None, None)
+    low, high = 0.25, 0.75
+    assert (raw < low).any() and (raw > high).any()  # the case clamps at both ends (its scores are 0 and 1)
+    reward = RewardConfig(function="unused", clip_range=[low, high])
+    rl, _ = _step(dataclasses.replace(make_config(GRPO, max_new_tokens=6), reward=reward))
+    torch.testing.assert_close(rl.score(exp, ROUND_1, completions, [{}] * 3), raw.clamp(low, high))
+    torch.testing.assert_close(rl.score_rollout(ROUND_1, completions, [{}] * 3), raw)
+
+
 # --------------------------------------------------------------------------------------------
 # Overlong filtering
 # --------------------------------------------------------------------------------------------
