@@ -373,27 +373,23 @@ def _gathered_state_dict(model, zero_stage: int, bucket_bytes: int | None = None
             for key, value in model.state_dict(keep_vars=True).items()}
 
 
-def _save_hf_model(model, state: dict, out_dir: str) -> None:
-    """Write ``model``'s Hugging Face folder with the weights in ``state`` (a full state dict).
+ADAPTER_FOLDER = "adapter"
 
-    A plain model saves ``state`` as it is (no second model in memory, whatever ``model``'s own
-    parameters are sharded into); a LoRA model is rebuilt unsharded so the adapter can be merged in.
+
+def _save_hf_model(model, state: dict, out_dir: str) -> None:
+    """Write ``model``'s Hugging Face folder with the weights in ``state`` (a full state dict); no second model in
+    memory, whatever ``model``'s own parameters are sharded into.
+
+    A LoRA model saves through its base model the adapter merged in as the weight sync merges it (in the dtype
+    trained in; the base model's generation_config, Qwen2-Instruct's eos ids), and the adapter alone in
+    ``adapter/`` as peft saves it (vLLM and ``from_pretrained`` read a model's weights from its folder's top level).
     """
     if hasattr(model, "get_base_model"):
-        from peft import get_peft_model
+        from fastrlhf.rl.lora_sync import merged_state_dict, save_adapter
 
         base = base_model(model)
-        fresh = get_peft_model(type(base)(base.config), model.peft_config["default"])
-        fresh.load_state_dict(state, strict=True)
-        # Built in the default dtype (fp32): the merge rounds once, at this cast back to the dtype trained in (a
-        # bf16 run exported fp32 weights and config.json dtype float32, twice the size, loaded in fp32)
-        merged = fresh.merge_and_unload().to(base.dtype)
-        # The checkpoint's own generation_config.json (Qwen2-Instruct's eos [151645, 151643], its sampling defaults):
-        # a model built from config.json alone has only config.json's single eos, and the export lost the rest.
-        # A classifier (a reward model's score head) has none.
-        if getattr(base, "generation_config", None) is not None:
-            merged.generation_config = base.generation_config
-        merged.save_pretrained(out_dir, safe_serialization=True)
+        save_adapter(model, state, os.path.join(out_dir, ADAPTER_FOLDER))  # first: the merge takes state's entries
+        base.save_pretrained(out_dir, state_dict=merged_state_dict(model, state, base.dtype), safe_serialization=True)
         return
     model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
 
@@ -404,7 +400,8 @@ def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from
 
     Under ZeRO-3 the parameters are gathered ``bucket_bytes`` at a time (default: the weight sync's).
 
-    A :class:`CausalLMWithValueHead` exports the LM plus ``value_head.safetensors``.
+    A :class:`CausalLMWithValueHead` exports the LM plus ``value_head.safetensors``. With LoRA the LM is merged and
+    its adapter is also in ``adapter/`` (a critic's with the value head).
     """
     from fastrlhf import distributed as D
     from fastrlhf.distributed import comm
@@ -422,7 +419,9 @@ def export_hf(model_or_engine, out_dir: str, zero_stage: int = 0, tokenizer_from
                 lm_state = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
                 head_state = {k[len("v_head."):]: v.contiguous() for k, v in state.items() if k.startswith("v_head.")}
                 _save_hf_model(lm, lm_state, tmp)
-                save_file(head_state, os.path.join(tmp, VALUE_HEAD_FILE))
+                for folder in (tmp, os.path.join(tmp, ADAPTER_FOLDER)):  # the adapter's folder: a whole critic too
+                    if os.path.isdir(folder):
+                        save_file(head_state, os.path.join(folder, VALUE_HEAD_FILE))
             else:
                 _save_hf_model(model, state, tmp)
         if tokenizer_from:
