@@ -229,8 +229,9 @@ def check_reward_model(r, hf_config: dict, base: str) -> None:
         folder = r.model_path if os.path.isabs(r.model_path) else os.path.join(base, r.model_path)
         if not os.path.exists(os.path.join(folder, VALUE_HEAD_FILE)) and not (classifier and labels == 1):
             raise ConfigError("reward.model_path", f"{r.model_path} has no value head for model_kind value_head: "
-                                                   f"neither {VALUE_HEAD_FILE} (as a PPO critic's final/ has) nor a "
-                                                   "one-label *ForSequenceClassification score head")
+                                                   f"neither {VALUE_HEAD_FILE} (as a PPO run's final/critic has, "
+                                                   "with critic.export) nor a one-label *ForSequenceClassification "
+                                                   "score head")
         return
     if not classifier:
         raise ConfigError("reward.model_path", f"{r.model_path}'s config.json names no *ForSequenceClassification "

@@ -72,6 +72,9 @@ class ReferenceConfig:
 class CriticConfig:
     path: str | None = None  # None: model.path with a fresh value head
     lr: float = 1.0e-5
+    # true: the trained critic is exported too, to output_dir/final/critic (its model and value_head.safetensors:
+    # a critic.path or a reward.model_kind value_head model of a later run; OpenRLHF's --save_value_network)
+    export: bool = False
 
 
 @dataclass(frozen=True)

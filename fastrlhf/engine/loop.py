@@ -65,7 +65,8 @@ def _agree_on_checkpoint(output_dir: str) -> None:
 
 
 def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, stateful: dict, logger, guard,
-              skip_reason: str, export_engine, after_loop: Callable[[], None] | None = None) -> dict:
+              skip_reason: str, export_engine, after_loop: Callable[[], None] | None = None,
+              more_exports: dict | None = None) -> dict:
     """Steps ``start_step + 1 .. trainer.max_steps``; returns the last step's metrics.
 
     ``step_fn(step)`` returns the step's metrics with ``skipped`` set (from ``guard.end_step()``), and
@@ -73,7 +74,8 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
     validation metrics). Once the guard's budget of skipped steps in a row is spent, the step is
     logged, a checkpoint is written and :class:`TooManySkippedSteps` propagates. ``after_loop`` runs
     once the loop ends, however it ends, before the final checkpoint (the RL trainer frees its
-    rollout engine there).
+    rollout engine there). ``more_exports``: engines exported beside ``export_engine``, each into
+    ``final/<its name>`` (the PPO critic with ``critic.export``).
     """
     t = config.trainer
     if D.is_main():
@@ -137,6 +139,9 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
         save(step)
     from fastrlhf.modeling import export_hf
 
-    export_hf(export_engine, os.path.join(config.output_dir, "final"), zero_stage=config.deepspeed.zero_stage,
-              tokenizer_from=config.model.path)
+    final = os.path.join(config.output_dir, "final")
+    export_hf(export_engine, final, zero_stage=config.deepspeed.zero_stage, tokenizer_from=config.model.path)
+    for name, engine in (more_exports or {}).items():  # after final/, which the actor's export replaces whole
+        export_hf(engine, os.path.join(final, name), zero_stage=config.deepspeed.zero_stage,
+                  tokenizer_from=config.model.path)
     return metrics

@@ -460,4 +460,5 @@ def run(config, resume: bool = False) -> dict:
 
     return run_steps(config, one_step, start_step=start_step, stateful=stateful, logger=logger, guard=guard,
                      skip_reason="non-finite reward, loss or gradient", export_engine=stateful["actor"],
+                     more_exports={"critic": stateful["critic"]} if config.critic and config.critic.export else None,
                      after_loop=rl_step.rollout.close)

@@ -270,8 +270,8 @@ def test_a_value_head_reward_model_needs_a_value_head(models):
     for folder in ("llama", "rm2"):
         assert error(train(models, reward=reward_model(models, folder, model_kind="value_head"))) == (
             f"reward.model_path: {models / folder} has no value head for model_kind value_head: neither "
-            "value_head.safetensors (as a PPO critic's final/ has) nor a one-label *ForSequenceClassification score "
-            "head")
+            "value_head.safetensors (as a PPO run's final/critic has, with critic.export) nor a one-label "
+            "*ForSequenceClassification score head")
     assert error(train(models, reward=reward_model(models, "critic", model_kind="value_head", label_index=1))) == (
         "reward.label_index: picks a classifier's label; model_kind value_head reads one value, got 1")
 
