@@ -188,6 +188,8 @@ def test_set_reaches_a_lists_item_by_its_index(tmp_path):
         ("reward.functions[2].weight=2", "reward.functions: has 2 items, so --set reward.functions[2].weight cannot"),
         ("rollout.n[0]=1", "rollout.n: is 4, not a list, so --set rollout.n[0] cannot apply"),
         ("reward.functions[x]=1", "--set: expected key=value (a list's item as key[0]), got 'reward.functions[x]=1'"),
+        ("rollout.stop_token_ids[0]=5", "rollout.stop_token_ids: is not set in the config, so --set "
+                                        "rollout.stop_token_ids[0] cannot apply: set the whole list"),
     ]:
         with pytest.raises(ConfigError) as info:
             load_config(str(path), "train", [override], on_gpu=False)

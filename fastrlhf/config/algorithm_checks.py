@@ -60,6 +60,10 @@ def check_top_entropy_quantile(t) -> None:
     if t.entropy_coef != 0.0:  # TRL gives its entropy bonus the kept tokens only; the fused kernel gives every token
         raise ConfigError(key, f"masks the policy term by entropy, which TRL does to its entropy bonus too and the "
                                f"fused loss cannot: set trainer.entropy_coef 0 (got {t.entropy_coef}) or quantile 1")
+    if t.kl_in_reward and t.kl_coef != 0.0:  # the KL is then in the advantage the mask zeroes (TRL keeps it)
+        raise ConfigError(key, "drops a token's policy term by zeroing its advantage, which with trainer.kl_in_reward "
+                               "holds the token's KL too (TRL keeps it): set kl_in_reward false (the KL in the loss) "
+                               "or quantile 1")
 
 
 def check_advantage_scaling(t) -> None:

@@ -229,6 +229,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             want = list if isinstance(steps[i + 1], int) else dict
             if child is None and want is dict:
                 child = {}
+            elif child is None:  # a list the file leaves out: its items cannot be set one by one
+                raise ConfigError(_step_name(steps[: i + 1]), f"is not set in the config, so --set {dotted} cannot "
+                                                               "apply: set the whole list")
             elif not isinstance(child, want):
                 kind = "a list" if want is list else "a section"
                 raise ConfigError(_step_name(steps[: i + 1]), f"is {child!r}, not {kind}, so --set {dotted} cannot "

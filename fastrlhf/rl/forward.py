@@ -304,12 +304,15 @@ def policy_loss_from_model(model, mb: Experience, config):
     if not token_level and view.packed:
         lp, ent = view.rows(lp), view.rows(ent)
     mask, weights = tokens(e.response_mask), tokens(e.loss_weights)
+    # A loss over whole rows or the micro-batch (GSPO; Clip-Cov and KL-Cov pick tokens by a covariance over it) sees
+    # only the trained rows: one left out (mask_truncated_completions) has weight 0, yet would move those picks
+    loss_mask = mask if token_level else tokens(e.trained_mask)
     old = tokens(e.old_logprobs) if e.old_logprobs is not None else lp.detach()
-    loss_mat, is_clipped, kl = actor_loss_per_token(lp, ent, old, tokens(advantages), mask, tokens(ref), **terms)
+    loss_mat, is_clipped, kl = actor_loss_per_token(lp, ent, old, tokens(advantages), loss_mask, tokens(ref), **terms)
     metrics = {"clipfrac": masked_mean(is_clipped.to(loss_mat.dtype), mask),
                "approx_kl": masked_mean(old - lp, mask), "entropy": masked_mean(ent, mask),
                "kl": masked_mean(kl, mask) if kl is not None else torch.zeros((), device=mask.device)}
-    return aggregate_loss(loss_mat, mask, cfg.agg, weights), {k: v.detach() for k, v in metrics.items()}
+    return aggregate_loss(loss_mat, loss_mask, cfg.agg, weights), {k: v.detach() for k, v in metrics.items()}
 
 
 def critic_loss(critic, mb: Experience, config):

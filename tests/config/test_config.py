@@ -104,6 +104,9 @@ def test_valid_grpo_config_has_defaults(paths):
          "reinforce_plus_plus does not (use gpg, grpo, grpo_passk, opo, reinforce_plus_plus_baseline, rloo)"),
         ({"trainer": {"max_sampling_rounds": 0}}, "trainer.max_sampling_rounds", "> 0"),
         ({"trainer": {"min_lr_ratio": 1.5}}, "trainer.min_lr_ratio", "must be in [0, 1] (of trainer.lr), got 1.5"),
+        # the KL is in the advantage the entropy mask zeroes (REINFORCE++ takes it as a token reward)
+        ({"trainer": {"top_entropy_quantile": 0.2, "kl_in_reward": True, "adv_estimator": "reinforce_plus_plus"}},
+         "trainer.top_entropy_quantile", "which with trainer.kl_in_reward holds the token's KL too"),
         ({"reward": {"function": "length", "clip_range": [1.0, -1.0]}}, "reward.clip_range",
          "must be [low, high] with low < high, got [1.0, -1.0]"),
         ({"trainer": {"lr_schedule": "step"}}, "trainer.lr_schedule", "'constant' | 'linear' | 'cosine'"),
