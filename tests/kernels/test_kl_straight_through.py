@@ -6,11 +6,6 @@ that define the kinds (the value is the plain kind's, the gradient k2's). Where 
 kl metric, the KL in the rewards) a "+" kind is its plain kind. The new kernel variants compile for sm_80 and sm_90.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +19,6 @@ from fastrlhf.kernels.policy_loss_triton import (
     triton_policy_loss_from_token_stats,
     triton_row_loss_and_grad,
 )
-from helpers.paths import ROOT
 from helpers.rl_case import GRPO, PAD, PROMPTS, SCORES, FixedScorer, fixed_completions, make_config, tiny_actor
 
 from fastrlhf import algorithms as A
@@ -433,53 +427,5 @@ def test_a_step_with_k3_plus_logs_k3_and_trains_as_k2(fused_loss):
     assert not all(torch.equal(a, b) for a, b in zip(plus_weights, k3_weights, strict=True))
 
 
-# ----------------------------------------------------------------------------------------------
-# The new kernel variants compile for the GPUs (tests/kernels/test_kernels_aot.py: why in a subprocess)
-# ----------------------------------------------------------------------------------------------
-
-AOT_SCRIPT = """
-import json, sys
-from fastrlhf.kernels import _triton_aot as aot
-from fastrlhf.kernels.policy_loss_triton import KL_STRAIGHT_THROUGH_CODES
-import triton
-
-k3 = [s for s in aot.token_loss_specs() if s[3]["HAS_REF"] and s[3]["KL_KIND"] == 3 and s[3]["LOSS_KIND"] == 0]
-k3 += [s for s in aot.row_loss_specs("bfloat16", 4096) if s[3]["KL_KIND"] == 3 and s[3]["NEED_GRAD"]]
-rows = [dict(label=label, kind=kind, sm=sm, triton=triton.__version__,
-             **aot.compile_for_target(fn, sig, {**cx, "KL_KIND": code}, sm, warps))
-        for label, fn, sig, cx, warps in k3 for kind, code in KL_STRAIGHT_THROUGH_CODES.items() for sm in (80, 90)]
-json.dump(rows, sys.stdout)
-"""
-
-
-def gpu_extra_tritons() -> list[str]:
-    """The two ends of setup.py's gpu extra's ``triton>=LOW,<=HIGH``, which ``make install`` puts in the venv."""
-    import re
-
-    ranges = re.findall(r'"triton>=([0-9][0-9.]*),<=([0-9][0-9.]*)"', (Path(ROOT) / "setup.py").read_text())
-    assert len(ranges) == 1, ranges
-    return list(ranges[0])
-
-
-@pytest.mark.parametrize("triton_source", ["venv", *(f"gpu-extra-{v}" for v in gpu_extra_tritons())])
-def test_straight_through_variants_compile_for_sm80_and_sm90(triton_source):
-    from importlib.metadata import version
-
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    expected = version("triton")
-    if triton_source != "venv":
-        expected = triton_source.removeprefix("gpu-extra-")
-        folder = Path(ROOT) / ".venv" / f"triton-gpu-{expected}"
-        if not (folder / f"triton-{expected}.dist-info").is_dir():
-            pytest.fail(f"{folder} has no triton {expected}: run `make install`", pytrace=False)
-        env["PYTHONPATH"] = os.pathsep.join([str(folder), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run(
-        [sys.executable, "-c", AOT_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=540
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = json.loads(proc.stdout)
-    # token loss: (old or on-policy) x (dual or not); rows: vanilla, CISPO, SAPO; each "+" kind, each target
-    assert len(rows) == (4 + 3) * len(KL_STRAIGHT_THROUGH_CODES) * 2
-    assert {r["triton"] for r in rows} == {expected}
-    for r in rows:
-        assert r["ptx_target"].startswith(f"sm_{r['sm']}") and r["ptx_chars"] > 1000 and r["cubin_bytes"] > 1000, r
+# The "+" kinds' kernel variants compile for sm_80 and sm_90 with each Triton of the gpu extra:
+# tests/kernels/test_kernels_aot.py (kernels/_triton_aot.py lists them with the others).
