@@ -190,7 +190,7 @@ def rollout_is_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
     of each token (``token``), of each completion (``sequence``: the exponent is the completion's summed
     log-ratio) or its per-token geometric mean (``geometric``: the mean log-ratio, which does not grow with
     the length); a completion's ratio weights all its tokens. ``mode``: ``truncate`` clamps the ratio into
-    ``[floor, cap]`` (TIS; TRL's ``*_truncate`` modes with ``vllm_importance_sampling_min``); ``mask`` zeroes it
+    ``[floor, cap]`` (TIS; TRL's ``*_truncate`` modes with ``vllm_importance_sampling_clip_min``); ``mask`` zeroes it
     where it is above ``cap`` or below ``floor`` (TRL's ``*_mask`` modes, ICEPOP with a floor).
     """
     check_same_shape(old_logprobs=old_logprobs, engine_logprobs=engine_logprobs, mask=mask)

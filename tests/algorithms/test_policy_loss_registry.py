@@ -185,7 +185,7 @@ E, E5 = math.e, math.exp(0.5)
 @pytest.mark.parametrize("level, mode, floor, weights, outside", [
     ("token", "mask", 0.5, [[1, 0, 0, 0], [E5, E5, 0, 0]], [[0, 1, 1, 0], [0, 0, 0, 0]]),
     ("token", "mask", None, [[1, 0, 1 / E, 0], [E5, E5, 0, 0]], [[0, 1, 0, 0], [0, 0, 0, 0]]),
-    # a floor under truncation clamps from below (TRL's *_truncate with vllm_importance_sampling_min)
+    # a floor under truncation clamps from below (TRL's *_truncate with vllm_importance_sampling_clip_min)
     ("token", "truncate", 0.5, [[1, 2, 0.5, 0], [E5, E5, 0, 0]], [[0, 1, 1, 0], [0, 0, 0, 0]]),
     # a completion's ratio: exp of its summed log-ratio (0 and 1), on each of its tokens
     ("sequence", "truncate", None, [[1, 1, 1, 0], [2, 2, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),

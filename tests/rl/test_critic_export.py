@@ -1,6 +1,6 @@
 """``critic.export: true``: a PPO run exports its trained critic to ``final/critic`` (OpenRLHF's
-``--save_value_network``), the folder ``reward.model_kind: value_head`` and ``critic.path`` read. The docs named "a PPO
-critic's final/" as such a folder, but no command wrote one: only the actor was exported."""
+``--critic.save_value_network``), the folder ``reward.model_kind: value_head`` and ``critic.path`` read. The docs
+named "a PPO critic's final/" as such a folder, but no command wrote one: only the actor was exported."""
 
 import subprocess
 
