@@ -73,7 +73,7 @@ class CriticConfig:
     path: str | None = None  # None: model.path with a fresh value head
     lr: float = 1.0e-5
     # true: the trained critic is exported too, to output_dir/final/critic (its model and value_head.safetensors:
-    # a critic.path or a reward.model_kind value_head model of a later run; OpenRLHF's --save_value_network)
+    # a critic.path or a reward.model_kind value_head model of a later run; OpenRLHF's --critic.save_value_network)
     export: bool = False
 
 
@@ -100,6 +100,10 @@ class RewardConfig:
     # [low, high]: each score clamped into it before the penalties and advantages (OpenRLHF's --reward.clip_range,
     # [-10, 10] there by default); validation scores stay unclamped. null: none
     clip_range: list[float] | None = None
+    # Training scores normalised by the running mean and std of every training score seen so far (every rank's; kept
+    # in the checkpoints), before the clip and the penalties: TRL's RunningMoments (use_score_norm). OpenRLHF's
+    # --reward.normalize_enable divides by a fixed mean/std its reward-model training measured instead
+    normalize: bool = False
     # The form of `functions`' prompts and completions. trl: as TRL's GRPOTrainer passes them (a messages row:
     # its messages and [{"role": "assistant", "content": text}]; a text row: strings); text: strings, the prompt
     # as the model saw it (chat template and special tokens included)

@@ -40,7 +40,8 @@ _DS_TAG = "state"
 # Settings a checkpoint's state depends on: resumed with another value, the load fails deep inside (the weights'
 # shapes, the engines' ZeRO layout, a critic that is not there) or mixes two runs (the prompt order goes on with
 # the saved seed, the samples with the new one).
-RUN_IDENTITY = ("algorithm", "seed", "model.lora_r", "model.lora_targets", "deepspeed.zero_stage")
+# reward.normalize: its running moments are in the checkpoint, or not
+RUN_IDENTITY = ("algorithm", "seed", "model.lora_r", "model.lora_targets", "deepspeed.zero_stage", "reward.normalize")
 
 
 def run_identity(config) -> dict:

@@ -74,6 +74,7 @@ from fastrlhf.rl.forward import (
     token_values,
     unwrap,
 )
+from fastrlhf.rl.reward_norm import RunningMoments
 from fastrlhf.rl.step_metrics import StepClock, logprob_mismatch, probe_rows, reduce_step_metrics
 from fastrlhf.rl.update import Minibatch, as_learner, minibatch_order, on_policy_update, run_updates
 from fastrlhf.rollout.episodes import PREFIX_CACHE_HIT, with_prefix_cache_hit
@@ -142,6 +143,8 @@ class RLStep:
         # trainer.kl_target: the coefficient each step uses is the controller's (restored with it on --resume)
         self.kl_control = (AdaptiveKLController(t.kl_coef, t.kl_target, t.kl_horizon) if t.kl_target is not None
                            else None)
+        # reward.normalize: the running moments of every training score (restored with them on --resume)
+        self.reward_moments = RunningMoments(self.device) if config.reward.normalize else None
 
     def __call__(self, prompts: list[list[int]], metas: list[dict] | None, step: int,
                  completions=None, more_prompts=None) -> dict[str, float]:
@@ -259,8 +262,9 @@ class RLStep:
     def score(self, exp: Experience, prompts, completions, metas, training: bool = True) -> torch.Tensor:
         """[B] fp32 scores, one row per (prompt, sample) in the batch's prompt-major order.
 
-        ``reward.clip_range`` clamps the scorer's scores (OpenRLHF's ``--reward.clip_range``) and
-        ``reward.overlong_buffer`` subtracts DAPO's overlong penalty, both training signals (not with
+        ``reward.normalize`` normalises them by the running moments (:mod:`fastrlhf.rl.reward_norm`), then
+        ``reward.clip_range`` clamps them (OpenRLHF's ``--reward.clip_range``) and
+        ``reward.overlong_buffer`` subtracts DAPO's overlong penalty, all training signals (not with
         ``training=False``, as validation scores); then ``reward.truncated_reward`` replaces the score of a completion
         cut at the cap. A
         reward function that fails on one rank fails the step on every rank, with that rank's message
@@ -280,6 +284,8 @@ class RLStep:
         # A scorer of its own may score on the host (as rule rewards do): every later use mixes them with the batch's.
         scores = to_device(scores, exp.input_ids.device)
         r = self.config.reward
+        if training and self.reward_moments is not None:  # each scored batch once, every sampling round's
+            scores = self.reward_moments.normalize(scores)
         if training and r.clip_range is not None:  # a NaN stays NaN, for the step's guard
             scores = scores.clamp(*r.clip_range)
         if training and r.overlong_buffer is not None:

@@ -99,6 +99,8 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
                   rollout_shares_actor=shares, device=device, guard=guard, episodes=episodes)
     if step.kl_control is not None:
         stateful["kl_control"] = step.kl_control
+    if step.reward_moments is not None:
+        stateful["reward_moments"] = step.reward_moments
     step.setup_memory = setup_memory(device)
     return step, stateful
 
