@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fastrlhf.kernels import fused_linear_policy_loss, fused_policy_loss
-from helpers.model_folders import fake_model_folder
+from helpers.model_folders import fake_train_raw
 from helpers.rl_case import GRPO, PAD, PROMPTS, SCORES, FixedScorer, changed, fixed_completions, make_config, tiny_actor
 
 from fastrlhf.algorithms import (
@@ -487,40 +487,26 @@ def test_gpg_runs_inside_the_fused_kernel(backend):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _raw(tmp_path, n=4, **trainer):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 2]}\n')
-    return {
-        "algorithm": "grpo",
-        "output_dir": str(tmp_path / "out"),
-        "model": {"path": fake_model_folder(tmp_path / "model")},
-        "reward": {"function": "length"},
-        "data": {"prompts": str(prompts)},
-        "rollout": {"n": n},
-        "trainer": {"max_steps": 1, "prompts_per_step": 4, "minibatch_size": 4, **trainer},
-    }
-
-
 @pytest.mark.parametrize("estimator", ["grpo_passk", "opo", "gpg"])
 def test_config_accepts_the_estimators_with_groups_only(tmp_path, estimator):
-    assert parse_config(_raw(tmp_path, adv_estimator=estimator)).trainer.adv_estimator == estimator
+    assert parse_config(fake_train_raw(tmp_path, adv_estimator=estimator)).trainer.adv_estimator == estimator
     with pytest.raises(ConfigError) as err:
-        parse_config(_raw(tmp_path, n=1, adv_estimator=estimator))
+        parse_config(fake_train_raw(tmp_path, n=1, adv_estimator=estimator))
     assert str(err.value) == (
         f"rollout.n: {estimator} compares completions within a group and needs rollout.n >= 2, got 1"
     )
     with pytest.raises(ConfigError, match=f"{estimator} gives no returns"):
-        raw = _raw(tmp_path, adv_estimator=estimator)
+        raw = fake_train_raw(tmp_path, adv_estimator=estimator)
         parse_config({**raw, "algorithm": "ppo", "critic": {"path": None}})
 
 
 def test_config_accepts_the_losses_and_their_verl_options(tmp_path):
     cfg = parse_config(
-        _raw(tmp_path, policy_loss="clip_cov", policy_loss_args={"clip_cov_ratio": 0.001, "clip_cov_lb": 0.5})
+        fake_train_raw(tmp_path, policy_loss="clip_cov", policy_loss_args={"clip_cov_ratio": 0.001, "clip_cov_lb": 0.5})
     )
     assert cfg.trainer.policy_loss == "clip_cov" and cfg.trainer.policy_loss_args["clip_cov_lb"] == 0.5
-    assert parse_config(_raw(tmp_path, policy_loss="kl_cov", policy_loss_args={"ppo_kl_coef": 2.0})).trainer
-    assert parse_config(_raw(tmp_path, policy_loss="gpg", adv_estimator="gpg")).trainer.policy_loss == "gpg"
+    assert parse_config(fake_train_raw(tmp_path, policy_loss="kl_cov", policy_loss_args={"ppo_kl_coef": 2.0})).trainer
+    assert parse_config(fake_train_raw(tmp_path, policy_loss="gpg", adv_estimator="gpg")).trainer.policy_loss == "gpg"
     for trainer, key, phrase in [
         (
             {"policy_loss": "kl_cov", "policy_loss_args": {"kl_cov_ratio": 0.0}},
@@ -539,7 +525,7 @@ def test_config_accepts_the_losses_and_their_verl_options(tmp_path):
         ),
     ]:
         with pytest.raises(ConfigError) as err:
-            parse_config(_raw(tmp_path, **trainer))
+            parse_config(fake_train_raw(tmp_path, **trainer))
         assert err.value.key == key and phrase in str(err.value)
 
 

@@ -24,6 +24,22 @@ def fake_classifier_folder(path, model_type: str = "llama", num_labels: int = 1)
                                     "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)}})
 
 
+def fake_train_raw(tmp_path, n: int = 4, **trainer) -> dict:
+    """The raw mapping of a GRPO run whose model folder is checked, never loaded (:func:`fake_model_folder`), with one
+    prompt of token ids: ``rollout.n`` ``n``, 4 prompts per step in minibatches of 4, ``trainer``'s keys over those."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    return {
+        "algorithm": "grpo",
+        "output_dir": str(tmp_path / "out"),
+        "model": {"path": fake_model_folder(tmp_path / "model")},
+        "reward": {"function": "length"},
+        "data": {"prompts": str(prompts)},
+        "rollout": {"n": n},
+        "trainer": {"max_steps": 1, "prompts_per_step": 4, "minibatch_size": 4, **trainer},
+    }
+
+
 def fake_train_yaml(tmp_path, **rollout) -> str:
     """A GRPO run's config file under ``tmp_path`` whose model folder is checked, never loaded
     (:func:`fake_model_folder`), with one prompt of token ids; ``rollout``: that section's keys (default ``n: 4``)."""

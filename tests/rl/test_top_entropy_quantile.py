@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers.entropy_mask_ranks import rank_batch, threshold_rank
 from helpers.launch import spawn_ranks
-from helpers.model_folders import fake_model_folder
+from helpers.model_folders import fake_train_raw
 from helpers.rl_case import PAD, PROMPTS, SCORES, FixedScorer, fixed_completions, make_config, tiny_actor
 
 from fastrlhf.config import ConfigError, parse_config
@@ -224,21 +224,7 @@ def test_the_mask_zeroes_the_policy_term_only_and_keeps_the_denominator(monkeypa
 
 @pytest.fixture
 def raw_config(tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 2]}\n')
-
-    def build(**trainer):
-        return {
-            "algorithm": "grpo",
-            "output_dir": str(tmp_path / "out"),
-            "model": {"path": fake_model_folder(tmp_path / "model")},
-            "reward": {"function": "length"},
-            "data": {"prompts": str(prompts)},
-            "rollout": {"n": 4},
-            "trainer": {"max_steps": 10, "prompts_per_step": 4, "minibatch_size": 8, **trainer},
-        }
-
-    return build
+    return lambda **trainer: fake_train_raw(tmp_path, **{"max_steps": 10, "minibatch_size": 8, **trainer})
 
 
 @pytest.mark.parametrize("quantile", [0.0, -0.1, 1.5])
