@@ -89,16 +89,13 @@ def check_kl_in_reward(c) -> None:
     t = c.trainer
     if not t.kl_in_reward or t.kl_coef == 0.0:
         return
-    if t.adv_estimator == "auto":
-        name, takes = ("gae", True) if c.algorithm == "ppo" else ("grpo", False)  # no torch import for the defaults
-    else:
-        from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS
+    name = t.adv_estimator if t.adv_estimator != "auto" else ("gae" if c.algorithm == "ppo" else "grpo")
+    if name == "gae":  # PPO's default takes it (and needs no torch import to say so)
+        return
+    from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS
 
-        traits = ADV_ESTIMATOR_TRAITS.get(t.adv_estimator)
-        name, takes = t.adv_estimator, traits is None or traits.takes_kl_in_reward
-    if not takes:
-        from fastrlhf.algorithms import ADV_ESTIMATOR_TRAITS
-
+    traits = ADV_ESTIMATOR_TRAITS.get(name)
+    if traits is not None and not traits.takes_kl_in_reward:
         takers = sorted(n for n, tr in ADV_ESTIMATOR_TRAITS.items() if tr.takes_kl_in_reward)
         raise ConfigError("trainer.kl_in_reward", f"advantage estimator {name} takes no token rewards, so the KL would "
                                                   f"stay in the loss: set kl_in_reward false (the KL in the loss), or "

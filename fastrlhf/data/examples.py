@@ -303,10 +303,10 @@ def load_sft_examples(path: str, max_len: int, max_prompt_len: int | None = None
         _check_len(example.prompt_ids + example.response_ids, max_len, "prompt + response", skip)
         return example
 
-    examples = _collect(path, parse, skipped_as="left with no response token within data.max_len" if overlong ==
-                        "truncate" else f"longer than data.max_len ({max_len} tokens)" + (
-                            f" or with a prompt over data.max_prompt_len ({max_prompt_len})"
-                            if max_prompt_len is not None else ""))
+    over = f"longer than data.max_len ({max_len} tokens)" + (
+        f" or with a prompt over data.max_prompt_len ({max_prompt_len})" if max_prompt_len is not None else "")
+    examples = _collect(path, parse, skipped_as="left with no response token within data.max_len"
+                        if overlong == "truncate" else over)
     say_truncated(path, len(cut_rows), len(examples), max_len, max_prompt_len)
     return examples
 

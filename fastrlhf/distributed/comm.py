@@ -37,6 +37,7 @@ __all__ = [
     "barrier",
     "collective_device",
     "gather_bytes",
+    "gather_padded",
     "device_for_backend",
     "is_agreed",
     "is_distributed",
@@ -177,6 +178,20 @@ def gather_bytes(data: bytes) -> list[bytes]:
     dist.all_gather(parts, payload)
     with host_read("the ranks' gathered bytes"):
         return [p[:k].cpu().numpy().tobytes() for p, k in zip(parts, lengths, strict=True)]
+
+
+def gather_padded(values: torch.Tensor, fill: float) -> torch.Tensor:
+    """The 1-D ``values`` of every rank, in rank order, each padded with ``fill`` to the longest rank's, on
+    ``values``' device (the same tensor on every rank). One host read: the longest length, to size the buffers."""
+    if not is_distributed():
+        return values
+    width = int(reduce_floats([float(values.numel())], "max")[0])
+    padded = torch.full((width,), fill, dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    staged = to_collective_device(padded)
+    parts = [torch.empty_like(staged) for _ in range(world_size())]
+    dist.all_gather(parts, staged)
+    return torch.cat(parts).to(values.device)
 
 
 def agreed(exc: BaseException) -> BaseException:

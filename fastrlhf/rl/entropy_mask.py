@@ -25,29 +25,12 @@ from fastrlhf.distributed import comm
 
 __all__ = [
     "entropy_threshold",
-    "gather_padded",
     "high_entropy_mask",
     "keep_high_entropy_tokens",
 ]
 
 # Below every entropy (>= 0): marks the slots of untrained tokens and of padding in the gathered values.
 _NOT_TRAINED = float("-inf")
-
-
-def gather_padded(values: torch.Tensor, fill: float) -> torch.Tensor:
-    """The 1-D ``values`` of every rank, in rank order, each padded with ``fill`` to the longest rank's, on
-    ``values``' device (the same tensor on every rank). One host read: the longest length, to size the buffers."""
-    if not comm.is_distributed():
-        return values
-    import torch.distributed as dist
-
-    width = int(comm.reduce_floats([float(values.numel())], "max")[0])
-    padded = torch.full((width,), fill, dtype=values.dtype, device=values.device)
-    padded[: values.numel()] = values
-    staged = comm.to_collective_device(padded)
-    parts = [torch.empty_like(staged) for _ in range(comm.world_size())]
-    dist.all_gather(parts, staged)
-    return torch.cat(parts).to(values.device)
 
 
 def entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +41,7 @@ def entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
     ``torch.quantile``'s linear interpolation, worked out on the sorted values with the count on the device (no
     host read of it, and none of ``torch.quantile``'s limit of 2**24 values): the untrained slots sort first."""
     values = torch.where(mask > 0, entropy.detach().float(), _NOT_TRAINED).reshape(-1)
-    ordered = torch.sort(gather_padded(values, _NOT_TRAINED)).values
+    ordered = torch.sort(comm.gather_padded(values, _NOT_TRAINED)).values
     count = (ordered > _NOT_TRAINED).sum()
     first = ordered.numel() - count  # where the trained values start
     # As aten's quantile: the rank in the dtype of the values, rounded down and up, interpolated by torch.lerp; the
