@@ -342,8 +342,8 @@ def _dry_run_checks(command: str, config) -> int | None:
     """``--dry-run``: the checks the run itself makes before a model loads, so that a dry run passes no config
     the run would refuse there: ``output_dir`` can be written (whether it is used is for the real run's flags
     to say), then ``train``'s preflight (``fastrlhf.rl.trainer.preflight``: reward functions, tokenizers, the
-    memory plan, the prompts) or the data of ``sft`` and ``rm``. Their notes go to stderr (stdout is the
-    config). Returns the exit code of a failed check, None when all pass."""
+    memory plan, the prompts) or the data of ``sft`` and ``rm`` (``data.path``, ``data.eval_path``). Their notes go
+    to stderr (stdout is the config). Returns the exit code of a failed check, None when all pass."""
     import contextlib
 
     from fastrlhf.config import ConfigError
@@ -358,13 +358,15 @@ def _dry_run_checks(command: str, config) -> int | None:
 
                 preflight(config)
             elif command == "rm":
-                from fastrlhf.supervised.reward_model import load_examples
+                from fastrlhf.supervised.reward_model import load_eval_examples, load_examples
 
                 load_examples(config)
+                load_eval_examples(config)
             else:
-                from fastrlhf.supervised.sft import load_examples
+                from fastrlhf.supervised.sft import load_eval_examples, load_examples
 
                 load_examples(config)
+                load_eval_examples(config)
     except ConfigError as exc:
         return _failed_checks(f"config error: {exc}", gate=False)
     except DataError as exc:

@@ -22,11 +22,11 @@ A loss that needs a whole sequence (GSPO's sequence-level ratio) is registered w
 ``token_level=False`` and trained through the fused logprob kernel plus autograd instead; neither
 path materialises the ``[tokens, vocab]`` logits.
 
-The formulas live in seven modules, all re-exported here: ``masked`` (masked reductions), ``logprobs``
+The formulas live in eight modules, all re-exported here: ``masked`` (masked reductions), ``logprobs``
 (logprobs, entropy and KL from logits), ``advantages`` (GAE, GRPO, the estimator registry), ``losses``
 (aggregation, the policy-loss registry, value, SFT and reward-model losses), ``kl_control`` (the adaptive
-KL coefficient), and ``verl_estimators`` and ``verl_losses`` (verl's estimators and losses that the others lack;
-importing them registers them).
+KL coefficient), ``off_policy_mask`` (DeepSeek-V3.2's off-policy sequence masking), and ``verl_estimators`` and
+``verl_losses`` (verl's estimators and losses that the others lack; importing them registers them).
 """
 
 from fastrlhf.algorithms.advantages import *  # noqa: F403
@@ -40,9 +40,12 @@ from fastrlhf.algorithms.losses import *  # noqa: F403
 from fastrlhf.algorithms.losses import __all__ as _losses
 from fastrlhf.algorithms.masked import *  # noqa: F403
 from fastrlhf.algorithms.masked import __all__ as _masked
+from fastrlhf.algorithms.off_policy_mask import *  # noqa: F403
+from fastrlhf.algorithms.off_policy_mask import __all__ as _off_policy_mask
 from fastrlhf.algorithms.verl_estimators import *  # noqa: F403
 from fastrlhf.algorithms.verl_estimators import __all__ as _verl_estimators
 from fastrlhf.algorithms.verl_losses import *  # noqa: F403
 from fastrlhf.algorithms.verl_losses import __all__ as _verl_losses
 
-__all__ = [*_masked, *_logprobs, *_advantages, *_losses, *_kl_control, *_verl_estimators, *_verl_losses]
+__all__ = [*_masked, *_logprobs, *_advantages, *_losses, *_kl_control, *_off_policy_mask, *_verl_estimators,
+           *_verl_losses]

@@ -9,7 +9,8 @@ from .errors import ConfigError
 from .errors import positive as _positive
 
 __all__ = ["check_adv_estimator", "check_advantage_scaling", "check_filter_groups", "check_group_size",
-           "check_kl_in_reward", "check_kl_target", "check_policy_loss", "check_tis", "check_top_entropy_quantile"]
+           "check_kl_in_reward", "check_kl_target", "check_off_policy_mask", "check_policy_loss", "check_tis",
+           "check_top_entropy_quantile"]
 
 
 def check_policy_loss(t) -> None:
@@ -66,11 +67,29 @@ def check_top_entropy_quantile(t) -> None:
                                "or quantile 1")
 
 
+def check_off_policy_mask(t) -> None:
+    """TRL's off-policy sequence masking: a threshold > 0 (a mean KL of k1 estimates can be negative, but TRL asks
+    for a positive delta); it drops policy terms by zeroing their advantages, as the entropy mask does."""
+    delta, key = t.off_policy_mask_threshold, "trainer.off_policy_mask_threshold"
+    if delta is None:
+        return
+    if not delta > 0:  # NaN too
+        raise ConfigError(key, f"must be > 0 (the mean per-token KL above which a negative-advantage completion "
+                               f"leaves the policy loss; e.g. 0.5) or null, got {delta}")
+    if t.kl_in_reward and t.kl_coef != 0.0:  # the KL is then in the advantages the mask zeroes (TRL keeps it)
+        raise ConfigError(key, "drops a completion's policy term by zeroing its advantages, which with "
+                               "trainer.kl_in_reward hold its KL too (TRL keeps it): set kl_in_reward false (the KL "
+                               "in the loss) or leave off_policy_mask_threshold unset")
+
+
 def check_advantage_scaling(t) -> None:
-    """TIS weights and the entropy mask act through the advantages: refused with a policy loss that does not scale
-    with them (``PolicyLoss.scales_with_advantage``: Clip-Cov, KL-Cov)."""
+    """TIS weights, the entropy mask and the off-policy mask act through the advantages: refused with a policy loss
+    that does not scale with them (``PolicyLoss.scales_with_advantage``: Clip-Cov, KL-Cov)."""
+    check_off_policy_mask(t)
     on = [key for key, is_set in (("trainer.tis_cap", t.tis_cap is not None),
-                                  ("trainer.top_entropy_quantile", t.top_entropy_quantile < 1.0)) if is_set]
+                                  ("trainer.top_entropy_quantile", t.top_entropy_quantile < 1.0),
+                                  ("trainer.off_policy_mask_threshold", t.off_policy_mask_threshold is not None))
+          if is_set]
     if not on or t.policy_loss == "vanilla":
         return
     from fastrlhf.algorithms import POLICY_LOSSES

@@ -184,6 +184,9 @@ def _validate_train(c: TrainConfig, base: str):
         _check_reward_spec(spec.function, f"reward.functions[{i}].function")
     _positive(r.label_index, "reward.label_index", strict=False)
     M.check_reward_model(r, reward_model, base)
+    if r.normalize == "stored" and r.model_path is None:
+        raise ConfigError("reward.normalize", "stored normalises a reward model's scores by its stored mean and std: "
+                                              "set reward.model_path, or true for the running moments")
     if r.format != "trl" and not r.functions:
         raise ConfigError("reward.format", f"{r.format} is the form of what reward.functions receive, and none "
                                            "is set (set reward.functions, or leave reward.format at trl)")
@@ -325,6 +328,7 @@ def _validate_sft(c: SFTConfig, base: str):
     _no_auto_checkpointing(c.model)
     _no_auto_micro_tokens(c.trainer)
     _check_path(c.data.path, "data.path", base)
+    _check_path(c.data.eval_path, "data.eval_path", base)
     _positive(c.data.max_len, "data.max_len")
     M.check_positions(model, c.data.max_len, "data.max_len", "", "model.path")
     M.check_logit_terms(model, c.trainer.packing, c.model.attention)
@@ -346,6 +350,7 @@ def _validate_rm(c: RMConfig, base: str):
     _no_auto_checkpointing(c.model)
     _no_auto_micro_tokens(c.trainer)
     _check_path(c.data.path, "data.path", base)
+    _check_path(c.data.eval_path, "data.eval_path", base)
     _positive(c.data.max_len, "data.max_len")
     M.check_positions(model, c.data.max_len, "data.max_len", "", "model.path")
     M.check_logit_terms(model, c.trainer.packing, c.model.attention)
@@ -356,6 +361,10 @@ def _validate_rm(c: RMConfig, base: str):
         raise ConfigError("num_labels", f"a pairwise reward model has one output, got {c.num_labels}")
     if c.kind == "classifier" and c.resolved_num_labels < 2:
         raise ConfigError("num_labels", f"a classifier needs at least 2 labels, got {c.num_labels}")
+    _positive(c.center_rewards_coefficient, "center_rewards_coefficient", strict=False)
+    if c.center_rewards_coefficient is not None and c.kind != "pairwise":
+        raise ConfigError("center_rewards_coefficient", "centres a pairwise reward model's scores; kind classifier "
+                                                        "has none to centre (leave it null)")
     _check_deepspeed(c.deepspeed, c.model)
     return {"model.path": model}
 
@@ -363,6 +372,7 @@ def _validate_rm(c: RMConfig, base: str):
 def _validate_small_trainer(t: SFTTrainerConfig):
     _check_loop(t)
     _positive(t.batch_size, "trainer.batch_size")
+    _positive(t.eval_every, "trainer.eval_every")  # checked without data.eval_path too: switched off, still valid
     if t.batch_size % t.grad_accum:
         raise ConfigError("trainer.grad_accum", f"{t.grad_accum} does not divide trainer.batch_size {t.batch_size}")
 

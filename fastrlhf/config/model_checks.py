@@ -9,6 +9,7 @@ stand in ``{}`` for every folder and skip them. A field a config.json lacks is n
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -76,6 +77,10 @@ def check_model_folder(path: str | None, key: str, base: str) -> dict:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _field(hf_config: dict, name: str):
@@ -227,20 +232,35 @@ def check_reward_model(r, hf_config: dict, base: str) -> None:
             raise ConfigError("reward.label_index", f"picks a classifier's label; model_kind value_head reads one "
                                                     f"value, got {r.label_index}")
         folder = r.model_path if os.path.isabs(r.model_path) else os.path.join(base, r.model_path)
-        if not os.path.exists(os.path.join(folder, VALUE_HEAD_FILE)) and not (classifier and labels == 1):
+        if not os.path.exists(os.path.join(folder, VALUE_HEAD_FILE)) and not (classifier and labels == 1) and not (
+                isinstance(hf_config.get("value_head_prefix"), str)):
             raise ConfigError("reward.model_path", f"{r.model_path} has no value head for model_kind value_head: "
                                                    f"neither {VALUE_HEAD_FILE} (as a PPO run's final/critic has, "
                                                    "with critic.export) nor a one-label *ForSequenceClassification "
                                                    "score head")
+        _check_stored_moments(r, hf_config)
         return
     if not classifier:
+        openrlhf = "; it is an OpenRLHF reward model: set model_kind value_head" if isinstance(
+            hf_config.get("value_head_prefix"), str) else " (train one with fastrlhf rm)"
         raise ConfigError("reward.model_path", f"{r.model_path}'s config.json names no *ForSequenceClassification "
                                                f"architecture (architectures: {architectures or None}); model_kind "
-                                               "classifier would score with a fresh, random head (train one with "
-                                               "fastrlhf rm)")
+                                               f"classifier would score with a fresh, random head{openrlhf}")
     if _is_int(labels) and not r.label_index < labels:
         raise ConfigError("reward.label_index", f"must be below the {labels} labels of {r.model_path}, got "
                                                 f"{r.label_index}")
+    _check_stored_moments(r, hf_config)
+
+
+def _check_stored_moments(r, hf_config: dict) -> None:
+    """``reward.normalize: stored`` divides by the ``mean`` and ``std`` in the reward model's config.json (OpenRLHF's
+    ``train_rm`` and ``fastrlhf rm`` write them): a folder without them has nothing to normalise by."""
+    mean, std = hf_config.get("mean"), hf_config.get("std")
+    if r.normalize == "stored" and not (_is_number(mean) and _is_number(std) and std > 0):
+        raise ConfigError("reward.normalize", f"stored reads the mean and std of {r.model_path}'s config.json, which "
+                                              f"has {'no' if mean is None or std is None else 'no usable'} mean/std "
+                                              f"(mean {mean!r}, std {std!r}; OpenRLHF's train_rm writes them when it "
+                                              "evaluates, fastrlhf rm at its export); set true or false")
 
 
 def check_stop_token_ids(ids: list[int], hf_config: dict) -> None:

@@ -6,11 +6,22 @@ from __future__ import annotations
 from . import model_checks as M
 from .errors import ConfigError, positive
 
-__all__ = ["check_rollout", "context_of"]
+__all__ = ["check_rollout", "context_of", "reshaping_settings"]
 
 # vLLM samples at this temperature at least (SamplingParams' _MAX_TEMP, read in 0.32): a lower one is raised to it
 # with only a log line, its logprobs then of another distribution than the trainer's.
 VLLM_MIN_TEMPERATURE = 1e-2
+
+
+def reshaping_settings(s) -> list[str]:
+    """The settings of ``s`` (a RolloutConfig or a SamplingConfig) under which the engines sample from, and report
+    logprobs of, another distribution than the policy's at the temperature: top-k, top-p and min-p keep some tokens
+    only (the logprobs renormalised over them), a repetition penalty rescales the logits of the tokens seen. Empty:
+    the engines' logprobs are the trainer's, so a mismatch between them means other weights."""
+    on = [f"top_k {s.top_k}" if s.top_k != -1 else "", f"top_p {s.top_p}" if s.top_p < 1.0 else "",
+          f"min_p {s.min_p}" if s.min_p > 0.0 else "",
+          f"repetition_penalty {s.repetition_penalty}" if s.repetition_penalty != 1.0 else ""]
+    return [x for x in on if x]
 
 
 def check_rollout(c, actor: dict) -> None:
@@ -32,6 +43,10 @@ def check_rollout(c, actor: dict) -> None:
         raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
     if ro.top_k == 0 or ro.top_k < -1:
         raise ConfigError("rollout.top_k", f"must be -1 (off) or >= 1, got {ro.top_k}")
+    if not 0.0 <= ro.min_p < 1.0:
+        raise ConfigError("rollout.min_p", f"must be in [0, 1) (0: off), got {ro.min_p}")
+    if not ro.repetition_penalty > 0.0:  # the loader refuses a non-finite float
+        raise ConfigError("rollout.repetition_penalty", f"must be > 0 (1: off), got {ro.repetition_penalty}")
     positive(ro.max_new_tokens, "rollout.max_new_tokens")
     positive(ro.sync_bucket_bytes, "rollout.sync_bucket_bytes")
     if ro.kv_cache_bytes != "auto":
@@ -56,11 +71,13 @@ def check_rollout(c, actor: dict) -> None:
     if any(not isinstance(x, str) or not x for x in ro.stop):
         raise ConfigError("rollout.stop", f"stop strings must be non-empty strings, got {ro.stop!r}")
     M.check_stop_token_ids(ro.stop_token_ids, actor)
-    if c.trainer.tis_cap is not None and (ro.top_p < 1.0 or ro.top_k != -1):
+    reshaped = reshaping_settings(ro)
+    if c.trainer.tis_cap is not None and reshaped:
         raise ConfigError("trainer.tis_cap", "weights tokens by the trainer's logprobs over the engine's, but with "
-                                             "rollout.top_p < 1 or rollout.top_k the engines report logprobs over the "
-                                             "kept tokens only (the weights fall below 1 by that alone): leave "
-                                             "tis_cap unset, or sample with top_p 1 and top_k -1")
+                                             f"rollout.{', rollout.'.join(reshaped)} the engines report logprobs of "
+                                             "what they sampled from (over the kept tokens only, penalised), not of "
+                                             "the policy (the weights fall off 1 by that alone): leave tis_cap unset, "
+                                             "or sample with top_p 1, top_k -1, min_p 0 and repetition_penalty 1")
 
 
 def context_of(c) -> tuple[int, str, str]:

@@ -101,9 +101,11 @@ class RewardConfig:
     # [-10, 10] there by default); validation scores stay unclamped. null: none
     clip_range: list[float] | None = None
     # Training scores normalised by the running mean and std of every training score seen so far (every rank's; kept
-    # in the checkpoints), before the clip and the penalties: TRL's RunningMoments (use_score_norm). OpenRLHF's
-    # --reward.normalize_enable divides by a fixed mean/std its reward-model training measured instead
-    normalize: bool = False
+    # in the checkpoints), before the clip and the penalties: TRL's RunningMoments (use_score_norm). stored: the reward
+    # model's scores as (score - mean) / std, by the mean and std in its config.json (OpenRLHF's
+    # --reward.normalize_enable with a train_rm reward model; fastrlhf rm writes them too), training and validation
+    # scores alike
+    normalize: bool | Literal["stored"] = False
     # The form of `functions`' prompts and completions. trl: as TRL's GRPOTrainer passes them (a messages row:
     # its messages and [{"role": "assistant", "content": text}]; a text row: strings); text: strings, the prompt
     # as the model saw it (chat template and special tokens included)
@@ -133,6 +135,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # TRL's min_p (tokens below min_p x the top token's probability are dropped; 0: off) and repetition_penalty
+    # (HF's and vLLM's: 1.0 off); the engines report logprobs of the distribution they sampled from
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     max_new_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's and the tokenizer's eos
     stop: list[str] = field(default_factory=list)  # stop strings (the completing token is kept)
@@ -294,6 +300,10 @@ class TrainerConfig(LoopConfig):
     # TRL's top_entropy_quantile ("Beyond the 80/20 rule"): only the tokens whose entropy is in this top fraction
     # of the step's completion tokens train the policy term; 1.0: every token. Not with entropy_coef
     top_entropy_quantile: float = 1.0
+    # TRL's off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence masking): a completion with a negative
+    # advantage whose mean per-token KL(sampling policy || current policy) exceeds this leaves the policy loss (the
+    # engine's logprobs against each micro-batch's own; its KL and entropy terms stay); null: off
+    off_policy_mask_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -345,6 +355,7 @@ class SFTDataConfig:
     # examples over max_len / max_prompt_len: bad lines, left out (skip), or cut (truncate: a prompt keeps its end,
     # then the example its first max_len tokens, as TRL's SFTTrainer); skipped and truncated ones are counted
     overlong: Literal["error", "skip", "truncate"] = "error"
+    eval_path: str | None = None  # held-out examples in path's format, evaluated every trainer.eval_every steps
 
 
 @dataclass(frozen=True)
@@ -352,6 +363,7 @@ class SFTTrainerConfig(LoopConfig):
     """``trainer`` of ``fastrlhf sft`` and ``fastrlhf rm``."""
 
     batch_size: int = 8  # global examples per optimizer step, split across ranks and grad_accum
+    eval_every: int = 50  # optimizer steps between evaluations of data.eval_path (and after the last step)
 
 
 @dataclass(frozen=True)
@@ -373,6 +385,7 @@ class RMDataConfig:
     # (Qwen3's enable_thinking: false puts an empty think block before every completion)
     chat_template_kwargs: dict = field(default_factory=dict)
     overlong: Literal["error", "skip"] = "error"  # pairs or rows over max_len: bad lines, or left out (counted)
+    eval_path: str | None = None  # held-out pairs or rows in path's format, evaluated every trainer.eval_every steps
 
 
 @dataclass(frozen=True)
@@ -383,6 +396,9 @@ class RMConfig:
     trainer: SFTTrainerConfig
     kind: Literal["pairwise", "classifier"] = "pairwise"
     num_labels: int | None = None  # None: 1 for pairwise, 2 for classifier
+    # TRL's center_rewards_coefficient (pairwise): adds coefficient x mean((r_chosen + r_rejected)^2) to the loss,
+    # pulling the rewards toward mean zero (arXiv 2312.09244, Eq. 2; TRL recommends 0.01); null: none
+    center_rewards_coefficient: float | None = None
     seed: int = 0
     imports: list[str] = field(default_factory=list)  # as TrainConfig.imports
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)

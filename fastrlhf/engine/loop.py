@@ -96,7 +96,9 @@ def run_steps(config, step_fn: Callable[[int], dict], *, start_step: int, statef
             stopped = getattr(guard, "stopped_part_way", False)
             if stopped:  # not a skipped step: weights moved (and reached the rollout engine)
                 metrics["update_stopped"] = 1
-            if step % t.log_every == 0 or step == t.max_steps or stop or metrics["skipped"] or stopped:
+            # A validation's (eval/*) figures are logged whatever trainer.log_every says: they are few and costly
+            evaluated = any(k.startswith("eval/") for k in metrics)
+            if step % t.log_every == 0 or step == t.max_steps or stop or metrics["skipped"] or stopped or evaluated:
                 logger.log(step, metrics)
             if metrics["skipped"]:
                 logger.message(f"step {step}: {skip_reason}, update skipped "

@@ -250,7 +250,8 @@ def load_value_model(model_cfg, path: str | None = None, trainable: bool = True,
                      zero3_config: dict | None = None) -> CausalLMWithValueHead:
     """Critic from ``path``: a saved value head (``value_head.safetensors``) is reused; a reward model's scalar
     score head (a ``*ForSequenceClassification`` folder with one label, as ``fastrlhf rm --kind pairwise``
-    exports) becomes the value head, as TRL and OpenRLHF start PPO's critic from the reward model; else a fresh
+    exports; or an OpenRLHF reward model's ``value_head_prefix`` linear) becomes the value head, as TRL and
+    OpenRLHF start PPO's critic from the reward model; else a fresh
     head. The backbone is the folder's in every case, loaded partitioned with ``zero3_config`` (as
     :func:`load_causal_lm`; the small head is partitioned when its engine starts)."""
     path = path or model_cfg.path
@@ -282,17 +283,22 @@ def _freeze_untied_lm_head(lm) -> None:
 
 
 def _reward_score_head(path: str) -> nn.Linear | None:
-    """The ``score`` layer of a one-label sequence classifier saved in ``path``, as a value head (bias 0 where it
-    has none), read from its safetensors alone (the backbone is loaded once, as a causal LM); None for any other
-    folder, a classifier of several labels included (its backbone still starts the critic)."""
+    """The ``score`` layer of a one-label sequence classifier saved in ``path``, or an OpenRLHF reward model's head
+    (``<value_head_prefix>`` of its config.json: its ``train_rm`` saves that linear, bias-free, among the base
+    model's weights), as a value head (bias 0 where it has none), read from its safetensors alone (the backbone is
+    loaded once, as a causal LM); None for any other folder, a classifier of several labels included (its backbone
+    still starts the critic)."""
     import json
 
     from safetensors import safe_open
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    if config.num_labels != 1 or not any(a.endswith("ForSequenceClassification") for a in config.architectures or ()):
+    prefix = getattr(config, "value_head_prefix", None)
+    if not isinstance(prefix, str) and (config.num_labels != 1 or not any(
+            a.endswith("ForSequenceClassification") for a in config.architectures or ())):
         return None
+    prefix = prefix if isinstance(prefix, str) else "score"
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -300,19 +306,22 @@ def _reward_score_head(path: str) -> nn.Linear | None:
     else:
         shards = {}
     tensors = {}
-    for name in ("score.weight", "score.bias"):
-        file = os.path.join(path, shards.get(name, "model.safetensors"))
+    for name in ("weight", "bias"):
+        file = os.path.join(path, shards.get(f"{prefix}.{name}", "model.safetensors"))
         if os.path.exists(file):
             with safe_open(file, framework="pt") as f:
-                if name in f.keys():
-                    tensors[name] = f.get_tensor(name)
-    if "score.weight" not in tensors:
-        return None
-    weight = tensors["score.weight"].float()
+                if f"{prefix}.{name}" in f.keys():
+                    tensors[name] = f.get_tensor(f"{prefix}.{name}")
+    if "weight" not in tensors:
+        if prefix != getattr(config, "value_head_prefix", None):
+            return None
+        raise ValueError(f"{path}: config.json names value_head_prefix {prefix!r}, but its safetensors hold no "
+                         f"{prefix}.weight")
+    weight = tensors["weight"].float()
     head = nn.Linear(weight.shape[1], 1)
     with torch.no_grad():
         head.weight.copy_(weight)
-        head.bias.copy_(tensors["score.bias"].float() if "score.bias" in tensors else torch.zeros(1))
+        head.bias.copy_(tensors["bias"].float() if "bias" in tensors else torch.zeros(1))
     return head
 
 

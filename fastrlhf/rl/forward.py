@@ -30,6 +30,7 @@ from fastrlhf.algorithms import (
     kl_in_reward,
     logprobs_from_logits,
     masked_mean,
+    off_policy_keep,
     value_loss,
 )
 from fastrlhf.engine.device import to_device
@@ -265,6 +266,10 @@ def policy_loss_from_model(model, mb: Experience, config):
     each token's policy term, as TIS prescribes, and leaves the KL and entropy terms alone. A
     token-level loss runs inside the fused kernel; a sequence-level one (GSPO) on the fused
     kernel's logprobs, through autograd, on ``[b, T]`` rows (packed logprobs are put back in rows).
+
+    ``trainer.off_policy_mask_threshold`` (``fastrlhf.algorithms.off_policy_keep``) zeroes the advantages of the
+    tokens it drops, judged by this micro-batch's own logprobs: every loss then takes the second path, since the
+    fused loss kernel needs its advantages before it computes the logprobs (TRL refuses its Liger loss for it).
     """
     cfg, temperature = config.trainer, config.rollout.temperature
     view = MicroBatch(_with_loss_weights(mb, config), packing_mode(cfg))
@@ -277,7 +282,8 @@ def policy_loss_from_model(model, mb: Experience, config):
                  dual_clip=cfg.dual_clip, kl_coef=kl_coef, kl_kind=cfg.kl_kind, entropy_coef=cfg.entropy_coef,
                  policy_loss_args=dict(cfg.policy_loss_args) or None)
     token_level = get_policy_loss(cfg.policy_loss).token_level
-    if cfg.fused_loss and token_level:
+    threshold = cfg.off_policy_mask_threshold
+    if cfg.fused_loss and token_level and threshold is None:
         from fastrlhf.kernels import fused_linear_policy_loss
 
         head = linear_head(body_and_head(model)[1], "trainer.fused_loss")
@@ -304,6 +310,12 @@ def policy_loss_from_model(model, mb: Experience, config):
     if not token_level and view.packed:
         lp, ent = view.rows(lp), view.rows(ent)
     mask, weights = tokens(e.response_mask), tokens(e.loss_weights)
+    masked = {}
+    if threshold is not None:  # TRL's sign test reads the advantages without the TIS weights
+        current = view.rows(lp.detach()) if token_level and view.packed else lp  # [b, T] rows
+        keep = off_policy_keep(e.advantages, current, e.engine_logprobs, e.trained_mask, threshold)
+        advantages = advantages * keep  # a product: a NaN advantage stays NaN for the guard
+        masked["off_policy_masked_fraction"] = masked_mean(1.0 - keep, e.response_mask)
     # A loss over whole rows or the micro-batch (GSPO; Clip-Cov and KL-Cov pick tokens by a covariance over it) sees
     # only the trained rows: one left out (mask_truncated_completions) has weight 0, yet would move those picks
     loss_mask = mask if token_level else tokens(e.trained_mask)
@@ -311,7 +323,7 @@ def policy_loss_from_model(model, mb: Experience, config):
     loss_mat, is_clipped, kl = actor_loss_per_token(lp, ent, old, tokens(advantages), loss_mask, tokens(ref), **terms)
     metrics = {"clipfrac": masked_mean(is_clipped.to(loss_mat.dtype), mask),
                "approx_kl": masked_mean(old - lp, mask), "entropy": masked_mean(ent, mask),
-               "kl": masked_mean(kl, mask) if kl is not None else torch.zeros((), device=mask.device)}
+               "kl": masked_mean(kl, mask) if kl is not None else torch.zeros((), device=mask.device), **masked}
     return aggregate_loss(loss_mat, loss_mask, cfg.agg, weights), {k: v.detach() for k, v in metrics.items()}
 
 

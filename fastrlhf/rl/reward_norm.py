@@ -11,6 +11,9 @@ divides by a deviation too, but fixed ones (``openrlhf/models/model.py``, the re
 ``mean``/``std`` its reward-model training measured over its eval set, ``openrlhf/trainer/rm_trainer.py``); a
 running estimate serves any scorer (rule rewards, environments) and follows the policy's drift.
 
+``reward.normalize: stored`` is OpenRLHF's instead (:func:`stored_moments`): the reward model's scores alone, in
+training and validation alike, as ``(score - mean) / std`` by the ``mean`` and ``std`` of its config.json.
+
 Here the moments live on the scores' device in fp64 (no host read; two all-reduces per scored batch), and skip
 non-finite scores: a NaN score still reaches the step's guard (normalised, it stays NaN) but cannot poison every
 later step's moments. They are checkpointed (``state_dict``), so a ``--resume`` goes on with the same ones.
@@ -22,7 +25,7 @@ import torch
 
 from fastrlhf.distributed import comm
 
-__all__ = ["RunningMoments"]
+__all__ = ["RunningMoments", "stored_moments"]
 
 
 class RunningMoments:
@@ -74,3 +77,17 @@ class RunningMoments:
     def load_state_dict(self, state: dict) -> None:
         for name in ("mean", "var", "count"):
             setattr(self, name, torch.as_tensor(state[name], dtype=torch.float64).to(self.device))
+
+
+def stored_moments(reward_model) -> tuple[float, float]:
+    """``(mean, std)`` of a loaded reward model's config (its config.json's ``mean`` and ``std``: OpenRLHF's
+    ``RewardModel`` reads them into its ``mean``/``std`` buffers, ``openrlhf/models/model.py``; its ``train_rm``
+    measures them over its eval set, ``rm_trainer.py``; ``fastrlhf rm`` over its training data). A ValueError where
+    the config has none (the config check refuses such a folder first)."""
+    m = getattr(reward_model, "module", reward_model)
+    config = getattr(m, "config", None) or getattr(getattr(m, "lm", None), "config", None)
+    mean, std = getattr(config, "mean", None), getattr(config, "std", None)
+    if not isinstance(mean, (int, float)) or not isinstance(std, (int, float)) or not std > 0:
+        raise ValueError(f"reward.normalize: stored needs the reward model's config.json to hold a mean and a positive "
+                         f"std, got mean {mean!r}, std {std!r}")
+    return float(mean), float(std)

@@ -234,7 +234,9 @@ class RewardScorer:
     :class:`fastrlhf.data.Columns`) or ``text`` (the prompt the model saw, special tokens included, and
     the completion's text, special tokens skipped).
 
-    ``reward_model`` is a loaded module (frozen, eval mode). After each call, :attr:`parts` holds each named
+    ``reward_model`` is a loaded module (frozen, eval mode); ``normalize`` (``reward.normalize``) ``stored``: its
+    scores are normalised by the mean and std of its config (:func:`fastrlhf.rl.reward_norm.stored_moments`). After
+    each call, :attr:`parts` holds each named
     reward's per-row ``(values, applicable)`` and :attr:`metrics` their ``reward/<name>``: each one's mean over
     the completions it applied to (0 if none), as :func:`reward_part_means` computes it.
     """
@@ -243,7 +245,7 @@ class RewardScorer:
                  model_kind: str = "classifier", label_index: int = 0, micro_batch: int | None = None,
                  text_rewards: list[TextReward] = (), tokenizer=None, reward_tokenizer=None,
                  max_tokens: int | None = None, packed: bool = False, reward_format: str = "trl",
-                 environment_reward: str | None = None):
+                 environment_reward: str | None = None, normalize: bool | str = False):
         if reward_format not in REWARD_FORMATS:
             raise ValueError(f"reward_format must be one of {', '.join(REWARD_FORMATS)}, got {reward_format!r}")
         if function is None and reward_model is None and not text_rewards and environment_reward is None:
@@ -266,6 +268,12 @@ class RewardScorer:
         # trainer.max_tokens_per_microbatch and trainer.packing, for the reward model's forward passes
         self.max_tokens, self.packed = max_tokens, packed
         self.parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # reward.normalize: stored, OpenRLHF's RewardModel.forward: (r - mean) / std of the model's scores alone
+        self.stored_moments = None
+        if normalize == "stored":
+            from fastrlhf.rl.reward_norm import stored_moments
+
+            self.stored_moments = stored_moments(reward_model)
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -315,7 +323,11 @@ class RewardScorer:
             # Added on the device: bringing the model's scores to the host would wait for its forward passes.
             model_scores = reward_model_scores(self.reward_model, batch, self.model_kind, self.label_index,
                                                self.micro_batch, groups=groups, packed=self.packed)
-            return to_device(scores, model_scores.device) + model_scores.to(torch.float32)
+            model_scores = model_scores.to(torch.float32)
+            if self.stored_moments is not None:
+                mean, std = self.stored_moments
+                model_scores = (model_scores - mean) / std
+            return to_device(scores, model_scores.device) + model_scores
         return scores if exp is None else to_device(scores, exp.input_ids.device)
 
     def _texts(self, prompts: list[list[int]], completions: list[list[int]], metas: list[dict],

@@ -27,6 +27,7 @@ rollout_entropy, policy_loss, value_loss, clipfrac, approx_kl, logprob_mismatch_
 recomputed - engine|), tis_weight_mean and tis_outside_fraction (completion tokens whose importance ratio
 lay beyond ``tis_cap`` / ``tis_floor``), entropy_kept_fraction and entropy_threshold (``top_entropy_quantile``:
 the share of the trained tokens whose policy term trained, and its entropy bound: ``rl/entropy_mask.py``),
+off_policy_masked_fraction (``off_policy_mask_threshold``: the response tokens whose policy term it dropped),
 advantage_mean, grad_norm, generated_tokens (with
 ``trainer.filter_groups``: of every sampling round, as are ``sampling/*``: see ``rl/dynamic_sampling.py``),
 tokens_per_second, time/generate, time/score, time/reward, time/train, time/sync, step_time,
@@ -62,6 +63,7 @@ from fastrlhf.algorithms import (
     overlong_penalty,
     rollout_is_weights,
 )
+from fastrlhf.config.rollout_checks import reshaping_settings
 from fastrlhf.engine.device import to_device
 from fastrlhf.engine.guards import StepGuard
 from fastrlhf.rl.entropy_mask import keep_high_entropy_tokens
@@ -143,8 +145,9 @@ class RLStep:
         # trainer.kl_target: the coefficient each step uses is the controller's (restored with it on --resume)
         self.kl_control = (AdaptiveKLController(t.kl_coef, t.kl_target, t.kl_horizon) if t.kl_target is not None
                            else None)
-        # reward.normalize: the running moments of every training score (restored with them on --resume)
-        self.reward_moments = RunningMoments(self.device) if config.reward.normalize else None
+        # reward.normalize true: the running moments of every training score (restored with them on --resume);
+        # stored is the reward model's own mean and std, applied by the scorer
+        self.reward_moments = RunningMoments(self.device) if config.reward.normalize is True else None
 
     def __call__(self, prompts: list[list[int]], metas: list[dict] | None, step: int,
                  completions=None, more_prompts=None) -> dict[str, float]:
@@ -248,16 +251,14 @@ class RLStep:
         return sampled
 
     def sampling(self, step: int, round_: int = 0):
-        from fastrlhf.rollout import SamplingConfig
+        from fastrlhf.rollout.sampling import rollout_sampling
 
         ro = self.config.rollout
         # A seed per (step, engine, sampling round): different samples on each rank's engine, the same ones after a
         # resume. The ranks of a tensor-parallel group drive one engine and must agree on it.
         tp = 1 if self.rollout_shares_actor else ro.tensor_parallel_size
         seed = (self.config.seed * 1_000_003 + step * self.world + D.rank() // tp + round_ * 7_919_617) % (2**31)
-        return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                              max_new_tokens=ro.max_new_tokens, stop_token_ids=tuple(ro.stop_token_ids),
-                              stop=tuple(ro.stop), seed=seed)
+        return rollout_sampling(ro, seed)
 
     def score(self, exp: Experience, prompts, completions, metas, training: bool = True) -> torch.Tensor:
         """[B] fp32 scores, one row per (prompt, sample) in the batch's prompt-major order.
@@ -401,8 +402,8 @@ class RLStep:
         score stage's one collective and host read: the metrics stay on the device until the step's end, so the
         passes before it (old and reference logprobs, values, the reward model's) queue without a wait."""
         ro = self.config.rollout
-        # Top-k/top-p renormalise the engine's logprobs over the kept tokens: a mismatch there is expected.
-        watched = ro.max_logprob_mismatch is not None and ro.top_k == -1 and ro.top_p >= 1.0
+        # Truncation and the repetition penalty reshape what the engine reports: a mismatch there is expected.
+        watched = ro.max_logprob_mismatch is not None and not reshaping_settings(ro)
         consumed = [t for t in (exp.scores, exp.advantages, exp.old_logprobs, exp.ref_logprobs, exp.values,
                                 exp.returns, exp.is_weights) if t is not None]
         ok = self.guard.inputs_ok(*consumed, largest={"mismatch": metrics["logprob_mismatch_mean"]} if watched
@@ -449,6 +450,8 @@ class RLStep:
                    **{k: actor.get(k, float("nan")) for k in ("clipfrac", "approx_kl", "entropy")},
                    "grad_norm": actor["grad_norm"], "optimizer_steps": actor["optimizer_steps"],
                    "empty_minibatches": actor["empty_minibatches"]}
+        if "off_policy_masked_fraction" in actor:
+            metrics["off_policy_masked_fraction"] = actor["off_policy_masked_fraction"]
         if exp.old_logprobs is None and not actor["aborted"]:  # on-policy: the update's logprobs are the rollout's
             metrics["rollout_entropy"] = metrics["entropy"]
             if exp.ref_logprobs is not None:

@@ -24,7 +24,7 @@ METRICS_READ = "the step's metrics"
 # update's too (each rank's sees each of its tokens ppo_epochs times): on-policy, ``entropy`` and ``loss_kl`` are
 # ``rollout_entropy`` and ``kl``, and must read the same.
 TOKEN_MEANS = ("kl", "rollout_entropy", "tis_weight_mean", "tis_outside_fraction", "advantage_mean", "entropy",
-               "loss_kl", "clipfrac", "approx_kl", "vf_clipfrac")
+               "loss_kl", "clipfrac", "approx_kl", "vf_clipfrac", "off_policy_masked_fraction")
 COUNT_PREFIX = "count:"  # the reduced vector's slot of a CountedMean's count (not a metric)
 
 

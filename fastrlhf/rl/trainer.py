@@ -85,7 +85,7 @@ def build_rl_step(config, guard, tokenizer=None, text_rewards=(), reward_tokeniz
                           micro_batch=forward_micro_batch_size(config, D.world_size()), text_rewards=text_rewards,
                           tokenizer=tokenizer, reward_tokenizer=reward_tokenizer, packed=t.packing,
                           max_tokens=t.max_tokens_per_microbatch, reward_format=config.reward.format,
-                          environment_reward=_environment_reward(toolbox))
+                          environment_reward=_environment_reward(toolbox), normalize=config.reward.normalize)
 
     rollout, shares = rollout_setup.build_rollout(config, actor_engine.module, num_params, device, tokenizer, plan)
     episodes = None
@@ -315,7 +315,7 @@ def build_validator(config, eval_examples, rl_step, tokenizer):
     from fastrlhf import distributed as D
     from fastrlhf.rl.rewards import RewardScorer, agree_on_reward_failure
     from fastrlhf.rl.validation import Validator
-    from fastrlhf.rollout import SamplingConfig
+    from fastrlhf.rollout.sampling import rollout_sampling
 
     e, ro = config.eval, config.rollout
     if e.reward is not None:
@@ -327,10 +327,7 @@ def build_validator(config, eval_examples, rl_step, tokenizer):
             return agree_on_reward_failure(lambda: scorer(None, *map(list, zip(*rows, strict=True)))).double()
     else:
         score = rl_step.score_rollout
-    sampling = SamplingConfig(n=e.n, temperature=e.temperature, top_p=ro.top_p if e.temperature else 1.0,
-                              top_k=ro.top_k if e.temperature else -1,
-                              max_new_tokens=e.max_new_tokens or ro.max_new_tokens,
-                              stop_token_ids=tuple(ro.stop_token_ids), stop=tuple(ro.stop), seed=config.seed)
+    sampling = rollout_sampling(ro, config.seed, n=e.n, temperature=e.temperature, max_new_tokens=e.max_new_tokens)
     # The HF engine generates a call's sequences at once: no more than a step's per rank, which the plan sizes for.
     step_sequences = -(-config.trainer.prompts_per_step // D.world_size()) * ro.n
     return Validator([x.prompt_ids for x in eval_examples], [x.meta for x in eval_examples], score,

@@ -24,22 +24,34 @@ from fastrlhf.rollout.base import (
 )
 from fastrlhf.rollout.sampling import Completion, SamplingConfig
 
-__all__ = ["HFEngine", "apply_sampling_filters"]
+__all__ = ["HFEngine", "apply_sampling_filters", "seen_tokens"]
 
 _NEVER_SAMPLED_ID = 2**31 - 1
 
 
-def apply_sampling_filters(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """fp32 logits of the distribution the engine samples from: temperature, then top-k, then top-p.
+def apply_sampling_filters(logits: torch.Tensor, sampling: SamplingConfig, seen: torch.Tensor | None = None
+                           ) -> torch.Tensor:
+    """fp32 logits of the distribution the engine samples from: the repetition penalty on the tokens ``seen``
+    (a [rows, V] bool mask; None: no penalty), then temperature, min-p, top-k and top-p.
 
-    Greedy keeps the raw logits (argmax is unchanged by temperature). Tokens cut by top-k/top-p
-    become -inf, so a log_softmax of the result is renormalised over the kept tokens.
+    vLLM's order (its v1 sampler, 0.26-0.32), as vLLM is the engine runs sample with and this one must match it:
+    penalties before the greedy pick, then temperature and min-p, then top-k/top-p. HF's generate applies min-p
+    last, after top-p, whose cumulative mass then counts the tokens min-p drops: another distribution. Greedy keeps
+    the penalised logits (argmax is unchanged by the rest). Tokens cut become -inf, so a log_softmax of the result
+    is renormalised over the kept tokens.
     """
     z = logits.float()
+    if seen is not None and sampling.repetition_penalty != 1.0:
+        # HF's RepetitionPenaltyLogitsProcessor and vLLM's apply_repetition_penalties alike
+        penalised = torch.where(z < 0, z * sampling.repetition_penalty, z / sampling.repetition_penalty)
+        z = torch.where(seen, penalised, z)
     if sampling.greedy:
         return z
     if sampling.temperature != 1.0:
         z = z / sampling.temperature
+    if sampling.min_p > 0.0:  # HF's MinPLogitsWarper and vLLM's MinPLogitsProcessor alike
+        probs = z.softmax(-1)
+        z = z.masked_fill(probs < sampling.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if sampling.top_k != -1 and sampling.top_k < z.shape[-1]:
         kth = torch.topk(z, sampling.top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -53,6 +65,15 @@ def apply_sampling_filters(logits: torch.Tensor, sampling: SamplingConfig) -> to
     return z
 
 
+def seen_tokens(input_ids: torch.Tensor, first: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab_size] bool: the tokens of each row of ``input_ids`` from position ``first[row]`` on (the left
+    padding before it is no token of the prompt: HF's processor penalises it, vLLM's does not)."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    ids = input_ids.masked_fill(positions < first[:, None], vocab_size)  # padding lands in a column dropped below
+    seen = torch.zeros((input_ids.shape[0], vocab_size + 1), dtype=torch.bool, device=input_ids.device)
+    return seen.scatter_(1, ids, True)[:, :vocab_size]
+
+
 class _SampledTokenLogprobs:
     """A logits processor that applies the sampling filters and records the sampled tokens' logprobs.
 
@@ -61,15 +82,21 @@ class _SampledTokenLogprobs:
     the last step. Only one [rows, V] tensor is kept, never the whole score history.
     """
 
-    def __init__(self, sampling: SamplingConfig):
-        self.sampling = sampling
+    def __init__(self, sampling: SamplingConfig, first: torch.Tensor | None = None):
+        """``first``: each row's first prompt token (past its left padding), for the repetition penalty."""
+        self.sampling, self.first = sampling, first
         self.prev_logprobs: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prev_logprobs is not None:
             self.steps.append(self.prev_logprobs.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        z = apply_sampling_filters(scores, self.sampling)
+        seen = None
+        if self.sampling.repetition_penalty != 1.0:
+            if self.first.device != input_ids.device:
+                self.first = self.first.to(input_ids.device)
+            seen = seen_tokens(input_ids, self.first, scores.shape[-1])
+        z = apply_sampling_filters(scores, self.sampling, seen)
         self.prev_logprobs = torch.log_softmax(z, dim=-1)
         return z
 
@@ -185,11 +212,13 @@ class HFEngine(RolloutEngine):
             input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, width - len(p) :] = 1
 
-        recorder = _SampledTokenLogprobs(sampling)
+        # num_return_sequences repeats each prompt n times in a row
+        first = (width - torch.tensor([len(p) for p in prompts])).repeat_interleave(sampling.n)
+        recorder = _SampledTokenLogprobs(sampling, first)
         sample_kwargs = dict(temperature=1.0, top_k=0, top_p=1.0) if not sampling.greedy else {}
         gen_config = GenerationConfig(
             do_sample=not sampling.greedy,
-            # Temperature and truncation are applied by the recorder, so that its logprobs are of
+            # The penalty, temperature and truncation are applied by the recorder, so that its logprobs are of
             # exactly the distribution HF samples from.
             **sample_kwargs,
             max_new_tokens=max(limits),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingConfig", "Completion", "FINISH_REASONS", "prompt_seeds"]
+__all__ = ["SamplingConfig", "Completion", "FINISH_REASONS", "prompt_seeds", "rollout_sampling"]
 
 FINISH_REASONS = ("stop", "length")
 
@@ -14,12 +14,22 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How to sample completions.
 
-    ``temperature == 0`` means greedy decoding. ``top_k == -1`` and ``top_p == 1`` switch
-    truncation off. Generation stops at the model's eos token (unless ``ignore_eos``), at any of
+    ``temperature == 0`` means greedy decoding. ``top_k == -1``, ``top_p == 1`` and ``min_p == 0`` switch
+    truncation off; ``min_p`` drops the tokens whose probability is below ``min_p`` times the top token's.
+    ``repetition_penalty`` (1: off) divides the positive logits of the tokens in the prompt or generated so
+    far by it and multiplies their negative ones (HF's and vLLM's). The engines apply vLLM's order: the
+    penalty on the raw logits (greedy too), then temperature, min-p, top-k, top-p; the returned logprobs
+    are of that distribution, renormalised over the kept tokens (:class:`Completion`).
+
+    Generation stops at the model's eos token (unless ``ignore_eos``), at any of
     ``stop_token_ids`` (the stop token is kept in the completion, finish_reason "stop"), or after
     ``max_new_tokens`` (finish_reason "length"). ``stop`` strings end a completion at the first
     token whose text completes one of them (that token is kept, finish_reason "stop"); they need
@@ -35,6 +45,8 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if not _is_int(self.n) or self.n < 1:
@@ -54,6 +66,11 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise ValueError(f"SamplingConfig.top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not (0 <= self.min_p < 1):
+            raise ValueError(f"SamplingConfig.min_p must be in [0, 1) (0: off), got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or not (0 < self.repetition_penalty < float("inf")):
+            raise ValueError(f"SamplingConfig.repetition_penalty must be a finite number > 0 (1: off), got "
+                             f"{self.repetition_penalty!r}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"SamplingConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         try:
@@ -74,6 +91,8 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.seed must be an int or None, got {self.seed!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "min_p", float(self.min_p))
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
 
     @property
     def greedy(self) -> bool:
@@ -81,7 +100,7 @@ class SamplingConfig:
 
     @property
     def logprob_temperature(self) -> float:
-        """The temperature the returned logprobs are computed at (greedy reports the raw distribution)."""
+        """The temperature the returned logprobs are computed at (greedy reports them at 1, after any penalty)."""
         return 1.0 if self.greedy else self.temperature
 
 
@@ -90,8 +109,10 @@ class Completion:
     """One sampled continuation of a prompt.
 
     ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the distribution the engine
-    sampled from: ``log_softmax(logits / temperature)`` (temperature 1 when greedy), renormalised over
-    the kept tokens when top-k/top-p truncation is on. With truncation off it equals
+    sampled from: ``log_softmax(logits / temperature)`` (temperature 1 when greedy), the logits first
+    rescaled by the repetition penalty where one is set, renormalised over the kept tokens when
+    top-k/top-p/min-p truncation is on. With neither (``fastrlhf.config.rollout_checks.reshaping_settings``
+    empty) it equals
     ``fastrlhf.algorithms.logprobs_from_logits(logits, token_ids, temperature)`` recomputed by the trainer.
 
     A multi-turn episode (``fastrlhf.rollout.episodes``) is one completion: ``mask[i]`` is 1 where the
@@ -118,6 +139,20 @@ class Completion:
                              f"but {len(self.mask)} mask entries")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Completion.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+
+
+def rollout_sampling(ro, seed: int | None, n: int | None = None, temperature: float | None = None,
+                     max_new_tokens: int | None = None) -> SamplingConfig:
+    """The SamplingConfig of ``ro`` (a RolloutConfig), with ``n``, ``temperature`` and ``max_new_tokens`` where given
+    (validation's). Greedy drops top-k, top-p and min-p, which cannot change an argmax, and keeps the repetition
+    penalty, which can (vLLM applies it before its greedy pick too)."""
+    temperature = ro.temperature if temperature is None else temperature
+    sampled = temperature != 0
+    return SamplingConfig(n=ro.n if n is None else n, temperature=temperature,
+                          top_p=ro.top_p if sampled else 1.0, top_k=ro.top_k if sampled else -1,
+                          min_p=ro.min_p if sampled else 0.0, repetition_penalty=ro.repetition_penalty,
+                          max_new_tokens=max_new_tokens or ro.max_new_tokens,
+                          stop_token_ids=tuple(ro.stop_token_ids), stop=tuple(ro.stop), seed=seed)
 
 
 def prompt_seeds(seed: int, prompts: list[list[int]]) -> list[int]:

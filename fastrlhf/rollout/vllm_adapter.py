@@ -31,6 +31,7 @@ __all__ = [
     "sleep_llm",
     "wake_llm",
     "make_sampling_params",
+    "sampling_params_kwargs",
     "run_generate",
     "set_stop_string_tokenizer",
     "reload_weights",
@@ -93,8 +94,8 @@ def llm_kwargs(
         max_model_len=max_model_len,
         seed=seed,
         enable_prefix_caching=enable_prefix_caching,
-        # Sampled-token logprobs after temperature/top-k/top-p, i.e. of the sampling distribution
-        # (the default "raw_logprobs" is before temperature).
+        # Sampled-token logprobs after the penalties, temperature, min-p, top-k and top-p, i.e. of the sampling
+        # distribution (the default "raw_logprobs" is before all of them).
         logprobs_mode="processed_logprobs",
     )
     if distributed_executor_backend is not None:
@@ -184,15 +185,23 @@ def asleep_bytes() -> int:
 def make_sampling_params(sampling, max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None):
     from vllm import SamplingParams
 
+    return SamplingParams(**sampling_params_kwargs(sampling, max_tokens, stop_token_ids, seed))
+
+
+def sampling_params_kwargs(sampling, max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None) -> dict:
+    """The ``SamplingParams`` arguments of a SamplingConfig (the same names in vLLM 0.26-0.32)."""
     if 0 < sampling.temperature < VLLM_MIN_TEMPERATURE:
         raise ValueError(f"SamplingConfig.temperature {sampling.temperature} is below vLLM's smallest, "
                          f"{VLLM_MIN_TEMPERATURE} (vLLM would sample at {VLLM_MIN_TEMPERATURE} and its logprobs would "
                          "not be the trainer's): use 0 (greedy), at least 0.01, or the HF engine")
-    return SamplingParams(
+    return dict(
         n=sampling.n,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k if sampling.top_k != -1 else 0,  # vLLM: 0 (or -1) disables top-k
+        min_p=sampling.min_p,
+        # over the prompt's tokens and the generated ones, as the HF engine's (hf_engine.seen_tokens)
+        repetition_penalty=sampling.repetition_penalty,
         max_tokens=max_tokens,
         stop_token_ids=list(stop_token_ids),
         # Without a tokenizer vLLM knows no eos: the engine passes it in stop_token_ids instead.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,10 +23,11 @@ from fastrlhf.engine.guards import StepGuard
 from fastrlhf.engine.loop import resume_step, run_steps
 from fastrlhf.engine.metrics import MetricsLogger
 from fastrlhf.rl.update import DeepSpeedLearner
-from fastrlhf.sequences.packing import fixed_count_groups, micro_batch_plan
+from fastrlhf.sequences.packing import fixed_count_groups, micro_batch_plan, token_budget_groups
+from fastrlhf.supervised.evaluation import EVAL_LINE_KEYS, Evaluator, is_eval_step
 
-__all__ = ["SupervisedJob", "run_supervised", "seed_everything", "engine_config", "micro_batch_size", "micro_batches",
-           "rank_examples", "rank_weight", "train_on_batch"]
+__all__ = ["SupervisedJob", "build_evaluator", "run_supervised", "seed_everything", "engine_config", "micro_batch_size",
+           "micro_batches", "rank_examples", "rank_weight", "train_on_batch"]
 
 
 @dataclass
@@ -37,7 +38,10 @@ class SupervisedJob:
     the micro-batch's ``examples`` (``scale`` is 1 / :func:`rank_weight`, the step's total ``weight_of`` over
     the ranks, so that the micro-batches' losses, averaged over the ranks, add up to the step's mean whatever
     the split), and metrics summed over those examples (those named in ``mean_metrics`` are then divided by the
-    batch's examples).
+    batch's examples; every ``loss_fn`` result has each of them).
+    ``eval_examples``: held-out examples (``data.eval_path``) evaluated every ``trainer.eval_every`` steps
+    (:mod:`fastrlhf.supervised.evaluation`); ``perplexity``: the loss is a token-mean negative log-likelihood, whose
+    exp is logged too.
     ``token_parts(example, packed)``: the token counts a micro-batch pays for the example (see
     ``fastrlhf.sequences.packing.group_cost``; ``rows_per_item`` rows per example when padded), for
     ``trainer.max_tokens_per_microbatch``.
@@ -51,6 +55,11 @@ class SupervisedJob:
     token_parts: Callable | None = None
     rows_per_item: int = 1
     mean_metrics: tuple = ()
+    eval_examples: list | None = None
+    perplexity: bool = False
+    # fn(engine) on every rank once the last step is done, before the export (with trainer.save_final): what the
+    # exported config.json records of the final weights (fastrlhf rm: its scores' mean and std)
+    before_export: Callable | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -74,14 +83,18 @@ def engine_config(config) -> dict:
     return deepspeed_config(config.deepspeed, micro_batch_size(config), t.grad_accum, t.max_grad_norm)
 
 
-def micro_batches(job: SupervisedJob, batch: list, micro: int, max_tokens: int | None, packed: bool) -> list[list[int]]:
+def micro_batches(job: SupervisedJob, batch: list, micro: int, max_tokens: int | None, packed: bool,
+                  agree: bool = True) -> list[list[int]]:
     """The micro-batches of a rank's step batch (positions in it): ``micro`` examples at a time, or by
-    the token budget, as many on every rank (ZeRO's collectives run once per micro-batch)."""
+    the token budget, as many on every rank (ZeRO's collectives run once per micro-batch). ``agree`` false: the
+    batch's own plan, no collective (for a caller that knows every rank's batch and evens the counts itself)."""
     if max_tokens is None:
         return fixed_count_groups(len(batch), micro)
     if job.token_parts is None:
         raise ValueError("trainer.max_tokens_per_microbatch: this command cannot count its examples' tokens")
     parts = [tuple(job.token_parts(e, packed)) for e in batch]
+    if not agree:
+        return token_budget_groups(parts, max_tokens, packed, job.rows_per_item)
     return micro_batch_plan([parts], micro, max_tokens, packed, job.rows_per_item)[0]
 
 
@@ -134,6 +147,19 @@ def train_on_batch(job: SupervisedJob, learner, batch: list, micro: int, max_tok
     return sums
 
 
+def build_evaluator(job: SupervisedJob, trainer, micro: int, rank: int, world: int) -> Evaluator | None:
+    """The evaluation of ``job.eval_examples`` (None without them) in the micro-batches ``trainer`` plans a step's
+    batch in, dealt to the ranks as a step's batch is."""
+    if not job.eval_examples:
+        return None
+    held_out = replace(job, examples=job.eval_examples)
+
+    def plan(batch: list) -> list[list[int]]:
+        return micro_batches(held_out, batch, micro, trainer.max_tokens_per_microbatch, trainer.packing, agree=False)
+
+    return Evaluator(held_out, plan, trainer.balance_ranks, rank, world)
+
+
 def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
     """Train ``job`` for ``config.trainer.max_steps`` optimizer steps; returns the last step's metrics."""
     t = config.trainer
@@ -153,12 +179,13 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
     start_step = resume_step(config.output_dir, stateful, resume, config)
     logger = MetricsLogger(config.output_dir, t.max_steps, start_step, bar_keys=job.bar_keys,
                            line_keys=[*((k, k) for k in job.bar_keys), ("tokens/s", "tokens_per_second"),
-                                      ("s/step", "step_time_s")],
+                                      ("s/step", "step_time_s"), *((k, k) for k in EVAL_LINE_KEYS)],
                            tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
                            wandb_run_name=t.wandb_run_name, run_config=config_to_dict(config), resume=resume)
     engine.train()
 
     learner = DeepSpeedLearner(engine, guard)
+    evaluate = build_evaluator(job, t, micro, D.rank(), world)
 
     def one_step(step: int) -> dict:
         started = time.perf_counter()
@@ -176,7 +203,16 @@ def run_supervised(config, job: SupervisedJob, resume: bool = False) -> dict:
             metrics["tokens_per_second"] = float(metrics["response_tokens"]) * world / max(step_time, 1e-9)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
+        if evaluate is not None and is_eval_step(step, t.eval_every, t.max_steps):
+            # Inside the step, before its checkpoint: a run resumed from that checkpoint does not evaluate it again.
+            started = time.perf_counter()
+            metrics.update(evaluate(engine))
+            metrics["time/eval"] = time.perf_counter() - started  # run_steps logs a step with eval/* figures
+        if step == t.max_steps and t.save_final and job.before_export is not None:
+            job.before_export(engine)
         return metrics
 
+    if start_step >= t.max_steps and t.save_final and job.before_export is not None:  # resumed to export only
+        job.before_export(engine)
     return run_steps(config, one_step, start_step=start_step, stateful=stateful, logger=logger, guard=guard,
                      skip_reason="non-finite loss or gradient", export_engine=engine)

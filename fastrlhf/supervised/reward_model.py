@@ -1,7 +1,9 @@
 """``fastrlhf rm``: reward models on ``AutoModelForSequenceClassification``.
 
 pairwise:   Bradley-Terry, loss = -logsigmoid(r_chosen - r_rejected - margin) (the data's margin, else 0),
-            accuracy = P(r_chosen > r_rejected)
+            plus ``center_rewards_coefficient`` x mean((r_chosen + r_rejected)^2) where set (TRL's
+            ``RewardTrainer.compute_loss``), accuracy = P(r_chosen > r_rejected); the export's config.json holds
+            the ``mean`` and ``std`` of the final model's scores over the training pairs (:func:`reward_moments`)
 classifier: cross-entropy over ``num_labels`` classes, accuracy of the argmax
 """
 
@@ -14,11 +16,13 @@ from fastrlhf import distributed as D
 from fastrlhf.algorithms import bradley_terry_loss
 from fastrlhf.config import RMConfig
 from fastrlhf.data import check_same_data, load_classification_examples, load_pairwise_examples
-from fastrlhf.engine.device import model_device, to_device
+from fastrlhf.distributed import comm
+from fastrlhf.engine.device import host_read, model_device, to_device
 from fastrlhf.modeling import base_model, load_sequence_classifier, unwrap, use_attention, vocab_size
-from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
+from fastrlhf.supervised import SupervisedJob, engine_config, micro_batch_size, run_supervised, seed_everything
 
-__all__ = ["build_job", "pad_batch", "pairwise_loss", "classifier_loss", "rm_token_parts", "scores", "run"]
+__all__ = ["build_job", "pad_batch", "pairwise_loss", "classifier_loss", "load_eval_examples", "reward_moments",
+           "rm_token_parts", "scores", "run"]
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,22 +67,62 @@ def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False
     return head(hidden[0, layout.last_index]).float()
 
 
-def pairwise_loss(engine, pairs, pad_id: int, scale: float | None = None, packed: bool = False):
+def pairwise_loss(engine, pairs, pad_id: int, scale: float | None = None, packed: bool = False,
+                  center: float | None = None):
     """Bradley-Terry loss: the mean over ``pairs`` (``scale``: ``scale`` x the sum, a micro-batch's share of
-    a larger batch's mean); metrics ``accuracy`` and ``margin``, means (with ``scale``: sums)."""
+    a larger batch's mean), plus ``center`` x the mean of (r_chosen + r_rejected)^2 (``center_rewards_coefficient``);
+    metrics ``accuracy`` and ``margin``, means (with ``scale``: sums)."""
     # Chosen and rejected go through one forward pass (one micro-batch): one batch of 2B sequences.
     sequences = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
     rewards = scores(engine, sequences, pad_id, packed)[:, 0]
     chosen, rejected = rewards[: len(pairs)], rewards[len(pairs):]
+    # TRL's term, on the scores themselves (the margins below only shift the logistic term)
+    centred = center * (chosen + rejected).square() if center else torch.zeros_like(chosen)
     # Metrics stay on the device (0-dim tensors): the step reads them once, with its guard decision.
     margin = (chosen - rejected).detach()
     if any(p.margin for p in pairs):  # the data's margins: chosen must score that much above rejected (as TRL)
         rejected = rejected + to_device(torch.tensor([p.margin for p in pairs], dtype=rewards.dtype), rewards.device)
     if scale is None:
-        loss = bradley_terry_loss(chosen, rejected)
+        loss = bradley_terry_loss(chosen, rejected) + centred.mean()
         return loss, {"accuracy": (margin > 0).float().mean(), "margin": margin.mean()}
-    loss = bradley_terry_loss(chosen, rejected) * (len(pairs) * scale)
+    loss = (bradley_terry_loss(chosen, rejected) + centred.mean()) * (len(pairs) * scale)
     return loss, {"accuracy": (margin > 0).float().sum(), "margin": margin.sum()}
+
+
+REWARD_MOMENTS_READ = "the exported reward model's score moments"
+
+
+def reward_moments(engine, pairs, pad_id: int, micro: int, packed: bool = False) -> tuple[float, float]:
+    """``(mean, std)`` of the scores of every pair's chosen and rejected sequence, over every rank's share of
+    ``pairs`` (each rank scores ``pairs[rank::world]``, ``micro`` pairs a forward pass, as many passes on every rank:
+    ZeRO-3 gathers in each). As OpenRLHF's ``rm_trainer.py`` measures them over its eval set for its config.json:
+    ``torch.mean`` and ``torch.std`` (Bessel-corrected) of the chosen and rejected rewards, the std clamped at 1e-8.
+    A collective: call it on every rank."""
+    world, rank = D.world_size(), D.rank()
+    per_rank = -(-len(pairs) // world)
+    device = model_device(engine)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # count, sum, sum of squares
+    model = unwrap(engine)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, per_rank, micro):
+                indices = [rank + k * world for k in range(start, min(start + micro, per_rank))]
+                batch = [pairs[i % len(pairs)] for i in indices]  # past the end: a stand-in pair, not counted
+                sequences = ([p.prompt_ids + p.chosen_ids for p in batch]
+                             + [p.prompt_ids + p.rejected_ids for p in batch])
+                rewards = scores(engine, sequences, pad_id, packed)[:, 0].double()
+                counted = to_device(torch.tensor([i < len(pairs) for i in indices] * 2), device)
+                rewards = torch.where(counted, rewards, torch.zeros_like(rewards))
+                totals += torch.stack([counted.sum().double(), rewards.sum(), rewards.square().sum()])
+    finally:
+        model.train(training)
+    with host_read(REWARD_MOMENTS_READ):
+        n, total, squares = comm.all_reduce_(totals).tolist()
+    mean = total / n
+    variance = max(squares - n * mean * mean, 0.0) / max(n - 1, 1)
+    return mean, max(variance ** 0.5, 1e-8)
 
 
 def classifier_loss(engine, examples, pad_id: int, scale: float | None = None, packed: bool = False):
@@ -101,34 +145,50 @@ def rm_token_parts(example, packed: bool) -> tuple[int, ...]:
     return (len(example.input_ids),)
 
 
-def build_job(config: RMConfig, model, examples: list) -> SupervisedJob:
-    """The reward model's loss (``config.kind``) over ``examples`` for :func:`run_supervised`."""
+def build_job(config: RMConfig, model, examples: list, eval_examples: list | None = None) -> SupervisedJob:
+    """The reward model's loss (``config.kind``) over ``examples`` for :func:`run_supervised` (``eval_examples``:
+    the held-out ones of ``data.eval_path``)."""
     pad_id = base_model(model).config.pad_token_id
-    loss = pairwise_loss if config.kind == "pairwise" else classifier_loss
+    packed, pairwise = config.trainer.packing, config.kind == "pairwise"
 
     def loss_fn(engine, micro_batch, scale):
-        return loss(engine, micro_batch, pad_id, scale, config.trainer.packing)
+        if pairwise:
+            return pairwise_loss(engine, micro_batch, pad_id, scale, packed, config.center_rewards_coefficient)
+        return classifier_loss(engine, micro_batch, pad_id, scale, packed)
+
+    def store_moments(engine):
+        # In the exported config.json, where reward.normalize: stored (and OpenRLHF's RewardModel) reads them
+        config_of = base_model(unwrap(engine)).config
+        config_of.mean, config_of.std = reward_moments(engine, examples, pad_id, micro_batch_size(config), packed)
 
     # The loss is the mean over the rank's step batch of pairs (examples); a pair stays in one micro-batch.
     return SupervisedJob(examples, model, loss_fn, bar_keys=("loss", "accuracy"), token_parts=rm_token_parts,
-                         rows_per_item=2 if config.kind == "pairwise" else 1, mean_metrics=("accuracy", "margin"))
+                         rows_per_item=2 if pairwise else 1, eval_examples=eval_examples,
+                         mean_metrics=("accuracy", "margin") if pairwise else ("accuracy",),
+                         before_export=store_moments if pairwise else None)
 
 
-def load_examples(config: RMConfig) -> list:
+def load_examples(config: RMConfig, path: str | None = None) -> list:
+    """The pairs or rows of ``data.path`` (or of ``path``, in its format), read and checked before any model loads."""
     d, vocab = config.data, vocab_size(config.model.path)
     kwargs = dict(chat_template_kwargs=d.chat_template_kwargs, overlong=d.overlong)
     if config.kind == "pairwise":
-        return load_pairwise_examples(d.path, d.max_len, vocab, config.model.path, **kwargs)
-    return load_classification_examples(d.path, d.max_len, config.resolved_num_labels, vocab, config.model.path,
-                                        **kwargs)
+        return load_pairwise_examples(path or d.path, d.max_len, vocab, config.model.path, **kwargs)
+    return load_classification_examples(path or d.path, d.max_len, config.resolved_num_labels, vocab,
+                                        config.model.path, **kwargs)
+
+
+def load_eval_examples(config: RMConfig) -> list | None:
+    """``data.eval_path``'s pairs or rows, read and checked as ``data.path``'s (None without one)."""
+    return load_examples(config, config.data.eval_path) if config.data.eval_path else None
 
 
 def run(config: RMConfig, resume: bool = False) -> dict:
     seed_everything(config.seed)
-    examples = load_examples(config)
+    examples, eval_examples = load_examples(config), load_eval_examples(config)
     # After the data checks: bad data fails without starting a process group.
     D.init_distributed(shared_dir=config.output_dir)
     check_same_data()  # every node read the same copy: before any model loads
     model = load_sequence_classifier(config.model, config.resolved_num_labels, zero3_config=engine_config(config))
     use_attention(model, config.trainer.packing, backend=config.model.attention)
-    return run_supervised(config, build_job(config, model, examples), resume=resume)
+    return run_supervised(config, build_job(config, model, examples, eval_examples), resume=resume)

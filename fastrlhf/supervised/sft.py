@@ -13,8 +13,8 @@ from fastrlhf.engine.device import model_device, to_device
 from fastrlhf.modeling import base_model, load_causal_lm, unwrap, use_attention, vocab_size
 from fastrlhf.supervised import SupervisedJob, engine_config, run_supervised, seed_everything
 
-__all__ = ["build_job", "collate_sft", "load_examples", "packed_response_logprobs", "sft_loss", "sft_token_parts",
-           "run"]
+__all__ = ["build_job", "collate_sft", "load_eval_examples", "load_examples", "packed_response_logprobs", "sft_loss",
+           "sft_token_parts", "run"]
 
 
 def collate_sft(examples: list[SFTExample], pad_id: int) -> dict:
@@ -111,8 +111,10 @@ def sft_token_parts(e: SFTExample, packed: bool) -> tuple[int, ...]:
     return (len(e.prompt_ids), len(e.response_ids)) if packed else (len(e.prompt_ids) + len(e.response_ids),)
 
 
-def build_job(config: SFTConfig, model, examples: list[SFTExample]) -> SupervisedJob:
-    """The SFT loss over ``examples`` for :func:`fastrlhf.supervised.run_supervised` (``model``: loaded)."""
+def build_job(config: SFTConfig, model, examples: list[SFTExample],
+              eval_examples: list[SFTExample] | None = None) -> SupervisedJob:
+    """The SFT loss over ``examples`` for :func:`fastrlhf.supervised.run_supervised` (``model``: loaded;
+    ``eval_examples``: the held-out ones of ``data.eval_path``)."""
     pad_id = base_model(model).config.pad_token_id
     pad_id = 0 if pad_id is None else pad_id
     t = config.trainer
@@ -135,11 +137,12 @@ def build_job(config: SFTConfig, model, examples: list[SFTExample]) -> Supervise
 
     # The loss is the mean over the rank's step batch of its response tokens' negative log-likelihood.
     return SupervisedJob(examples, model, loss_fn, bar_keys=("loss",), weight_of=lambda e: sum(_trained(e)),
-                         token_parts=sft_token_parts)
+                         token_parts=sft_token_parts, eval_examples=eval_examples, perplexity=True)
 
 
-def load_examples(config: SFTConfig) -> list:
-    """The SFT data of ``config``, read and checked before any model loads (``--dry-run`` reads it so too)."""
+def load_examples(config: SFTConfig, path: str | None = None) -> list:
+    """The SFT data of ``config`` (``data.path``, or ``path`` in its format), read and checked before any model
+    loads (``--dry-run`` reads it so too)."""
     from fastrlhf.config import ConfigError
     from fastrlhf.rollout.tools import load_toolbox
 
@@ -148,18 +151,23 @@ def load_examples(config: SFTConfig) -> list:
         tools = load_toolbox(d.tools, key="data.tools").schemas if d.tools else None
     except ValueError as exc:
         raise ConfigError("", str(exc)) from None
-    return load_sft_examples(d.path, d.max_len, d.max_prompt_len, vocab_size=vocab_size(config.model.path),
+    return load_sft_examples(path or d.path, d.max_len, d.max_prompt_len, vocab_size=vocab_size(config.model.path),
                              tokenizer_path=config.model.path, chat_template=d.chat_template, tools=tools,
                              assistant_turns=d.assistant_turns, chat_template_kwargs=d.chat_template_kwargs,
                              overlong=d.overlong)
 
 
+def load_eval_examples(config: SFTConfig) -> list | None:
+    """``data.eval_path``'s examples, read and checked as ``data.path``'s (None without one)."""
+    return load_examples(config, config.data.eval_path) if config.data.eval_path else None
+
+
 def run(config: SFTConfig, resume: bool = False) -> dict:
     seed_everything(config.seed)
-    examples = load_examples(config)
+    examples, eval_examples = load_examples(config), load_eval_examples(config)
     # After the data checks: bad data fails without starting a process group.
     D.init_distributed(shared_dir=config.output_dir)
     check_same_data()  # every node read the same copy: before any model loads
     model = load_causal_lm(config.model, zero3_config=engine_config(config))
     use_attention(model, config.trainer.packing, backend=config.model.attention)
-    return run_supervised(config, build_job(config, model, examples), resume=resume)
+    return run_supervised(config, build_job(config, model, examples, eval_examples), resume=resume)

@@ -32,6 +32,7 @@ def record_order(monkeypatch, module, loader: str, agreement_in=None) -> list[st
 def test_supervised_commands_agree_on_the_data_before_the_model_loads(monkeypatch, module, loader):
     calls = record_order(monkeypatch, module, loader)
     monkeypatch.setattr(module, "load_examples", lambda config: [])
+    monkeypatch.setattr(module, "load_eval_examples", lambda config: None)
     monkeypatch.setattr(module, "seed_everything", lambda seed: None)
     monkeypatch.setattr(module, "engine_config", lambda config: None)
     config = types.SimpleNamespace(seed=0, output_dir="unused", model=None, resolved_num_labels=1)

@@ -172,3 +172,22 @@ def test_to_device_blocks_on_a_copy_to_the_host(monkeypatch):
     to_device(torch.ones(2), torch.device("cpu"))
     to_device(torch.ones(2), torch.device("meta"))
     assert asked == [("cpu", False), ("cpu", False), ("cpu", False), ("meta", True)]
+
+
+def test_a_validated_step_is_logged_off_the_log_cadence(tmp_path, monkeypatch):
+    """``eval.every`` 2 with ``trainer.log_every`` 5 over 4 steps: step 2's validation figures reach the log (before,
+    only steps 4 (the last) and multiples of 5 were logged, and step 2's eval/* figures were lost)."""
+    import fastrlhf.engine.loop as loop
+
+    class Recorder(NullLogger):
+        steps = []
+
+        def log(self, step, metrics):
+            self.steps.append(step)
+
+    monkeypatch.setattr(loop, "save_checkpoint", lambda *args, **kwargs: None)
+    config = _config(tmp_path, save_every=0, max_steps=4, log_every=5, save_final=False)
+    loop.run_steps(config, lambda step: {"skipped": False, **({"eval/reward_mean": 0.5} if step == 2 else {})},
+                   start_step=0, stateful={}, logger=Recorder(), guard=StepGuard(3), skip_reason="",
+                   export_engine=None)
+    assert Recorder.steps == [2, 4]
