@@ -3,8 +3,9 @@ runs measured.
 
 - ``fastrlhf sft`` padded and packed (its loss falls), ``fastrlhf rm`` pairwise and classifier, GRPO on
   ZeRO-2 (reference model, HF rollouts), padded and packed with shared prompts, and PPO on ZeRO-3 (critic),
-  each with finite metrics. On CUDA: the 1.5B Qwen2 shape from random init in bf16, NCCL; on the CPU: a
-  tiny Qwen2, gloo.
+  each with finite metrics; packed SFT and pairwise RM also evaluate held-out lines (``data.eval_path``,
+  finite ``eval/*`` figures at each ``trainer.eval_every`` and the last step). On CUDA: the 1.5B Qwen2 shape
+  from random init in bf16, NCCL; on the CPU: a tiny Qwen2, gloo.
 - The same with ``rollout.engine: vllm`` in the trainer's process (asleep during the update on CUDA): GRPO
   on ZeRO-2, PPO on ZeRO-3, a LoRA actor; and ``scripts/vllm_beside_actor.py``, the trainer's step driven
   stage by stage. On CUDA these skip where vLLM is not installed (on the project's lent machines, the
@@ -67,6 +68,10 @@ def proof(where, tmp_path_factory):
                   for _ in range(16)],
         "cls": [{"input_ids": ids(32, *((3, 200) if i % 2 else (300, 500))), "label": i % 2} for i in range(16)],
         "prompts": [{"prompt_ids": ids(16 + 8 * (i % 4)), "meta": {"target_token": 3}} for i in range(16)],
+        # Held out (data.eval_path), drawn as the training lines: lengths that differ, so the evaluation's batches pad
+        "sft-eval": [{"prompt_ids": ids(8 + 4 * i), "response_ids": ids(40 - 4 * i, 100, 164)} for i in range(6)],
+        "pairs-eval": [{"prompt_ids": ids(8 + 2 * i), "chosen_ids": ids(24, 3, 200), "rejected_ids": ids(16, 300, 500)}
+                       for i in range(6)],
     }
     for name, rows in lines.items():
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -83,15 +88,20 @@ def _config(root, name, where):
                                                         **({"lora_r": 8} if "lora" in name else {})}}
     loop = {"save_final": False, "log_every": 1}
     if name.startswith("sft"):
-        return "sft", {**common, "data": {"path": str(root / "sft.jsonl"), "max_len": 128},
+        # sft-packed and rm-pairwise evaluate held-out lines (data.eval_path) at the steps EVAL_STEPS names
+        held_out = {"eval_path": str(root / "sft-eval.jsonl")} if name == "sft-packed" else {}
+        return "sft", {**common, "data": {"path": str(root / "sft.jsonl"), "max_len": 128, **held_out},
                        "trainer": {**loop, "max_steps": 8, "batch_size": 8, "lr": 1e-4 if cuda else 1e-2,
-                                   "packing": name.endswith("packed")},
+                                   "packing": name.endswith("packed"), "eval_every": 4},
                        "deepspeed": {"zero_stage": 2}}
     if name.startswith("rm"):
         kind = name.split("-")[1]
+        held_out = {"eval_path": str(root / "pairs-eval.jsonl")} if kind == "pairwise" else {}
         return "rm", {**common, "kind": kind,
-                      "data": {"path": str(root / ("pairs.jsonl" if kind == "pairwise" else "cls.jsonl"))},
-                      "trainer": {**loop, "max_steps": 4, "batch_size": 8, "lr": 1e-5 if cuda else 1e-3},
+                      "data": {"path": str(root / ("pairs.jsonl" if kind == "pairwise" else "cls.jsonl")),
+                               **held_out},
+                      "trainer": {**loop, "max_steps": 4, "batch_size": 8, "lr": 1e-5 if cuda else 1e-3,
+                                  "eval_every": 2},
                       "deepspeed": {"zero_stage": 2}}
     ppo, shared, vllm = name.startswith("ppo"), name == "grpo-shared", "vllm" in name
     # vLLM: in the trainer's process, asleep (CUDA) while the update runs; the stale-engine check stays on.
@@ -188,6 +198,22 @@ def _finite(records, keys):
             assert isinstance(r.get(k), (int, float)) and math.isfinite(r[k]), (k, r)
 
 
+# The runs with data.eval_path: the steps whose records carry the held-out figures (trainer.eval_every, and the last)
+EVAL_STEPS = {"sft-packed": [4, 8], "rm-pairwise": [2, 4]}
+
+
+def _held_out(name, records, keys) -> list[dict]:
+    """The records of ``name`` with eval/* figures, at EVAL_STEPS alone, each of ``keys`` finite (the evaluation's
+    sums on the device, brought to the host in one read: fastrlhf.supervised.evaluation)."""
+    evaluated = [r for r in records if any(k.startswith("eval/") for k in r)]
+    assert [r["step"] for r in evaluated] == EVAL_STEPS.get(name, []), evaluated
+    _finite(evaluated, keys)
+    if evaluated:
+        print(f"\n{name} held out on each evaluation: " + "; ".join(
+            ", ".join(f"{k} {r[k]:.4f}" for k in keys) for r in evaluated))
+    return evaluated
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sft-padded", "sft-packed"])
 def test_sft_lowers_its_loss(proof, name):
@@ -196,6 +222,8 @@ def test_sft_lowers_its_loss(proof, name):
     _finite(records, ("loss", "grad_norm"))
     losses = [r["loss"] for r in records]
     assert sum(losses[-2:]) < sum(losses[:2]) - 0.2, losses
+    for r in _held_out(name, records, ("eval/loss", "eval/perplexity")):
+        assert r["eval/perplexity"] == pytest.approx(math.exp(r["eval/loss"]), rel=1e-6), r
 
 
 @pytest.mark.slow
@@ -204,6 +232,8 @@ def test_rm_trains(proof, name):
     _, records, _ = run(proof, name)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     _finite(records, ("loss", "accuracy", "grad_norm"))
+    for r in _held_out(name, records, ("eval/loss", "eval/accuracy", "eval/margin")):
+        assert 0.0 <= r["eval/accuracy"] <= 1.0 and r["eval/loss"] > 0, r
 
 
 @pytest.mark.slow
@@ -227,8 +257,8 @@ GREEDY_GAP_MAX = {"cuda": 0.1, "cpu": 1e-4}
 @pytest.mark.slow
 def test_vllm_beside_the_actor(proof):
     """vLLM in the trainer's process beside a ZeRO-2 actor (tests/gpu/scripts/vllm_beside_actor.py): logprobs
-    against the actor's, sleep's freed memory and wake's restored memory, the bucketed sync, then greedy output
-    against HF's on the updated weights."""
+    against the actor's (and, with a repetition penalty and min-p, against transformers' processors), sleep's freed
+    memory and wake's restored memory, the bucketed sync, then greedy output against HF's on the updated weights."""
     _, where, _ = proof
     needs_vllm(where)
     r = run_beside(proof)
@@ -238,6 +268,10 @@ def test_vllm_beside_the_actor(proof):
     # The update moved the actor far enough that an engine left on the old weights would show (the checks have
     # power): its earlier logprobs and greedy tokens against the new actor.
     assert r["mismatch_stale"] > 5 * MISMATCH_MAX[where], r
+    # rollout.repetition_penalty and min_p through vLLM's sampler: its logprobs are of the processed distribution,
+    # nearer it than the plain one by far
+    assert r["processed_gap_mean"] <= MISMATCH_MAX[where], r
+    assert r["processed_plain_gap_mean"] > 4 * r["processed_gap_mean"], r
     assert r["greedy_changed_by_update"] > 0 and r["greedy_worst_gap_stale"] > GREEDY_GAP_MAX[where], r
     assert r["greedy_worst_gap"] <= GREEDY_GAP_MAX[where], r
     if where == "cpu":

@@ -11,10 +11,9 @@ the same step runs at tiny shapes and checks the named reads; the unnamed ones a
 ``tests/engine/test_device_placement.py``'s to catch (an emulated second device).
 """
 
-import contextlib
-
 import pytest
 import torch
+from helpers.cuda_sync import sync_debug
 from helpers.other_device import accelerator_syncs
 from helpers.proof import model_dtype, model_shape
 
@@ -40,20 +39,6 @@ from fastrlhf.rollout import Completion
 from fastrlhf.rollout.hf_engine import HFEngine
 
 DECISION = "the optimizer step's skip decision and metrics"
-
-
-@contextlib.contextmanager
-def sync_debug(device: torch.device):
-    """``torch.cuda.set_sync_debug_mode("error")`` on CUDA (every unnamed host read raises); nothing elsewhere."""
-    if device.type != "cuda":
-        yield
-        return
-    torch.cuda.synchronize(device)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 class CheckedStep(RLStep):
@@ -89,17 +74,22 @@ class CheckedStep(RLStep):
 @pytest.mark.slow
 # unpadded: prompts of one length, completions all at the token limit (fastrlhf.sequences.masks); entropy-mask:
 # padded, with TRL's top_entropy_quantile (its threshold over the step's tokens, fastrlhf.rl.entropy_mask) and
-# verl's straight-through k3+ in the fused loss
-@pytest.mark.parametrize("layout", ["padded", "packed", "shared", "unpadded", "entropy-mask"])
+# verl's straight-through k3+ in the fused loss; opsm: trainer.off_policy_mask_threshold (TRL's get_off_policy_mask,
+# fastrlhf.algorithms.off_policy_mask) on the fused logprob kernel's path, padded; opsm-unfused: on materialised
+# logits, packed (the mask's logprobs put back in rows)
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared", "unpadded", "entropy-mask", "opsm", "opsm-unfused"])
 def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
     D.init_distributed(timeout_s=120)
     device = torch.device(where, torch.cuda.current_device()) if where == "cuda" else torch.device("cpu")
     shape, dtype = model_shape(where), model_dtype(where)
     n, prompts_per_step = 4, 4
-    packing, shared = layout in ("packed", "shared"), layout == "shared"
+    packing, shared = layout in ("packed", "shared", "opsm-unfused"), layout == "shared"
+    # A threshold that masks by the engine's (HF generate's) numerics against the trainer's alone
+    opsm = dict(off_policy_mask_threshold=1e-6, fused_loss=layout == "opsm")
     trainer = TrainerConfig(max_steps=1, prompts_per_step=prompts_per_step, minibatch_size=8, grad_accum=2,
                             ppo_epochs=1, kl_coef=0.01, packing=packing, share_prompts=shared, lr=1e-6,  # 2 steps
-                            **(dict(top_entropy_quantile=0.2, kl_kind="k3+") if layout == "entropy-mask" else {}))
+                            **(dict(top_entropy_quantile=0.2, kl_kind="k3+") if layout == "entropy-mask" else {}),
+                            **(opsm if layout.startswith("opsm") else {}))
     config = TrainConfig(output_dir="unused", model=ModelConfig(path="unused", gradient_checkpointing=True),
                          data=DataConfig(prompts="unused"), trainer=trainer, algorithm="grpo",
                          rollout=RolloutConfig(n=n, max_new_tokens=32 if where == "cuda" else 8,
@@ -134,3 +124,6 @@ def test_rl_update_reads_the_device_once_per_optimizer_step(where, layout):
         assert metrics["grad_norm"] > 0 and metrics["policy_loss"] == metrics["policy_loss"], metrics
         if layout == "entropy-mask":
             assert 0.15 <= metrics["entropy_kept_fraction"] <= 0.3, metrics
+        if layout.startswith("opsm"):  # logged, a fraction (what it masks depends on the device's numerics)
+            print(f"\n{layout} on {where}, step {n_step}: masked {metrics['off_policy_masked_fraction']:.3f}")
+            assert 0.0 <= metrics["off_policy_masked_fraction"] <= 1.0, metrics

@@ -4,7 +4,9 @@ The RL step that ``fastrlhf train`` builds (``build_rl_step``: a ZeRO-2 actor, v
 ``rollout.engine: vllm`` makes it, sleep mode on CUDA), driven stage by stage so that each claim is measured:
 
 1. generation with logprobs, and the mismatch between the engine's logprobs and the actor's (mean |diff| per
-   completion token);
+   completion token); then, with ``rollout.repetition_penalty`` and ``rollout.min_p``, the engine's (processed)
+   logprobs against transformers' processors applied in vLLM's order on the actor's logits
+   (tests/helpers/processed_logprobs.py), and against the plain distribution;
 2. sleep: the device memory it frees (CUDA: free memory before and after; CPU: the resident set), and on CUDA
    what the engine's weights and KV cache hold, which it should free;
 3. an update while the engine sleeps (one optimizer step, large enough that the greedy outputs change), then the
@@ -84,6 +86,9 @@ def main(config_path: str, out_path: str) -> None:
     from fastrlhf.rollout import HFEngine, SamplingConfig, vllm_adapter
     from fastrlhf.supervised import seed_everything
 
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/helpers
+    from helpers.processed_logprobs import logprob_gaps
+
     config = load_config(config_path, "train")
     prepared = preflight(config)
     D.init_distributed(timeout_s=120)
@@ -108,6 +113,14 @@ def main(config_path: str, out_path: str) -> None:
     report["generated_tokens"] = sum(len(c.token_ids) for samples in completions for c in samples)
     report["mismatch_before"] = mismatch(module, prompts, completions, step.pad_token_id, device)
     greedy_before = [c[0].token_ids for c in engine.generate(prompts, greedy)]
+    penalised = SamplingConfig(n=2, temperature=0.8, min_p=0.05, repetition_penalty=1.3, seed=3, ignore_eos=True,
+                               max_new_tokens=min(16, config.rollout.max_new_tokens))
+    few = prompts[:2]
+    results = engine.generate(few, penalised)
+    gaps = logprob_gaps(module, few, results, penalised)
+    plain = SamplingConfig(n=2, temperature=0.8, max_new_tokens=penalised.max_new_tokens)
+    report["processed_gap_mean"], report["processed_gap_max"] = float(gaps.mean()), float(gaps.max())
+    report["processed_plain_gap_mean"] = float(logprob_gaps(module, few, results, plain).mean())
 
     # 2. Sleep: what it frees. Measured around the second sleep, once the optimizer's states exist (the first
     # update allocates them) and the engine has run.
