@@ -357,7 +357,17 @@ def rollout_working(config, shape: ModelShape, kind: str, seqs: int, dtype_bytes
         tokens = min(VLLM_BATCHED_TOKENS["cpu"], seqs * config.data.max_prompt_len)
     else:
         tokens = seqs * config.data.max_prompt_len
-    return tokens * (3 * shape.intermediate + 4 * shape.hidden) * dtype_bytes + 3 * seqs * shape.vocab * 4
+    copies = 3 if kind == "vllm" else 3 + hf_sampler_extra_copies(config.rollout)
+    return tokens * (3 * shape.intermediate + 4 * shape.hidden) * dtype_bytes + int(copies * seqs * shape.vocab * 4)
+
+
+def hf_sampler_extra_copies(ro) -> float:
+    """``[sequences, V]`` fp32 copies the HF engine's sampler (``fastrlhf.rollout.hf_engine.apply_sampling_filters``)
+    holds at once beyond the three of plain sampling: top-p's sort, cumulative sum and scatter back take 3 more;
+    two or more of top-k, top-p, min-p and the repetition penalty overlap their temporaries, 1.25 more (measured
+    on a CPU with the profiler's allocation events: tests/memory/test_plan_sampler.py)."""
+    on = [ro.top_k != -1, ro.top_p < 1.0, ro.min_p > 0.0, ro.repetition_penalty != 1.0]
+    return 3.0 * on[1] + (1.25 if sum(on) >= 2 else 0.0)
 
 
 def lora_merge_bytes(shape: ModelShape, targets, w: int, out: int) -> int:
