@@ -134,13 +134,27 @@ class MicroBatch:
             return per_position[0, self.layout.hidden_index]
         return per_position[:, self.exp.response_slice()]
 
-    def at_last_token(self, per_position: torch.Tensor) -> torch.Tensor:
-        """``[b, ...]`` outputs at each sequence's last real token."""
+    def at_last_token(self, per_position: torch.Tensor, skip_id: int | None = None) -> torch.Tensor:
+        """``[b, ...]`` outputs at each sequence's last real token; with ``skip_id``, at its last real token that is
+        not ``skip_id`` (its first where all are), as transformers pools a sequence classifier on right-padded rows.
+        A sequence's tokens are contiguous in both layouts (not with shared prompts), so that is a step back."""
+        if skip_id is not None and self.packed and self.layout.segments is not None:
+            raise ValueError("a shared-prompt packed row cannot step back from a completion into its prompt")
+        back = 0 if skip_id is None else _trailing(self.exp, skip_id)
         if self.packed:
-            return per_position[0, self.layout.last_index]
+            return per_position[0, self.layout.last_index - back]
         mask = self.exp.attention_mask
         last = ((mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)).long().argmax(-1)
-        return per_position[torch.arange(mask.shape[0], device=mask.device), last]
+        return per_position[torch.arange(mask.shape[0], device=mask.device), last - back]
+
+
+def _trailing(exp: Experience, token_id: int) -> torch.Tensor:
+    """``[B]`` how many of each sequence's last attended tokens are ``token_id`` (all but its first where all are),
+    on the device: no read of the ids."""
+    mask = exp.attention_mask > 0
+    columns = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    last, kept = (columns * mask).amax(-1), (columns * (mask & (exp.input_ids != token_id))).amax(-1)
+    return torch.where(kept > 0, last - kept, mask.sum(-1) - 1).clamp(min=0)
 
 
 def attention_of(model) -> str | None:
@@ -423,14 +437,26 @@ def classifier_body_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     return getattr(m, getattr(m, "base_model_prefix", "model")), head
 
 
+SCORE_POSITION = "fastrlhf_score_position"  # "last_token" in the config.json of `fastrlhf rm`'s exports
+
+
+def skipped_id(classifier) -> int | None:
+    """The id a decoder classifier's score steps back over at a sequence's end: its pad id, as transformers pools (so
+    TRL trains and scores: the token before a closing eos where pad == eos); none where ``fastrlhf rm`` trained it."""
+    config = unwrap(classifier).config
+    if getattr(config, SCORE_POSITION, None) == "last_token":
+        return None
+    return getattr(config.get_text_config(), "pad_token_id", None)
+
+
 def reward_model_scores(reward_model, exp: Experience, kind: str = "classifier", label_index: int = 0,
                         micro_batch: int | None = None, groups: list[list[int]] | None = None,
                         packed: bool = False) -> torch.Tensor:
     """[B] score of each whole sequence (prompt + completion) at its last real token.
 
     ``classifier``: a decoder's ``*ForSequenceClassification`` (a ``score`` head); its body runs and the head is
-    applied to the last attended position (not to the last non-pad id, which breaks when a completion emits the
-    pad id). An encoder's (BERT, RoBERTa, DeBERTa: a ``classifier`` head, which pools the first token, most through a
+    applied to the last attended position that is not :func:`skipped_id` (transformers' pooling among the attended
+    tokens). An encoder's (BERT, RoBERTa, DeBERTa: a ``classifier`` head, which pools the first token, most through a
     pooler of their own) runs its own forward on :func:`right_padded` rows, as it was trained, never packed.
     ``value_head``: a model with per-position scalar outputs, read at the last token.
     Micro-batches as :func:`sequence_logprobs`.
@@ -450,7 +476,7 @@ def reward_model_scores(reward_model, exp: Experience, kind: str = "classifier",
                 logits = m(**right_padded(mb.exp, getattr(m.config, "pad_token_id", None) or 0)).logits
             else:
                 body, head = classifier_body_and_head(m)
-                logits = head(mb.at_last_token(_decoder_hidden(body, mb.model_inputs(m))))
+                logits = head(mb.at_last_token(_decoder_hidden(body, mb.model_inputs(m)), skipped_id(m)))
             if not 0 <= label_index < logits.shape[-1]:
                 raise ValueError(f"reward label_index {label_index} out of range for {logits.shape[-1]} labels")
             _scatter_rows(out, rows, logits[:, label_index].float())

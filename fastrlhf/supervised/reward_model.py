@@ -37,12 +37,14 @@ def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 
 def scores(engine, sequences: list[list[int]], pad_id: int, packed: bool = False) -> torch.Tensor:
-    """``[S, num_labels]`` fp32 logits of each sequence at its last token: a decoder's body runs and its score head
-    is applied to each sequence's last hidden state, as the RL step scores (``fastrlhf.rl.forward.
-    reward_model_scores``). ``packed``: all sequences in one row (``fastrlhf.sequences.packing.PackedLayout``);
-    otherwise right-padded. Not the model's own forward: transformers pools at the last id that is not the pad
-    id, which skips a sequence's closing eos where the pad id is the eos (a config without a pad id), and the
-    head would learn a token the RL step never reads. An encoder's head pools the first token: its own forward."""
+    """``[S, num_labels]`` fp32 logits of each sequence at its last token, a closing eos included: a decoder's body
+    runs and its score head is applied to each sequence's last hidden state. ``build_job`` marks the export
+    (``fastrlhf.rl.forward.SCORE_POSITION``) so that the RL step (``reward_model_scores``) reads it there too.
+    ``packed``: all sequences in one row (``fastrlhf.sequences.packing.PackedLayout``); otherwise right-padded.
+    Not the model's own forward: transformers pools at the last id that is not the pad id, which skips a closing eos
+    where the pad id is the eos (a config without a pad id), so the head would never see whether a reply ended
+    (a cut one has no eos). transformers and TRL read such an export one token early. An encoder's head pools the
+    first token: its own forward."""
     from fastrlhf.rl.forward import attention_mask_for, check_segments, classifier_body_and_head, pools_its_own
     from fastrlhf.sequences.packing import PackedLayout
 
@@ -92,14 +94,24 @@ def pairwise_loss(engine, pairs, pad_id: int, scale: float | None = None, packed
 REWARD_MOMENTS_READ = "the exported reward model's score moments"
 
 
-def reward_moments(engine, pairs, pad_id: int, micro: int, packed: bool = False) -> tuple[float, float]:
+def reward_moments(engine, pairs, pad_id: int, micro: int, packed: bool = False,
+                   max_tokens: int | None = None) -> tuple[float, float]:
     """``(mean, std)`` of the scores of every pair's chosen and rejected sequence, over every rank's share of
-    ``pairs`` (each rank scores ``pairs[rank::world]``, ``micro`` pairs a forward pass, as many passes on every rank:
-    ZeRO-3 gathers in each). As OpenRLHF's ``rm_trainer.py`` measures them over its eval set for its config.json:
+    ``pairs`` (each rank scores ``pairs[rank::world]``, ``micro`` pairs a forward pass, or as many as
+    ``max_tokens`` holds (``trainer.max_tokens_per_microbatch``, as training's micro-batches), as many passes on every
+    rank: ZeRO-3 gathers in each). As OpenRLHF's ``rm_trainer.py`` measures them over its eval set for its config.json:
     ``torch.mean`` and ``torch.std`` (Bessel-corrected) of the chosen and rejected rewards, the std clamped at 1e-8.
     A collective: call it on every rank."""
+    from fastrlhf.sequences.packing import fixed_count_groups, token_budget_groups
+
     world, rank = D.world_size(), D.rank()
-    per_rank = -(-len(pairs) // world)
+    shares = [list(range(r, len(pairs), world)) for r in range(world)]
+    # Every rank's passes, planned on every rank (no collective); a rank with fewer runs stand-ins it does not count
+    plans = [fixed_count_groups(len(share), micro) if max_tokens is None else
+             token_budget_groups([rm_token_parts(pairs[i], packed) for i in share], max_tokens, packed, 2)
+             for share in shares]
+    own = [[shares[rank][k] for k in group] for group in plans[rank]]
+    own += [None] * (max(len(plan) for plan in plans) - len(own))
     device = model_device(engine)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # count, sum, sum of squares
     model = unwrap(engine)
@@ -107,15 +119,15 @@ def reward_moments(engine, pairs, pad_id: int, micro: int, packed: bool = False)
     model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, per_rank, micro):
-                indices = [rank + k * world for k in range(start, min(start + micro, per_rank))]
-                batch = [pairs[i % len(pairs)] for i in indices]  # past the end: a stand-in pair, not counted
+            for group in own:
+                batch = [pairs[i] for i in group] if group else pairs[:1]
                 sequences = ([p.prompt_ids + p.chosen_ids for p in batch]
                              + [p.prompt_ids + p.rejected_ids for p in batch])
                 rewards = scores(engine, sequences, pad_id, packed)[:, 0].double()
-                counted = to_device(torch.tensor([i < len(pairs) for i in indices] * 2), device)
-                rewards = torch.where(counted, rewards, torch.zeros_like(rewards))
-                totals += torch.stack([counted.sum().double(), rewards.sum(), rewards.square().sum()])
+                if group is None:
+                    rewards = torch.zeros_like(rewards[:0])
+                totals += torch.stack([torch.tensor(float(rewards.numel()), dtype=torch.float64, device=device),
+                                       rewards.sum(), rewards.square().sum()])
     finally:
         model.train(training)
     with host_read(REWARD_MOMENTS_READ):
@@ -148,8 +160,16 @@ def rm_token_parts(example, packed: bool) -> tuple[int, ...]:
 def build_job(config: RMConfig, model, examples: list, eval_examples: list | None = None) -> SupervisedJob:
     """The reward model's loss (``config.kind``) over ``examples`` for :func:`run_supervised` (``eval_examples``:
     the held-out ones of ``data.eval_path``)."""
+    from fastrlhf.rl.forward import SCORE_POSITION
+
     pad_id = base_model(model).config.pad_token_id
     packed, pairwise = config.trainer.packing, config.kind == "pairwise"
+    # Every export says where `scores` trains the head, so that the RL step reads it there and not where
+    # transformers pools (a step back over a closing pad id)
+    setattr(base_model(model).config, SCORE_POSITION, "last_token")
+    for stale in ("mean", "std"):  # a starting folder's moments (an earlier export's) are not this model's
+        if hasattr(base_model(model).config, stale):
+            delattr(base_model(model).config, stale)
 
     def loss_fn(engine, micro_batch, scale):
         if pairwise:
@@ -159,7 +179,8 @@ def build_job(config: RMConfig, model, examples: list, eval_examples: list | Non
     def store_moments(engine):
         # In the exported config.json, where reward.normalize: stored (and OpenRLHF's RewardModel) reads them
         config_of = base_model(unwrap(engine)).config
-        config_of.mean, config_of.std = reward_moments(engine, examples, pad_id, micro_batch_size(config), packed)
+        config_of.mean, config_of.std = reward_moments(engine, examples, pad_id, micro_batch_size(config), packed,
+                                                    config.trainer.max_tokens_per_microbatch)
 
     # The loss is the mean over the rank's step batch of pairs (examples); a pair stays in one micro-batch.
     return SupervisedJob(examples, model, loss_fn, bar_keys=("loss", "accuracy"), token_parts=rm_token_parts,

@@ -445,6 +445,7 @@ def test_reward_model_scores_at_last_real_token():
     torch.manual_seed(0)
     rm = LlamaForSequenceClassification(tiny_llama_config(vocab_size=96, hidden_size=32, num_heads=1,
                                                           num_labels=2)).eval()
+    rm.config.fastrlhf_score_position = "last_token"  # as fastrlhf rm exports it (else transformers' pooling)
     completions = [[Completion([20, 21, 22], [0.0] * 3, "length"), Completion([PAD], [0.0], "length")]]
     exp = build_experience([[5, 6]], completions, PAD)
     scores = reward_model_scores(rm, exp, label_index=1)

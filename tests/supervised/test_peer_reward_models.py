@@ -256,6 +256,39 @@ def test_reward_moments_over_two_ranks_run_as_many_passes_on_each(tiny_rm, monke
     assert std == pytest.approx(torch.std(rewards).item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_exported_moments_keep_to_the_token_budget_training_keeps_to(monkeypatch, packing):
+    """``trainer.max_tokens_per_microbatch`` bounds every forward pass of training; the export's moments pass ran
+    ``batch_size / ranks / grad_accum`` pairs at once whatever it said (here 7 pairs, 14 sequences, in one pass where
+    the budget holds one pair): a run sized to fit by its budget ran out of memory after its last step, before
+    its final checkpoint. The moments are the same either way."""
+    from helpers.supervised_eval_case import config, pair_examples, tiny_classifier
+
+    from fastrlhf.modeling import use_attention
+    from fastrlhf.supervised import reward_model as rm
+
+    pairs, model = pair_examples(7), tiny_classifier(1).eval()
+    use_attention(model, packing, backend="sdpa")
+    budget = max(sum(rm.rm_token_parts(p, packing)) * (1 if packing else 2) for p in pairs)  # one pair
+    costs, score = [], rm.scores
+
+    def costed_scores(engine, sequences, pad_id, packed=False):  # the tokens a pass holds, padded or packed
+        costs.append(sum(map(len, sequences)) if packed else len(sequences) * max(map(len, sequences)))
+        return score(engine, sequences, pad_id, packed)
+
+    monkeypatch.setattr(rm, "scores", costed_scores)
+    moments = {}
+    for max_tokens in (None, budget):
+        job = rm.build_job(config("rm", "pairwise", batch_size=8, packing=packing,
+                                  max_tokens_per_microbatch=max_tokens), model, pairs)
+        costs.clear()
+        job.before_export(model)
+        moments[max_tokens] = (model.config.mean, model.config.std)
+        if max_tokens is not None:
+            assert len(costs) > 1 and max(costs) <= budget, (costs, budget)
+    assert moments[budget] == pytest.approx(moments[None], rel=1e-6)
+
+
 @pytest.mark.slow
 def test_fastrlhf_rm_exports_the_mean_and_std_stored_normalisation_reads(tmp_path):
     from transformers import AutoModelForSequenceClassification
@@ -312,3 +345,24 @@ def test_a_grpo_run_scores_with_the_stored_mean_and_std_not_running_moments(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     for step, row in metrics_by_step(out).items():
         assert -1100 < row["reward_mean"] < -900, (step, row["reward_mean"])
+
+
+@pytest.mark.parametrize("kind", ["classifier", "pairwise"])
+def test_a_starting_folders_stored_moments_do_not_reach_the_export(kind):
+    """A reward model trained from a folder whose config.json holds ``mean``/``std`` (an earlier export): a
+    classifier's export kept them (reward.normalize: stored would then divide by another model's moments); a
+    pairwise one measures its own at the export."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaForSequenceClassification
+
+    from fastrlhf.modeling.tiny import tiny_llama_config
+    from fastrlhf.supervised.reward_model import build_job
+
+    model = LlamaForSequenceClassification(tiny_llama_config(vocab_size=64, hidden_size=32, num_heads=1,
+                                                             num_labels=2))
+    model.config.mean, model.config.std = 3.0, 2.0
+    config = SimpleNamespace(kind=kind, trainer=SimpleNamespace(packing=False), center_rewards_coefficient=None)
+    job = build_job(config, model, [])
+    assert not hasattr(model.config, "mean") and not hasattr(model.config, "std")
+    assert (job.before_export is not None) == (kind == "pairwise")
