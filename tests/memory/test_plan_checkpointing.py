@@ -14,7 +14,7 @@ from fastrlhf.memory import read_shape
 from fastrlhf.modeling.loading import checkpoint_first_layers
 from fastrlhf.modeling.tiny import make_tiny_llama
 
-LAYERS, BATCH, LENGTH = 6, 4, 256
+LAYERS, BATCH, LENGTH = 4, 4, 256
 DIMS = dict(vocab_size=128, hidden_size=256, num_heads=4, num_layers=LAYERS, intermediate_size=688)
 
 
