@@ -61,10 +61,7 @@ def check_top_entropy_quantile(t) -> None:
     if t.entropy_coef != 0.0:  # TRL gives its entropy bonus the kept tokens only; the fused kernel gives every token
         raise ConfigError(key, f"masks the policy term by entropy, which TRL does to its entropy bonus too and the "
                                f"fused loss cannot: set trainer.entropy_coef 0 (got {t.entropy_coef}) or quantile 1")
-    if t.kl_in_reward and t.kl_coef != 0.0:  # the KL is then in the advantage the mask zeroes (TRL keeps it)
-        raise ConfigError(key, "drops a token's policy term by zeroing its advantage, which with trainer.kl_in_reward "
-                               "holds the token's KL too (TRL keeps it): set kl_in_reward false (the KL in the loss) "
-                               "or quantile 1")
+    _keep_kl_out_of_masked_advantages(t, key, "a token's", "quantile 1")
 
 
 def check_off_policy_mask(t) -> None:
@@ -76,10 +73,16 @@ def check_off_policy_mask(t) -> None:
     if not delta > 0:  # NaN too
         raise ConfigError(key, f"must be > 0 (the mean per-token KL above which a negative-advantage completion "
                                f"leaves the policy loss; e.g. 0.5) or null, got {delta}")
-    if t.kl_in_reward and t.kl_coef != 0.0:  # the KL is then in the advantages the mask zeroes (TRL keeps it)
-        raise ConfigError(key, "drops a completion's policy term by zeroing its advantages, which with "
-                               "trainer.kl_in_reward hold its KL too (TRL keeps it): set kl_in_reward false (the KL "
-                               "in the loss) or leave off_policy_mask_threshold unset")
+    _keep_kl_out_of_masked_advantages(t, key, "a completion's", "leave off_policy_mask_threshold unset")
+
+
+def _keep_kl_out_of_masked_advantages(t, key: str, whose: str, off: str) -> None:
+    """A mask that drops policy terms by zeroing advantages would zero the KL too where trainer.kl_in_reward puts it
+    in them (TRL keeps the KL of a masked token)."""
+    if t.kl_in_reward and t.kl_coef != 0.0:
+        raise ConfigError(key, f"drops {whose} policy term by zeroing its advantage, which with trainer.kl_in_reward "
+                               f"holds {whose.replace('a ', 'the ', 1)} KL too (TRL keeps it): set kl_in_reward false "
+                               f"(the KL in the loss) or {off}")
 
 
 def check_advantage_scaling(t) -> None:

@@ -9,12 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers.model_folders import fake_train_raw
+from helpers.processed_logprobs import logprob_gaps
 from helpers.rl_case import GRPO, PAD, make_config, tiny_actor
 from transformers.generation.logits_process import (
-    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from fastrlhf.config import ConfigError, parse_config
@@ -46,38 +44,8 @@ def tiny(tmp_path_factory):
     return root, save_tiny_llama(root, seed=1, **MODEL_KW)
 
 
-def hf_processed_logprobs(model, prompt, tokens, sampling):
-    """[T, V] log-probabilities of the distribution each completion token was sampled from, written with
-    transformers' processors in vLLM's order (vllm/v1/sample/sampler.py: penalties in apply_logits_processors, then
-    apply_temperature, the argmax-invariant MinPLogitsProcessor, then topk_topp_sampler): HF's own generate puts
-    min-p after top-p. RepetitionPenaltyLogitsProcessor reads the whole unpadded history (prompt + the tokens so far);
-    logits below 0 are multiplied by the penalty, the others divided (vllm/_custom_ops.py's
-    apply_repetition_penalties_torch alike)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-    rows = []
-    for t in range(len(tokens)):
-        history = torch.tensor([prompt + tokens[:t]])
-        z = logits[t : t + 1].clone()
-        if sampling.repetition_penalty != 1.0:
-            z = RepetitionPenaltyLogitsProcessor(penalty=sampling.repetition_penalty)(history, z)
-        z = TemperatureLogitsWarper(sampling.temperature)(history, z)
-        if sampling.min_p > 0:
-            z = MinPLogitsWarper(min_p=sampling.min_p)(history, z)
-        if sampling.top_p < 1:
-            z = TopPLogitsWarper(top_p=sampling.top_p)(history, z)
-        rows.append(torch.log_softmax(z, -1)[0])
-    return torch.stack(rows)
-
-
 def _worst_gap(model, results, sampling):
-    worst = 0.0
-    for prompt, samples in zip(PROMPTS, results, strict=True):
-        for c in samples:
-            expected = hf_processed_logprobs(model, prompt, c.token_ids, sampling)
-            recomputed = expected.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
-            worst = max(worst, (recomputed - torch.tensor(c.logprobs)).abs().max().item())
-    return worst
+    return logprob_gaps(model, PROMPTS, results, sampling).max().item()
 
 
 def test_sampling_config_checks_min_p_and_repetition_penalty():
