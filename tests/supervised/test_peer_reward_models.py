@@ -15,7 +15,6 @@ The peers' save code and formulas are written out, with their source paths, in `
 """
 
 import json
-import os
 import random
 import sys
 
@@ -306,7 +305,9 @@ def test_fastrlhf_rm_exports_the_mean_and_std_stored_normalisation_reads(tmp_pat
            "data": {"path": str(tmp_path / "pairs.jsonl"), "max_len": 32}, "center_rewards_coefficient": 0.01,
            "trainer": {"max_steps": 2, "batch_size": 2, "lr": 1.0e-2}, "deepspeed": {"zero_stage": 2}}
     (tmp_path / "rm.yaml").write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "FASTRLHF_DIST_TIMEOUT": "60", "FASTRLHF_NO_PROGRESS": "1"}
+    from helpers.rl_runs import launch_env
+
+    env = launch_env(FASTRLHF_DIST_TIMEOUT="60")  # without the rendezvous variables an in-process engine left
     rc, log = run_group([sys.executable, "-m", "fastrlhf", "rm", "--config", str(tmp_path / "rm.yaml")], 300, env=env)
     assert rc == 0, log[-3000:]
     final = tmp_path / "out" / "final"
