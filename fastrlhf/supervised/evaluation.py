@@ -32,7 +32,7 @@ from fastrlhf.distributed import comm
 from fastrlhf.engine.device import host_read, model_device, to_device
 from fastrlhf.modeling import unwrap
 
-__all__ = ["EVAL_LINE_KEYS", "EVAL_READ", "Evaluator", "eval_shards", "is_eval_step"]
+__all__ = ["EVAL_LINE_KEYS", "EVAL_READ", "Evaluator", "eval_shards", "even_passes", "is_eval_step"]
 
 EVAL_READ = "the held-out evaluation's sums"
 EVAL_LINE_KEYS = ("eval/loss", "eval/accuracy")  # on the step's text line, where it has them
@@ -56,6 +56,16 @@ def eval_shards(job, balance: bool, world: int) -> list[list[int]]:
     return [[j for j in share if j >= 0] for share in shares]
 
 
+def even_passes(shares: list[list], plan: Callable[[list], list[list[int]]], rank: int) -> list[list | None]:
+    """This rank's micro-batches (lists of its items in ``shares[rank]``, grouped as ``plan(share)`` says), then a
+    None for each pass another rank runs beyond them. Every rank runs as many forwards (ZeRO-3 gathers the
+    parameters in each): a None is a filler forward whose results are dropped. Every rank plans every rank's share
+    here: no collective."""
+    plans = [plan(share) for share in shares]
+    own = [[shares[rank][i] for i in group] for group in plans[rank]]
+    return own + [None] * (max(len(p) for p in plans) - len(own))
+
+
 class Evaluator:
     """``evaluator(engine) -> {"eval/loss": ..., ...}`` over ``job.examples`` (the held-out ones; a collective: call
     it on every rank). ``plan(examples)``: a rank's micro-batches of ``examples`` (positions), as the training loop
@@ -66,20 +76,29 @@ class Evaluator:
         self.job = job
         self.keys = ("loss", *job.mean_metrics)
         shares = [[job.examples[j] for j in share] for share in eval_shards(job, balance, world)]
-        plans = [plan(share) for share in shares]
-        self.batches = [[shares[rank][i] for i in group] for group in plans[rank]]
-        self.fillers = max(len(p) for p in plans) - len(self.batches)
+        self.passes = even_passes(shares, plan, rank)
         self.weight = float(sum(job.weight_of(e) for e in job.examples))  # the loss's divisor, known to every rank
+
+    @property
+    def batches(self) -> list[list]:
+        """This rank's own micro-batches."""
+        return [batch for batch in self.passes if batch is not None]
+
+    @property
+    def fillers(self) -> int:
+        """The filler forwards this rank runs so that it runs as many as the rank with the most micro-batches."""
+        return self.passes.count(None)
 
     def _sums(self, engine) -> dict:
         """This rank's loss and metric sums (device values), its filler forwards run."""
         sums: dict = {}
-        for batch in self.batches:
+        for batch in self.passes:
+            if batch is None:
+                self.job.loss_fn(engine, self.job.examples[:1], 1.0)
+                continue
             loss, stats = self.job.loss_fn(engine, batch, 1.0)  # scale 1: sums over the micro-batch
             for key, value in {"loss": loss, **stats}.items():
                 sums[key] = sums[key] + value if key in sums else value
-        for _ in range(self.fillers):
-            self.job.loss_fn(engine, self.job.examples[:1], 1.0)
         return sums
 
     def __call__(self, engine) -> dict[str, float]:

@@ -20,6 +20,7 @@ from fastrlhf.distributed import comm
 from fastrlhf.engine.device import host_read, model_device, to_device
 from fastrlhf.modeling import base_model, load_sequence_classifier, unwrap, use_attention, vocab_size
 from fastrlhf.supervised import SupervisedJob, engine_config, micro_batch_size, run_supervised, seed_everything
+from fastrlhf.supervised.evaluation import even_passes
 
 __all__ = ["build_job", "pad_batch", "pairwise_loss", "classifier_loss", "load_eval_examples", "reward_moments",
            "rm_token_parts", "scores", "run"]
@@ -104,14 +105,13 @@ def reward_moments(engine, pairs, pad_id: int, micro: int, packed: bool = False,
     A collective: call it on every rank."""
     from fastrlhf.sequences.packing import fixed_count_groups, token_budget_groups
 
-    world, rank = D.world_size(), D.rank()
-    shares = [list(range(r, len(pairs), world)) for r in range(world)]
-    # Every rank's passes, planned on every rank (no collective); a rank with fewer runs stand-ins it does not count
-    plans = [fixed_count_groups(len(share), micro) if max_tokens is None else
-             token_budget_groups([rm_token_parts(pairs[i], packed) for i in share], max_tokens, packed, 2)
-             for share in shares]
-    own = [[shares[rank][k] for k in group] for group in plans[rank]]
-    own += [None] * (max(len(plan) for plan in plans) - len(own))
+    world = D.world_size()
+
+    def plan(share: list) -> list[list[int]]:
+        if max_tokens is None:
+            return fixed_count_groups(len(share), micro)
+        return token_budget_groups([rm_token_parts(p, packed) for p in share], max_tokens, packed, 2)
+
     device = model_device(engine)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # count, sum, sum of squares
     model = unwrap(engine)
@@ -119,12 +119,13 @@ def reward_moments(engine, pairs, pad_id: int, micro: int, packed: bool = False,
     model.eval()
     try:
         with torch.no_grad():
-            for group in own:
-                batch = [pairs[i] for i in group] if group else pairs[:1]
+            for batch in even_passes([pairs[r::world] for r in range(world)], plan, D.rank()):
+                counted = batch is not None  # else a stand-in pair's pass, not counted
+                batch = batch if counted else pairs[:1]
                 sequences = ([p.prompt_ids + p.chosen_ids for p in batch]
                              + [p.prompt_ids + p.rejected_ids for p in batch])
                 rewards = scores(engine, sequences, pad_id, packed)[:, 0].double()
-                if group is None:
+                if not counted:
                     rewards = torch.zeros_like(rewards[:0])
                 totals += torch.stack([torch.tensor(float(rewards.numel()), dtype=torch.float64, device=device),
                                        rewards.sum(), rewards.square().sum()])
